@@ -1,0 +1,108 @@
+//! Tests of the bookkeeping: exact-state stories (`scenarios`) and a
+//! model-based property test against a naive oracle (`model`). Both replay
+//! every emitted plan on a shadow "KV" that records, per slot, the token and
+//! position whose K/V it holds, so lost or mixed content is caught.
+
+mod model;
+mod scenarios;
+
+use crate::{
+    Admission, AppendPlan, CopyOp, KvCache, Namespace, SeqId, ShiftPlan, Slot, TokenId,
+};
+
+/// What a slot holds: the token and the position its K/V was computed at.
+pub(crate) type Cell = Option<(TokenId, usize)>;
+
+/// A stand-in for the K/V tensors.
+pub(crate) struct Shadow {
+    pub cells: Vec<Cell>,
+    pub bs: usize,
+}
+
+impl Shadow {
+    pub fn new(kv: &KvCache) -> Self {
+        Shadow { cells: vec![None; kv.pool().num_blocks() * kv.block_size()], bs: kv.block_size() }
+    }
+
+    pub fn copy_blocks(&mut self, ops: &[CopyOp]) {
+        for op in ops {
+            for o in 0..self.bs {
+                self.cells[op.dst.index() * self.bs + o] = self.cells[op.src.index() * self.bs + o];
+            }
+        }
+    }
+
+    /// Carries out a shift plan: copies, then moves in order; a moved cell's
+    /// position changes by the delta (the K rotation).
+    pub fn shift(&mut self, plan: &ShiftPlan) {
+        self.copy_blocks(&plan.copies);
+        for m in &plan.moves {
+            let (t, p) = self.cells[m.src.index()].expect("moved slot holds content");
+            let p = (p as i64 + plan.position_delta) as usize;
+            self.cells[m.dst.index()] = Some((t, p));
+        }
+    }
+
+    /// Computes the pending tokens of `seq` into their slots.
+    pub fn compute(&mut self, kv: &mut KvCache, seq: SeqId) {
+        let s = kv.sequence(seq).unwrap();
+        let (done, toks) = (s.num_computed(), s.tokens().to_vec());
+        for (p, &t) in toks.iter().enumerate().skip(done) {
+            let slot = kv.slot(seq, p).unwrap();
+            self.cells[slot.index()] = Some((t, p));
+        }
+        kv.mark_computed(seq, toks.len()).unwrap();
+    }
+
+    /// Every computed position of `seq` reads back its own token.
+    pub fn check_seq(&self, kv: &KvCache, seq: SeqId) -> Result<(), String> {
+        let s = kv.sequence(seq).unwrap();
+        for p in 0..s.num_computed() {
+            let slot = kv.slot(seq, p).unwrap();
+            let want = Some((s.tokens()[p], p));
+            if self.cells[slot.index()] != want {
+                return Err(format!(
+                    "{seq:?} position {p}: slot {slot:?} holds {:?}, want {want:?}",
+                    self.cells[slot.index()]
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Every cached path reads back its tokens through the blocks a match
+    /// returns.
+    pub fn check_tree(&self, kv: &KvCache) -> Result<(), String> {
+        for path in kv.tree().paths() {
+            for (p, &t) in path.tokens.iter().enumerate() {
+                let b = path.blocks[p / self.bs];
+                let cell = self.cells[Slot::of(b, p % self.bs, self.bs).index()];
+                if cell != Some((t, p)) {
+                    return Err(format!(
+                        "cached path {:?}… position {p} in {b:?} holds {cell:?}, want {:?}",
+                        &path.tokens[..path.tokens.len().min(8)],
+                        (t, p)
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+pub(crate) fn toks(raw: &[u32]) -> Vec<TokenId> {
+    crate::token_ids(raw)
+}
+
+pub(crate) const NS: Namespace = Namespace(7);
+
+/// Appends and computes, carrying out the plan on the shadow.
+pub(crate) fn append_compute(kv: &mut KvCache, sh: &mut Shadow, seq: SeqId, raw: &[u32]) -> AppendPlan {
+    let plan = match kv.append(seq, &toks(raw)).unwrap() {
+        Admission::Ok(p) => p,
+        other => panic!("append of {} tokens not admitted: {other:?}", raw.len()),
+    };
+    sh.copy_blocks(&plan.copies);
+    sh.compute(kv, seq);
+    plan
+}

@@ -1,0 +1,593 @@
+//! The prefix tree: a radix tree over token ids, one root per namespace.
+//!
+//! Each edge holds a run of tokens and the blocks that hold their K/V. Tokens
+//! sit at absolute positions, so a node that starts or ends inside a block
+//! shares that block with its neighbour:
+//!
+//! ```text
+//! block_size 4, cached "abcdefg" then "abcdxyz" inserted:
+//!
+//!   root ── "abcd" [b0]  ── "efg" [b1]          positions 4..7 in b1
+//!                        └─ "xyz" [b2]          positions 4..7 in b2
+//!
+//! cached "abcdef", then "abcxy" inserted (split inside block 0):
+//!
+//!   root ── "abc" [b0] ── "def" [b0 b1]         b0 is held by both nodes
+//!                      └─ "xy"  [b5 b6]         b5 holds a copy of "abc"
+//! ```
+//!
+//! A node's block at index `j` holds valid K/V for every position of block `j`
+//! up to the node's end, along the node's root path (the tokens before the
+//! node are its ancestors', and the sequence that wrote the block had the
+//! same ones). A match therefore takes, for each block index, the block of the
+//! deepest matched node that covers it, and may stop anywhere: matches are
+//! token-exact, never rounded down to a block boundary.
+//!
+//! Every node holds one reference on each of its blocks. Eviction removes
+//! least-recently-used unlocked leaves by a logical clock.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use crate::{BlockId, BlockPool, KvError, Namespace, NodeId, TokenId};
+
+/// The result of matching tokens against the tree.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct PrefixMatch {
+    /// Number of leading tokens whose K/V is cached (token-exact).
+    pub len: usize,
+    /// The blocks holding them: `ceil(len / block_size)` entries. The last one
+    /// may be partly matched; whoever writes into it copies it first.
+    pub blocks: Vec<BlockId>,
+    /// The deepest node touched (to lock while the prefix is in use).
+    pub node: Option<NodeId>,
+}
+
+/// The result of [`PrefixTree::insert`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InsertOutcome {
+    /// How many leading tokens were already cached before the insert.
+    pub cached: usize,
+    /// The node that now ends at or contains the last inserted token.
+    pub node: Option<NodeId>,
+}
+
+/// One root-to-leaf path, as [`PrefixTree::paths`] lists them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CachedPath {
+    pub namespace: Namespace,
+    pub tokens: Vec<TokenId>,
+    pub blocks: Vec<BlockId>,
+}
+
+#[derive(Debug, Clone)]
+struct Node {
+    parent: Option<NodeId>,
+    namespace: Namespace,
+    /// Absolute position of `tokens[0]`.
+    start: usize,
+    tokens: Vec<TokenId>,
+    /// Blocks for indices `start / bs ..= (start + len - 1) / bs`.
+    blocks: Vec<BlockId>,
+    children: BTreeMap<TokenId, NodeId>,
+    last_access: u64,
+    /// Locks on this node and all its descendants.
+    lock_ref: u32,
+    /// Locks taken on this node itself.
+    own_locks: u32,
+}
+
+impl Node {
+    fn end(&self) -> usize {
+        self.start + self.tokens.len()
+    }
+}
+
+/// Radix tree over token ids.
+///
+/// # Invariants
+/// - a child's first token is its key in the parent and its `start` is the
+///   parent's end; non-root nodes have at least one token; roots have none
+///   and at least one child;
+/// - a node holds exactly the blocks covering its token range, one pool
+///   reference each;
+/// - `lock_ref` is the node's own locks plus its children's `lock_ref`;
+/// - the eviction set is exactly the unlocked non-root leaves, keyed by their
+///   last access; a parent's last access is never older than a child's.
+#[derive(Debug, Clone)]
+pub struct PrefixTree {
+    block_size: usize,
+    nodes: Vec<Option<Node>>,
+    free_ids: Vec<NodeId>,
+    roots: BTreeMap<Namespace, NodeId>,
+    evictable: BTreeSet<(u64, NodeId)>,
+    clock: u64,
+    cached_tokens: usize,
+}
+
+fn common_prefix(a: &[TokenId], b: &[TokenId]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+impl PrefixTree {
+    pub fn new(block_size: usize) -> Self {
+        assert!(block_size > 0, "block_size must be at least 1");
+        PrefixTree {
+            block_size,
+            nodes: Vec::new(),
+            free_ids: Vec::new(),
+            roots: BTreeMap::new(),
+            evictable: BTreeSet::new(),
+            clock: 0,
+            cached_tokens: 0,
+        }
+    }
+
+    /// Total tokens held by all edges.
+    pub fn cached_tokens(&self) -> usize {
+        self.cached_tokens
+    }
+
+    pub fn num_nodes(&self) -> usize {
+        self.nodes.len() - self.free_ids.len()
+    }
+
+    /// Number of leaves that [`evict`](Self::evict) could remove now.
+    pub fn num_evictable_leaves(&self) -> usize {
+        self.evictable.len()
+    }
+
+    /// Longest cached prefix of `tokens`, and marks the path as used now.
+    pub fn match_prefix(&mut self, ns: Namespace, tokens: &[TokenId]) -> PrefixMatch {
+        let mut path = Vec::new();
+        let m = self.walk(ns, tokens, |id| path.push(id));
+        if !path.is_empty() {
+            let now = self.tick();
+            for id in path {
+                self.touch(id, now);
+            }
+        }
+        m
+    }
+
+    /// Like [`match_prefix`](Self::match_prefix) without touching the LRU
+    /// clock: for inspection and tests.
+    pub fn peek_prefix(&self, ns: Namespace, tokens: &[TokenId]) -> PrefixMatch {
+        self.walk(ns, tokens, |_| {})
+    }
+
+    fn walk(&self, ns: Namespace, tokens: &[TokenId], mut visit: impl FnMut(NodeId)) -> PrefixMatch {
+        let mut m = PrefixMatch::default();
+        let Some(&root) = self.roots.get(&ns) else {
+            return m;
+        };
+        let bs = self.block_size;
+        let mut cur = root;
+        while m.len < tokens.len() {
+            let Some(&c) = self.n(cur).children.get(&tokens[m.len]) else {
+                break;
+            };
+            let node = self.n(c);
+            let common = common_prefix(&node.tokens, &tokens[m.len..]);
+            visit(c);
+            let end = m.len + common;
+            let first = node.start / bs;
+            // The deepest node covering a block index supplies its block.
+            for (k, &b) in node.blocks[..=(end - 1) / bs - first].iter().enumerate() {
+                match m.blocks.get_mut(first + k) {
+                    Some(slot) => *slot = b,
+                    None => m.blocks.push(b),
+                }
+            }
+            m.len = end;
+            m.node = Some(c);
+            if common < node.tokens.len() {
+                break;
+            }
+            cur = c;
+        }
+        m
+    }
+
+    /// Records that `tokens` (of namespace `ns`) are computed in `blocks`
+    /// (`ceil(len / block_size)` of them, all live). Splits the edge where the
+    /// tokens leave the cached paths; the new leaf takes a reference on each
+    /// of its blocks. Returns how much was cached already: the caller's blocks
+    /// for that part are duplicates it may release.
+    pub fn insert(
+        &mut self,
+        pool: &mut BlockPool,
+        ns: Namespace,
+        tokens: &[TokenId],
+        blocks: &[BlockId],
+    ) -> Result<InsertOutcome, KvError> {
+        let bs = self.block_size;
+        let expected = tokens.len().div_ceil(bs);
+        if blocks.len() != expected {
+            return Err(KvError::BlockCountMismatch {
+                tokens: tokens.len(),
+                expected,
+                got: blocks.len(),
+            });
+        }
+        for &b in blocks {
+            if b.index() >= pool.num_blocks() {
+                return Err(KvError::UnknownBlock(b, pool.num_blocks()));
+            }
+            if pool.ref_count(b) == 0 {
+                return Err(KvError::RetainFree(b));
+            }
+        }
+        if tokens.is_empty() {
+            return Ok(InsertOutcome { cached: 0, node: None });
+        }
+        let now = self.tick();
+        let mut cur = self.root_or_create(ns);
+        let mut pos = 0;
+        while pos < tokens.len() {
+            let Some(&c) = self.n(cur).children.get(&tokens[pos]) else {
+                let leaf = self.add_leaf(pool, cur, pos, &tokens[pos..], &blocks[pos / bs..], now)?;
+                return Ok(InsertOutcome { cached: pos, node: Some(leaf) });
+            };
+            self.touch(c, now);
+            let edge_len = self.n(c).tokens.len();
+            let common = common_prefix(&self.n(c).tokens, &tokens[pos..]);
+            if common == edge_len {
+                pos += common;
+                cur = c;
+                continue;
+            }
+            if pos + common == tokens.len() {
+                // The tokens end inside this edge: all of them are cached.
+                return Ok(InsertOutcome { cached: tokens.len(), node: Some(c) });
+            }
+            let top = self.split(pool, c, common)?;
+            let at = pos + common;
+            let leaf = self.add_leaf(pool, top, at, &tokens[at..], &blocks[at / bs..], now)?;
+            return Ok(InsertOutcome { cached: at, node: Some(leaf) });
+        }
+        Ok(InsertOutcome { cached: pos, node: Some(cur) })
+    }
+
+    /// Protects `node` and its ancestors from eviction.
+    pub fn lock(&mut self, node: NodeId) -> Result<(), KvError> {
+        self.get(node)?;
+        self.unlist(node);
+        self.nm(node).own_locks += 1;
+        let mut cur = Some(node);
+        while let Some(id) = cur {
+            let n = self.nm(id);
+            n.lock_ref += 1;
+            cur = n.parent;
+        }
+        self.relist(node);
+        Ok(())
+    }
+
+    /// Undoes one [`lock`](Self::lock) of `node`.
+    pub fn unlock(&mut self, node: NodeId) -> Result<(), KvError> {
+        if self.get(node)?.own_locks == 0 {
+            return Err(KvError::NotLocked(node));
+        }
+        self.unlist(node);
+        self.nm(node).own_locks -= 1;
+        let mut cur = Some(node);
+        while let Some(id) = cur {
+            let n = self.nm(id);
+            n.lock_ref -= 1;
+            cur = n.parent;
+        }
+        self.relist(node);
+        Ok(())
+    }
+
+    /// Removes least-recently-used unlocked leaves until `n_blocks` blocks
+    /// became free in the pool or nothing is left to evict. Returns the
+    /// blocks that became free.
+    pub fn evict(&mut self, pool: &mut BlockPool, n_blocks: usize) -> Result<Vec<BlockId>, KvError> {
+        let mut freed = Vec::new();
+        while freed.len() < n_blocks {
+            let Some(&(_, id)) = self.evictable.first() else {
+                break;
+            };
+            self.remove_leaf(pool, id, &mut freed)?;
+        }
+        Ok(freed)
+    }
+
+    /// Every root-to-leaf path with the blocks a match of it returns.
+    pub fn paths(&self) -> Vec<CachedPath> {
+        let mut out = Vec::new();
+        for (&ns, &root) in &self.roots {
+            let mut stack = vec![(root, Vec::new())];
+            while let Some((id, mut prefix)) = stack.pop() {
+                let node = self.n(id);
+                prefix.extend_from_slice(&node.tokens);
+                if node.children.is_empty() {
+                    let m = self.peek_prefix(ns, &prefix);
+                    out.push(CachedPath { namespace: ns, tokens: prefix, blocks: m.blocks });
+                } else {
+                    for &c in node.children.values().rev() {
+                        stack.push((c, prefix.clone()));
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// Calls `f` for every block reference the tree holds.
+    pub fn for_each_block(&self, mut f: impl FnMut(BlockId)) {
+        for node in self.nodes.iter().flatten() {
+            node.blocks.iter().copied().for_each(&mut f);
+        }
+    }
+
+    /// Number of locks taken on `node` itself.
+    pub fn own_locks(&self, node: NodeId) -> Result<u32, KvError> {
+        Ok(self.get(node)?.own_locks)
+    }
+
+    /// Ids of every live node (for invariant checks).
+    pub fn node_ids(&self) -> impl Iterator<Item = NodeId> + '_ {
+        (0..self.nodes.len())
+            .filter(|&i| self.nodes[i].is_some())
+            .map(|i| NodeId(i as u32))
+    }
+
+    /// Rewrites every block id through `map` (defragmentation).
+    pub(crate) fn remap_blocks(&mut self, map: &[BlockId]) {
+        for node in self.nodes.iter_mut().flatten() {
+            for b in &mut node.blocks {
+                *b = map[b.index()];
+            }
+        }
+    }
+
+    /// Checks the structure; `num_blocks` bounds the block ids.
+    pub fn check_invariants(&self, num_blocks: usize) -> Result<(), KvError> {
+        let bad = |m: String| Err(KvError::Invariant(m));
+        let bs = self.block_size;
+        let mut reachable = 0usize;
+        let mut tokens = 0usize;
+        let mut stack: Vec<NodeId> = Vec::new();
+        for (&ns, &root) in &self.roots {
+            let r = self.get(root)?;
+            if r.parent.is_some() || r.namespace != ns || r.start != 0 || !r.tokens.is_empty() || !r.blocks.is_empty() {
+                return bad(format!("root {root:?} of {ns:?} is malformed"));
+            }
+            if r.children.is_empty() {
+                return bad(format!("root {root:?} of {ns:?} has no children and was not removed"));
+            }
+            stack.push(root);
+        }
+        let mut expected_evictable = BTreeSet::new();
+        while let Some(id) = stack.pop() {
+            reachable += 1;
+            let node = self.n(id);
+            tokens += node.tokens.len();
+            let mut child_locks = 0u32;
+            for (&key, &c) in &node.children {
+                let child = self.get(c)?;
+                if child.parent != Some(id) || child.tokens.first() != Some(&key) {
+                    return bad(format!("child {c:?} of {id:?} does not point back or is keyed wrongly"));
+                }
+                if child.start != node.end() || child.namespace != node.namespace {
+                    return bad(format!("child {c:?} starts at {} but {id:?} ends at {}", child.start, node.end()));
+                }
+                if node.parent.is_some() && child.last_access > node.last_access {
+                    return bad(format!("child {c:?} was accessed after its parent {id:?}"));
+                }
+                child_locks += child.lock_ref;
+                stack.push(c);
+            }
+            if node.lock_ref != node.own_locks + child_locks {
+                return bad(format!(
+                    "{id:?} has lock_ref {} but {} own + {} below",
+                    node.lock_ref, node.own_locks, child_locks
+                ));
+            }
+            if node.parent.is_none() {
+                continue;
+            }
+            if node.tokens.is_empty() {
+                return bad(format!("non-root {id:?} has no tokens"));
+            }
+            let want = (node.end() - 1) / bs - node.start / bs + 1;
+            if node.blocks.len() != want {
+                return bad(format!(
+                    "{id:?} covers positions {}..{} with {} blocks, needs {want}",
+                    node.start,
+                    node.end(),
+                    node.blocks.len()
+                ));
+            }
+            if let Some(b) = node.blocks.iter().find(|b| b.index() >= num_blocks) {
+                return bad(format!("{id:?} holds {b:?} outside the pool of {num_blocks}"));
+            }
+            if node.children.is_empty() && node.lock_ref == 0 {
+                expected_evictable.insert((node.last_access, id));
+            }
+        }
+        if reachable != self.num_nodes() {
+            return bad(format!("{} nodes live but {reachable} reachable", self.num_nodes()));
+        }
+        if tokens != self.cached_tokens {
+            return bad(format!("edges hold {tokens} tokens, counter says {}", self.cached_tokens));
+        }
+        if expected_evictable != self.evictable {
+            return bad("eviction set differs from the unlocked leaves".to_string());
+        }
+        Ok(())
+    }
+
+    // ---- internals -------------------------------------------------------
+
+    fn tick(&mut self) -> u64 {
+        self.clock += 1;
+        self.clock
+    }
+
+    fn n(&self, id: NodeId) -> &Node {
+        self.nodes[id.index()].as_ref().expect("node id is live")
+    }
+
+    fn nm(&mut self, id: NodeId) -> &mut Node {
+        self.nodes[id.index()].as_mut().expect("node id is live")
+    }
+
+    fn get(&self, id: NodeId) -> Result<&Node, KvError> {
+        self.nodes
+            .get(id.index())
+            .and_then(|n| n.as_ref())
+            .ok_or(KvError::UnknownNode(id))
+    }
+
+    fn is_evictable(node: &Node) -> bool {
+        node.parent.is_some() && node.children.is_empty() && node.lock_ref == 0
+    }
+
+    /// Takes `id` out of the eviction set before its key or status changes.
+    fn unlist(&mut self, id: NodeId) {
+        let key = (self.n(id).last_access, id);
+        self.evictable.remove(&key);
+    }
+
+    /// Puts `id` back into the eviction set if it qualifies.
+    fn relist(&mut self, id: NodeId) {
+        let node = self.n(id);
+        if Self::is_evictable(node) {
+            let key = (node.last_access, id);
+            self.evictable.insert(key);
+        }
+    }
+
+    fn touch(&mut self, id: NodeId, now: u64) {
+        self.unlist(id);
+        self.nm(id).last_access = now;
+        self.relist(id);
+    }
+
+    fn alloc_node(&mut self, node: Node) -> NodeId {
+        match self.free_ids.pop() {
+            Some(id) => {
+                self.nodes[id.index()] = Some(node);
+                id
+            }
+            None => {
+                self.nodes.push(Some(node));
+                NodeId((self.nodes.len() - 1) as u32)
+            }
+        }
+    }
+
+    fn root_or_create(&mut self, ns: Namespace) -> NodeId {
+        if let Some(&r) = self.roots.get(&ns) {
+            return r;
+        }
+        let id = self.alloc_node(Node {
+            parent: None,
+            namespace: ns,
+            start: 0,
+            tokens: Vec::new(),
+            blocks: Vec::new(),
+            children: BTreeMap::new(),
+            last_access: 0,
+            lock_ref: 0,
+            own_locks: 0,
+        });
+        self.roots.insert(ns, id);
+        id
+    }
+
+    fn add_leaf(
+        &mut self,
+        pool: &mut BlockPool,
+        parent: NodeId,
+        start: usize,
+        tokens: &[TokenId],
+        blocks: &[BlockId],
+        now: u64,
+    ) -> Result<NodeId, KvError> {
+        for &b in blocks {
+            pool.retain(b)?;
+        }
+        let ns = self.n(parent).namespace;
+        self.unlist(parent);
+        let id = self.alloc_node(Node {
+            parent: Some(parent),
+            namespace: ns,
+            start,
+            tokens: tokens.to_vec(),
+            blocks: blocks.to_vec(),
+            children: BTreeMap::new(),
+            last_access: now,
+            lock_ref: 0,
+            own_locks: 0,
+        });
+        self.nm(parent).children.insert(tokens[0], id);
+        self.cached_tokens += tokens.len();
+        self.relist(id);
+        Ok(id)
+    }
+
+    /// Splits `c` after `k` tokens (0 < k < len) into a new parent holding the
+    /// first `k` and `c` keeping the rest (so locks held on `c` stay valid).
+    fn split(&mut self, pool: &mut BlockPool, c: NodeId, k: usize) -> Result<NodeId, KvError> {
+        let bs = self.block_size;
+        let node = self.n(c);
+        let (start, parent) = (node.start, node.parent.expect("non-root"));
+        let split_at = start + k;
+        let top_blocks = node.blocks[..=(split_at - 1) / bs - start / bs].to_vec();
+        let drop_front = split_at / bs - start / bs;
+        let top = Node {
+            parent: Some(parent),
+            namespace: node.namespace,
+            start,
+            tokens: node.tokens[..k].to_vec(),
+            blocks: top_blocks,
+            children: BTreeMap::from([(node.tokens[k], c)]),
+            last_access: node.last_access,
+            lock_ref: node.lock_ref,
+            own_locks: 0,
+        };
+        if split_at % bs != 0 {
+            // The block holding the split point now has two holders.
+            pool.retain(node.blocks[drop_front])?;
+        }
+        let first_token = node.tokens[0];
+        let top_id = self.alloc_node(top);
+        let bottom = self.nm(c);
+        bottom.tokens.drain(..k);
+        bottom.blocks.drain(..drop_front);
+        bottom.start = split_at;
+        bottom.parent = Some(top_id);
+        self.nm(parent).children.insert(first_token, top_id);
+        Ok(top_id)
+    }
+
+    fn remove_leaf(&mut self, pool: &mut BlockPool, id: NodeId, freed: &mut Vec<BlockId>) -> Result<(), KvError> {
+        self.unlist(id);
+        let node = self.nodes[id.index()].take().expect("leaf is live");
+        self.free_ids.push(id);
+        for &b in &node.blocks {
+            if pool.release(b)? {
+                freed.push(b);
+            }
+        }
+        self.cached_tokens -= node.tokens.len();
+        let parent = node.parent.expect("leaves are not roots");
+        let p = self.nm(parent);
+        p.children.remove(&node.tokens[0]);
+        if p.parent.is_none() {
+            if p.children.is_empty() {
+                let ns = p.namespace;
+                self.nodes[parent.index()] = None;
+                self.free_ids.push(parent);
+                self.roots.remove(&ns);
+            }
+        } else {
+            self.relist(parent);
+        }
+        Ok(())
+    }
+}
