@@ -1,0 +1,197 @@
+//! Criterion benches of the KV bookkeeping that runs on every forward step:
+//! prefix matching and insertion on a tree of ~1,000,000 cached tokens in
+//! 10,000 branches, the request life cycle at a full pool (eviction
+//! included), allocate/free, decode-style appends, and `plan_defrag` on a
+//! full pool of 65,536 blocks.
+
+use std::hint::black_box;
+
+use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
+use tessera_kv::{BlockPool, KvCache, KvConfig, Namespace, SeqId, TokenId};
+
+const NS: Namespace = Namespace(1);
+const GROUPS: usize = 100;
+const BRANCHES: usize = 10_000;
+const SHARED: usize = 100;
+const OWN: usize = 100;
+
+/// Deterministic token stream (xorshift), vocabulary of SmolLM2's size.
+struct Rng(u64);
+impl Rng {
+    fn token(&mut self) -> TokenId {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        TokenId((self.0 % 49_152) as u32)
+    }
+    fn tokens(&mut self, n: usize) -> Vec<TokenId> {
+        (0..n).map(|_| self.token()).collect()
+    }
+}
+
+/// Runs one request the way the engine does: reuse, append, compute,
+/// insert, free.
+fn serve(kv: &mut KvCache, tokens: &[TokenId]) {
+    let (seq, cached) = kv.add_sequence(NS, &tokens[..tokens.len() - 1]);
+    let plan = kv.append(seq, &tokens[cached..]).unwrap();
+    assert!(plan.is_ok(), "pool sized for the benchmark");
+    kv.mark_computed(seq, tokens.len()).unwrap();
+    kv.insert_sequence(seq).unwrap();
+    kv.free_sequence(seq).unwrap();
+}
+
+/// 100 groups of a 100-token shared prefix, 100 branches each with 100
+/// tokens of their own: 1,010,000 distinct cached tokens.
+fn big_tree(num_blocks: usize) -> (KvCache, Vec<Vec<TokenId>>, Vec<Vec<TokenId>>) {
+    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+    let mut kv = KvCache::new(KvConfig {
+        num_blocks,
+        block_size: 16,
+    })
+    .unwrap();
+    let prefixes: Vec<_> = (0..GROUPS).map(|_| rng.tokens(SHARED)).collect();
+    let mut requests = Vec::with_capacity(BRANCHES);
+    for i in 0..BRANCHES {
+        let mut t = prefixes[i % GROUPS].clone();
+        t.extend(rng.tokens(OWN));
+        serve(&mut kv, &t);
+        requests.push(t);
+    }
+    (kv, prefixes, requests)
+}
+
+fn bench_tree(c: &mut Criterion) {
+    let (mut kv, prefixes, requests) = big_tree(80_000);
+    let mut rng = Rng(42);
+    eprintln!(
+        "tree: {} cached tokens, {} nodes, {} blocks live",
+        kv.tree().cached_tokens(),
+        kv.tree().num_nodes(),
+        kv.pool().num_live()
+    );
+    let mut g = c.benchmark_group("prefix_tree_1M_tokens");
+    let mut i = 0;
+    g.bench_function("match_prefix_hit_200_tokens", |b| {
+        b.iter(|| {
+            i = (i + 7919) % BRANCHES;
+            let m = kv.match_prefix(NS, black_box(&requests[i]));
+            assert_eq!(m.len, SHARED + OWN);
+        })
+    });
+    let miss = rng.tokens(200);
+    g.bench_function("match_prefix_miss", |b| {
+        b.iter(|| kv.match_prefix(NS, black_box(&miss)))
+    });
+    // A new request: a known 100-token prefix plus 150 new tokens.
+    let fresh = |rng: &mut Rng, k: usize| {
+        let mut t = prefixes[k % GROUPS].clone();
+        t.extend(rng.tokens(150));
+        t
+    };
+    let mut k = 0;
+    g.bench_function("insert_250_token_request", |b| {
+        // Only the insert is timed; admitting and freeing the request is not.
+        b.iter_custom(|iters| {
+            let mut spent = std::time::Duration::ZERO;
+            for _ in 0..iters {
+                k += 1;
+                let t = fresh(&mut rng, k);
+                let (seq, cached) = kv.add_sequence(NS, &t[..t.len() - 1]);
+                assert!(kv.append(seq, &t[cached..]).unwrap().is_ok());
+                kv.mark_computed(seq, t.len()).unwrap();
+                let start = std::time::Instant::now();
+                black_box(kv.insert_sequence(seq).unwrap());
+                spent += start.elapsed();
+                kv.free_sequence(seq).unwrap();
+            }
+            spent
+        })
+    });
+    // Whole life cycle at a full pool: every request evicts LRU content.
+    g.bench_function("request_lifecycle_full_pool", |b| {
+        b.iter(|| {
+            k += 1;
+            let t = fresh(&mut rng, k);
+            serve(&mut kv, black_box(&t));
+        })
+    });
+    g.finish();
+    eprintln!(
+        "after: {} evicted blocks, {} cached tokens",
+        kv.stats().evicted_blocks,
+        kv.tree().cached_tokens()
+    );
+    kv.check_invariants().unwrap();
+}
+
+fn bench_pool(c: &mut Criterion) {
+    let mut g = c.benchmark_group("pool");
+    let mut pool = BlockPool::new(65_536, 16).unwrap();
+    g.bench_function("allocate_release", |b| {
+        b.iter(|| {
+            let blk = pool.allocate().unwrap();
+            pool.release(black_box(blk)).unwrap()
+        })
+    });
+    let mut kv = KvCache::new(KvConfig {
+        num_blocks: 65_536,
+        block_size: 16,
+    })
+    .unwrap();
+    let one = [TokenId(7)];
+    g.throughput(Throughput::Elements(1024));
+    g.bench_function("decode_append_1024_tokens", |b| {
+        b.iter(|| {
+            let (seq, _) = kv.add_sequence(NS, &[]);
+            for p in 0..1024 {
+                assert!(kv.append(seq, black_box(&one)).unwrap().is_ok());
+                kv.mark_computed(seq, p + 1).unwrap();
+            }
+            kv.free_sequence(seq).unwrap();
+        })
+    });
+    g.finish();
+}
+
+fn bench_defrag(c: &mut Criterion) {
+    // A full pool of 65,536 blocks, then every other sequence freed: half the
+    // live blocks sit above the compact range and must move.
+    let mut kv = KvCache::new(KvConfig {
+        num_blocks: 65_536,
+        block_size: 16,
+    })
+    .unwrap();
+    let mut rng = Rng(7);
+    let seqs: Vec<SeqId> = (0..4096)
+        .map(|_| {
+            let (s, _) = kv.add_sequence(NS, &[]);
+            assert!(kv.append(s, &rng.tokens(256)).unwrap().is_ok());
+            kv.mark_computed(s, 256).unwrap();
+            s
+        })
+        .collect();
+    assert_eq!(kv.pool().num_free(), 0);
+    for s in seqs.iter().step_by(2) {
+        kv.free_sequence(*s).unwrap();
+    }
+    let mut g = c.benchmark_group("defrag");
+    g.bench_function("plan_defrag_65536_blocks_half_live", |b| {
+        b.iter_batched(
+            || kv.clone(),
+            |mut k| {
+                let plan = k.plan_defrag();
+                assert_eq!(plan.moves.len(), 16_384);
+                plan
+            },
+            BatchSize::LargeInput,
+        )
+    });
+    g.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().sample_size(30).measurement_time(std::time::Duration::from_secs(3));
+    targets = bench_tree, bench_pool, bench_defrag
+}
+criterion_main!(benches);

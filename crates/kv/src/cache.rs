@@ -28,7 +28,10 @@ pub struct KvConfig {
 
 impl Default for KvConfig {
     fn default() -> Self {
-        KvConfig { num_blocks: 1024, block_size: 16 }
+        KvConfig {
+            num_blocks: 1024,
+            block_size: 16,
+        }
     }
 }
 
@@ -166,7 +169,11 @@ impl KvCache {
         let bs = self.block_size();
         match s.table.get(pos / bs) {
             Some(&b) if pos < s.tokens.len() => Ok(Slot::of(b, pos % bs, bs)),
-            _ => Err(KvError::ComputedBeyondEnd { seq, len: s.tokens.len(), upto: pos }),
+            _ => Err(KvError::ComputedBeyondEnd {
+                seq,
+                len: s.tokens.len(),
+                upto: pos,
+            }),
         }
     }
 
@@ -215,7 +222,11 @@ impl KvCache {
     /// Reserves slots for `tokens` at the end of `seq`, allocating blocks
     /// (evicting cached ones if needed) and copying a shared tail block
     /// first. On `Later`/`Never` the sequence is unchanged.
-    pub fn append(&mut self, seq: SeqId, tokens: &[TokenId]) -> Result<Admission<AppendPlan>, KvError> {
+    pub fn append(
+        &mut self,
+        seq: SeqId,
+        tokens: &[TokenId],
+    ) -> Result<Admission<AppendPlan>, KvError> {
         let bs = self.block_size();
         let s = self.sequence(seq)?;
         if tokens.is_empty() {
@@ -225,18 +236,27 @@ impl KvCache {
         let new_len = len + tokens.len();
         let need_total = new_len.div_ceil(bs);
         if need_total > self.pool.num_blocks() {
-            return Ok(Admission::Never { needed: need_total, total: self.pool.num_blocks() });
+            return Ok(Admission::Never {
+                needed: need_total,
+                total: self.pool.num_blocks(),
+            });
         }
         let grow = need_total - s.table.len();
         let tail = (len % bs != 0).then(|| s.table[len / bs]);
         let shared_tail = |pool: &BlockPool| tail.filter(|&b| pool.ref_count(b) > 1);
         let needed = grow + usize::from(shared_tail(&self.pool).is_some());
         if !self.make_room(needed)? {
-            return Ok(Admission::Later { needed, free: self.pool.num_free() });
+            return Ok(Admission::Later {
+                needed,
+                free: self.pool.num_free(),
+            });
         }
         // Eviction may have dropped the tail's other holders.
         let cow = shared_tail(&self.pool);
-        let mut plan = AppendPlan { copies: Vec::new(), slots: Vec::with_capacity(tokens.len()) };
+        let mut plan = AppendPlan {
+            copies: Vec::new(),
+            slots: Vec::with_capacity(tokens.len()),
+        };
         let pool = &mut self.pool;
         let s = self.seqs.get_mut(&seq).expect("checked above");
         if let Some(src) = cow {
@@ -249,16 +269,24 @@ impl KvCache {
         while s.table.len() < need_total {
             s.table.push(pool.allocate().expect("room was made"));
         }
-        plan.slots.extend((len..new_len).map(|p| Slot::of(s.table[p / bs], p % bs, bs)));
+        plan.slots
+            .extend((len..new_len).map(|p| Slot::of(s.table[p / bs], p % bs, bs)));
         s.tokens.extend_from_slice(tokens);
         Ok(Admission::Ok(plan))
     }
 
     /// Records that the K/V of `seq`'s first `upto` tokens is written.
     pub fn mark_computed(&mut self, seq: SeqId, upto: usize) -> Result<(), KvError> {
-        let s = self.seqs.get_mut(&seq).ok_or(KvError::UnknownSequence(seq))?;
+        let s = self
+            .seqs
+            .get_mut(&seq)
+            .ok_or(KvError::UnknownSequence(seq))?;
         if upto < s.computed || upto > s.tokens.len() {
-            return Err(KvError::ComputedBeyondEnd { seq, len: s.tokens.len(), upto });
+            return Err(KvError::ComputedBeyondEnd {
+                seq,
+                len: s.tokens.len(),
+                upto,
+            });
         }
         s.computed = upto;
         Ok(())
@@ -285,7 +313,10 @@ impl KvCache {
 
     /// Drops `seq` and its holds on blocks and on the tree.
     pub fn free_sequence(&mut self, seq: SeqId) -> Result<(), KvError> {
-        let s = self.seqs.remove(&seq).ok_or(KvError::UnknownSequence(seq))?;
+        let s = self
+            .seqs
+            .remove(&seq)
+            .ok_or(KvError::UnknownSequence(seq))?;
         for &b in &s.table {
             self.pool.release(b)?;
         }
@@ -320,16 +351,26 @@ impl KvCache {
                 deduplicated_blocks += 1;
             }
         }
-        let InsertOutcome { cached: already_cached, node } =
-            self.tree
-                .insert(&mut self.pool, ns, &s.tokens[..n], &s.table[..n.div_ceil(bs)])?;
+        let InsertOutcome {
+            cached: already_cached,
+            node,
+        } = self.tree.insert(
+            &mut self.pool,
+            ns,
+            &s.tokens[..n],
+            &s.table[..n.div_ceil(bs)],
+        )?;
         if let Some(node) = node {
             self.tree.lock(node)?;
             if let Some(old) = s.lock.replace(node) {
                 self.tree.unlock(old)?;
             }
         }
-        Ok(InsertReport { already_cached, inserted: n - already_cached, deduplicated_blocks })
+        Ok(InsertReport {
+            already_cached,
+            inserted: n - already_cached,
+            deduplicated_blocks,
+        })
     }
 
     /// Locks a tree node found by [`match_prefix`](Self::match_prefix) so it
@@ -342,7 +383,10 @@ impl KvCache {
 
     /// Undoes one [`lock`](Self::lock).
     pub fn unlock(&mut self, node: NodeId) -> Result<(), KvError> {
-        let held = self.external_locks.get_mut(&node).ok_or(KvError::NotLocked(node))?;
+        let held = self
+            .external_locks
+            .get_mut(&node)
+            .ok_or(KvError::NotLocked(node))?;
         self.tree.unlock(node)?;
         *held -= 1;
         if *held == 0 {
@@ -373,10 +417,16 @@ impl KvCache {
         let strays = (live..n).filter(|&i| self.pool.ref_count(BlockId(i as u32)) > 0);
         let moves: Vec<CopyOp> = strays
             .zip(holes)
-            .map(|(src, dst)| CopyOp { src: BlockId(src as u32), dst: BlockId(dst as u32) })
+            .map(|(src, dst)| CopyOp {
+                src: BlockId(src as u32),
+                dst: BlockId(dst as u32),
+            })
             .collect();
         if moves.is_empty() {
-            return DefragPlan { moves, live_blocks: live };
+            return DefragPlan {
+                moves,
+                live_blocks: live,
+            };
         }
         let mut map: Vec<BlockId> = (0..n as u32).map(BlockId).collect();
         for m in &moves {
@@ -391,7 +441,10 @@ impl KvCache {
         }
         self.tree.remap_blocks(&map);
         self.stats.defrag_moves += moves.len() as u64;
-        DefragPlan { moves, live_blocks: live }
+        DefragPlan {
+            moves,
+            live_blocks: live,
+        }
     }
 
     /// Gives back the blocks `num_blocks..` (all must be free: defragment
@@ -430,18 +483,33 @@ impl KvCache {
         Self::require_computed(seq, s, "shift")?;
         let len = s.tokens.len();
         if n_discard == 0 || n_keep + n_discard > len {
-            return Err(KvError::InvalidShift { seq, n_keep, n_discard, len });
+            return Err(KvError::InvalidShift {
+                seq,
+                n_keep,
+                n_discard,
+                len,
+            });
         }
         let new_len = len - n_discard;
         let new_blocks = new_len.div_ceil(bs);
         // Block indices that receive moved tokens.
-        let written = if new_len > n_keep { n_keep / bs..new_blocks } else { 0..0 };
+        let written = if new_len > n_keep {
+            n_keep / bs..new_blocks
+        } else {
+            0..0
+        };
         let count_shared = |cache: &KvCache, table: &[BlockId]| {
-            written.clone().filter(|&j| cache.pool.ref_count(table[j]) > 1).count()
+            written
+                .clone()
+                .filter(|&j| cache.pool.ref_count(table[j]) > 1)
+                .count()
         };
         let needed = count_shared(self, &s.table);
         if !self.make_room(needed)? {
-            return Ok(Admission::Later { needed, free: self.pool.num_free() });
+            return Ok(Admission::Later {
+                needed,
+                free: self.pool.num_free(),
+            });
         }
         let s = self.seqs.get_mut(&seq).expect("checked above");
         let old_table = s.table.clone();
@@ -451,8 +519,11 @@ impl KvCache {
             let old = old_table[j];
             if self.pool.ref_count(old) > 1 {
                 let fresh = self.pool.allocate().expect("room was made");
-                if j == n_keep / bs && n_keep % bs != 0 {
-                    copies.push(CopyOp { src: old, dst: fresh });
+                if j == n_keep / bs && !n_keep.is_multiple_of(bs) {
+                    copies.push(CopyOp {
+                        src: old,
+                        dst: fresh,
+                    });
                 }
                 s.table[j] = fresh;
                 released.push(old);
@@ -473,7 +544,11 @@ impl KvCache {
         s.computed = new_len;
         s.cacheable = s.cacheable.min(n_keep);
         self.stats.shifts += 1;
-        Ok(Admission::Ok(ShiftPlan { copies, moves, position_delta: -(n_discard as i64) }))
+        Ok(Admission::Ok(ShiftPlan {
+            copies,
+            moves,
+            position_delta: -(n_discard as i64),
+        }))
     }
 
     /// Occupancy and counters.
@@ -516,7 +591,11 @@ impl KvCache {
                 ));
             }
             if s.computed > s.tokens.len() {
-                return bad(format!("{id:?} computed {} of {} tokens", s.computed, s.tokens.len()));
+                return bad(format!(
+                    "{id:?} computed {} of {} tokens",
+                    s.computed,
+                    s.tokens.len()
+                ));
             }
             let mut seen = std::collections::BTreeSet::new();
             for &b in &s.table {
@@ -539,11 +618,15 @@ impl KvCache {
             let want = locks.remove(&node).unwrap_or(0);
             let have = self.tree.own_locks(node)?;
             if have != want {
-                return bad(format!("{node:?} has {have} locks but {want} holders of locks"));
+                return bad(format!(
+                    "{node:?} has {have} locks but {want} holders of locks"
+                ));
             }
         }
         if let Some((node, _)) = locks.first_key_value() {
-            return bad(format!("a lock is held on {node:?}, which is not in the tree"));
+            return bad(format!(
+                "a lock is held on {node:?}, which is not in the tree"
+            ));
         }
         Ok(())
     }

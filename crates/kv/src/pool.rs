@@ -157,7 +157,9 @@ impl BlockPool {
 
     fn ref_slot(&mut self, b: BlockId) -> Result<&mut u32, KvError> {
         let n = self.refs.len();
-        self.refs.get_mut(b.index()).ok_or(KvError::UnknownBlock(b, n))
+        self.refs
+            .get_mut(b.index())
+            .ok_or(KvError::UnknownBlock(b, n))
     }
 
     /// Checks the free list against the counts; `expected` gives each block's
@@ -192,14 +194,19 @@ impl BlockPool {
             }
         }
         if let Some(i) = (0..self.refs.len()).find(|&i| self.refs[i] == 0 && !in_free[i]) {
-            return bad(format!("block b{i} has count 0 but is not in the free list (leaked)"));
+            return bad(format!(
+                "block b{i} has count 0 but is not in the free list (leaked)"
+            ));
         }
         Ok(())
     }
 }
 
 fn check_slot_range(num_blocks: usize, block_size: usize) -> Result<(), KvError> {
-    if num_blocks.checked_mul(block_size).is_none_or(|s| s > u32::MAX as usize) {
+    if num_blocks
+        .checked_mul(block_size)
+        .is_none_or(|s| s > u32::MAX as usize)
+    {
         return Err(KvError::Config(format!(
             "{num_blocks} blocks of {block_size} slots exceed the u32 slot range"
         )));
@@ -230,9 +237,15 @@ mod tests {
         assert_eq!(p.release(b), Ok(true));
         assert_eq!(p.release(b), Err(KvError::DoubleFree(b)));
         assert_eq!(p.retain(b), Err(KvError::RetainFree(b)));
-        assert_eq!(p.retain(BlockId(9)), Err(KvError::UnknownBlock(BlockId(9), 2)));
+        assert_eq!(
+            p.retain(BlockId(9)),
+            Err(KvError::UnknownBlock(BlockId(9), 2))
+        );
         assert!(matches!(BlockPool::new(4, 0), Err(KvError::Config(_))));
-        assert!(matches!(BlockPool::new(1 << 30, 16), Err(KvError::Config(_))));
+        assert!(matches!(
+            BlockPool::new(1 << 30, 16),
+            Err(KvError::Config(_))
+        ));
     }
 
     #[test]
@@ -242,7 +255,10 @@ mod tests {
         let b = p.allocate().unwrap();
         assert_eq!(
             p.shrink_to(1),
-            Err(KvError::ShrinkBlocked { requested: 1, highest_live: b })
+            Err(KvError::ShrinkBlocked {
+                requested: 1,
+                highest_live: b
+            })
         );
         p.shrink_to(2).unwrap();
         assert_eq!((p.num_blocks(), p.num_free()), (2, 0));

@@ -155,7 +155,12 @@ impl PrefixTree {
         self.walk(ns, tokens, |_| {})
     }
 
-    fn walk(&self, ns: Namespace, tokens: &[TokenId], mut visit: impl FnMut(NodeId)) -> PrefixMatch {
+    fn walk(
+        &self,
+        ns: Namespace,
+        tokens: &[TokenId],
+        mut visit: impl FnMut(NodeId),
+    ) -> PrefixMatch {
         let mut m = PrefixMatch::default();
         let Some(&root) = self.roots.get(&ns) else {
             return m;
@@ -218,15 +223,22 @@ impl PrefixTree {
             }
         }
         if tokens.is_empty() {
-            return Ok(InsertOutcome { cached: 0, node: None });
+            return Ok(InsertOutcome {
+                cached: 0,
+                node: None,
+            });
         }
         let now = self.tick();
         let mut cur = self.root_or_create(ns);
         let mut pos = 0;
         while pos < tokens.len() {
             let Some(&c) = self.n(cur).children.get(&tokens[pos]) else {
-                let leaf = self.add_leaf(pool, cur, pos, &tokens[pos..], &blocks[pos / bs..], now)?;
-                return Ok(InsertOutcome { cached: pos, node: Some(leaf) });
+                let leaf =
+                    self.add_leaf(pool, cur, pos, &tokens[pos..], &blocks[pos / bs..], now)?;
+                return Ok(InsertOutcome {
+                    cached: pos,
+                    node: Some(leaf),
+                });
             };
             self.touch(c, now);
             let edge_len = self.n(c).tokens.len();
@@ -238,14 +250,23 @@ impl PrefixTree {
             }
             if pos + common == tokens.len() {
                 // The tokens end inside this edge: all of them are cached.
-                return Ok(InsertOutcome { cached: tokens.len(), node: Some(c) });
+                return Ok(InsertOutcome {
+                    cached: tokens.len(),
+                    node: Some(c),
+                });
             }
             let top = self.split(pool, c, common)?;
             let at = pos + common;
             let leaf = self.add_leaf(pool, top, at, &tokens[at..], &blocks[at / bs..], now)?;
-            return Ok(InsertOutcome { cached: at, node: Some(leaf) });
+            return Ok(InsertOutcome {
+                cached: at,
+                node: Some(leaf),
+            });
         }
-        Ok(InsertOutcome { cached: pos, node: Some(cur) })
+        Ok(InsertOutcome {
+            cached: pos,
+            node: Some(cur),
+        })
     }
 
     /// Protects `node` and its ancestors from eviction.
@@ -283,7 +304,11 @@ impl PrefixTree {
     /// Removes least-recently-used unlocked leaves until `n_blocks` blocks
     /// became free in the pool or nothing is left to evict. Returns the
     /// blocks that became free.
-    pub fn evict(&mut self, pool: &mut BlockPool, n_blocks: usize) -> Result<Vec<BlockId>, KvError> {
+    pub fn evict(
+        &mut self,
+        pool: &mut BlockPool,
+        n_blocks: usize,
+    ) -> Result<Vec<BlockId>, KvError> {
         let mut freed = Vec::new();
         while freed.len() < n_blocks {
             let Some(&(_, id)) = self.evictable.first() else {
@@ -304,7 +329,11 @@ impl PrefixTree {
                 prefix.extend_from_slice(&node.tokens);
                 if node.children.is_empty() {
                     let m = self.peek_prefix(ns, &prefix);
-                    out.push(CachedPath { namespace: ns, tokens: prefix, blocks: m.blocks });
+                    out.push(CachedPath {
+                        namespace: ns,
+                        tokens: prefix,
+                        blocks: m.blocks,
+                    });
                 } else {
                     for &c in node.children.values().rev() {
                         stack.push((c, prefix.clone()));
@@ -352,11 +381,18 @@ impl PrefixTree {
         let mut stack: Vec<NodeId> = Vec::new();
         for (&ns, &root) in &self.roots {
             let r = self.get(root)?;
-            if r.parent.is_some() || r.namespace != ns || r.start != 0 || !r.tokens.is_empty() || !r.blocks.is_empty() {
+            if r.parent.is_some()
+                || r.namespace != ns
+                || r.start != 0
+                || !r.tokens.is_empty()
+                || !r.blocks.is_empty()
+            {
                 return bad(format!("root {root:?} of {ns:?} is malformed"));
             }
             if r.children.is_empty() {
-                return bad(format!("root {root:?} of {ns:?} has no children and was not removed"));
+                return bad(format!(
+                    "root {root:?} of {ns:?} has no children and was not removed"
+                ));
             }
             stack.push(root);
         }
@@ -369,10 +405,16 @@ impl PrefixTree {
             for (&key, &c) in &node.children {
                 let child = self.get(c)?;
                 if child.parent != Some(id) || child.tokens.first() != Some(&key) {
-                    return bad(format!("child {c:?} of {id:?} does not point back or is keyed wrongly"));
+                    return bad(format!(
+                        "child {c:?} of {id:?} does not point back or is keyed wrongly"
+                    ));
                 }
                 if child.start != node.end() || child.namespace != node.namespace {
-                    return bad(format!("child {c:?} starts at {} but {id:?} ends at {}", child.start, node.end()));
+                    return bad(format!(
+                        "child {c:?} starts at {} but {id:?} ends at {}",
+                        child.start,
+                        node.end()
+                    ));
                 }
                 if node.parent.is_some() && child.last_access > node.last_access {
                     return bad(format!("child {c:?} was accessed after its parent {id:?}"));
@@ -402,17 +444,25 @@ impl PrefixTree {
                 ));
             }
             if let Some(b) = node.blocks.iter().find(|b| b.index() >= num_blocks) {
-                return bad(format!("{id:?} holds {b:?} outside the pool of {num_blocks}"));
+                return bad(format!(
+                    "{id:?} holds {b:?} outside the pool of {num_blocks}"
+                ));
             }
             if node.children.is_empty() && node.lock_ref == 0 {
                 expected_evictable.insert((node.last_access, id));
             }
         }
         if reachable != self.num_nodes() {
-            return bad(format!("{} nodes live but {reachable} reachable", self.num_nodes()));
+            return bad(format!(
+                "{} nodes live but {reachable} reachable",
+                self.num_nodes()
+            ));
         }
         if tokens != self.cached_tokens {
-            return bad(format!("edges hold {tokens} tokens, counter says {}", self.cached_tokens));
+            return bad(format!(
+                "edges hold {tokens} tokens, counter says {}",
+                self.cached_tokens
+            ));
         }
         if expected_evictable != self.evictable {
             return bad("eviction set differs from the unlocked leaves".to_string());
@@ -550,7 +600,7 @@ impl PrefixTree {
             lock_ref: node.lock_ref,
             own_locks: 0,
         };
-        if split_at % bs != 0 {
+        if !split_at.is_multiple_of(bs) {
             // The block holding the split point now has two holders.
             pool.retain(node.blocks[drop_front])?;
         }
@@ -565,7 +615,12 @@ impl PrefixTree {
         Ok(top_id)
     }
 
-    fn remove_leaf(&mut self, pool: &mut BlockPool, id: NodeId, freed: &mut Vec<BlockId>) -> Result<(), KvError> {
+    fn remove_leaf(
+        &mut self,
+        pool: &mut BlockPool,
+        id: NodeId,
+        freed: &mut Vec<BlockId>,
+    ) -> Result<(), KvError> {
         self.unlist(id);
         let node = self.nodes[id.index()].take().expect("leaf is live");
         self.free_ids.push(id);

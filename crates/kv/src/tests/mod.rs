@@ -6,9 +6,7 @@
 mod model;
 mod scenarios;
 
-use crate::{
-    Admission, AppendPlan, CopyOp, KvCache, Namespace, SeqId, ShiftPlan, Slot, TokenId,
-};
+use crate::{Admission, AppendPlan, CopyOp, KvCache, Namespace, SeqId, ShiftPlan, Slot, TokenId};
 
 /// What a slot holds: the token and the position its K/V was computed at.
 pub(crate) type Cell = Option<(TokenId, usize)>;
@@ -21,7 +19,10 @@ pub(crate) struct Shadow {
 
 impl Shadow {
     pub fn new(kv: &KvCache) -> Self {
-        Shadow { cells: vec![None; kv.pool().num_blocks() * kv.block_size()], bs: kv.block_size() }
+        Shadow {
+            cells: vec![None; kv.pool().num_blocks() * kv.block_size()],
+            bs: kv.block_size(),
+        }
     }
 
     pub fn copy_blocks(&mut self, ops: &[CopyOp]) {
@@ -97,7 +98,12 @@ pub(crate) fn toks(raw: &[u32]) -> Vec<TokenId> {
 pub(crate) const NS: Namespace = Namespace(7);
 
 /// Appends and computes, carrying out the plan on the shadow.
-pub(crate) fn append_compute(kv: &mut KvCache, sh: &mut Shadow, seq: SeqId, raw: &[u32]) -> AppendPlan {
+pub(crate) fn append_compute(
+    kv: &mut KvCache,
+    sh: &mut Shadow,
+    seq: SeqId,
+    raw: &[u32],
+) -> AppendPlan {
     let plan = match kv.append(seq, &toks(raw)).unwrap() {
         Admission::Ok(p) => p,
         other => panic!("append of {} tokens not admitted: {other:?}", raw.len()),

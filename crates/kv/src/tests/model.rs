@@ -10,19 +10,55 @@ use crate::{Admission, KvCache, KvConfig, KvError, Namespace, NodeId, SeqId, Tok
 #[derive(Debug, Clone)]
 enum Op {
     /// Start a sequence: (a prefix of an existing sequence's tokens) + extra.
-    Add { ns: u8, from: Option<usize>, cut: usize, extra: Vec<u32>, reuse: bool },
+    Add {
+        ns: u8,
+        from: Option<usize>,
+        cut: usize,
+        extra: Vec<u32>,
+        reuse: bool,
+    },
     /// Reserve slots; with `compute`, also write them right away.
-    Append { seq: usize, tokens: Vec<u32>, compute: bool },
-    Compute { seq: usize },
-    Fork { seq: usize },
-    Free { seq: usize },
-    Insert { seq: usize },
-    Match { ns: u8, from: Option<usize>, cut: usize, extra: Vec<u32>, touch: bool },
-    Lock { ns: u8, from: Option<usize>, cut: usize },
-    Unlock { which: usize },
-    Evict { n: usize },
+    Append {
+        seq: usize,
+        tokens: Vec<u32>,
+        compute: bool,
+    },
+    Compute {
+        seq: usize,
+    },
+    Fork {
+        seq: usize,
+    },
+    Free {
+        seq: usize,
+    },
+    Insert {
+        seq: usize,
+    },
+    Match {
+        ns: u8,
+        from: Option<usize>,
+        cut: usize,
+        extra: Vec<u32>,
+        touch: bool,
+    },
+    Lock {
+        ns: u8,
+        from: Option<usize>,
+        cut: usize,
+    },
+    Unlock {
+        which: usize,
+    },
+    Evict {
+        n: usize,
+    },
     Defrag,
-    Shift { seq: usize, keep: usize, discard: usize },
+    Shift {
+        seq: usize,
+        keep: usize,
+        discard: usize,
+    },
     ClearCache,
 }
 
@@ -105,15 +141,27 @@ impl World {
     /// After an eviction: what is left is a prefix of what was cached, locked
     /// prefixes are intact, and the oracle takes the tree's new content.
     fn resync_after_evict(&mut self) -> Result<(), TestCaseError> {
-        let now: Vec<_> = self.kv.tree().paths().into_iter().map(|p| (p.namespace, p.tokens)).collect();
+        let now: Vec<_> = self
+            .kv
+            .tree()
+            .paths()
+            .into_iter()
+            .map(|p| (p.namespace, p.tokens))
+            .collect();
         for (ns, path) in &now {
             prop_assert!(
-                self.cached.iter().any(|(n, s)| n == ns && s.starts_with(path)),
+                self.cached
+                    .iter()
+                    .any(|(n, s)| n == ns && s.starts_with(path)),
                 "eviction invented cached content {path:?}"
             );
         }
         for (_, ns, prefix) in &self.locks {
-            prop_assert_eq!(self.kv.tree().peek_prefix(*ns, prefix).len, prefix.len(), "locked prefix evicted");
+            prop_assert_eq!(
+                self.kv.tree().peek_prefix(*ns, prefix).len,
+                prefix.len(),
+                "locked prefix evicted"
+            );
         }
         self.cached = now;
         Ok(())
@@ -122,17 +170,35 @@ impl World {
     fn apply(&mut self, op: &Op) -> Result<(), TestCaseError> {
         let bs = self.kv.block_size();
         match op {
-            Op::Add { ns, from, cut, extra, reuse } => {
+            Op::Add {
+                ns,
+                from,
+                cut,
+                extra,
+                reuse,
+            } => {
                 let ns = Namespace(*ns as u64);
                 let q = self.query(*from, *cut, extra);
                 let reusable = if *reuse { &q[..] } else { &[][..] };
                 let want = if *reuse { self.oracle_match(ns, &q) } else { 0 };
                 let (id, got) = self.kv.add_sequence(ns, reusable);
                 prop_assert_eq!(got, want, "match length of {:?}", q);
-                self.seqs.push(OSeq { id, ns, tokens: q[..got].to_vec(), computed: got, cacheable: usize::MAX });
+                self.seqs.push(OSeq {
+                    id,
+                    ns,
+                    tokens: q[..got].to_vec(),
+                    computed: got,
+                    cacheable: usize::MAX,
+                });
             }
-            Op::Append { seq, tokens, compute } => {
-                let Some(i) = self.pick(*seq) else { return Ok(()) };
+            Op::Append {
+                seq,
+                tokens,
+                compute,
+            } => {
+                let Some(i) = self.pick(*seq) else {
+                    return Ok(());
+                };
                 let s = &self.seqs[i];
                 let new = toks(tokens);
                 match self.kv.append(s.id, &new).unwrap() {
@@ -153,7 +219,11 @@ impl World {
                     Admission::Later { needed, free } => {
                         prop_assert!(free < needed);
                         prop_assert_eq!(self.kv.pool().num_free(), free);
-                        prop_assert_eq!(self.kv.tree().num_evictable_leaves(), 0, "Later with evictable leaves");
+                        prop_assert_eq!(
+                            self.kv.tree().num_evictable_leaves(),
+                            0,
+                            "Later with evictable leaves"
+                        );
                         self.resync_after_evict()?;
                     }
                     Admission::Never { needed, total } => {
@@ -163,12 +233,16 @@ impl World {
                 }
             }
             Op::Compute { seq } => {
-                let Some(i) = self.pick(*seq) else { return Ok(()) };
+                let Some(i) = self.pick(*seq) else {
+                    return Ok(());
+                };
                 self.sh.compute(&mut self.kv, self.seqs[i].id);
                 self.seqs[i].computed = self.seqs[i].tokens.len();
             }
             Op::Fork { seq } => {
-                let Some(i) = self.pick(*seq) else { return Ok(()) };
+                let Some(i) = self.pick(*seq) else {
+                    return Ok(());
+                };
                 let s = self.seqs[i].clone();
                 match self.kv.fork(s.id) {
                     Ok(id) => {
@@ -180,20 +254,30 @@ impl World {
                 }
             }
             Op::Free { seq } => {
-                let Some(i) = self.pick(*seq) else { return Ok(()) };
+                let Some(i) = self.pick(*seq) else {
+                    return Ok(());
+                };
                 let s = self.seqs.swap_remove(i);
                 self.kv.free_sequence(s.id).unwrap();
-                prop_assert_eq!(self.kv.free_sequence(s.id), Err(KvError::UnknownSequence(s.id)));
+                prop_assert_eq!(
+                    self.kv.free_sequence(s.id),
+                    Err(KvError::UnknownSequence(s.id))
+                );
             }
             Op::Insert { seq } => {
-                let Some(i) = self.pick(*seq) else { return Ok(()) };
+                let Some(i) = self.pick(*seq) else {
+                    return Ok(());
+                };
                 let s = self.seqs[i].clone();
                 match self.kv.insert_sequence(s.id) {
                     Ok(rep) => {
                         let n = s.tokens.len().min(s.cacheable);
                         prop_assert_eq!(rep.already_cached + rep.inserted, n);
                         if n > 0 {
-                            prop_assert_eq!(rep.already_cached, self.oracle_match(s.ns, &s.tokens[..n]).min(n));
+                            prop_assert_eq!(
+                                rep.already_cached,
+                                self.oracle_match(s.ns, &s.tokens[..n]).min(n)
+                            );
                             self.cached.push((s.ns, s.tokens[..n].to_vec()));
                         }
                     }
@@ -201,11 +285,21 @@ impl World {
                     Err(e) => return Err(TestCaseError::fail(e.to_string())),
                 }
             }
-            Op::Match { ns, from, cut, extra, touch } => {
+            Op::Match {
+                ns,
+                from,
+                cut,
+                extra,
+                touch,
+            } => {
                 let ns = Namespace(*ns as u64);
                 let q = self.query(*from, *cut, extra);
                 let want = self.oracle_match(ns, &q);
-                let m = if *touch { self.kv.match_prefix(ns, &q) } else { self.kv.tree().peek_prefix(ns, &q) };
+                let m = if *touch {
+                    self.kv.match_prefix(ns, &q)
+                } else {
+                    self.kv.tree().peek_prefix(ns, &q)
+                };
                 prop_assert_eq!(m.len, want, "match of {:?}", q);
                 prop_assert_eq!(m.blocks.len(), want.div_ceil(bs));
             }
@@ -241,7 +335,9 @@ impl World {
                 }
             }
             Op::Shift { seq, keep, discard } => {
-                let Some(i) = self.pick(*seq) else { return Ok(()) };
+                let Some(i) = self.pick(*seq) else {
+                    return Ok(());
+                };
                 let s = self.seqs[i].clone();
                 let len = s.tokens.len();
                 let n_keep = keep % (len + 1);
@@ -264,7 +360,9 @@ impl World {
                         prop_assert!(free < needed);
                         self.resync_after_evict()?;
                     }
-                    Ok(Admission::Never { .. }) => prop_assert!(false, "a shift never needs more than the pool"),
+                    Ok(Admission::Never { .. }) => {
+                        prop_assert!(false, "a shift never needs more than the pool")
+                    }
                     Err(KvError::PendingTokens { .. }) => prop_assert!(s.computed < len),
                     Err(e) => return Err(TestCaseError::fail(e.to_string())),
                 }
@@ -279,12 +377,16 @@ impl World {
     }
 
     fn check(&self) -> Result<(), TestCaseError> {
-        self.kv.check_invariants().map_err(|e| TestCaseError::fail(e.to_string()))?;
+        self.kv
+            .check_invariants()
+            .map_err(|e| TestCaseError::fail(e.to_string()))?;
         for o in &self.seqs {
             let s = self.kv.sequence(o.id).unwrap();
             prop_assert_eq!(s.tokens(), &o.tokens[..]);
             prop_assert_eq!(s.num_computed(), o.computed);
-            self.sh.check_seq(&self.kv, o.id).map_err(TestCaseError::fail)?;
+            self.sh
+                .check_seq(&self.kv, o.id)
+                .map_err(TestCaseError::fail)?;
         }
         self.sh.check_tree(&self.kv).map_err(TestCaseError::fail)?;
         Ok(())

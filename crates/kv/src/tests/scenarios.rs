@@ -2,12 +2,16 @@
 
 use super::{append_compute, toks, Shadow, NS};
 use crate::{
-    Admission, BlockId, CopyOp, InsertReport, KvCache, KvConfig, KvError, Namespace, NodeId,
-    SeqId, Slot, SlotMove,
+    Admission, BlockId, CopyOp, InsertReport, KvCache, KvConfig, KvError, Namespace, NodeId, SeqId,
+    Slot, SlotMove,
 };
 
 fn cache(num_blocks: usize, block_size: usize) -> (KvCache, Shadow) {
-    let kv = KvCache::new(KvConfig { num_blocks, block_size }).unwrap();
+    let kv = KvCache::new(KvConfig {
+        num_blocks,
+        block_size,
+    })
+    .unwrap();
     let sh = Shadow::new(&kv);
     (kv, sh)
 }
@@ -40,15 +44,30 @@ fn multi_turn_chat_reuses_the_whole_previous_turn() {
     assert_eq!(kv.sequence(s0).unwrap().block_table(), b(&[0, 1, 2]));
     for (t, slot) in [(100, 10), (101, 11), (102, 12)] {
         let plan = append_compute(&mut kv, &mut sh, s0, &[t]);
-        assert_eq!((plan.copies.len(), plan.slots.as_slice()), (0, &[Slot(slot)][..]));
+        assert_eq!(
+            (plan.copies.len(), plan.slots.as_slice()),
+            (0, &[Slot(slot)][..])
+        );
     }
     assert_eq!(
         kv.insert_sequence(s0).unwrap(),
-        InsertReport { already_cached: 0, inserted: 13, deduplicated_blocks: 0 }
+        InsertReport {
+            already_cached: 0,
+            inserted: 13,
+            deduplicated_blocks: 0
+        }
     );
     kv.free_sequence(s0).unwrap();
     let st = kv.stats();
-    assert_eq!((st.cached_blocks, st.used_blocks, st.free_blocks, st.cached_tokens), (4, 0, 12, 13));
+    assert_eq!(
+        (
+            st.cached_blocks,
+            st.used_blocks,
+            st.free_blocks,
+            st.cached_tokens
+        ),
+        (4, 0, 12, 13)
+    );
     checked(&kv, &sh);
 
     // Turn 2: history + reply + new user tokens. Everything of turn 1 hits,
@@ -61,13 +80,23 @@ fn multi_turn_chat_reuses_the_whole_previous_turn() {
     assert_eq!(counts(&kv, 5), [2, 2, 2, 2, 0]);
     // The partly matched block b3 is shared: the first write copies it.
     let plan = append_compute(&mut kv, &mut sh, s1, &p2[13..]);
-    assert_eq!(plan.copies, [CopyOp { src: BlockId(3), dst: BlockId(4) }]);
+    assert_eq!(
+        plan.copies,
+        [CopyOp {
+            src: BlockId(3),
+            dst: BlockId(4)
+        }]
+    );
     assert_eq!(plan.slots, [Slot(17), Slot(18), Slot(19)]);
     assert_eq!(counts(&kv, 5), [2, 2, 2, 1, 1]);
     append_compute(&mut kv, &mut sh, s1, &[300]);
     assert_eq!(
         kv.insert_sequence(s1).unwrap(),
-        InsertReport { already_cached: 13, inserted: 4, deduplicated_blocks: 0 }
+        InsertReport {
+            already_cached: 13,
+            inserted: 4,
+            deduplicated_blocks: 0
+        }
     );
     kv.free_sequence(s1).unwrap();
     checked(&kv, &sh);
@@ -91,7 +120,13 @@ fn an_edit_in_the_middle_stops_the_match_at_the_edit() {
     let (s, cached) = kv.add_sequence(NS, &edited);
     assert_eq!(cached, 5);
     let plan = append_compute(&mut kv, &mut sh, s, &[99, 7, 8, 9, 10]);
-    assert_eq!(plan.copies, [CopyOp { src: BlockId(1), dst: BlockId(4) }]);
+    assert_eq!(
+        plan.copies,
+        [CopyOp {
+            src: BlockId(1),
+            dst: BlockId(4)
+        }]
+    );
     checked(&kv, &sh);
     // Another namespace shares nothing.
     assert_eq!(kv.tree().peek_prefix(Namespace(8), &edited).len, 0);
@@ -127,13 +162,22 @@ fn fork_then_diverge_copies_only_the_tail() {
     let c = kv.fork(p).unwrap();
     assert_eq!(counts(&kv, 3), [2, 2, 0]);
     let plan = append_compute(&mut kv, &mut sh, p, &[7]);
-    assert_eq!(plan.copies, [CopyOp { src: BlockId(1), dst: BlockId(2) }]);
+    assert_eq!(
+        plan.copies,
+        [CopyOp {
+            src: BlockId(1),
+            dst: BlockId(2)
+        }]
+    );
     let plan = append_compute(&mut kv, &mut sh, c, &[8]);
     assert_eq!((plan.copies.len(), plan.slots), (0, vec![Slot(6)]));
     append_compute(&mut kv, &mut sh, c, &[9, 10]);
     assert_eq!(kv.sequence(p).unwrap().block_table(), b(&[0, 2]));
     assert_eq!(kv.sequence(c).unwrap().block_table(), b(&[0, 1, 3]));
-    assert_eq!(kv.sequence(c).unwrap().tokens(), toks(&[1, 2, 3, 4, 5, 6, 8, 9, 10]));
+    assert_eq!(
+        kv.sequence(c).unwrap().tokens(),
+        toks(&[1, 2, 3, 4, 5, 6, 8, 9, 10])
+    );
     checked(&kv, &sh);
     kv.free_sequence(p).unwrap();
     assert_eq!(counts(&kv, 4), [1, 1, 0, 1]);
@@ -161,12 +205,21 @@ fn pool_exhaustion_evicts_lru_then_later_then_never() {
     // 8 more tokens need 2 blocks: evicting the other prefix frees only 1.
     let (d, _) = kv.add_sequence(NS, &[]);
     let eight = toks(&(40..48).collect::<Vec<_>>());
-    assert_eq!(kv.append(d, &eight).unwrap(), Admission::Later { needed: 2, free: 1 });
+    assert_eq!(
+        kv.append(d, &eight).unwrap(),
+        Admission::Later { needed: 2, free: 1 }
+    );
     assert!(kv.sequence(d).unwrap().is_empty());
     assert_eq!(kv.tree().cached_tokens(), 0);
     // 17 tokens cannot fit even in an empty pool.
     let big = toks(&(0..17).collect::<Vec<_>>());
-    assert_eq!(kv.append(d, &big).unwrap(), Admission::Never { needed: 5, total: 4 });
+    assert_eq!(
+        kv.append(d, &big).unwrap(),
+        Admission::Never {
+            needed: 5,
+            total: 4
+        }
+    );
     kv.free_sequence(c).unwrap();
     assert!(kv.append(d, &eight).unwrap().is_ok());
     kv.check_invariants().unwrap();
@@ -207,7 +260,16 @@ fn defrag_compacts_and_reads_back() {
     assert_eq!(plan.live_blocks, 2);
     assert_eq!(
         plan.moves,
-        [CopyOp { src: BlockId(3), dst: BlockId(0) }, CopyOp { src: BlockId(4), dst: BlockId(1) }]
+        [
+            CopyOp {
+                src: BlockId(3),
+                dst: BlockId(0)
+            },
+            CopyOp {
+                src: BlockId(4),
+                dst: BlockId(1)
+            }
+        ]
     );
     sh.copy_blocks(&plan.moves);
     assert_eq!(kv.sequence(ids[2]).unwrap().block_table(), b(&[0, 1]));
@@ -215,7 +277,10 @@ fn defrag_compacts_and_reads_back() {
     assert_eq!(kv.plan_defrag().moves, vec![]);
     assert_eq!(
         kv.shrink_to(1),
-        Err(KvError::ShrinkBlocked { requested: 1, highest_live: BlockId(1) })
+        Err(KvError::ShrinkBlocked {
+            requested: 1,
+            highest_live: BlockId(1)
+        })
     );
     kv.shrink_to(2).unwrap();
     assert_eq!(kv.stats().free_blocks, 0);
@@ -229,7 +294,10 @@ fn shift_moves_the_tail_down_in_place_when_exclusive() {
     append_compute(&mut kv, &mut sh, s, &(1..=10).collect::<Vec<_>>());
     let plan = kv.plan_shift(s, 2, 4).unwrap().ok().unwrap();
     assert!(plan.copies.is_empty());
-    let mv = |a, b| SlotMove { src: Slot(a), dst: Slot(b) };
+    let mv = |a, b| SlotMove {
+        src: Slot(a),
+        dst: Slot(b),
+    };
     assert_eq!(plan.moves, [mv(6, 2), mv(7, 3), mv(8, 4), mv(9, 5)]);
     assert_eq!(plan.position_delta, -4);
     sh.shift(&plan);
@@ -248,15 +316,29 @@ fn shift_never_writes_shared_blocks() {
     kv.insert_sequence(s).unwrap();
     let plan = kv.plan_shift(s, 2, 4).unwrap().ok().unwrap();
     // b0 keeps tokens 1, 2 and is shared with the tree: copied to b3 first.
-    assert_eq!(plan.copies, [CopyOp { src: BlockId(0), dst: BlockId(3) }]);
-    let mv = |a, b| SlotMove { src: Slot(a), dst: Slot(b) };
+    assert_eq!(
+        plan.copies,
+        [CopyOp {
+            src: BlockId(0),
+            dst: BlockId(3)
+        }]
+    );
+    let mv = |a, b| SlotMove {
+        src: Slot(a),
+        dst: Slot(b),
+    };
     assert_eq!(plan.moves, [mv(6, 14), mv(7, 15), mv(8, 16), mv(9, 17)]);
     sh.shift(&plan);
     assert_eq!(kv.sequence(s).unwrap().block_table(), b(&[3, 4]));
     checked(&kv, &sh);
     // The tree still serves the unshifted tokens; the shifted tail never
     // enters it.
-    assert_eq!(kv.tree().peek_prefix(NS, &toks(&(1..=10).collect::<Vec<_>>())).len, 10);
+    assert_eq!(
+        kv.tree()
+            .peek_prefix(NS, &toks(&(1..=10).collect::<Vec<_>>()))
+            .len,
+        10
+    );
     let rep = kv.insert_sequence(s).unwrap();
     assert_eq!((rep.already_cached, rep.inserted), (2, 0));
     assert_eq!(kv.tree().peek_prefix(NS, &toks(&[1, 2, 7])).len, 2);
@@ -267,21 +349,43 @@ fn shift_never_writes_shared_blocks() {
 fn misuse_returns_typed_errors() {
     let (mut kv, mut sh) = cache(8, 4);
     let ghost = SeqId(99);
-    assert_eq!(kv.free_sequence(ghost), Err(KvError::UnknownSequence(ghost)));
+    assert_eq!(
+        kv.free_sequence(ghost),
+        Err(KvError::UnknownSequence(ghost))
+    );
     assert_eq!(kv.fork(ghost), Err(KvError::UnknownSequence(ghost)));
-    assert!(matches!(kv.append(ghost, &toks(&[1])), Err(KvError::UnknownSequence(_))));
+    assert!(matches!(
+        kv.append(ghost, &toks(&[1])),
+        Err(KvError::UnknownSequence(_))
+    ));
     let (s, _) = kv.add_sequence(NS, &[]);
     append_compute(&mut kv, &mut sh, s, &[1, 2, 3]);
     assert!(kv.append(s, &toks(&[4])).unwrap().is_ok());
     assert_eq!(
         kv.fork(s),
-        Err(KvError::PendingTokens { seq: s, pending: 1, op: "fork" })
+        Err(KvError::PendingTokens {
+            seq: s,
+            pending: 1,
+            op: "fork"
+        })
     );
-    assert!(matches!(kv.insert_sequence(s), Err(KvError::PendingTokens { .. })));
-    assert!(matches!(kv.mark_computed(s, 9), Err(KvError::ComputedBeyondEnd { .. })));
+    assert!(matches!(
+        kv.insert_sequence(s),
+        Err(KvError::PendingTokens { .. })
+    ));
+    assert!(matches!(
+        kv.mark_computed(s, 9),
+        Err(KvError::ComputedBeyondEnd { .. })
+    ));
     kv.mark_computed(s, 4).unwrap();
-    assert!(matches!(kv.plan_shift(s, 2, 0), Err(KvError::InvalidShift { .. })));
-    assert!(matches!(kv.plan_shift(s, 2, 3), Err(KvError::InvalidShift { .. })));
+    assert!(matches!(
+        kv.plan_shift(s, 2, 0),
+        Err(KvError::InvalidShift { .. })
+    ));
+    assert!(matches!(
+        kv.plan_shift(s, 2, 3),
+        Err(KvError::InvalidShift { .. })
+    ));
     assert_eq!(kv.unlock(NodeId(0)), Err(KvError::NotLocked(NodeId(0))));
     assert_eq!(kv.lock(NodeId(42)), Err(KvError::UnknownNode(NodeId(42))));
     kv.free_sequence(s).unwrap();
@@ -291,9 +395,16 @@ fn misuse_returns_typed_errors() {
     let blk = pool.allocate().unwrap();
     assert_eq!(
         tree.insert(&mut pool, NS, &toks(&[1, 2, 3, 4, 5]), &[blk]),
-        Err(KvError::BlockCountMismatch { tokens: 5, expected: 2, got: 1 })
+        Err(KvError::BlockCountMismatch {
+            tokens: 5,
+            expected: 2,
+            got: 1
+        })
     );
     pool.release(blk).unwrap();
-    assert_eq!(tree.insert(&mut pool, NS, &toks(&[1]), &[blk]), Err(KvError::RetainFree(blk)));
+    assert_eq!(
+        tree.insert(&mut pool, NS, &toks(&[1]), &[blk]),
+        Err(KvError::RetainFree(blk))
+    );
     kv.check_invariants().unwrap();
 }
