@@ -1,0 +1,172 @@
+//! `shift_kv`: the context shift. Moves slots of K and V, rotating each moved
+//! K by a RoPE position delta (V is position-free and moves unchanged).
+//!
+//! Moves run in order: a move may overwrite a slot that an earlier move has
+//! read, never one a later move still reads (tessera-kv's shift plans are
+//! built that way).
+
+use candle_core::{bail, CpuStorage, InplaceOp1, Layout, Result, Tensor};
+
+use crate::elem::{with_cache_mut, KvElem};
+use crate::Rotation;
+
+struct MoveSlots<'a> {
+    moves: &'a [(u32, u32)],
+    rotation: Option<&'a Rotation>,
+    n_kv_heads: usize,
+    head_dim: usize,
+}
+
+impl MoveSlots<'_> {
+    fn run<T: KvElem>(&self, cache: &mut [T]) {
+        let row = self.n_kv_heads * self.head_dim;
+        let mut buf = vec![0f32; row];
+        let (cos, sin) = self.rotation.map(|r| r.cos_sin()).unwrap_or_default();
+        for &(src, dst) in self.moves {
+            let (src, dst) = (src as usize * row, dst as usize * row);
+            T::load(&cache[src..src + row], &mut buf);
+            if let Some(r) = self.rotation {
+                for head in buf.chunks_exact_mut(self.head_dim) {
+                    r.apply(head, &cos, &sin);
+                }
+            }
+            T::store(&buf, &mut cache[dst..dst + row]);
+        }
+    }
+}
+
+impl InplaceOp1 for MoveSlots<'_> {
+    fn name(&self) -> &'static str {
+        "shift_kv"
+    }
+
+    fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout) -> Result<()> {
+        with_cache_mut!(s, l, |cache| self.run(cache));
+        Ok(())
+    }
+}
+
+fn check(k_cache: &Tensor, v_cache: &Tensor, moves: &[(u32, u32)], rotation: &Rotation) -> Result<(usize, usize)> {
+    let (nb, bs, kvh, hd) = crate::cache_geometry(k_cache)?;
+    if k_cache.shape() != v_cache.shape() || !v_cache.is_contiguous() {
+        bail!("shift_kv: K {:?} and V {:?} caches differ", k_cache.shape(), v_cache.shape())
+    }
+    if rotation.inv_freq.len() * 2 != hd {
+        bail!("shift_kv: {} inverse frequencies for head_dim {hd}", rotation.inv_freq.len())
+    }
+    if let Some(m) = moves.iter().find(|m| m.0 as usize >= nb * bs || m.1 as usize >= nb * bs) {
+        bail!("shift_kv: move {m:?} outside the cache of {} slots", nb * bs)
+    }
+    Ok((kvh, hd))
+}
+
+/// Carries out slot `moves` on both caches, rotating moved K by `rotation`.
+pub fn shift_kv(k_cache: &Tensor, v_cache: &Tensor, moves: &[(u32, u32)], rotation: &Rotation) -> Result<()> {
+    let (n_kv_heads, head_dim) = check(k_cache, v_cache, moves, rotation)?;
+    if moves.is_empty() {
+        return Ok(());
+    }
+    let op = |rotation| MoveSlots { moves, rotation, n_kv_heads, head_dim };
+    k_cache.inplace_op1(&op(Some(rotation)))?;
+    v_cache.inplace_op1(&op(None))
+}
+
+/// Reference for [`shift_kv`] in plain candle ops: gathers every moved row,
+/// rotates K with explicit cos/sin arithmetic, and returns new `(K, V)`.
+pub fn shift_kv_slow(
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    moves: &[(u32, u32)],
+    rotation: &Rotation,
+) -> Result<(Tensor, Tensor)> {
+    let (kvh, hd) = check(k_cache, v_cache, moves, rotation)?;
+    let (nb, bs, _, _) = k_cache.dims4()?;
+    let n = nb * bs;
+    let dev = k_cache.device();
+    let src = Tensor::new(moves.iter().map(|m| m.0).collect::<Vec<_>>(), dev)?;
+    let mut pick: Vec<u32> = (0..n as u32).collect();
+    for (i, m) in moves.iter().enumerate() {
+        pick[m.1 as usize] = (n + i) as u32;
+    }
+    let pick = Tensor::new(pick, dev)?;
+    let (cos, sin) = rotation.cos_sin();
+    let half = hd / 2;
+    let cos = Tensor::new(cos, dev)?;
+    let sin = Tensor::new(sin, dev)?;
+    let rows = k_cache
+        .to_dtype(candle_core::DType::F32)?
+        .reshape((n, kvh, hd))?
+        .index_select(&src, 0)?;
+    // Split into the rotated pairs (x0, x1), each [m, kvh, half].
+    let (x0, x1) = match rotation.style {
+        crate::RopeStyle::Neox => (rows.narrow(2, 0, half)?, rows.narrow(2, half, half)?),
+        crate::RopeStyle::Interleaved => {
+            let r = rows.reshape((moves.len(), kvh, half, 2))?;
+            (r.narrow(3, 0, 1)?.squeeze(3)?, r.narrow(3, 1, 1)?.squeeze(3)?)
+        }
+    };
+    let y0 = (x0.broadcast_mul(&cos)? - x1.broadcast_mul(&sin)?)?;
+    let y1 = (x0.broadcast_mul(&sin)? + x1.broadcast_mul(&cos)?)?;
+    let rotated = match rotation.style {
+        crate::RopeStyle::Neox => Tensor::cat(&[&y0, &y1], 2)?,
+        crate::RopeStyle::Interleaved => Tensor::stack(&[&y0, &y1], 3)?.reshape((moves.len(), kvh, hd))?,
+    };
+    let gather = |cache: &Tensor, moved: Tensor| -> Result<Tensor> {
+        let flat = cache.reshape((n, kvh, hd))?;
+        Tensor::cat(&[&flat, &moved.to_dtype(cache.dtype())?], 0)?
+            .index_select(&pick, 0)?
+            .reshape(cache.shape())
+    };
+    let v_rows = v_cache.reshape((n, kvh, hd))?.index_select(&src, 0)?;
+    Ok((gather(k_cache, rotated)?, gather(v_cache, v_rows)?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testutil::{max_abs_diff, seeded};
+    use crate::RopeStyle;
+    use candle_core::DType;
+
+    #[test]
+    fn matches_reference_for_both_rope_styles() -> Result<()> {
+        // Positions 6..10 move down by 4 (a plan_shift of keep 2, discard 4).
+        let moves: Vec<(u32, u32)> = (6..10).map(|p| (p, p - 4)).collect();
+        let inv_freq: Vec<f32> = (0..4).map(|i| 10000f32.powf(-(2 * i) as f32 / 8.0)).collect();
+        for style in [RopeStyle::Interleaved, RopeStyle::Neox] {
+            for dtype in [DType::F32, DType::F16] {
+                let rot = Rotation { style, inv_freq: inv_freq.clone(), delta: -4 };
+                let k = seeded(&[3, 4, 2, 8], 11, dtype)?;
+                let v = seeded(&[3, 4, 2, 8], 12, dtype)?;
+                let (wk, wv) = shift_kv_slow(&k, &v, &moves, &rot)?;
+                shift_kv(&k, &v, &moves, &rot)?;
+                let tol = if dtype == DType::F32 { 1e-6 } else { 1e-2 };
+                assert!(max_abs_diff(&k, &wk)? <= tol, "{style:?} {dtype:?}");
+                assert_eq!(max_abs_diff(&v, &wv)?, 0.0);
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn rotation_by_delta_equals_rope_at_the_new_position() {
+        // R(p - d) x == R(-d) R(p) x, for a single head.
+        let inv_freq: Vec<f32> = (0..4).map(|i| 10000f32.powf(-(2 * i) as f32 / 8.0)).collect();
+        let x: Vec<f32> = (0..8).map(|i| (i as f32 * 0.37).sin()).collect();
+        for style in [RopeStyle::Interleaved, RopeStyle::Neox] {
+            let rot = |delta| Rotation { style, inv_freq: inv_freq.clone(), delta };
+            let apply = |r: &Rotation, v: &mut Vec<f32>| {
+                let (c, s) = r.cos_sin();
+                r.apply(v, &c, &s);
+            };
+            let mut at_p = x.clone();
+            apply(&rot(37), &mut at_p);
+            apply(&rot(-12), &mut at_p);
+            let mut direct = x.clone();
+            apply(&rot(25), &mut direct);
+            for (a, b) in at_p.iter().zip(&direct) {
+                assert!((a - b).abs() < 1e-5, "{style:?}: {a} vs {b}");
+            }
+        }
+    }
+}
