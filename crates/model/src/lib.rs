@@ -2,7 +2,25 @@
 //!
 //! **What this crate must not know:** the prefix tree, eviction, scheduling.
 //! It runs a forward pass over a batch of sequences given their new tokens,
-//! positions and block tables (plain integers) and returns logits.
-//!
-//! Status: not built yet. The model issue fills this crate; until then it
-//! exports nothing.
+//! positions, slots and block tables (plain integers) and returns logits;
+//! it loads weights (GGUF quantized, or safetensors), tokenizers and chat
+//! templates.
+
+mod config;
+mod error;
+mod llama;
+mod loader;
+mod model;
+mod qlinear;
+mod template;
+pub mod testing;
+mod tokenizer;
+
+pub use config::{Arch, ModelConfig, RopeScaling};
+pub use error::{ModelError, Result};
+pub use llama::{Attention, Batch, DenseKv, LayerKv, Llama, PagedAttention};
+pub use loader::{GgufFile, HfDir};
+pub use model::{Model, ModelFormat};
+pub use qlinear::QLinear;
+pub use template::{ChatTemplate, Message};
+pub use tokenizer::{Special, StreamDecoder, Tokenizer};

@@ -1,0 +1,312 @@
+//! The Llama family (Llama 2/3.x, SmolLM2, Mistral, Qwen2/2.5) in one model
+//! file: RMSNorm, GQA attention with RoPE, SwiGLU MLP, optional q/k/v
+//! biases (Qwen2), tied or separate output head.
+//!
+//! Attention goes through an [`Attention`] backend: [`PagedAttention`]
+//! writes each layer's new K/V into the paged cache and reads context
+//! through block tables; [`DenseKv`] keeps a plain contiguous f32 cache and
+//! exists as the reference the paged path is tested against.
+
+use candle_core::{DType, Device, Tensor, D};
+use tessera_kernels::{paged_attention, write_kv, PagedMeta, RopeStyle};
+
+use crate::config::ModelConfig;
+use crate::loader::{Source, W};
+use crate::qlinear::QLinear;
+use crate::Result;
+
+struct Layer {
+    attn_norm: Tensor,
+    q: QLinear,
+    k: QLinear,
+    v: QLinear,
+    q_bias: Option<Tensor>,
+    k_bias: Option<Tensor>,
+    v_bias: Option<Tensor>,
+    o: QLinear,
+    ffn_norm: Tensor,
+    gate: QLinear,
+    up: QLinear,
+    down: QLinear,
+}
+
+/// The weights of a loaded model.
+pub struct Llama {
+    cfg: ModelConfig,
+    embed: Tensor,
+    layers: Vec<Layer>,
+    norm: Tensor,
+    lm_head: QLinear,
+    inv_freq: Vec<f32>,
+    device: Device,
+}
+
+/// The paged K and V cache tensors of one layer:
+/// `[num_blocks, block_size, n_kv_heads, head_dim]` each.
+#[derive(Debug, Clone)]
+pub struct LayerKv {
+    pub k: Tensor,
+    pub v: Tensor,
+}
+
+/// One forward step over several sequences. Ids are plain integers.
+#[derive(Debug, Clone, Copy)]
+pub struct Batch<'a> {
+    /// New tokens of all sequences, concatenated.
+    pub tokens: &'a [u32],
+    /// Position of each new token in its sequence.
+    pub positions: &'a [u32],
+    /// Cache slot receiving each new token's K/V.
+    pub slots: &'a [u32],
+    /// Sequence index of each new token (row of `block_tables`).
+    pub token_seq: &'a [u32],
+    /// Row-major `[num_seqs, max_blocks]` block tables.
+    pub block_tables: &'a [u32],
+    pub max_blocks: usize,
+    pub block_size: usize,
+    /// Indices into `tokens` whose logits are wanted.
+    pub logits_for: &'a [u32],
+}
+
+/// Stores one layer's new K/V and returns the attention output.
+pub trait Attention {
+    /// `q`: `[T, n_heads, head_dim]`, `k`, `v`: `[T, n_kv_heads, head_dim]`,
+    /// RoPE applied; returns `[T, n_heads, head_dim]`.
+    fn attend(&mut self, layer: usize, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor>;
+}
+
+/// Attention over the paged cache.
+pub struct PagedAttention<'a> {
+    pub cache: &'a [LayerKv],
+    pub batch: &'a Batch<'a>,
+    pub scale: f32,
+}
+
+impl Attention for PagedAttention<'_> {
+    fn attend(&mut self, layer: usize, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+        let c = &self.cache[layer];
+        write_kv(&c.k, k, self.batch.slots)?;
+        write_kv(&c.v, v, self.batch.slots)?;
+        let meta = PagedMeta {
+            block_size: self.batch.block_size,
+            block_tables: self.batch.block_tables,
+            max_blocks: self.batch.max_blocks,
+            token_seq: self.batch.token_seq,
+            token_pos: self.batch.positions,
+            scale: self.scale,
+        };
+        Ok(paged_attention(q, &c.k, &c.v, &meta)?)
+    }
+}
+
+/// A plain contiguous f32 cache for one sequence: the reference path.
+#[derive(Debug, Default, Clone)]
+pub struct DenseKv {
+    layers: Vec<Option<(Tensor, Tensor)>>,
+    len: usize,
+}
+
+impl DenseKv {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+struct DenseAttention<'a> {
+    kv: &'a mut DenseKv,
+    start: usize,
+    n_rep: usize,
+    scale: f64,
+}
+
+impl Attention for DenseAttention<'_> {
+    fn attend(&mut self, layer: usize, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+        if self.kv.layers.len() <= layer {
+            self.kv.layers.resize(layer + 1, None);
+        }
+        let (k, v) = match self.kv.layers[layer].take() {
+            None => (k.clone(), v.clone()),
+            Some((pk, pv)) => (Tensor::cat(&[&pk, k], 0)?, Tensor::cat(&[&pv, v], 0)?),
+        };
+        self.kv.layers[layer] = Some((k.clone(), v.clone()));
+        let t = q.dim(0)?;
+        let total = k.dim(0)?;
+        // [heads, T, hd] x [heads, hd, total]
+        let q = q.transpose(0, 1)?.contiguous()?;
+        let repeat = |x: &Tensor| -> Result<Tensor> {
+            let (n, kvh, hd) = x.dims3()?;
+            Ok(x.unsqueeze(2)?
+                .expand((n, kvh, self.n_rep, hd))?
+                .reshape((n, kvh * self.n_rep, hd))?
+                .transpose(0, 1)?
+                .contiguous()?)
+        };
+        let (k, v) = (repeat(&k)?, repeat(&v)?);
+        let scores = (q.matmul(&k.t()?)? * self.scale)?;
+        let start = self.start;
+        let mask: Vec<f32> = (0..t)
+            .flat_map(|i| (0..total).map(move |j| if j > start + i { f32::NEG_INFINITY } else { 0.0 }))
+            .collect();
+        let mask = Tensor::from_vec(mask, (t, total), q.device())?;
+        let probs = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&mask)?)?;
+        Ok(probs.matmul(&v)?.transpose(0, 1)?.contiguous()?)
+    }
+}
+
+fn linear(m: &QLinear, x: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    let y = m.forward(x)?;
+    Ok(match bias {
+        Some(b) => y.broadcast_add(b)?,
+        None => y,
+    })
+}
+
+impl Llama {
+    /// Loads every weight from `src`. The one place that knows the layer
+    /// structure, for GGUF and safetensors alike.
+    pub(crate) fn build(src: &mut Source, cfg: ModelConfig, device: &Device, progress: &mut dyn FnMut(usize, usize)) -> Result<Llama> {
+        let total = cfg.n_layers + 2;
+        let (embed, tied_head) = src.embedding(device)?;
+        progress(1, total);
+        let mut layers = Vec::with_capacity(cfg.n_layers);
+        for l in 0..cfg.n_layers {
+            let bias = |src: &mut Source, w: W| -> Result<Option<Tensor>> {
+                Ok(if cfg.qkv_bias { Some(src.vector(w, device)?) } else { None })
+            };
+            layers.push(Layer {
+                attn_norm: src.vector(W::AttnNorm(l), device)?,
+                q: src.matmul(W::Q(l), device)?,
+                k: src.matmul(W::K(l), device)?,
+                v: src.matmul(W::V(l), device)?,
+                q_bias: bias(src, W::QBias(l))?,
+                k_bias: bias(src, W::KBias(l))?,
+                v_bias: bias(src, W::VBias(l))?,
+                o: src.matmul(W::O(l), device)?,
+                ffn_norm: src.vector(W::FfnNorm(l), device)?,
+                gate: src.matmul(W::Gate(l), device)?,
+                up: src.matmul(W::Up(l), device)?,
+                down: src.matmul(W::Down(l), device)?,
+            });
+            progress(l + 2, total);
+        }
+        let norm = src.vector(W::OutNorm, device)?;
+        let lm_head = if src.has(W::Output) { src.matmul(W::Output, device)? } else { tied_head };
+        progress(total, total);
+        let inv_freq = cfg.inv_freq();
+        Ok(Llama { cfg, embed, layers, norm, lm_head, inv_freq, device: device.clone() })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// RoPE inverse frequencies (scaling applied), for K-shift rotations.
+    pub fn inv_freq(&self) -> &[f32] {
+        &self.inv_freq
+    }
+
+    /// Allocates a zeroed paged cache of `num_blocks` blocks per layer.
+    pub fn new_cache(&self, num_blocks: usize, block_size: usize, dtype: DType) -> Result<Vec<LayerKv>> {
+        let shape = (num_blocks, block_size, self.cfg.n_kv_heads, self.cfg.head_dim);
+        (0..self.cfg.n_layers)
+            .map(|_| {
+                Ok(LayerKv {
+                    k: Tensor::zeros(shape, dtype, &self.device)?,
+                    v: Tensor::zeros(shape, dtype, &self.device)?,
+                })
+            })
+            .collect()
+    }
+
+    fn scale(&self) -> f32 {
+        1.0 / (self.cfg.head_dim as f32).sqrt()
+    }
+
+    /// Logits `[logits_for.len(), vocab]` (f32) for a batch over the paged
+    /// cache; writes the batch's K/V into its slots.
+    pub fn forward(&self, batch: &Batch, cache: &[LayerKv]) -> Result<Tensor> {
+        let mut attn = PagedAttention { cache, batch, scale: self.scale() };
+        let picks = Tensor::new(batch.logits_for, &self.device)?;
+        self.run(batch.tokens, batch.positions, &mut attn, &picks)
+    }
+
+    /// Reference forward of one sequence over a dense f32 cache: logits of
+    /// the last new token.
+    pub fn forward_dense(&self, tokens: &[u32], kv: &mut DenseKv) -> Result<Tensor> {
+        let start = kv.len;
+        let positions: Vec<u32> = (start..start + tokens.len()).map(|p| p as u32).collect();
+        let n_rep = self.cfg.n_heads / self.cfg.n_kv_heads;
+        let mut attn = DenseAttention { kv, start, n_rep, scale: self.scale() as f64 };
+        let picks = Tensor::new(&[tokens.len() as u32 - 1], &self.device)?;
+        let out = self.run(tokens, &positions, &mut attn, &picks)?;
+        attn.kv.len += tokens.len();
+        Ok(out.squeeze(0)?)
+    }
+
+    /// `cos`/`sin` of each token's angles: `[T, 1, head_dim / 2]`.
+    fn rope_tables(&self, positions: &[u32]) -> Result<(Tensor, Tensor)> {
+        let half = self.inv_freq.len();
+        let mut cos = Vec::with_capacity(positions.len() * half);
+        let mut sin = Vec::with_capacity(positions.len() * half);
+        for &p in positions {
+            for &f in &self.inv_freq {
+                let a = p as f32 * f;
+                cos.push(a.cos());
+                sin.push(a.sin());
+            }
+        }
+        let shape = (positions.len(), 1, half);
+        Ok((Tensor::from_vec(cos, shape, &self.device)?, Tensor::from_vec(sin, shape, &self.device)?))
+    }
+
+    fn rope(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        // [T, H, hd] viewed as [T, H, 1, hd]: every token is its own "batch"
+        // with its own cos/sin row, so positions may be arbitrary.
+        let (t, h, d) = x.dims3()?;
+        let x = x.reshape((t, h, 1, d))?;
+        let y = match self.cfg.rope_style {
+            RopeStyle::Interleaved => candle_nn::rotary_emb::rope_i(&x, cos, sin)?,
+            RopeStyle::Neox => candle_nn::rotary_emb::rope(&x, cos, sin)?,
+        };
+        Ok(y.reshape((t, h, d))?)
+    }
+
+    fn run(&self, tokens: &[u32], positions: &[u32], attn: &mut dyn Attention, picks: &Tensor) -> Result<Tensor> {
+        let cfg = &self.cfg;
+        let t = tokens.len();
+        let (nh, kvh, hd) = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim);
+        let ids = Tensor::new(tokens, &self.device)?;
+        let mut x = self.embed.index_select(&ids, 0)?;
+        let (cos, sin) = self.rope_tables(positions)?;
+        let eps = cfg.rms_eps as f32;
+        for (l, layer) in self.layers.iter().enumerate() {
+            let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, eps)?;
+            let q = linear(&layer.q, &h, layer.q_bias.as_ref())?.reshape((t, nh, hd))?;
+            let k = linear(&layer.k, &h, layer.k_bias.as_ref())?.reshape((t, kvh, hd))?;
+            let v = linear(&layer.v, &h, layer.v_bias.as_ref())?.reshape((t, kvh, hd))?;
+            let q = self.rope(&q, &cos, &sin)?;
+            let k = self.rope(&k, &cos, &sin)?;
+            let a = attn.attend(l, &q, &k, &v.contiguous()?)?;
+            x = (x + layer.o.forward(&a.reshape((t, nh * hd))?)?)?;
+            let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, eps)?;
+            let g = layer.gate.forward(&h)?.silu()?;
+            let u = layer.up.forward(&h)?;
+            x = (x + layer.down.forward(&(g * u)?)?)?;
+        }
+        let x = x.index_select(picks, 0)?;
+        let x = candle_nn::ops::rms_norm(&x, &self.norm, eps)?;
+        Ok(self.lm_head.forward(&x)?.to_dtype(DType::F32)?)
+    }
+
+    /// Argmax of a logits row.
+    pub fn argmax(logits: &Tensor) -> Result<u32> {
+        Ok(logits.argmax(D::Minus1)?.to_scalar::<u32>()?)
+    }
+}

@@ -1,0 +1,326 @@
+//! Where weights come from: a GGUF file (weights stay quantized) or a
+//! Hugging Face directory (`config.json` + one or many `*.safetensors`).
+//! Both are read through [`Source`], so one `build_layers` serves both.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::{BufReader, Read, Seek};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use candle_core::quantized::{gguf_file, QTensor};
+use candle_core::{DType, Device, Tensor};
+
+use crate::config::{Arch, HfConfig, ModelConfig, RopeScaling};
+use crate::qlinear::QLinear;
+use crate::{ModelError, Result};
+use tessera_kernels::RopeStyle;
+
+/// A named weight of the Llama family.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum W {
+    Embed,
+    OutNorm,
+    Output,
+    AttnNorm(usize),
+    Q(usize),
+    K(usize),
+    V(usize),
+    QBias(usize),
+    KBias(usize),
+    VBias(usize),
+    O(usize),
+    FfnNorm(usize),
+    Gate(usize),
+    Up(usize),
+    Down(usize),
+}
+
+impl W {
+    fn gguf(self) -> String {
+        match self {
+            W::Embed => "token_embd.weight".into(),
+            W::OutNorm => "output_norm.weight".into(),
+            W::Output => "output.weight".into(),
+            W::AttnNorm(l) => format!("blk.{l}.attn_norm.weight"),
+            W::Q(l) => format!("blk.{l}.attn_q.weight"),
+            W::K(l) => format!("blk.{l}.attn_k.weight"),
+            W::V(l) => format!("blk.{l}.attn_v.weight"),
+            W::QBias(l) => format!("blk.{l}.attn_q.bias"),
+            W::KBias(l) => format!("blk.{l}.attn_k.bias"),
+            W::VBias(l) => format!("blk.{l}.attn_v.bias"),
+            W::O(l) => format!("blk.{l}.attn_output.weight"),
+            W::FfnNorm(l) => format!("blk.{l}.ffn_norm.weight"),
+            W::Gate(l) => format!("blk.{l}.ffn_gate.weight"),
+            W::Up(l) => format!("blk.{l}.ffn_up.weight"),
+            W::Down(l) => format!("blk.{l}.ffn_down.weight"),
+        }
+    }
+
+    fn hf(self) -> String {
+        let p = |l: usize, s: &str| format!("model.layers.{l}.{s}");
+        match self {
+            W::Embed => "model.embed_tokens.weight".into(),
+            W::OutNorm => "model.norm.weight".into(),
+            W::Output => "lm_head.weight".into(),
+            W::AttnNorm(l) => p(l, "input_layernorm.weight"),
+            W::Q(l) => p(l, "self_attn.q_proj.weight"),
+            W::K(l) => p(l, "self_attn.k_proj.weight"),
+            W::V(l) => p(l, "self_attn.v_proj.weight"),
+            W::QBias(l) => p(l, "self_attn.q_proj.bias"),
+            W::KBias(l) => p(l, "self_attn.k_proj.bias"),
+            W::VBias(l) => p(l, "self_attn.v_proj.bias"),
+            W::O(l) => p(l, "self_attn.o_proj.weight"),
+            W::FfnNorm(l) => p(l, "post_attention_layernorm.weight"),
+            W::Gate(l) => p(l, "mlp.gate_proj.weight"),
+            W::Up(l) => p(l, "mlp.up_proj.weight"),
+            W::Down(l) => p(l, "mlp.down_proj.weight"),
+        }
+    }
+}
+
+/// An opened GGUF file: its metadata and a reader for tensor data.
+pub struct GgufFile {
+    pub path: PathBuf,
+    pub content: gguf_file::Content,
+    reader: BufReader<File>,
+}
+
+impl GgufFile {
+    /// Opens and validates a GGUF file: magic, header, metadata, and that
+    /// every tensor's data lies inside the file.
+    pub fn open(path: &Path) -> Result<GgufFile> {
+        let io = |source| ModelError::Io { path: path.to_path_buf(), source };
+        if !path.exists() {
+            return Err(ModelError::NotFound(path.to_path_buf()));
+        }
+        let mut file = File::open(path).map_err(io)?;
+        let len = file.metadata().map_err(io)?.len();
+        let mut magic = [0u8; 4];
+        if len < 4 || file.read_exact(&mut magic).is_err() || &magic != b"GGUF" {
+            return Err(ModelError::NotGguf { path: path.to_path_buf(), magic });
+        }
+        file.rewind().map_err(io)?;
+        let mut reader = BufReader::new(file);
+        let corrupt = |reason: String| ModelError::CorruptGguf { path: path.to_path_buf(), reason };
+        let content = gguf_file::Content::read(&mut reader).map_err(|e| {
+            let msg = e.to_string();
+            if msg.contains("unknown dtype") {
+                ModelError::UnsupportedQuantization { tensor: "(header)".into(), dtype: msg }
+            } else {
+                corrupt(msg)
+            }
+        })?;
+        for (name, info) in &content.tensor_infos {
+            let dt = info.ggml_dtype;
+            let bytes = info.shape.elem_count() / dt.block_size() * dt.type_size();
+            let end = content.tensor_data_offset + info.offset + bytes as u64;
+            if end > len {
+                return Err(corrupt(format!(
+                    "tensor {name} needs bytes up to {end} but the file has {len} (truncated?)"
+                )));
+            }
+        }
+        Ok(GgufFile { path: path.to_path_buf(), content, reader })
+    }
+
+    pub fn meta(&self, key: &str) -> Option<&gguf_file::Value> {
+        self.content.metadata.get(key)
+    }
+
+    pub fn meta_str(&self, key: &str) -> Result<&str> {
+        self.meta(key)
+            .and_then(|v| v.to_string().ok())
+            .map(|s| s.as_str())
+            .ok_or_else(|| ModelError::Missing(format!("GGUF metadata {key}")))
+    }
+
+    pub fn meta_u32(&self, key: &str) -> Result<u32> {
+        let v = self.meta(key).ok_or_else(|| ModelError::Missing(format!("GGUF metadata {key}")))?;
+        v.to_u32()
+            .or_else(|_| v.to_u64().map(|x| x as u32))
+            .or_else(|_| v.to_i32().map(|x| x as u32))
+            .map_err(|e| ModelError::Config(format!("{key}: {e}")))
+    }
+
+    pub fn meta_f32(&self, key: &str) -> Option<f32> {
+        self.meta(key).and_then(|v| v.to_f32().ok())
+    }
+
+    pub(crate) fn qtensor(&mut self, name: &str, device: &Device) -> Result<QTensor> {
+        self.content
+            .tensor(&mut self.reader, name, device)
+            .map_err(|e| ModelError::CorruptGguf { path: self.path.clone(), reason: format!("tensor {name}: {e}") })
+    }
+
+    /// The model configuration from `{arch}.*` metadata.
+    pub fn config(&mut self) -> Result<ModelConfig> {
+        let arch_name = self.meta_str("general.architecture")?.to_string();
+        let arch = Arch::parse(&arch_name)?;
+        let k = |s: &str| format!("{arch_name}.{s}");
+        let n_heads = self.meta_u32(&k("attention.head_count"))? as usize;
+        let hidden = self.meta_u32(&k("embedding_length"))? as usize;
+        let head_dim = self
+            .meta_u32(&k("attention.key_length"))
+            .map(|v| v as usize)
+            .unwrap_or(hidden / n_heads.max(1));
+        let vocab_size = match self.meta_u32(&k("vocab_size")) {
+            Ok(v) => v as usize,
+            Err(_) => self.meta("tokenizer.ggml.tokens").and_then(|v| v.to_vec().ok()).map(|v| v.len()).unwrap_or(0),
+        };
+        let rope_scaling = if self.content.tensor_infos.contains_key("rope_freqs.weight") {
+            let t = self.qtensor("rope_freqs.weight", &Device::Cpu)?.dequantize(&Device::Cpu)?;
+            RopeScaling::Factors(t.to_dtype(DType::F32)?.to_vec1()?)
+        } else {
+            match self.meta(&k("rope.scaling.type")).and_then(|v| v.to_string().ok()).map(|s| s.as_str()) {
+                Some("linear") => RopeScaling::Linear { factor: self.meta_f32(&k("rope.scaling.factor")).unwrap_or(1.0) },
+                None | Some("none") => RopeScaling::None,
+                Some(other) => return Err(ModelError::Config(format!("unsupported RoPE scaling {other:?}"))),
+            }
+        };
+        if let Ok(dims) = self.meta_u32(&k("rope.dimension_count")) {
+            if dims as usize != head_dim {
+                return Err(ModelError::Config(format!(
+                    "partial RoPE ({dims} of {head_dim} dimensions) is not supported"
+                )));
+            }
+        }
+        let cfg = ModelConfig {
+            arch,
+            vocab_size,
+            hidden_size: hidden,
+            intermediate_size: self.meta_u32(&k("feed_forward_length"))? as usize,
+            n_layers: self.meta_u32(&k("block_count"))? as usize,
+            n_heads,
+            n_kv_heads: self.meta_u32(&k("attention.head_count_kv")).map(|v| v as usize).unwrap_or(n_heads),
+            head_dim,
+            rms_eps: self.meta_f32(&k("attention.layer_norm_rms_epsilon")).unwrap_or(1e-5) as f64,
+            rope_theta: self.meta_f32(&k("rope.freq_base")).unwrap_or(10_000.0),
+            rope_scaling,
+            // llama.cpp: LLM_ARCH_LLAMA / MISTRAL use LLAMA_ROPE_TYPE_NORM
+            // (adjacent pairs; the converter permuted Q/K), QWEN2 uses NEOX.
+            rope_style: match arch {
+                Arch::Llama | Arch::Mistral => RopeStyle::Interleaved,
+                Arch::Qwen2 => RopeStyle::Neox,
+            },
+            context_length: self.meta_u32(&k("context_length")).map(|v| v as usize).unwrap_or(4096),
+            tie_embeddings: !self.content.tensor_infos.contains_key("output.weight"),
+            qkv_bias: self.content.tensor_infos.contains_key("blk.0.attn_q.bias"),
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+}
+
+/// Weights of a Hugging Face checkpoint directory.
+pub struct HfDir {
+    pub dir: PathBuf,
+    tensors: HashMap<String, Tensor>,
+}
+
+impl HfDir {
+    /// Reads `config.json` and every `*.safetensors` in `dir`.
+    pub fn open(dir: &Path) -> Result<(HfDir, ModelConfig)> {
+        let io = |path: &Path| {
+            let path = path.to_path_buf();
+            move |source| ModelError::Io { path, source }
+        };
+        let cfg_path = dir.join("config.json");
+        if !cfg_path.exists() {
+            return Err(ModelError::NotFound(cfg_path));
+        }
+        let text = std::fs::read_to_string(&cfg_path).map_err(io(&cfg_path))?;
+        let hf: HfConfig = serde_json::from_str(&text)
+            .map_err(|e| ModelError::Config(format!("{}: {e}", cfg_path.display())))?;
+        let cfg = hf.into_config()?;
+        let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+            .map_err(io(dir))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+            .collect();
+        files.sort();
+        if files.is_empty() {
+            return Err(ModelError::Missing(format!("*.safetensors files in {}", dir.display())));
+        }
+        let mut tensors = HashMap::new();
+        for f in &files {
+            let loaded = candle_core::safetensors::load(f, &Device::Cpu)
+                .map_err(|e| ModelError::Config(format!("{}: {e}", f.display())))?;
+            tensors.extend(loaded);
+        }
+        Ok((HfDir { dir: dir.to_path_buf(), tensors }, cfg))
+    }
+}
+
+/// One of the two weight sources.
+pub(crate) enum Source<'a> {
+    Gguf(&'a mut GgufFile),
+    Hf(&'a HfDir),
+}
+
+impl Source<'_> {
+    pub fn has(&self, w: W) -> bool {
+        match self {
+            Source::Gguf(g) => g.content.tensor_infos.contains_key(&w.gguf()),
+            Source::Hf(h) => h.tensors.contains_key(&w.hf()),
+        }
+    }
+
+    fn name(&self, w: W) -> String {
+        match self {
+            Source::Gguf(_) => w.gguf(),
+            Source::Hf(_) => w.hf(),
+        }
+    }
+
+    fn dense(&mut self, w: W, device: &Device) -> Result<Tensor> {
+        let name = self.name(w);
+        match self {
+            Source::Gguf(g) => Ok(g.qtensor(&name, device)?.dequantize(device)?),
+            Source::Hf(h) => Ok(h
+                .tensors
+                .get(&name)
+                .ok_or_else(|| ModelError::Missing(format!("tensor {name}")))?
+                .to_dtype(DType::F32)?
+                .to_device(device)?),
+        }
+    }
+
+    /// A projection weight: quantized as stored (GGUF) or dense f32.
+    pub fn matmul(&mut self, w: W, device: &Device) -> Result<QLinear> {
+        if !self.has(w) {
+            return Err(ModelError::Missing(format!("tensor {}", self.name(w))));
+        }
+        match self {
+            Source::Gguf(g) => {
+                let name = w.gguf();
+                Ok(QLinear::Quantized(Arc::new(g.qtensor(&name, device)?)))
+            }
+            Source::Hf(_) => Ok(QLinear::Dense(self.dense(w, device)?)),
+        }
+    }
+
+    /// A norm weight or bias, as f32.
+    pub fn vector(&mut self, w: W, device: &Device) -> Result<Tensor> {
+        if !self.has(w) {
+            return Err(ModelError::Missing(format!("tensor {}", self.name(w))));
+        }
+        self.dense(w, device)
+    }
+
+    /// The embedding table as f32 for lookups, and the projection that
+    /// serves as the output head when embeddings are tied.
+    pub fn embedding(&mut self, device: &Device) -> Result<(Tensor, QLinear)> {
+        match self {
+            Source::Gguf(g) => {
+                let q = Arc::new(g.qtensor(&W::Embed.gguf(), device)?);
+                let table = q.dequantize(device)?;
+                Ok((table, QLinear::Quantized(q)))
+            }
+            Source::Hf(_) => {
+                let t = self.vector(W::Embed, device)?;
+                Ok((t.clone(), QLinear::Dense(t)))
+            }
+        }
+    }
+}
