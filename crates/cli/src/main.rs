@@ -1,18 +1,370 @@
 //! The `tessera` command line.
 //!
 //! **What this crate must not know:** anything below the engine's public
-//! API: no block ids, no tensors.
-//!
-//! Status: no subcommand works yet; the model issue brings `run`,
-//! `tokenize`, `detokenize` and `inspect`, the engine issue `chat`, `serve`
-//! and `bench`. Until then the binary says so and exits with an error.
+//! API: no block ids, no tensors (the candle baseline of `bench` aside,
+//! which runs candle's own model, not ours).
 
+mod bench;
+
+use std::io::{IsTerminal, Read, Write};
 use std::process::ExitCode;
 
-fn main() -> ExitCode {
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use tessera_engine::{
+    CacheDType, Completion, Engine, EngineConfig, GenerateRequest, Message, ModelSource, Prompt,
+    SamplingParams,
+};
+use tessera_model::{Model, Special};
+
+#[derive(Parser)]
+#[command(
+    name = "tessera",
+    version,
+    about = "A KV-cache-centric transformer inference engine"
+)]
+struct Cli {
+    /// Worker threads (default: all cores).
+    #[arg(long, global = true)]
+    threads: Option<usize>,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Generate text from a prompt.
+    Run(RunArgs),
+    /// Print the token ids of a text as a JSON array.
+    Tokenize(TokenizeArgs),
+    /// Read a JSON array of token ids from stdin and print their text.
+    Detokenize(ModelArg),
+    /// Print a model's architecture, sizes, quantization and KV cost.
+    Inspect(ModelArg),
+    /// Measure prefill and decode speed, beside candle's quantized_llama.
+    Bench(bench::BenchArgs),
+}
+
+#[derive(Args)]
+struct ModelArg {
+    /// A GGUF file, a safetensors directory, or hf:OWNER/REPO/FILE.
+    #[arg(long)]
+    model: String,
+}
+
+#[derive(Args, Clone)]
+pub(crate) struct KvArgs {
+    /// KV cache memory budget, e.g. 256MiB or 1GiB.
+    #[arg(long, default_value = "256MiB", value_parser = parse_size)]
+    kv_memory: usize,
+    /// Context length (default: the model's).
+    #[arg(long)]
+    ctx: Option<usize>,
+    /// KV cache element type: f16, bf16 or f32.
+    #[arg(long, default_value = "f16", value_parser = parse_cache_dtype)]
+    cache_dtype: CacheDType,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+}
+
+impl KvArgs {
+    pub(crate) fn config(&self, prefix_cache: bool) -> EngineConfig {
+        EngineConfig {
+            kv_memory: self.kv_memory,
+            block_size: self.block_size,
+            cache_dtype: self.cache_dtype,
+            prefix_cache,
+            context_length: self.ctx,
+            ..EngineConfig::default()
+        }
+    }
+}
+
+#[derive(Args)]
+struct RunArgs {
+    #[command(flatten)]
+    model: ModelArg,
+    #[arg(long)]
+    prompt: String,
+    /// Wrap the prompt in the model's chat template.
+    #[arg(long)]
+    chat: bool,
+    /// System message (with --chat).
+    #[arg(long)]
+    system: Option<String>,
+    #[arg(long, default_value_t = 256)]
+    max_tokens: usize,
+    /// 0 means greedy.
+    #[arg(long, default_value_t = 0.8)]
+    temperature: f32,
+    #[arg(long, default_value_t = 40)]
+    top_k: usize,
+    #[arg(long, default_value_t = 0.95)]
+    top_p: f32,
+    #[arg(long, default_value_t = 0.05)]
+    min_p: f32,
+    #[arg(long, default_value_t = 1.0)]
+    repeat_penalty: f32,
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Stop before this string (repeatable).
+    #[arg(long)]
+    stop: Vec<String>,
+    /// Print one JSON object instead of streaming text.
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    kv: KvArgs,
+}
+
+#[derive(Args)]
+struct TokenizeArgs {
+    #[command(flatten)]
+    model: ModelArg,
+    /// The text (default: read stdin).
+    #[arg(long)]
+    text: Option<String>,
+    /// Parse control-token text such as <|im_start|> as control tokens.
+    #[arg(long)]
+    special: bool,
+}
+
+pub(crate) fn parse_size(s: &str) -> std::result::Result<usize, String> {
+    let s = s.trim();
+    let split = s
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size like 512MiB"))?;
+    let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kb" | "kib" => 1024.0,
+        "m" | "mb" | "mib" => 1024.0 * 1024.0,
+        "g" | "gb" | "gib" => 1024.0 * 1024.0 * 1024.0,
+        other => {
+            return Err(format!(
+                "unknown size unit {other:?} (use B, KiB, MiB or GiB)"
+            ))
+        }
+    };
+    Ok((n * mult) as usize)
+}
+
+fn parse_cache_dtype(s: &str) -> std::result::Result<CacheDType, String> {
+    CacheDType::parse(s).ok_or_else(|| format!("{s:?} is not a cache dtype (f16, bf16, f32)"))
+}
+
+/// Loads a model, with a progress bar when stderr is a terminal.
+pub(crate) fn load_model(spec: &str) -> Result<Model> {
+    let source = ModelSource::parse(spec)?;
+    let path = source.resolve()?;
+    let bar = std::io::stderr().is_terminal().then(|| {
+        let b = indicatif::ProgressBar::new(1);
+        b.set_style(
+            indicatif::ProgressStyle::with_template("loading {msg} [{bar:30}] {pos}/{len}")
+                .expect("static template")
+                .progress_chars("=> "),
+        );
+        b.set_message(path.display().to_string());
+        b
+    });
+    let model = Model::load(&path, &mut |done, total| {
+        if let Some(b) = &bar {
+            b.set_length(total as u64);
+            b.set_position(done as u64);
+        }
+    })
+    .with_context(|| format!("loading {}", path.display()))?;
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+    Ok(model)
+}
+
+fn run(args: RunArgs) -> Result<()> {
+    let model = load_model(&args.model.model)?;
+    let mut engine = Engine::from_model(model, args.kv.config(true))?;
+    let prompt = if args.chat {
+        let mut msgs = Vec::new();
+        if let Some(sys) = &args.system {
+            msgs.push(Message::new("system", sys.clone()));
+        }
+        msgs.push(Message::new("user", args.prompt.clone()));
+        Prompt::Chat(msgs)
+    } else {
+        if args.system.is_some() {
+            bail!("--system needs --chat");
+        }
+        Prompt::Text(args.prompt.clone())
+    };
+    let req = GenerateRequest {
+        prompt,
+        sampling: SamplingParams {
+            temperature: args.temperature,
+            top_k: args.top_k,
+            top_p: args.top_p,
+            min_p: args.min_p,
+            repetition_penalty: args.repeat_penalty,
+            seed: args.seed,
+            ..SamplingParams::default()
+        },
+        max_tokens: args.max_tokens,
+        stop: args.stop.clone(),
+        ignore_eos: false,
+    };
+    let mut stdout = std::io::stdout().lock();
+    let json = args.json;
+    let done = engine.generate(&req, &mut |ev| {
+        if !json && !ev.text.is_empty() {
+            let _ = stdout.write_all(ev.text.as_bytes());
+            let _ = stdout.flush();
+        }
+    })?;
+    if json {
+        println!("{}", completion_json(&done));
+    } else {
+        println!();
+    }
+    print_stats(&done);
+    Ok(())
+}
+
+pub(crate) fn completion_json(c: &Completion) -> serde_json::Value {
+    serde_json::json!({
+        "text": c.text,
+        "tokens": c.tokens,
+        "finish_reason": c.finish_reason.as_str(),
+        "usage": {
+            "prompt_tokens": c.usage.prompt_tokens,
+            "cached_tokens": c.usage.cached_tokens,
+            "completion_tokens": c.usage.completion_tokens,
+        },
+        "timings": {
+            "ttft_ms": c.timings.ttft_ms,
+            "prefill_tok_s": c.timings.prefill_tok_s,
+            "decode_tok_s": c.timings.decode_tok_s,
+        },
+    })
+}
+
+fn print_stats(c: &Completion) {
+    let u = c.usage;
+    let t = c.timings;
     eprintln!(
-        "tessera {}: no subcommand is available yet in this build; see README.md for what works today",
-        env!("CARGO_PKG_VERSION")
+        "prompt: {} tokens | cached: {} | new: {} | {:.0} tok/s | TTFT: {:.0} ms",
+        u.prompt_tokens,
+        u.cached_tokens,
+        u.prompt_tokens - u.cached_tokens,
+        t.prefill_tok_s,
+        t.ttft_ms
     );
-    ExitCode::FAILURE
+    eprintln!(
+        "output: {} tokens | {:.1} tok/s | total: {:.1} s",
+        u.completion_tokens, t.decode_tok_s, t.total_s
+    );
+}
+
+fn tokenize(args: TokenizeArgs) -> Result<()> {
+    let model = load_model(&args.model.model)?;
+    let text = match args.text {
+        Some(t) => t,
+        None => {
+            let mut buf = Vec::new();
+            std::io::stdin().read_to_end(&mut buf)?;
+            String::from_utf8(buf).context("stdin is not valid UTF-8")?
+        }
+    };
+    let special = if args.special {
+        Special::Parse
+    } else {
+        Special::AsText
+    };
+    let ids = model.tokenizer.encode(&text, special, false)?;
+    println!("{}", serde_json::to_string(&ids)?);
+    Ok(())
+}
+
+fn detokenize(args: ModelArg) -> Result<()> {
+    let model = load_model(&args.model)?;
+    let mut buf = String::new();
+    std::io::stdin()
+        .read_to_string(&mut buf)
+        .context("stdin is not valid UTF-8")?;
+    let ids: Vec<u32> =
+        serde_json::from_str(buf.trim()).context("stdin must be a JSON array of token ids")?;
+    let vocab = model.config().vocab_size;
+    if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+        bail!("token id {bad} is outside the vocabulary of {vocab}");
+    }
+    print!("{}", model.tokenizer.decode(&ids)?);
+    Ok(())
+}
+
+fn inspect(args: ModelArg) -> Result<()> {
+    let model = load_model(&args.model)?;
+    let c = model.config();
+    let storage: Vec<String> = model
+        .storage
+        .iter()
+        .map(|(k, v)| format!("{k} ×{v}"))
+        .collect();
+    println!("model:          {}", model.path.display());
+    println!(
+        "format:         {:?}, {} bytes",
+        model.format, model.file_bytes
+    );
+    println!(
+        "architecture:   {} (RoPE {:?}, theta {}, scaling {:?})",
+        c.arch.name(),
+        c.rope_style,
+        c.rope_theta,
+        c.rope_scaling
+    );
+    println!("layers:         {}", c.n_layers);
+    println!(
+        "hidden:         {} (intermediate {})",
+        c.hidden_size, c.intermediate_size
+    );
+    println!(
+        "heads:          {} query, {} KV, head_dim {}",
+        c.n_heads, c.n_kv_heads, c.head_dim
+    );
+    println!(
+        "vocab:          {} (tokenizer: {} tokens, end-of-generation ids {:?})",
+        c.vocab_size,
+        model.tokenizer.vocab_size(),
+        model.tokenizer.eog_ids()
+    );
+    println!("tied embedding: {}", c.tie_embeddings);
+    println!("context length: {}", c.context_length);
+    println!("quantization:   {}", storage.join(", "));
+    for (name, bytes) in [("f32", 4), ("f16", 2), ("bf16", 2)] {
+        println!("KV bytes/token: {:>6} B with a {name} cache (2 · {} layers · {} kv_heads · {} head_dim · {bytes} B)", c.kv_bytes_per_token(bytes), c.n_layers, c.n_kv_heads, c.head_dim);
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    if let Some(n) = cli.threads {
+        // candle and the kernels both size their pools from this.
+        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+    }
+    let result = match cli.cmd {
+        Cmd::Run(a) => run(a),
+        Cmd::Tokenize(a) => tokenize(a),
+        Cmd::Detokenize(a) => detokenize(a),
+        Cmd::Inspect(a) => inspect(a),
+        Cmd::Bench(a) => bench::bench(a),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
 }

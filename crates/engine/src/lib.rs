@@ -1,9 +1,27 @@
 //! tessera-engine: the library API.
 //!
 //! **What this crate must not know:** command-line parsing and terminal I/O.
-//! It owns the K/V tensors, applies the plans of tessera-kv and
-//! tessera-sched through tessera-kernels, runs tessera-model, samples, and
-//! keeps sessions, metrics, context shift and save/load.
+//! It owns the K/V tensors, applies the plans of tessera-kv through
+//! tessera-kernels, runs tessera-model, samples, and reports usage and
+//! timings.
 //!
-//! Status: not built yet. The engine issue fills this crate; until then it
-//! exports nothing.
+//! ```text
+//! request → tokens → KvCache::add_sequence (reuse the cached prefix)
+//!         → prefill chunks: append (slots, copy-on-write) → forward
+//!         → decode: sample → append → forward … → stop
+//!         → insert the sequence into the prefix tree → free
+//! ```
+
+mod engine;
+mod error;
+mod sampler;
+mod source;
+
+pub use engine::{
+    CacheDType, Completion, Engine, EngineConfig, FinishReason, GenerateRequest, Prompt, Timings,
+    TokenEvent, Usage,
+};
+pub use error::{EngineError, Result};
+pub use sampler::{Sampler, SamplingParams};
+pub use source::ModelSource;
+pub use tessera_model::{Message, Model};

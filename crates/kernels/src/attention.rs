@@ -49,7 +49,14 @@ impl PagedAttention<'_> {
         // One task per (token, KV head): the group of query heads sharing a
         // KV head converts each cached row to f32 once.
         out.par_chunks_mut(group * hd).enumerate().for_each_init(
-            || (vec![0f32; bs * hd], vec![0f32; bs * hd], vec![0f32; bs], vec![0f32; 2 * group]),
+            || {
+                (
+                    vec![0f32; bs * hd],
+                    vec![0f32; bs * hd],
+                    vec![0f32; bs],
+                    vec![0f32; 2 * group],
+                )
+            },
             |(kbuf, vbuf, scores, ml), (idx, acc)| {
                 let (t, g) = (idx / kvh, idx % kvh);
                 let pos = m.token_pos[t] as usize;
@@ -105,7 +112,12 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     // Eight independent accumulators let the compiler vectorize.
     let mut acc = [0f32; 8];
     let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
+    let tail: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
     for (x, y) in ca.zip(cb) {
         for i in 0..8 {
             acc[i] += x[i] * y[i];
@@ -130,15 +142,21 @@ impl CustomOp3 for PagedAttention<'_> {
     ) -> Result<(CpuStorage, Shape)> {
         let q = f32_data(s1, l1, "queries")?;
         let out = match (s2, s3) {
-            (CpuStorage::F32(k), CpuStorage::F32(v)) => {
-                self.run(q, contiguous(k, l2, "K cache")?, contiguous(v, l3, "V cache")?)
-            }
-            (CpuStorage::F16(k), CpuStorage::F16(v)) => {
-                self.run(q, contiguous(k, l2, "K cache")?, contiguous(v, l3, "V cache")?)
-            }
-            (CpuStorage::BF16(k), CpuStorage::BF16(v)) => {
-                self.run(q, contiguous(k, l2, "K cache")?, contiguous(v, l3, "V cache")?)
-            }
+            (CpuStorage::F32(k), CpuStorage::F32(v)) => self.run(
+                q,
+                contiguous(k, l2, "K cache")?,
+                contiguous(v, l3, "V cache")?,
+            ),
+            (CpuStorage::F16(k), CpuStorage::F16(v)) => self.run(
+                q,
+                contiguous(k, l2, "K cache")?,
+                contiguous(v, l3, "V cache")?,
+            ),
+            (CpuStorage::BF16(k), CpuStorage::BF16(v)) => self.run(
+                q,
+                contiguous(k, l2, "K cache")?,
+                contiguous(v, l3, "V cache")?,
+            ),
             (k, v) => bail!(
                 "paged_attention: K/V caches must share an f32/f16/bf16 dtype, got {:?}/{:?}",
                 candle_core::backend::BackendStorage::dtype(k),
@@ -149,14 +167,27 @@ impl CustomOp3 for PagedAttention<'_> {
     }
 }
 
-fn check(q: &Tensor, k_cache: &Tensor, v_cache: &Tensor, meta: &PagedMeta) -> Result<(usize, usize, usize)> {
+fn check(
+    q: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    meta: &PagedMeta,
+) -> Result<(usize, usize, usize)> {
     let (t, nh, hd) = q.dims3()?;
     let (nb, bs, kvh, khd) = crate::cache_geometry(k_cache)?;
     if k_cache.shape() != v_cache.shape() || !v_cache.is_contiguous() {
-        bail!("paged_attention: K {:?} and V {:?} caches differ", k_cache.shape(), v_cache.shape())
+        bail!(
+            "paged_attention: K {:?} and V {:?} caches differ",
+            k_cache.shape(),
+            v_cache.shape()
+        )
     }
     if khd != hd || kvh == 0 || nh % kvh != 0 {
-        bail!("paged_attention: queries {:?} do not fit cache {:?}", q.shape(), k_cache.shape())
+        bail!(
+            "paged_attention: queries {:?} do not fit cache {:?}",
+            q.shape(),
+            k_cache.shape()
+        )
     }
     if bs != meta.block_size || meta.token_seq.len() != t || meta.token_pos.len() != t {
         bail!(
@@ -166,7 +197,10 @@ fn check(q: &Tensor, k_cache: &Tensor, v_cache: &Tensor, meta: &PagedMeta) -> Re
         )
     }
     if meta.max_blocks == 0 || meta.block_tables.len() % meta.max_blocks != 0 {
-        bail!("paged_attention: block tables are not [num_seqs, {}]", meta.max_blocks)
+        bail!(
+            "paged_attention: block tables are not [num_seqs, {}]",
+            meta.max_blocks
+        )
     }
     let num_seqs = meta.block_tables.len() / meta.max_blocks;
     for (&s, &p) in meta.token_seq.iter().zip(meta.token_pos) {
@@ -184,29 +218,59 @@ fn check(q: &Tensor, k_cache: &Tensor, v_cache: &Tensor, meta: &PagedMeta) -> Re
 
 /// Attention output `[tokens, n_heads, head_dim]` (f32) for queries `q`
 /// (`[tokens, n_heads, head_dim]`, f32, RoPE applied) over the caches.
-pub fn paged_attention(q: &Tensor, k_cache: &Tensor, v_cache: &Tensor, meta: &PagedMeta) -> Result<Tensor> {
+pub fn paged_attention(
+    q: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    meta: &PagedMeta,
+) -> Result<Tensor> {
     let (n_heads, n_kv_heads, head_dim) = check(q, k_cache, v_cache, meta)?;
     let q = q.to_dtype(DType::F32)?.contiguous()?;
-    let op = PagedAttention { meta: *meta, n_heads, n_kv_heads, head_dim };
+    let op = PagedAttention {
+        meta: *meta,
+        n_heads,
+        n_kv_heads,
+        head_dim,
+    };
     q.apply_op3_no_bwd(k_cache, v_cache, &op)
 }
 
 /// Reference for [`paged_attention`] in plain candle ops, one token at a
 /// time: gather the context rows, repeat KV heads, softmax(q·Kᵀ·scale)·V.
-pub fn paged_attention_slow(q: &Tensor, k_cache: &Tensor, v_cache: &Tensor, meta: &PagedMeta) -> Result<Tensor> {
+pub fn paged_attention_slow(
+    q: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    meta: &PagedMeta,
+) -> Result<Tensor> {
     let (nh, kvh, hd) = check(q, k_cache, v_cache, meta)?;
     let (nb, bs, _, _) = k_cache.dims4()?;
     let kf = k_cache.to_dtype(DType::F32)?.reshape((nb * bs, kvh, hd))?;
     let vf = v_cache.to_dtype(DType::F32)?.reshape((nb * bs, kvh, hd))?;
-    let head_map = Tensor::new((0..nh as u32).map(|h| h / (nh / kvh) as u32).collect::<Vec<_>>(), q.device())?;
+    let head_map = Tensor::new(
+        (0..nh as u32)
+            .map(|h| h / (nh / kvh) as u32)
+            .collect::<Vec<_>>(),
+        q.device(),
+    )?;
     let mut outs = Vec::new();
     for (t, (&s, &p)) in meta.token_seq.iter().zip(meta.token_pos).enumerate() {
         let table = &meta.block_tables[s as usize * meta.max_blocks..];
-        let slots: Vec<u32> = (0..=p as usize).map(|j| table[j / bs] * bs as u32 + (j % bs) as u32).collect();
+        let slots: Vec<u32> = (0..=p as usize)
+            .map(|j| table[j / bs] * bs as u32 + (j % bs) as u32)
+            .collect();
         let slots = Tensor::new(slots, q.device())?;
         // [L, kvh, hd] -> [L, nh, hd] -> [nh, L, hd]
-        let k = kf.index_select(&slots, 0)?.index_select(&head_map, 1)?.transpose(0, 1)?.contiguous()?;
-        let v = vf.index_select(&slots, 0)?.index_select(&head_map, 1)?.transpose(0, 1)?.contiguous()?;
+        let k = kf
+            .index_select(&slots, 0)?
+            .index_select(&head_map, 1)?
+            .transpose(0, 1)?
+            .contiguous()?;
+        let v = vf
+            .index_select(&slots, 0)?
+            .index_select(&head_map, 1)?
+            .transpose(0, 1)?
+            .contiguous()?;
         let qt = q.get(t)?.to_dtype(DType::F32)?.unsqueeze(1)?; // [nh, 1, hd]
         let scores = (qt.matmul(&k.t()?)? * meta.scale as f64)?; // [nh, 1, L]
         let max = scores.max_keepdim(2)?;

@@ -36,7 +36,9 @@ fn check(cache: &Tensor, pairs: &[(u32, u32)]) -> Result<usize> {
     }
     let mut dsts: Vec<u32> = pairs.iter().map(|p| p.1).collect();
     dsts.sort_unstable();
-    if dsts.windows(2).any(|w| w[0] == w[1]) || pairs.iter().any(|p| dsts.binary_search(&p.0).is_ok()) {
+    if dsts.windows(2).any(|w| w[0] == w[1])
+        || pairs.iter().any(|p| dsts.binary_search(&p.0).is_ok())
+    {
         bail!("copy_blocks: a destination repeats or is also a source; pairs must be independent")
     }
     Ok(bs * kvh * hd)

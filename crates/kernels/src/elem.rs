@@ -44,7 +44,11 @@ pub(crate) fn contiguous<'a, T>(data: &'a [T], layout: &Layout, what: &str) -> R
     }
 }
 
-pub(crate) fn contiguous_mut<'a, T>(data: &'a mut [T], layout: &Layout, what: &str) -> Result<&'a mut [T]> {
+pub(crate) fn contiguous_mut<'a, T>(
+    data: &'a mut [T],
+    layout: &Layout,
+    what: &str,
+) -> Result<&'a mut [T]> {
     match layout.contiguous_offsets() {
         Some((a, b)) => Ok(&mut data[a..b]),
         None => bail!("{what} must be contiguous"),
@@ -55,7 +59,10 @@ pub(crate) fn contiguous_mut<'a, T>(data: &'a mut [T], layout: &Layout, what: &s
 pub(crate) fn f32_data<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f32]> {
     match s {
         CpuStorage::F32(v) => contiguous(v, l, what),
-        other => bail!("{what} must be f32, got {:?}", candle_core::backend::BackendStorage::dtype(other)),
+        other => bail!(
+            "{what} must be f32, got {:?}",
+            candle_core::backend::BackendStorage::dtype(other)
+        ),
     }
 }
 
@@ -75,7 +82,10 @@ macro_rules! with_cache_mut {
                 let $v = $crate::elem::contiguous_mut(d, $layout, "KV cache")?;
                 $body
             }
-            other => candle_core::bail!("KV cache dtype {:?} is not supported (f32, f16, bf16)", candle_core::backend::BackendStorage::dtype(other)),
+            other => candle_core::bail!(
+                "KV cache dtype {:?} is not supported (f32, f16, bf16)",
+                candle_core::backend::BackendStorage::dtype(other)
+            ),
         }
     };
 }

@@ -46,27 +46,55 @@ impl InplaceOp1 for MoveSlots<'_> {
     }
 }
 
-fn check(k_cache: &Tensor, v_cache: &Tensor, moves: &[(u32, u32)], rotation: &Rotation) -> Result<(usize, usize)> {
+fn check(
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    moves: &[(u32, u32)],
+    rotation: &Rotation,
+) -> Result<(usize, usize)> {
     let (nb, bs, kvh, hd) = crate::cache_geometry(k_cache)?;
     if k_cache.shape() != v_cache.shape() || !v_cache.is_contiguous() {
-        bail!("shift_kv: K {:?} and V {:?} caches differ", k_cache.shape(), v_cache.shape())
+        bail!(
+            "shift_kv: K {:?} and V {:?} caches differ",
+            k_cache.shape(),
+            v_cache.shape()
+        )
     }
     if rotation.inv_freq.len() * 2 != hd {
-        bail!("shift_kv: {} inverse frequencies for head_dim {hd}", rotation.inv_freq.len())
+        bail!(
+            "shift_kv: {} inverse frequencies for head_dim {hd}",
+            rotation.inv_freq.len()
+        )
     }
-    if let Some(m) = moves.iter().find(|m| m.0 as usize >= nb * bs || m.1 as usize >= nb * bs) {
-        bail!("shift_kv: move {m:?} outside the cache of {} slots", nb * bs)
+    if let Some(m) = moves
+        .iter()
+        .find(|m| m.0 as usize >= nb * bs || m.1 as usize >= nb * bs)
+    {
+        bail!(
+            "shift_kv: move {m:?} outside the cache of {} slots",
+            nb * bs
+        )
     }
     Ok((kvh, hd))
 }
 
 /// Carries out slot `moves` on both caches, rotating moved K by `rotation`.
-pub fn shift_kv(k_cache: &Tensor, v_cache: &Tensor, moves: &[(u32, u32)], rotation: &Rotation) -> Result<()> {
+pub fn shift_kv(
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    moves: &[(u32, u32)],
+    rotation: &Rotation,
+) -> Result<()> {
     let (n_kv_heads, head_dim) = check(k_cache, v_cache, moves, rotation)?;
     if moves.is_empty() {
         return Ok(());
     }
-    let op = |rotation| MoveSlots { moves, rotation, n_kv_heads, head_dim };
+    let op = |rotation| MoveSlots {
+        moves,
+        rotation,
+        n_kv_heads,
+        head_dim,
+    };
     k_cache.inplace_op1(&op(Some(rotation)))?;
     v_cache.inplace_op1(&op(None))
 }
@@ -102,14 +130,19 @@ pub fn shift_kv_slow(
         crate::RopeStyle::Neox => (rows.narrow(2, 0, half)?, rows.narrow(2, half, half)?),
         crate::RopeStyle::Interleaved => {
             let r = rows.reshape((moves.len(), kvh, half, 2))?;
-            (r.narrow(3, 0, 1)?.squeeze(3)?, r.narrow(3, 1, 1)?.squeeze(3)?)
+            (
+                r.narrow(3, 0, 1)?.squeeze(3)?,
+                r.narrow(3, 1, 1)?.squeeze(3)?,
+            )
         }
     };
     let y0 = (x0.broadcast_mul(&cos)? - x1.broadcast_mul(&sin)?)?;
     let y1 = (x0.broadcast_mul(&sin)? + x1.broadcast_mul(&cos)?)?;
     let rotated = match rotation.style {
         crate::RopeStyle::Neox => Tensor::cat(&[&y0, &y1], 2)?,
-        crate::RopeStyle::Interleaved => Tensor::stack(&[&y0, &y1], 3)?.reshape((moves.len(), kvh, hd))?,
+        crate::RopeStyle::Interleaved => {
+            Tensor::stack(&[&y0, &y1], 3)?.reshape((moves.len(), kvh, hd))?
+        }
     };
     let gather = |cache: &Tensor, moved: Tensor| -> Result<Tensor> {
         let flat = cache.reshape((n, kvh, hd))?;
@@ -132,10 +165,16 @@ mod tests {
     fn matches_reference_for_both_rope_styles() -> Result<()> {
         // Positions 6..10 move down by 4 (a plan_shift of keep 2, discard 4).
         let moves: Vec<(u32, u32)> = (6..10).map(|p| (p, p - 4)).collect();
-        let inv_freq: Vec<f32> = (0..4).map(|i| 10000f32.powf(-(2 * i) as f32 / 8.0)).collect();
+        let inv_freq: Vec<f32> = (0..4)
+            .map(|i| 10000f32.powf(-(2 * i) as f32 / 8.0))
+            .collect();
         for style in [RopeStyle::Interleaved, RopeStyle::Neox] {
             for dtype in [DType::F32, DType::F16] {
-                let rot = Rotation { style, inv_freq: inv_freq.clone(), delta: -4 };
+                let rot = Rotation {
+                    style,
+                    inv_freq: inv_freq.clone(),
+                    delta: -4,
+                };
                 let k = seeded(&[3, 4, 2, 8], 11, dtype)?;
                 let v = seeded(&[3, 4, 2, 8], 12, dtype)?;
                 let (wk, wv) = shift_kv_slow(&k, &v, &moves, &rot)?;
@@ -151,10 +190,16 @@ mod tests {
     #[test]
     fn rotation_by_delta_equals_rope_at_the_new_position() {
         // R(p - d) x == R(-d) R(p) x, for a single head.
-        let inv_freq: Vec<f32> = (0..4).map(|i| 10000f32.powf(-(2 * i) as f32 / 8.0)).collect();
+        let inv_freq: Vec<f32> = (0..4)
+            .map(|i| 10000f32.powf(-(2 * i) as f32 / 8.0))
+            .collect();
         let x: Vec<f32> = (0..8).map(|i| (i as f32 * 0.37).sin()).collect();
         for style in [RopeStyle::Interleaved, RopeStyle::Neox] {
-            let rot = |delta| Rotation { style, inv_freq: inv_freq.clone(), delta };
+            let rot = |delta| Rotation {
+                style,
+                inv_freq: inv_freq.clone(),
+                delta,
+            };
             let apply = |r: &Rotation, v: &mut Vec<f32>| {
                 let (c, s) = r.cos_sin();
                 r.apply(v, &c, &s);

@@ -20,7 +20,13 @@ impl InplaceOp2 for WriteKv<'_> {
         "write_kv"
     }
 
-    fn cpu_fwd(&self, s1: &mut CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<()> {
+    fn cpu_fwd(
+        &self,
+        s1: &mut CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<()> {
         let new = f32_data(s2, l2, "new K/V")?;
         let row = new.len() / self.slots.len().max(1);
         with_cache_mut!(s1, l1, |cache| write_rows(cache, new, self.slots, row));
@@ -63,7 +69,9 @@ pub fn write_kv_slow(cache: &Tensor, new: &Tensor, slots: &[u32]) -> Result<Tens
     let (nb, bs, kvh, hd) = cache.dims4()?;
     let n = nb * bs;
     let flat = cache.reshape((n, kvh * hd))?;
-    let rows = new.to_dtype(cache.dtype())?.reshape((slots.len(), kvh * hd))?;
+    let rows = new
+        .to_dtype(cache.dtype())?
+        .reshape((slots.len(), kvh * hd))?;
     let mut pick: Vec<u32> = (0..n as u32).collect();
     for (i, &s) in slots.iter().enumerate() {
         pick[s as usize] = (n + i) as u32;

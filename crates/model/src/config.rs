@@ -38,7 +38,9 @@ impl Arch {
 pub enum RopeScaling {
     None,
     /// Positions divided by `factor` (all frequencies divided by it).
-    Linear { factor: f32 },
+    Linear {
+        factor: f32,
+    },
     /// Llama 3.1: low frequencies divided by `factor`, high kept, smooth in
     /// between.
     Llama3 {
@@ -93,8 +95,17 @@ impl ModelConfig {
             RopeScaling::None => base,
             RopeScaling::Linear { factor } => base.iter().map(|f| f / *factor as f64).collect(),
             RopeScaling::Factors(div) => base.iter().zip(div).map(|(f, d)| f / *d as f64).collect(),
-            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_context } => {
-                let (factor, lo, hi) = (*factor as f64, *low_freq_factor as f64, *high_freq_factor as f64);
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_context,
+            } => {
+                let (factor, lo, hi) = (
+                    *factor as f64,
+                    *low_freq_factor as f64,
+                    *high_freq_factor as f64,
+                );
                 let old = *original_context as f64;
                 let (low_wavelen, high_wavelen) = (old / lo, old / hi);
                 base.iter()
@@ -121,14 +132,24 @@ impl ModelConfig {
             return bad(format!("empty geometry {self:?}"));
         }
         if self.n_heads % self.n_kv_heads != 0 {
-            return bad(format!("{} heads are not a multiple of {} KV heads", self.n_heads, self.n_kv_heads));
+            return bad(format!(
+                "{} heads are not a multiple of {} KV heads",
+                self.n_heads, self.n_kv_heads
+            ));
         }
         if self.head_dim % 2 != 0 {
-            return bad(format!("head_dim {} is odd; RoPE needs pairs", self.head_dim));
+            return bad(format!(
+                "head_dim {} is odd; RoPE needs pairs",
+                self.head_dim
+            ));
         }
         if let RopeScaling::Factors(f) = &self.rope_scaling {
             if f.len() * 2 != self.head_dim {
-                return bad(format!("{} RoPE frequency factors for head_dim {}", f.len(), self.head_dim));
+                return bad(format!(
+                    "{} RoPE frequency factors for head_dim {}",
+                    f.len(),
+                    self.head_dim
+                ));
             }
         }
         Ok(())
@@ -201,7 +222,11 @@ impl HfConfig {
                     high_freq_factor: s.high_freq_factor.unwrap_or(4.0),
                     original_context: s.original_max_position_embeddings.unwrap_or(8192),
                 },
-                (other, _) => return Err(ModelError::Config(format!("unsupported rope_scaling type {other:?}"))),
+                (other, _) => {
+                    return Err(ModelError::Config(format!(
+                        "unsupported rope_scaling type {other:?}"
+                    )))
+                }
             },
         };
         let cfg = ModelConfig {
@@ -212,7 +237,9 @@ impl HfConfig {
             n_layers: self.num_hidden_layers,
             n_heads: self.num_attention_heads,
             n_kv_heads: self.num_key_value_heads.unwrap_or(self.num_attention_heads),
-            head_dim: self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads),
+            head_dim: self
+                .head_dim
+                .unwrap_or(self.hidden_size / self.num_attention_heads),
             rms_eps: self.rms_norm_eps,
             rope_theta: self.rope_theta,
             rope_scaling,
@@ -253,12 +280,28 @@ mod tests {
     #[test]
     fn rope_frequencies_follow_the_scaling() {
         assert_eq!(cfg(RopeScaling::None).inv_freq(), vec![1.0, 0.01]);
-        assert_eq!(cfg(RopeScaling::Linear { factor: 2.0 }).inv_freq(), vec![0.5, 0.005]);
-        assert_eq!(cfg(RopeScaling::Factors(vec![1.0, 4.0])).inv_freq(), vec![1.0, 0.0025]);
+        assert_eq!(
+            cfg(RopeScaling::Linear { factor: 2.0 }).inv_freq(),
+            vec![0.5, 0.005]
+        );
+        assert_eq!(
+            cfg(RopeScaling::Factors(vec![1.0, 4.0])).inv_freq(),
+            vec![1.0, 0.0025]
+        );
         // Llama 3: wavelength 2π < 8192/4 keeps f = 1; 2π/0.01 = 628 < 2048 keeps 0.01 too.
-        let l3 = RopeScaling::Llama3 { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_context: 8192 };
+        let l3 = RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_context: 8192,
+        };
         assert_eq!(cfg(l3).inv_freq(), vec![1.0, 0.01]);
-        let l3 = RopeScaling::Llama3 { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_context: 64 };
+        let l3 = RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_context: 64,
+        };
         // 628 > 64: the low frequency is divided by the factor.
         assert_eq!(cfg(l3).inv_freq(), vec![1.0, 0.00125]);
         assert_eq!(cfg(RopeScaling::None).kv_bytes_per_token(2), 2 * 4 * 2);

@@ -14,6 +14,8 @@ mod model;
 mod qlinear;
 mod template;
 pub mod testing;
+#[cfg(test)]
+mod tests;
 mod tokenizer;
 
 pub use config::{Arch, ModelConfig, RopeScaling};

@@ -148,7 +148,15 @@ impl Attention for DenseAttention<'_> {
         let scores = (q.matmul(&k.t()?)? * self.scale)?;
         let start = self.start;
         let mask: Vec<f32> = (0..t)
-            .flat_map(|i| (0..total).map(move |j| if j > start + i { f32::NEG_INFINITY } else { 0.0 }))
+            .flat_map(|i| {
+                (0..total).map(move |j| {
+                    if j > start + i {
+                        f32::NEG_INFINITY
+                    } else {
+                        0.0
+                    }
+                })
+            })
             .collect();
         let mask = Tensor::from_vec(mask, (t, total), q.device())?;
         let probs = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&mask)?)?;
@@ -167,14 +175,23 @@ fn linear(m: &QLinear, x: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
 impl Llama {
     /// Loads every weight from `src`. The one place that knows the layer
     /// structure, for GGUF and safetensors alike.
-    pub(crate) fn build(src: &mut Source, cfg: ModelConfig, device: &Device, progress: &mut dyn FnMut(usize, usize)) -> Result<Llama> {
+    pub(crate) fn build(
+        src: &mut Source,
+        cfg: ModelConfig,
+        device: &Device,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Llama> {
         let total = cfg.n_layers + 2;
         let (embed, tied_head) = src.embedding(device)?;
         progress(1, total);
         let mut layers = Vec::with_capacity(cfg.n_layers);
         for l in 0..cfg.n_layers {
             let bias = |src: &mut Source, w: W| -> Result<Option<Tensor>> {
-                Ok(if cfg.qkv_bias { Some(src.vector(w, device)?) } else { None })
+                Ok(if cfg.qkv_bias {
+                    Some(src.vector(w, device)?)
+                } else {
+                    None
+                })
             };
             layers.push(Layer {
                 attn_norm: src.vector(W::AttnNorm(l), device)?,
@@ -193,10 +210,22 @@ impl Llama {
             progress(l + 2, total);
         }
         let norm = src.vector(W::OutNorm, device)?;
-        let lm_head = if src.has(W::Output) { src.matmul(W::Output, device)? } else { tied_head };
+        let lm_head = if src.has(W::Output) {
+            src.matmul(W::Output, device)?
+        } else {
+            tied_head
+        };
         progress(total, total);
         let inv_freq = cfg.inv_freq();
-        Ok(Llama { cfg, embed, layers, norm, lm_head, inv_freq, device: device.clone() })
+        Ok(Llama {
+            cfg,
+            embed,
+            layers,
+            norm,
+            lm_head,
+            inv_freq,
+            device: device.clone(),
+        })
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -213,8 +242,18 @@ impl Llama {
     }
 
     /// Allocates a zeroed paged cache of `num_blocks` blocks per layer.
-    pub fn new_cache(&self, num_blocks: usize, block_size: usize, dtype: DType) -> Result<Vec<LayerKv>> {
-        let shape = (num_blocks, block_size, self.cfg.n_kv_heads, self.cfg.head_dim);
+    pub fn new_cache(
+        &self,
+        num_blocks: usize,
+        block_size: usize,
+        dtype: DType,
+    ) -> Result<Vec<LayerKv>> {
+        let shape = (
+            num_blocks,
+            block_size,
+            self.cfg.n_kv_heads,
+            self.cfg.head_dim,
+        );
         (0..self.cfg.n_layers)
             .map(|_| {
                 Ok(LayerKv {
@@ -232,7 +271,11 @@ impl Llama {
     /// Logits `[logits_for.len(), vocab]` (f32) for a batch over the paged
     /// cache; writes the batch's K/V into its slots.
     pub fn forward(&self, batch: &Batch, cache: &[LayerKv]) -> Result<Tensor> {
-        let mut attn = PagedAttention { cache, batch, scale: self.scale() };
+        let mut attn = PagedAttention {
+            cache,
+            batch,
+            scale: self.scale(),
+        };
         let picks = Tensor::new(batch.logits_for, &self.device)?;
         self.run(batch.tokens, batch.positions, &mut attn, &picks)
     }
@@ -243,7 +286,12 @@ impl Llama {
         let start = kv.len;
         let positions: Vec<u32> = (start..start + tokens.len()).map(|p| p as u32).collect();
         let n_rep = self.cfg.n_heads / self.cfg.n_kv_heads;
-        let mut attn = DenseAttention { kv, start, n_rep, scale: self.scale() as f64 };
+        let mut attn = DenseAttention {
+            kv,
+            start,
+            n_rep,
+            scale: self.scale() as f64,
+        };
         let picks = Tensor::new(&[tokens.len() as u32 - 1], &self.device)?;
         let out = self.run(tokens, &positions, &mut attn, &picks)?;
         attn.kv.len += tokens.len();
@@ -263,7 +311,10 @@ impl Llama {
             }
         }
         let shape = (positions.len(), 1, half);
-        Ok((Tensor::from_vec(cos, shape, &self.device)?, Tensor::from_vec(sin, shape, &self.device)?))
+        Ok((
+            Tensor::from_vec(cos, shape, &self.device)?,
+            Tensor::from_vec(sin, shape, &self.device)?,
+        ))
     }
 
     fn rope(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
@@ -278,7 +329,13 @@ impl Llama {
         Ok(y.reshape((t, h, d))?)
     }
 
-    fn run(&self, tokens: &[u32], positions: &[u32], attn: &mut dyn Attention, picks: &Tensor) -> Result<Tensor> {
+    fn run(
+        &self,
+        tokens: &[u32],
+        positions: &[u32],
+        attn: &mut dyn Attention,
+        picks: &Tensor,
+    ) -> Result<Tensor> {
         let cfg = &self.cfg;
         let t = tokens.len();
         let (nh, kvh, hd) = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim);
@@ -299,6 +356,13 @@ impl Llama {
             let g = layer.gate.forward(&h)?.silu()?;
             let u = layer.up.forward(&h)?;
             x = (x + layer.down.forward(&(g * u)?)?)?;
+        }
+        if picks.dim(0)? == 0 {
+            return Ok(Tensor::zeros(
+                (0, cfg.vocab_size),
+                DType::F32,
+                &self.device,
+            )?);
         }
         let x = x.index_select(picks, 0)?;
         let x = candle_nn::ops::rms_norm(&x, &self.norm, eps)?;

@@ -90,7 +90,10 @@ impl GgufFile {
     /// Opens and validates a GGUF file: magic, header, metadata, and that
     /// every tensor's data lies inside the file.
     pub fn open(path: &Path) -> Result<GgufFile> {
-        let io = |source| ModelError::Io { path: path.to_path_buf(), source };
+        let io = |source| ModelError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
         if !path.exists() {
             return Err(ModelError::NotFound(path.to_path_buf()));
         }
@@ -98,15 +101,24 @@ impl GgufFile {
         let len = file.metadata().map_err(io)?.len();
         let mut magic = [0u8; 4];
         if len < 4 || file.read_exact(&mut magic).is_err() || &magic != b"GGUF" {
-            return Err(ModelError::NotGguf { path: path.to_path_buf(), magic });
+            return Err(ModelError::NotGguf {
+                path: path.to_path_buf(),
+                magic,
+            });
         }
         file.rewind().map_err(io)?;
         let mut reader = BufReader::new(file);
-        let corrupt = |reason: String| ModelError::CorruptGguf { path: path.to_path_buf(), reason };
+        let corrupt = |reason: String| ModelError::CorruptGguf {
+            path: path.to_path_buf(),
+            reason,
+        };
         let content = gguf_file::Content::read(&mut reader).map_err(|e| {
             let msg = e.to_string();
             if msg.contains("unknown dtype") {
-                ModelError::UnsupportedQuantization { tensor: "(header)".into(), dtype: msg }
+                ModelError::UnsupportedQuantization {
+                    tensor: "(header)".into(),
+                    dtype: msg,
+                }
             } else {
                 corrupt(msg)
             }
@@ -121,7 +133,11 @@ impl GgufFile {
                 )));
             }
         }
-        Ok(GgufFile { path: path.to_path_buf(), content, reader })
+        Ok(GgufFile {
+            path: path.to_path_buf(),
+            content,
+            reader,
+        })
     }
 
     pub fn meta(&self, key: &str) -> Option<&gguf_file::Value> {
@@ -136,7 +152,9 @@ impl GgufFile {
     }
 
     pub fn meta_u32(&self, key: &str) -> Result<u32> {
-        let v = self.meta(key).ok_or_else(|| ModelError::Missing(format!("GGUF metadata {key}")))?;
+        let v = self
+            .meta(key)
+            .ok_or_else(|| ModelError::Missing(format!("GGUF metadata {key}")))?;
         v.to_u32()
             .or_else(|_| v.to_u64().map(|x| x as u32))
             .or_else(|_| v.to_i32().map(|x| x as u32))
@@ -150,7 +168,10 @@ impl GgufFile {
     pub(crate) fn qtensor(&mut self, name: &str, device: &Device) -> Result<QTensor> {
         self.content
             .tensor(&mut self.reader, name, device)
-            .map_err(|e| ModelError::CorruptGguf { path: self.path.clone(), reason: format!("tensor {name}: {e}") })
+            .map_err(|e| ModelError::CorruptGguf {
+                path: self.path.clone(),
+                reason: format!("tensor {name}: {e}"),
+            })
     }
 
     /// The model configuration from `{arch}.*` metadata.
@@ -166,16 +187,32 @@ impl GgufFile {
             .unwrap_or(hidden / n_heads.max(1));
         let vocab_size = match self.meta_u32(&k("vocab_size")) {
             Ok(v) => v as usize,
-            Err(_) => self.meta("tokenizer.ggml.tokens").and_then(|v| v.to_vec().ok()).map(|v| v.len()).unwrap_or(0),
+            Err(_) => self
+                .meta("tokenizer.ggml.tokens")
+                .and_then(|v| v.to_vec().ok())
+                .map(|v| v.len())
+                .unwrap_or(0),
         };
         let rope_scaling = if self.content.tensor_infos.contains_key("rope_freqs.weight") {
-            let t = self.qtensor("rope_freqs.weight", &Device::Cpu)?.dequantize(&Device::Cpu)?;
+            let t = self
+                .qtensor("rope_freqs.weight", &Device::Cpu)?
+                .dequantize(&Device::Cpu)?;
             RopeScaling::Factors(t.to_dtype(DType::F32)?.to_vec1()?)
         } else {
-            match self.meta(&k("rope.scaling.type")).and_then(|v| v.to_string().ok()).map(|s| s.as_str()) {
-                Some("linear") => RopeScaling::Linear { factor: self.meta_f32(&k("rope.scaling.factor")).unwrap_or(1.0) },
+            match self
+                .meta(&k("rope.scaling.type"))
+                .and_then(|v| v.to_string().ok())
+                .map(|s| s.as_str())
+            {
+                Some("linear") => RopeScaling::Linear {
+                    factor: self.meta_f32(&k("rope.scaling.factor")).unwrap_or(1.0),
+                },
                 None | Some("none") => RopeScaling::None,
-                Some(other) => return Err(ModelError::Config(format!("unsupported RoPE scaling {other:?}"))),
+                Some(other) => {
+                    return Err(ModelError::Config(format!(
+                        "unsupported RoPE scaling {other:?}"
+                    )))
+                }
             }
         };
         if let Ok(dims) = self.meta_u32(&k("rope.dimension_count")) {
@@ -192,9 +229,14 @@ impl GgufFile {
             intermediate_size: self.meta_u32(&k("feed_forward_length"))? as usize,
             n_layers: self.meta_u32(&k("block_count"))? as usize,
             n_heads,
-            n_kv_heads: self.meta_u32(&k("attention.head_count_kv")).map(|v| v as usize).unwrap_or(n_heads),
+            n_kv_heads: self
+                .meta_u32(&k("attention.head_count_kv"))
+                .map(|v| v as usize)
+                .unwrap_or(n_heads),
             head_dim,
-            rms_eps: self.meta_f32(&k("attention.layer_norm_rms_epsilon")).unwrap_or(1e-5) as f64,
+            rms_eps: self
+                .meta_f32(&k("attention.layer_norm_rms_epsilon"))
+                .unwrap_or(1e-5) as f64,
             rope_theta: self.meta_f32(&k("rope.freq_base")).unwrap_or(10_000.0),
             rope_scaling,
             // llama.cpp: LLM_ARCH_LLAMA / MISTRAL use LLAMA_ROPE_TYPE_NORM
@@ -203,7 +245,10 @@ impl GgufFile {
                 Arch::Llama | Arch::Mistral => RopeStyle::Interleaved,
                 Arch::Qwen2 => RopeStyle::Neox,
             },
-            context_length: self.meta_u32(&k("context_length")).map(|v| v as usize).unwrap_or(4096),
+            context_length: self
+                .meta_u32(&k("context_length"))
+                .map(|v| v as usize)
+                .unwrap_or(4096),
             tie_embeddings: !self.content.tensor_infos.contains_key("output.weight"),
             qkv_bias: self.content.tensor_infos.contains_key("blk.0.attn_q.bias"),
         };
@@ -240,7 +285,10 @@ impl HfDir {
             .collect();
         files.sort();
         if files.is_empty() {
-            return Err(ModelError::Missing(format!("*.safetensors files in {}", dir.display())));
+            return Err(ModelError::Missing(format!(
+                "*.safetensors files in {}",
+                dir.display()
+            )));
         }
         let mut tensors = HashMap::new();
         for f in &files {
@@ -248,7 +296,13 @@ impl HfDir {
                 .map_err(|e| ModelError::Config(format!("{}: {e}", f.display())))?;
             tensors.extend(loaded);
         }
-        Ok((HfDir { dir: dir.to_path_buf(), tensors }, cfg))
+        Ok((
+            HfDir {
+                dir: dir.to_path_buf(),
+                tensors,
+            },
+            cfg,
+        ))
     }
 }
 

@@ -52,16 +52,26 @@ impl Model {
         let is_dir = path.is_dir();
         let is_safetensors = path.extension().is_some_and(|e| e == "safetensors");
         if is_dir || is_safetensors {
-            let dir = if is_dir { path } else { path.parent().unwrap_or(Path::new(".")) };
+            let dir = if is_dir {
+                path
+            } else {
+                path.parent().unwrap_or(Path::new("."))
+            };
             return Self::load_hf(dir, &device, progress);
         }
         let mut g = GgufFile::open(path)?;
         let cfg = g.config()?;
         let tokenizer = Tokenizer::from_gguf(&g)?;
         let token_text = |key: &str| {
-            g.meta_u32(key).ok().and_then(|id| tokenizer.id_to_token(id)).unwrap_or_default()
+            g.meta_u32(key)
+                .ok()
+                .and_then(|id| tokenizer.id_to_token(id))
+                .unwrap_or_default()
         };
-        let (bos, eos) = (token_text("tokenizer.ggml.bos_token_id"), token_text("tokenizer.ggml.eos_token_id"));
+        let (bos, eos) = (
+            token_text("tokenizer.ggml.bos_token_id"),
+            token_text("tokenizer.ggml.eos_token_id"),
+        );
         let template = match g.meta_str("tokenizer.chat_template") {
             Ok(src) => ChatTemplate::new(src, &bos, &eos)?,
             Err(_) => ChatTemplate::new(CHATML, &bos, &eos)?,
@@ -80,10 +90,23 @@ impl Model {
                 llama.config().vocab_size
             )));
         }
-        Ok(Model { llama, tokenizer, template, format: ModelFormat::Gguf, path: path.to_path_buf(), storage, file_bytes, fingerprint })
+        Ok(Model {
+            llama,
+            tokenizer,
+            template,
+            format: ModelFormat::Gguf,
+            path: path.to_path_buf(),
+            storage,
+            file_bytes,
+            fingerprint,
+        })
     }
 
-    fn load_hf(dir: &Path, device: &Device, progress: &mut dyn FnMut(usize, usize)) -> Result<Model> {
+    fn load_hf(
+        dir: &Path,
+        device: &Device,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Model> {
         let (hf, cfg) = HfDir::open(dir)?;
         let tok_cfg: serde_json::Value = std::fs::read_to_string(dir.join("tokenizer_config.json"))
             .ok()
@@ -96,13 +119,19 @@ impl Model {
             }
         };
         let (bos, eos) = (token_str("bos_token"), token_str("eos_token"));
-        let gen_cfg: serde_json::Value = std::fs::read_to_string(dir.join("generation_config.json"))
-            .ok()
-            .and_then(|s| serde_json::from_str(&s).ok())
-            .unwrap_or_default();
+        let gen_cfg: serde_json::Value =
+            std::fs::read_to_string(dir.join("generation_config.json"))
+                .ok()
+                .and_then(|s| serde_json::from_str(&s).ok())
+                .unwrap_or_default();
         let eog: Option<Vec<u32>> = match &gen_cfg["eos_token_id"] {
             serde_json::Value::Number(n) => n.as_u64().map(|x| vec![x as u32]),
-            serde_json::Value::Array(a) => Some(a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect()),
+            serde_json::Value::Array(a) => Some(
+                a.iter()
+                    .filter_map(|x| x.as_u64())
+                    .map(|x| x as u32)
+                    .collect(),
+            ),
             _ => None,
         };
         let add_bos = tok_cfg["add_bos_token"].as_bool().unwrap_or(false);
@@ -118,12 +147,27 @@ impl Model {
             None => ChatTemplate::new(CHATML, &bos, &eos)?,
         };
         let file_bytes: u64 = std::fs::read_dir(dir)
-            .map(|rd| rd.filter_map(|e| e.ok()).filter(|e| e.path().extension().is_some_and(|x| x == "safetensors")).filter_map(|e| e.metadata().ok()).map(|m| m.len()).sum())
+            .map(|rd| {
+                rd.filter_map(|e| e.ok())
+                    .filter(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
+                    .filter_map(|e| e.metadata().ok())
+                    .map(|m| m.len())
+                    .sum()
+            })
             .unwrap_or(0);
         let storage = BTreeMap::from([("safetensors".to_string(), 1)]);
         let fingerprint = Self::fingerprint_of(&cfg, file_bytes, &storage);
         let llama = Llama::build(&mut Source::Hf(&hf), cfg, device, progress)?;
-        Ok(Model { llama, tokenizer, template, format: ModelFormat::Safetensors, path: dir.to_path_buf(), storage, file_bytes, fingerprint })
+        Ok(Model {
+            llama,
+            tokenizer,
+            template,
+            format: ModelFormat::Safetensors,
+            path: dir.to_path_buf(),
+            storage,
+            file_bytes,
+            fingerprint,
+        })
     }
 
     fn fingerprint_of(cfg: &ModelConfig, bytes: u64, storage: &BTreeMap<String, usize>) -> u64 {

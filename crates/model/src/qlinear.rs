@@ -14,8 +14,8 @@
 use std::sync::Arc;
 
 use candle_core::quantized::k_quants::{
-    BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K,
-    BlockQ8_0, BlockQ8_1, GgmlType,
+    BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K,
+    BlockQ8K, BlockQ8_0, BlockQ8_1, GgmlType,
 };
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{bail, DType, Tensor};
@@ -57,7 +57,10 @@ fn row_dots(w: &QTensor, x: &Tensor) -> Result<Tensor> {
     let (n, k) = w.shape().dims2()?;
     let (t, xk) = x.dims2()?;
     if xk != k {
-        return Err(candle_core::Error::Msg(format!("linear: input of width {xk} for a weight {n}x{k}")).into());
+        return Err(candle_core::Error::Msg(format!(
+            "linear: input of width {xk} for a weight {n}x{k}"
+        ))
+        .into());
     }
     let x = x.to_dtype(DType::F32)?.contiguous()?;
     let xs = x.flatten_all()?.to_vec1::<f32>()?;
@@ -85,11 +88,21 @@ fn row_dots(w: &QTensor, x: &Tensor) -> Result<Tensor> {
 }
 
 /// `[n, t]` dot products of every weight row with every input row.
-fn dots<B: GgmlType>(data: &[u8], x: &[f32], t: usize, k: usize, n: usize) -> candle_core::Result<Vec<f32>> {
+fn dots<B: GgmlType>(
+    data: &[u8],
+    x: &[f32],
+    t: usize,
+    k: usize,
+    n: usize,
+) -> candle_core::Result<Vec<f32>> {
     let per_row = k / B::BLCK_SIZE;
     let size = std::mem::size_of::<B>();
     if k % B::BLCK_SIZE != 0 || data.len() != n * per_row * size {
-        bail!("linear: weight storage of {} bytes does not hold {n}x{k} {:?}", data.len(), B::DTYPE)
+        bail!(
+            "linear: weight storage of {} bytes does not hold {n}x{k} {:?}",
+            data.len(),
+            B::DTYPE
+        )
     }
     if (data.as_ptr() as usize) % std::mem::align_of::<B>() != 0 {
         bail!("linear: weight storage is not aligned for {:?}", B::DTYPE)
@@ -97,7 +110,8 @@ fn dots<B: GgmlType>(data: &[u8], x: &[f32], t: usize, k: usize, n: usize) -> ca
     // SAFETY: the length and alignment were checked above, `B` is a
     // `#[repr(C)]` plain-data block type that candle itself stores in this
     // buffer, and the slice borrows `data` for no longer than `data` lives.
-    let blocks: &[B] = unsafe { std::slice::from_raw_parts(data.as_ptr() as *const B, n * per_row) };
+    let blocks: &[B] =
+        unsafe { std::slice::from_raw_parts(data.as_ptr() as *const B, n * per_row) };
     let mut out = vec![0f32; n * t];
     out.par_chunks_mut(t).enumerate().for_each_init(
         || vec![0f32; k],
@@ -115,7 +129,12 @@ fn dots<B: GgmlType>(data: &[u8], x: &[f32], t: usize, k: usize, n: usize) -> ca
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 16];
     let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
-    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
+    let tail: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
     for (x, y) in ca.zip(cb) {
         for i in 0..16 {
             acc[i] += x[i] * y[i];
@@ -134,16 +153,29 @@ mod tests {
     fn quantized_paths_match_dense_dequantized() -> Result<()> {
         let dev = Device::Cpu;
         let w = Tensor::randn(0f32, 1.0, (48, 64), &dev)?;
-        for dtype in [GgmlDType::Q4_1, GgmlDType::Q8_0, GgmlDType::Q4K, GgmlDType::F16] {
+        for dtype in [
+            GgmlDType::Q4_1,
+            GgmlDType::Q8_0,
+            GgmlDType::Q4K,
+            GgmlDType::F16,
+        ] {
             let k = if dtype == GgmlDType::Q4K { 256 } else { 64 };
-            let w = if k == 64 { w.clone() } else { Tensor::randn(0f32, 1.0, (48, 256), &dev)? };
+            let w = if k == 64 {
+                w.clone()
+            } else {
+                Tensor::randn(0f32, 1.0, (48, 256), &dev)?
+            };
             let q = Arc::new(QTensor::quantize(&w, dtype)?);
             let dense = q.dequantize(&dev)?;
             for t in [1, 3, 9] {
                 let x = Tensor::randn(0f32, 1.0, (t, k), &dev)?;
                 let want = x.matmul(&dense.t()?)?;
                 let got = QLinear::Quantized(q.clone()).forward(&x)?;
-                let d = (want - got)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+                let d = (want - got)?
+                    .abs()?
+                    .flatten_all()?
+                    .max(0)?
+                    .to_scalar::<f32>()?;
                 assert!(d < 1e-3, "{dtype:?} t={t}: {d}");
             }
         }

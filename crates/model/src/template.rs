@@ -26,7 +26,10 @@ pub struct Message {
 
 impl Message {
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Message {
-        Message { role: role.into(), content: content.into() }
+        Message {
+            role: role.into(),
+            content: content.into(),
+        }
     }
 }
 
@@ -40,7 +43,9 @@ pub struct ChatTemplate {
 
 impl std::fmt::Debug for ChatTemplate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ChatTemplate").field("source", &self.source).finish()
+        f.debug_struct("ChatTemplate")
+            .field("source", &self.source)
+            .finish()
     }
 }
 
@@ -54,12 +59,20 @@ impl ChatTemplate {
     pub fn new(source: &str, bos: &str, eos: &str) -> Result<ChatTemplate> {
         let mut env = Environment::new();
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function("raise_exception", |msg: String| -> std::result::Result<String, Error> {
-            Err(Error::new(ErrorKind::InvalidOperation, msg))
-        });
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> std::result::Result<String, Error> {
+                Err(Error::new(ErrorKind::InvalidOperation, msg))
+            },
+        );
         env.add_template_owned("chat", source.to_string())
             .map_err(|e| ModelError::Template(e.to_string()))?;
-        Ok(ChatTemplate { env, bos: bos.into(), eos: eos.into(), source: source.into() })
+        Ok(ChatTemplate {
+            env,
+            bos: bos.into(),
+            eos: eos.into(),
+            source: source.into(),
+        })
     }
 
     pub fn source(&self) -> &str {
@@ -68,7 +81,10 @@ impl ChatTemplate {
 
     /// The prompt text for `messages`.
     pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
-        let t = self.env.get_template("chat").map_err(|e| ModelError::Template(e.to_string()))?;
+        let t = self
+            .env
+            .get_template("chat")
+            .map_err(|e| ModelError::Template(e.to_string()))?;
         t.render(context! {
             messages => messages,
             add_generation_prompt => add_generation_prompt,
@@ -80,18 +96,32 @@ impl ChatTemplate {
 
     /// Token ids of the rendered prompt, control tokens parsed only in the
     /// template's own text.
-    pub fn encode(&self, tok: &Tokenizer, messages: &[Message], add_generation_prompt: bool) -> Result<Vec<u32>> {
+    pub fn encode(
+        &self,
+        tok: &Tokenizer,
+        messages: &[Message],
+        add_generation_prompt: bool,
+    ) -> Result<Vec<u32>> {
         let real = self.render(messages, add_generation_prompt)?;
-        let marked: Vec<Message> =
-            messages.iter().enumerate().map(|(i, m)| Message::new(m.role.clone(), sentinel(i))).collect();
+        let marked: Vec<Message> = messages
+            .iter()
+            .enumerate()
+            .map(|(i, m)| Message::new(m.role.clone(), sentinel(i)))
+            .collect();
         let probe = self.render(&marked, add_generation_prompt)?;
         // Split the probe into template text and message slots.
         let mut parts: Vec<(bool, &str)> = Vec::new();
         let mut rest = probe.as_str();
         while let Some(start) = rest.find('\u{F8FF}') {
-            let Some(len) = rest[start..].find('\u{F8FE}') else { break };
-            let idx: Option<usize> = rest[start + '\u{F8FF}'.len_utf8()..start + len].parse().ok();
-            let Some(m) = idx.and_then(|i| messages.get(i)) else { break };
+            let Some(len) = rest[start..].find('\u{F8FE}') else {
+                break;
+            };
+            let idx: Option<usize> = rest[start + '\u{F8FF}'.len_utf8()..start + len]
+                .parse()
+                .ok();
+            let Some(m) = idx.and_then(|i| messages.get(i)) else {
+                break;
+            };
             parts.push((true, &rest[..start]));
             parts.push((false, m.content.as_str()));
             rest = &rest[start + len + '\u{F8FE}'.len_utf8()..];
@@ -108,7 +138,11 @@ impl ChatTemplate {
             if text.is_empty() {
                 continue;
             }
-            let special = if is_template { Special::Parse } else { Special::AsText };
+            let special = if is_template {
+                Special::Parse
+            } else {
+                Special::AsText
+            };
             ids.extend(tok.encode(text, special, false)?);
         }
         Ok(ids)

@@ -24,13 +24,22 @@ pub struct TinySpec {
 
 impl Default for TinySpec {
     fn default() -> Self {
-        TinySpec { arch: "llama", seed: 1, hidden: 64, layers: 2, heads: 4, kv_heads: 2, context: 512 }
+        TinySpec {
+            arch: "llama",
+            seed: 1,
+            hidden: 64,
+            layers: 2,
+            heads: 4,
+            kv_heads: 2,
+            context: 512,
+        }
     }
 }
 
 /// GPT-2's byte-to-character map of byte-level BPE.
 pub fn byte_chars() -> Vec<char> {
-    let printable = |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+    let printable =
+        |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
     let mut extra = 0;
     (0..256u32)
         .map(|b| {
@@ -45,8 +54,22 @@ pub fn byte_chars() -> Vec<char> {
 }
 
 const MERGES: &[(&str, &str)] = &[
-    ("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("Ġ", "a"), ("e", "r"), ("o", "n"), ("Ġ", "s"),
-    ("r", "e"), ("a", "t"), ("e", "n"), ("Ġ", "w"), ("o", "r"), ("i", "s"), ("Ġ", "c"), ("l", "l"),
+    ("Ġ", "t"),
+    ("h", "e"),
+    ("Ġt", "he"),
+    ("i", "n"),
+    ("Ġ", "a"),
+    ("e", "r"),
+    ("o", "n"),
+    ("Ġ", "s"),
+    ("r", "e"),
+    ("a", "t"),
+    ("e", "n"),
+    ("Ġ", "w"),
+    ("o", "r"),
+    ("i", "s"),
+    ("Ġ", "c"),
+    ("l", "l"),
 ];
 
 /// The tokenizer of tiny models: 256 byte tokens, a few merges, and the
@@ -56,20 +79,30 @@ pub fn tiny_tokenizer() -> Result<(tokenizers::Tokenizer, usize)> {
     for (a, b) in MERGES {
         tokens.push(format!("{a}{b}"));
     }
-    let vocab: tokenizers::models::bpe::Vocab = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
-    let merges = MERGES.iter().map(|(a, b)| (a.to_string(), b.to_string())).collect();
+    let vocab: tokenizers::models::bpe::Vocab = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), i as u32))
+        .collect();
+    let merges = MERGES
+        .iter()
+        .map(|(a, b)| (a.to_string(), b.to_string()))
+        .collect();
     let bpe = tokenizers::models::bpe::BPE::builder()
         .vocab_and_merges(vocab, merges)
         .build()
         .map_err(|e| ModelError::Tokenizer(e.to_string()))?;
     let mut tok = tokenizers::Tokenizer::new(bpe);
-    tok.with_pre_tokenizer(Some(tokenizers::pre_tokenizers::byte_level::ByteLevel::new(false, false, true)));
+    tok.with_pre_tokenizer(Some(
+        tokenizers::pre_tokenizers::byte_level::ByteLevel::new(false, false, true),
+    ));
     tok.with_decoder(Some(tokenizers::decoders::byte_level::ByteLevel::default()));
     let specials: Vec<_> = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
         .iter()
         .map(|s| tokenizers::AddedToken::from(*s, true))
         .collect();
-    tok.add_special_tokens(specials).map_err(|e| ModelError::Tokenizer(e.to_string()))?;
+    tok.add_special_tokens(specials)
+        .map_err(|e| ModelError::Tokenizer(e.to_string()))?;
     let n = tok.get_vocab_size(true);
     Ok((tok, n))
 }
@@ -90,10 +123,14 @@ fn seeded(shape: &[usize], seed: &mut u64, scale: f32) -> Result<Tensor> {
 /// Writes `config.json`, `model.safetensors`, `tokenizer.json` and
 /// `tokenizer_config.json` of a tiny model into `dir`.
 pub fn write_tiny_model(dir: &Path, spec: TinySpec) -> Result<()> {
-    let io = |source| ModelError::Io { path: dir.to_path_buf(), source };
+    let io = |source| ModelError::Io {
+        path: dir.to_path_buf(),
+        source,
+    };
     std::fs::create_dir_all(dir).map_err(io)?;
     let (tok, vocab) = tiny_tokenizer()?;
-    tok.save(dir.join("tokenizer.json"), false).map_err(|e| ModelError::Tokenizer(e.to_string()))?;
+    tok.save(dir.join("tokenizer.json"), false)
+        .map_err(|e| ModelError::Tokenizer(e.to_string()))?;
     let head_dim = spec.hidden / spec.heads;
     let inter = spec.hidden * 2;
     let config = serde_json::json!({
@@ -115,21 +152,54 @@ pub fn write_tiny_model(dir: &Path, spec: TinySpec) -> Result<()> {
     let mut seed = spec.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     let mut w: HashMap<String, Tensor> = HashMap::new();
     let s = &mut seed;
-    w.insert("model.embed_tokens.weight".into(), seeded(&[vocab, spec.hidden], s, 1.0)?);
-    w.insert("model.norm.weight".into(), (seeded(&[spec.hidden], s, 0.1)? + 1.0)?);
+    w.insert(
+        "model.embed_tokens.weight".into(),
+        seeded(&[vocab, spec.hidden], s, 1.0)?,
+    );
+    w.insert(
+        "model.norm.weight".into(),
+        (seeded(&[spec.hidden], s, 0.1)? + 1.0)?,
+    );
     let kv = spec.kv_heads * head_dim;
     let proj_scale = 1.0 / (spec.hidden as f32).sqrt() * 1.7;
     for l in 0..spec.layers {
         let p = |n: &str| format!("model.layers.{l}.{n}");
-        w.insert(p("input_layernorm.weight"), (seeded(&[spec.hidden], s, 0.1)? + 1.0)?);
-        w.insert(p("post_attention_layernorm.weight"), (seeded(&[spec.hidden], s, 0.1)? + 1.0)?);
-        w.insert(p("self_attn.q_proj.weight"), seeded(&[spec.hidden, spec.hidden], s, proj_scale * 2.0)?);
-        w.insert(p("self_attn.k_proj.weight"), seeded(&[kv, spec.hidden], s, proj_scale * 2.0)?);
-        w.insert(p("self_attn.v_proj.weight"), seeded(&[kv, spec.hidden], s, proj_scale)?);
-        w.insert(p("self_attn.o_proj.weight"), seeded(&[spec.hidden, spec.hidden], s, proj_scale)?);
-        w.insert(p("mlp.gate_proj.weight"), seeded(&[inter, spec.hidden], s, proj_scale)?);
-        w.insert(p("mlp.up_proj.weight"), seeded(&[inter, spec.hidden], s, proj_scale)?);
-        w.insert(p("mlp.down_proj.weight"), seeded(&[spec.hidden, inter], s, proj_scale)?);
+        w.insert(
+            p("input_layernorm.weight"),
+            (seeded(&[spec.hidden], s, 0.1)? + 1.0)?,
+        );
+        w.insert(
+            p("post_attention_layernorm.weight"),
+            (seeded(&[spec.hidden], s, 0.1)? + 1.0)?,
+        );
+        w.insert(
+            p("self_attn.q_proj.weight"),
+            seeded(&[spec.hidden, spec.hidden], s, proj_scale * 2.0)?,
+        );
+        w.insert(
+            p("self_attn.k_proj.weight"),
+            seeded(&[kv, spec.hidden], s, proj_scale * 2.0)?,
+        );
+        w.insert(
+            p("self_attn.v_proj.weight"),
+            seeded(&[kv, spec.hidden], s, proj_scale)?,
+        );
+        w.insert(
+            p("self_attn.o_proj.weight"),
+            seeded(&[spec.hidden, spec.hidden], s, proj_scale)?,
+        );
+        w.insert(
+            p("mlp.gate_proj.weight"),
+            seeded(&[inter, spec.hidden], s, proj_scale)?,
+        );
+        w.insert(
+            p("mlp.up_proj.weight"),
+            seeded(&[inter, spec.hidden], s, proj_scale)?,
+        );
+        w.insert(
+            p("mlp.down_proj.weight"),
+            seeded(&[spec.hidden, inter], s, proj_scale)?,
+        );
         if spec.arch == "qwen2" {
             w.insert(p("self_attn.q_proj.bias"), seeded(&[spec.hidden], s, 0.2)?);
             w.insert(p("self_attn.k_proj.bias"), seeded(&[kv], s, 0.2)?);
@@ -142,5 +212,151 @@ pub fn write_tiny_model(dir: &Path, spec: TinySpec) -> Result<()> {
         .map(|(k, t)| Ok((k, t.to_dtype(DType::BF16)?)))
         .collect::<Result<_>>()?;
     candle_core::safetensors::save(&w, dir.join("model.safetensors"))?;
+    Ok(())
+}
+
+/// Converts a tiny model written by [`write_tiny_model`] to a GGUF file the
+/// way llama.cpp's converter does: Q and K rows permuted from Hugging Face's
+/// half-split RoPE layout to adjacent pairs, weights stored as `dtype`, the
+/// tokenizer as `tokenizer.ggml.*` metadata. `arch` is written as
+/// `general.architecture` (tests use an unsupported one too).
+pub fn write_tiny_gguf(
+    hf_dir: &Path,
+    out: &Path,
+    dtype: candle_core::quantized::GgmlDType,
+    arch: &str,
+) -> Result<()> {
+    use candle_core::quantized::gguf_file::Value;
+    use candle_core::quantized::QTensor;
+
+    let cfg: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(hf_dir.join("config.json")).map_err(|e| ModelError::Io {
+            path: hf_dir.into(),
+            source: e,
+        })?,
+    )
+    .map_err(|e| ModelError::Config(e.to_string()))?;
+    let get = |k: &str| cfg[k].as_u64().unwrap_or(0) as usize;
+    let (hidden, layers, heads, kv_heads) = (
+        get("hidden_size"),
+        get("num_hidden_layers"),
+        get("num_attention_heads"),
+        get("num_key_value_heads"),
+    );
+    let head_dim = hidden / heads;
+    let w = candle_core::safetensors::load(hf_dir.join("model.safetensors"), &Device::Cpu)?;
+    let permute = |t: &Tensor, n: usize| -> Result<Tensor> {
+        let (rows, cols) = t.dims2()?;
+        Ok(t.reshape((n, 2, rows / n / 2, cols))?
+            .transpose(1, 2)?
+            .reshape((rows, cols))?)
+    };
+    let mut tensors: Vec<(String, QTensor)> = Vec::new();
+    let mut put = |name: String, t: Tensor, quantize: bool| -> Result<()> {
+        let t = t.to_dtype(DType::F32)?;
+        let q = if quantize {
+            QTensor::quantize(&t, dtype)?
+        } else {
+            QTensor::quantize(&t, candle_core::quantized::GgmlDType::F32)?
+        };
+        tensors.push((name, q));
+        Ok(())
+    };
+    let hf = |n: &str| {
+        w.get(n)
+            .cloned()
+            .ok_or_else(|| ModelError::Missing(n.to_string()))
+    };
+    put(
+        "token_embd.weight".into(),
+        hf("model.embed_tokens.weight")?,
+        true,
+    )?;
+    put("output_norm.weight".into(), hf("model.norm.weight")?, false)?;
+    for l in 0..layers {
+        let p = |n: &str| format!("model.layers.{l}.{n}");
+        let g = |n: &str| format!("blk.{l}.{n}");
+        put(
+            g("attn_norm.weight"),
+            hf(&p("input_layernorm.weight"))?,
+            false,
+        )?;
+        put(
+            g("ffn_norm.weight"),
+            hf(&p("post_attention_layernorm.weight"))?,
+            false,
+        )?;
+        put(
+            g("attn_q.weight"),
+            permute(&hf(&p("self_attn.q_proj.weight"))?, heads)?,
+            true,
+        )?;
+        put(
+            g("attn_k.weight"),
+            permute(&hf(&p("self_attn.k_proj.weight"))?, kv_heads)?,
+            true,
+        )?;
+        put(g("attn_v.weight"), hf(&p("self_attn.v_proj.weight"))?, true)?;
+        put(
+            g("attn_output.weight"),
+            hf(&p("self_attn.o_proj.weight"))?,
+            true,
+        )?;
+        put(g("ffn_gate.weight"), hf(&p("mlp.gate_proj.weight"))?, true)?;
+        put(g("ffn_up.weight"), hf(&p("mlp.up_proj.weight"))?, true)?;
+        put(g("ffn_down.weight"), hf(&p("mlp.down_proj.weight"))?, true)?;
+    }
+    let (tok, vocab) = tiny_tokenizer()?;
+    let tokens: Vec<Value> = (0..vocab as u32)
+        .map(|i| Value::String(tok.id_to_token(i).unwrap_or_default()))
+        .collect();
+    let types: Vec<Value> = (0..vocab as u32)
+        .map(|i| {
+            let special = tok
+                .get_added_tokens_decoder()
+                .get(&i)
+                .is_some_and(|t| t.special);
+            Value::I32(if special { 3 } else { 1 })
+        })
+        .collect();
+    let merges: Vec<Value> = MERGES
+        .iter()
+        .map(|(a, b)| Value::String(format!("{a} {b}")))
+        .collect();
+    let id = |s: &str| Value::U32(tok.token_to_id(s).unwrap_or(0));
+    let a = |k: &str| format!("{arch}.{k}");
+    let meta: Vec<(String, Value)> = vec![
+        ("general.architecture".into(), Value::String(arch.into())),
+        (a("block_count"), Value::U32(layers as u32)),
+        (
+            a("context_length"),
+            Value::U32(get("max_position_embeddings") as u32),
+        ),
+        (a("embedding_length"), Value::U32(hidden as u32)),
+        (
+            a("feed_forward_length"),
+            Value::U32(get("intermediate_size") as u32),
+        ),
+        (a("attention.head_count"), Value::U32(heads as u32)),
+        (a("attention.head_count_kv"), Value::U32(kv_heads as u32)),
+        (a("attention.layer_norm_rms_epsilon"), Value::F32(1e-5)),
+        (a("rope.freq_base"), Value::F32(10000.0)),
+        (a("rope.dimension_count"), Value::U32(head_dim as u32)),
+        ("tokenizer.ggml.model".into(), Value::String("gpt2".into())),
+        ("tokenizer.ggml.pre".into(), Value::String("default".into())),
+        ("tokenizer.ggml.tokens".into(), Value::Array(tokens)),
+        ("tokenizer.ggml.token_type".into(), Value::Array(types)),
+        ("tokenizer.ggml.merges".into(), Value::Array(merges)),
+        ("tokenizer.ggml.bos_token_id".into(), id("<|im_start|>")),
+        ("tokenizer.ggml.eos_token_id".into(), id("<|im_end|>")),
+        ("tokenizer.ggml.add_bos_token".into(), Value::Bool(false)),
+    ];
+    let meta_refs: Vec<(&str, &Value)> = meta.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let tensor_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let mut f = std::fs::File::create(out).map_err(|e| ModelError::Io {
+        path: out.into(),
+        source: e,
+    })?;
+    candle_core::quantized::gguf_file::write(&mut f, &meta_refs, &tensor_refs)?;
     Ok(())
 }

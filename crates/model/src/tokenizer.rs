@@ -11,7 +11,6 @@
 //! ([`Special::Parse`]), which the chat template does for its own text and
 //! never for user content.
 
-
 use tokenizers::decoders::byte_fallback::ByteFallback;
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::decoders::fuse::Fuse;
@@ -22,7 +21,9 @@ use tokenizers::normalizers::{Prepend, Replace, Sequence as NormalizerSequence};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::sequence::Sequence as PreSequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
-use tokenizers::{AddedToken, DecoderWrapper, NormalizerWrapper, PreTokenizerWrapper, SplitDelimiterBehavior};
+use tokenizers::{
+    AddedToken, DecoderWrapper, NormalizerWrapper, PreTokenizerWrapper, SplitDelimiterBehavior,
+};
 
 use crate::loader::GgufFile;
 use crate::{ModelError, Result};
@@ -42,7 +43,15 @@ const TYPE_USER_DEFINED: i64 = 4;
 const TYPE_UNKNOWN: i64 = 2;
 
 /// Texts of end-of-generation tokens that llama.cpp also treats as such.
-const EOG_TEXTS: &[&str] = &["<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|endoftext|>", "<|end|>", "<end_of_turn>", "</s>"];
+const EOG_TEXTS: &[&str] = &[
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|endoftext|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "</s>",
+];
 
 const LLAMA3_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 const QWEN2_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
@@ -62,9 +71,13 @@ fn tok_err(e: impl std::fmt::Display) -> ModelError {
 }
 
 fn split(regex: &str) -> Result<PreTokenizerWrapper> {
-    Ok(Split::new(SplitPattern::Regex(regex.to_string()), SplitDelimiterBehavior::Isolated, false)
-        .map_err(tok_err)?
-        .into())
+    Ok(Split::new(
+        SplitPattern::Regex(regex.to_string()),
+        SplitDelimiterBehavior::Isolated,
+        false,
+    )
+    .map_err(tok_err)?
+    .into())
 }
 
 /// The pre-tokenizer for a `tokenizer.ggml.pre` name, as llama.cpp splits.
@@ -88,10 +101,21 @@ fn gpt2_pre_tokenizer(pre: &str) -> Result<PreTokenizerWrapper> {
 
 impl Tokenizer {
     /// Wraps a `tokenizers::Tokenizer`; `eog` are the ids that end generation.
-    pub fn new(tokenizer: tokenizers::Tokenizer, eog: Vec<u32>, bos: Option<u32>, add_bos: bool) -> Tokenizer {
+    pub fn new(
+        tokenizer: tokenizers::Tokenizer,
+        eog: Vec<u32>,
+        bos: Option<u32>,
+        add_bos: bool,
+    ) -> Tokenizer {
         let mut plain = tokenizer.clone();
         plain.set_encode_special_tokens(true);
-        Tokenizer { parse_specials: tokenizer, plain, eog, bos, add_bos }
+        Tokenizer {
+            parse_specials: tokenizer,
+            plain,
+            eog,
+            bos,
+            add_bos,
+        }
     }
 
     /// Builds the tokenizer described by a GGUF file's metadata.
@@ -104,8 +128,14 @@ impl Tokenizer {
             .iter()
             .map(|v| v.to_string().cloned().map_err(tok_err))
             .collect::<Result<_>>()?;
-        let types: Vec<i64> = match g.meta("tokenizer.ggml.token_type").and_then(|v| v.to_vec().ok()) {
-            Some(v) => v.iter().map(|t| t.to_i32().map(i64::from).unwrap_or(1)).collect(),
+        let types: Vec<i64> = match g
+            .meta("tokenizer.ggml.token_type")
+            .and_then(|v| v.to_vec().ok())
+        {
+            Some(v) => v
+                .iter()
+                .map(|t| t.to_i32().map(i64::from).unwrap_or(1))
+                .collect(),
             None => vec![1; tokens.len()],
         };
         let bos = g.meta_u32("tokenizer.ggml.bos_token_id").ok();
@@ -114,29 +144,51 @@ impl Tokenizer {
                 let merges: Vec<(String, String)> = g
                     .meta("tokenizer.ggml.merges")
                     .and_then(|v| v.to_vec().ok())
-                    .ok_or_else(|| ModelError::Missing("GGUF metadata tokenizer.ggml.merges".into()))?
+                    .ok_or_else(|| {
+                        ModelError::Missing("GGUF metadata tokenizer.ggml.merges".into())
+                    })?
                     .iter()
                     .filter_map(|m| m.to_string().ok())
-                    .filter_map(|m| m.split_once(' ').map(|(a, b)| (a.to_string(), b.to_string())))
+                    .filter_map(|m| {
+                        m.split_once(' ')
+                            .map(|(a, b)| (a.to_string(), b.to_string()))
+                    })
                     .collect();
-                let pre = g.meta_str("tokenizer.ggml.pre").unwrap_or("default").to_string();
+                let pre = g
+                    .meta_str("tokenizer.ggml.pre")
+                    .unwrap_or("default")
+                    .to_string();
                 build_byte_level_bpe(&tokens, merges, &pre)?
             }
             "llama" => {
-                let scores: Vec<f32> = match g.meta("tokenizer.ggml.scores").and_then(|v| v.to_vec().ok()) {
+                let scores: Vec<f32> = match g
+                    .meta("tokenizer.ggml.scores")
+                    .and_then(|v| v.to_vec().ok())
+                {
                     Some(v) => v.iter().map(|s| s.to_f32().unwrap_or(0.0)).collect(),
                     None => vec![0.0; tokens.len()],
                 };
-                let add_space_prefix = g.meta("tokenizer.ggml.add_space_prefix").and_then(|v| v.to_bool().ok()).unwrap_or(true);
+                let add_space_prefix = g
+                    .meta("tokenizer.ggml.add_space_prefix")
+                    .and_then(|v| v.to_bool().ok())
+                    .unwrap_or(true);
                 build_sentencepiece_bpe(&tokens, &scores, &types, add_space_prefix)?
             }
-            other => return Err(ModelError::Tokenizer(format!("unsupported tokenizer model {other:?} (gpt2, llama)"))),
+            other => {
+                return Err(ModelError::Tokenizer(format!(
+                    "unsupported tokenizer model {other:?} (gpt2, llama)"
+                )))
+            }
         };
         add_special_tokens(&mut tok, &tokens, &types)?;
-        let mut eog: Vec<u32> = ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"]
-            .iter()
-            .filter_map(|k| g.meta_u32(k).ok())
-            .collect();
+        let mut eog: Vec<u32> = [
+            "tokenizer.ggml.eos_token_id",
+            "tokenizer.ggml.eot_token_id",
+            "tokenizer.ggml.eom_token_id",
+        ]
+        .iter()
+        .filter_map(|k| g.meta_u32(k).ok())
+        .collect();
         for (i, t) in tokens.iter().enumerate() {
             if types[i] == TYPE_CONTROL && EOG_TEXTS.contains(&t.as_str()) {
                 eog.push(i as u32);
@@ -144,18 +196,32 @@ impl Tokenizer {
         }
         eog.sort_unstable();
         eog.dedup();
-        let add_bos = g.meta("tokenizer.ggml.add_bos_token").and_then(|v| v.to_bool().ok()).unwrap_or(model == "llama");
+        let add_bos = g
+            .meta("tokenizer.ggml.add_bos_token")
+            .and_then(|v| v.to_bool().ok())
+            .unwrap_or(model == "llama");
         Ok(Tokenizer::new(tok, eog, bos, add_bos))
     }
 
     /// Loads `tokenizer.json`; end-of-generation ids are taken from the
     /// added tokens with the usual texts unless `eog` names them.
-    pub fn from_file(path: &std::path::Path, eog: Option<Vec<u32>>, bos: Option<u32>, add_bos: bool) -> Result<Tokenizer> {
+    pub fn from_file(
+        path: &std::path::Path,
+        eog: Option<Vec<u32>>,
+        bos: Option<u32>,
+        add_bos: bool,
+    ) -> Result<Tokenizer> {
         if !path.exists() {
             return Err(ModelError::NotFound(path.to_path_buf()));
         }
-        let tok = tokenizers::Tokenizer::from_file(path).map_err(|e| ModelError::Tokenizer(format!("{}: {e}", path.display())))?;
-        let eog = eog.unwrap_or_else(|| EOG_TEXTS.iter().filter_map(|t| tok.token_to_id(t)).collect());
+        let tok = tokenizers::Tokenizer::from_file(path)
+            .map_err(|e| ModelError::Tokenizer(format!("{}: {e}", path.display())))?;
+        let eog = eog.unwrap_or_else(|| {
+            EOG_TEXTS
+                .iter()
+                .filter_map(|t| tok.token_to_id(t))
+                .collect()
+        });
         Ok(Tokenizer::new(tok, eog, bos, add_bos))
     }
 
@@ -215,12 +281,26 @@ impl Tokenizer {
 
     /// An incremental decoder for streaming output.
     pub fn stream(&self) -> StreamDecoder<'_> {
-        StreamDecoder { tok: self, ids: Vec::new(), prefix: 0, read: 0 }
+        StreamDecoder {
+            tok: self,
+            ids: Vec::new(),
+            prefix: 0,
+            read: 0,
+        }
     }
 }
 
-fn build_byte_level_bpe(tokens: &[String], merges: Vec<(String, String)>, pre: &str) -> Result<tokenizers::Tokenizer> {
-    let vocab: tokenizers::models::bpe::Vocab = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).rev().collect();
+fn build_byte_level_bpe(
+    tokens: &[String],
+    merges: Vec<(String, String)>,
+    pre: &str,
+) -> Result<tokenizers::Tokenizer> {
+    let vocab: tokenizers::models::bpe::Vocab = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), i as u32))
+        .rev()
+        .collect();
     let ignore_merges = matches!(pre, "llama-bpe" | "llama3");
     let bpe = BPE::builder()
         .vocab_and_merges(vocab, merges)
@@ -233,8 +313,18 @@ fn build_byte_level_bpe(tokens: &[String], merges: Vec<(String, String)>, pre: &
     Ok(tok)
 }
 
-fn build_sentencepiece_bpe(tokens: &[String], scores: &[f32], types: &[i64], add_space_prefix: bool) -> Result<tokenizers::Tokenizer> {
-    let vocab: tokenizers::models::bpe::Vocab = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).rev().collect();
+fn build_sentencepiece_bpe(
+    tokens: &[String],
+    scores: &[f32],
+    types: &[i64],
+    add_space_prefix: bool,
+) -> Result<tokenizers::Tokenizer> {
+    let vocab: tokenizers::models::bpe::Vocab = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), i as u32))
+        .rev()
+        .collect();
     // A merge (a, b) exists when a + b is a token; higher-scored results merge first.
     let mut ranked: Vec<(f32, u32, String, String)> = Vec::new();
     for (id, piece) in tokens.iter().enumerate() {
@@ -244,13 +334,22 @@ fn build_sentencepiece_bpe(tokens: &[String], scores: &[f32], types: &[i64], add
         for (i, _) in piece.char_indices().skip(1) {
             let (a, b) = piece.split_at(i);
             if vocab.contains_key(a) && vocab.contains_key(b) {
-                ranked.push((scores.get(id).copied().unwrap_or(0.0), id as u32, a.to_string(), b.to_string()));
+                ranked.push((
+                    scores.get(id).copied().unwrap_or(0.0),
+                    id as u32,
+                    a.to_string(),
+                    b.to_string(),
+                ));
             }
         }
     }
     ranked.sort_by(|x, y| y.0.total_cmp(&x.0).then(x.1.cmp(&y.1)));
     let merges = ranked.into_iter().map(|(_, _, a, b)| (a, b)).collect();
-    let unk = types.iter().position(|&t| t == TYPE_UNKNOWN).map(|i| tokens[i].clone()).unwrap_or_else(|| "<unk>".into());
+    let unk = types
+        .iter()
+        .position(|&t| t == TYPE_UNKNOWN)
+        .map(|i| tokens[i].clone())
+        .unwrap_or_else(|| "<unk>".into());
     let bpe = BPE::builder()
         .vocab_and_merges(vocab, merges)
         .byte_fallback(true)
@@ -264,7 +363,8 @@ fn build_sentencepiece_bpe(tokens: &[String], scores: &[f32], types: &[i64], add
         norms.push(Prepend::new("▁".into()).into());
     }
     norms.push(Replace::new(" ", "▁").map_err(tok_err)?.into());
-    tok.with_normalizer(Some(NormalizerSequence::new(norms))).map_err(tok_err)?;
+    tok.with_normalizer(Some(NormalizerSequence::new(norms)))
+        .map_err(tok_err)?;
     let mut decs: Vec<DecoderWrapper> = vec![
         Replace::new("▁", " ").map_err(tok_err)?.into(),
         ByteFallback::new().into(),
@@ -279,10 +379,24 @@ fn build_sentencepiece_bpe(tokens: &[String], scores: &[f32], types: &[i64], add
 
 /// Control tokens become special added tokens (matched only when parsing
 /// specials); user-defined tokens are always matched, as in llama.cpp.
-fn add_special_tokens(tok: &mut tokenizers::Tokenizer, tokens: &[String], types: &[i64]) -> Result<()> {
-    let pick = |ty| tokens.iter().zip(types).filter(move |(_, &t)| t == ty).map(|(s, _)| s.clone());
-    let control: Vec<AddedToken> = pick(TYPE_CONTROL).map(|s| AddedToken::from(s, true)).collect();
-    let user: Vec<AddedToken> = pick(TYPE_USER_DEFINED).map(|s| AddedToken::from(s, false)).collect();
+fn add_special_tokens(
+    tok: &mut tokenizers::Tokenizer,
+    tokens: &[String],
+    types: &[i64],
+) -> Result<()> {
+    let pick = |ty| {
+        tokens
+            .iter()
+            .zip(types)
+            .filter(move |(_, &t)| t == ty)
+            .map(|(s, _)| s.clone())
+    };
+    let control: Vec<AddedToken> = pick(TYPE_CONTROL)
+        .map(|s| AddedToken::from(s, true))
+        .collect();
+    let user: Vec<AddedToken> = pick(TYPE_USER_DEFINED)
+        .map(|s| AddedToken::from(s, false))
+        .collect();
     tok.add_special_tokens(control).map_err(tok_err)?;
     tok.add_tokens(user).map_err(tok_err)?;
     Ok(())
@@ -304,7 +418,10 @@ impl StreamDecoder<'_> {
         self.ids.push(id);
         let before = self.tok.decode(&self.ids[self.prefix..self.read])?;
         let now = self.tok.decode(&self.ids[self.prefix..])?;
-        if now.len() > before.len() && !now.ends_with('\u{FFFD}') && now.is_char_boundary(before.len()) {
+        if now.len() > before.len()
+            && !now.ends_with('\u{FFFD}')
+            && now.is_char_boundary(before.len())
+        {
             let piece = now[before.len()..].to_string();
             self.prefix = self.read;
             self.read = self.ids.len();
@@ -320,6 +437,9 @@ impl StreamDecoder<'_> {
         let now = self.tok.decode(&self.ids[self.prefix..])?;
         self.prefix = self.ids.len();
         self.read = self.ids.len();
-        Ok(now.get(before.len()..).filter(|s| !s.is_empty()).map(str::to_string))
+        Ok(now
+            .get(before.len()..)
+            .filter(|s| !s.is_empty())
+            .map(str::to_string))
     }
 }

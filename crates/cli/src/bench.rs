@@ -1,0 +1,187 @@
+//! `tessera bench`: prefill and decode speed on one model, beside candle's
+//! own `quantized_llama` on the same GGUF file, measured in the same run,
+//! alternating the two engines, and reported as medians with their ratio.
+
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use candle_core::quantized::gguf_file;
+use candle_core::{Device, Tensor};
+use candle_transformers::models::quantized_llama::ModelWeights;
+use clap::{Args, ValueEnum};
+use tessera_engine::{Engine, GenerateRequest, Prompt, SamplingParams};
+use tessera_model::{ModelFormat, Special};
+
+use crate::{load_model, KvArgs};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Scenario {
+    /// Prompt processing: tok/s on a 512-token prompt.
+    Prefill,
+    /// Generation: tok/s over 128 tokens after a 16-token prompt.
+    Decode,
+}
+
+#[derive(Args)]
+pub struct BenchArgs {
+    #[arg(long)]
+    model: String,
+    #[arg(long, value_enum)]
+    scenario: Scenario,
+    /// Timed runs per engine (the median is reported).
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+    /// Skip candle's quantized_llama baseline.
+    #[arg(long)]
+    no_baseline: bool,
+    /// Print one JSON object.
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    kv: KvArgs,
+}
+
+const PREFILL_TOKENS: usize = 512;
+const DECODE_PROMPT: usize = 16;
+const DECODE_TOKENS: usize = 128;
+
+const TEXT: &str = "The history of computing is a story of abstraction layered on abstraction. \
+Early machines were programmed by rewiring panels; later, stored programs let the same hardware \
+run many tasks. Compilers turned human-readable code into machine instructions, operating systems \
+shared processors between programs, and networks joined machines across continents. Each layer \
+hid the details of the one below, so that people could think about larger problems. ";
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs[xs.len() / 2]
+}
+
+/// candle's quantized_llama, timed the same way.
+struct Candle {
+    model: ModelWeights,
+}
+
+impl Candle {
+    fn load(path: &std::path::Path) -> Result<Candle> {
+        let mut f = std::fs::File::open(path)?;
+        let ct = gguf_file::Content::read(&mut f)?;
+        Ok(Candle {
+            model: ModelWeights::from_gguf(ct, &mut f, &Device::Cpu)?,
+        })
+    }
+
+    /// Seconds to run `ids` as one prompt from position 0.
+    fn prefill(&mut self, ids: &[u32]) -> Result<f64> {
+        let t = Instant::now();
+        let x = Tensor::new(ids, &Device::Cpu)?.unsqueeze(0)?;
+        self.model.forward(&x, 0)?.to_vec2::<f32>()?;
+        Ok(t.elapsed().as_secs_f64())
+    }
+
+    /// Seconds for `n` greedy decode steps after the prompt `ids`.
+    fn decode(&mut self, ids: &[u32], n: usize) -> Result<f64> {
+        let x = Tensor::new(ids, &Device::Cpu)?.unsqueeze(0)?;
+        let mut logits = self.model.forward(&x, 0)?;
+        let t = Instant::now();
+        for i in 0..n {
+            let next = logits.squeeze(0)?.argmax(0)?.to_scalar::<u32>()?;
+            let x = Tensor::new(&[next], &Device::Cpu)?.unsqueeze(0)?;
+            logits = self.model.forward(&x, ids.len() + i)?;
+        }
+        Ok(t.elapsed().as_secs_f64())
+    }
+}
+
+pub fn bench(args: BenchArgs) -> Result<()> {
+    if args.runs == 0 {
+        bail!("--runs must be at least 1");
+    }
+    let model = load_model(&args.model)?;
+    let path = model.path.clone();
+    let is_gguf = model.format == ModelFormat::Gguf;
+    let mut text = String::new();
+    while text.len() < PREFILL_TOKENS * 8 {
+        text.push_str(TEXT);
+    }
+    let mut ids = model.tokenizer.encode(&text, Special::AsText, true)?;
+    if ids.len() < PREFILL_TOKENS {
+        bail!("benchmark text gave only {} tokens", ids.len());
+    }
+    ids.truncate(PREFILL_TOKENS);
+    let mut engine = Engine::from_model(model, args.kv.config(false))?;
+    let mut candle = if is_gguf && !args.no_baseline {
+        Some(Candle::load(&path)?)
+    } else {
+        None
+    };
+    let threads = candle_core::utils::get_num_threads();
+    let (mut ours, mut theirs) = (Vec::new(), Vec::new());
+    // Alternate the engines run by run so drift hits both alike.
+    for _ in 0..args.runs {
+        match args.scenario {
+            Scenario::Prefill => {
+                let req = GenerateRequest {
+                    max_tokens: 1,
+                    sampling: SamplingParams::greedy(),
+                    ..GenerateRequest::new(Prompt::Tokens(ids.clone()))
+                };
+                let done = engine.generate(&req, &mut |_| {})?;
+                ours.push(done.timings.prefill_tok_s);
+                if let Some(c) = candle.as_mut() {
+                    theirs.push(PREFILL_TOKENS as f64 / c.prefill(&ids)?);
+                }
+            }
+            Scenario::Decode => {
+                let prompt = ids[..DECODE_PROMPT].to_vec();
+                let req = GenerateRequest {
+                    max_tokens: DECODE_TOKENS + 1,
+                    sampling: SamplingParams::greedy(),
+                    ignore_eos: true,
+                    ..GenerateRequest::new(Prompt::Tokens(prompt.clone()))
+                };
+                let done = engine.generate(&req, &mut |_| {})?;
+                ours.push(done.timings.decode_tok_s);
+                if let Some(c) = candle.as_mut() {
+                    theirs.push(DECODE_TOKENS as f64 / c.decode(&prompt, DECODE_TOKENS)?);
+                }
+            }
+        }
+    }
+    let (metric, label) = match args.scenario {
+        Scenario::Prefill => (
+            "prefill_tok_s",
+            format!("prefill, {PREFILL_TOKENS}-token prompt"),
+        ),
+        Scenario::Decode => ("decode_tok_s", format!("decode, {DECODE_TOKENS} tokens")),
+    };
+    let t = median(ours);
+    let c = (!theirs.is_empty()).then(|| median(theirs));
+    let ratio = c.map(|c| t / c);
+    if args.json {
+        let v = serde_json::json!({
+            "scenario": format!("{:?}", args.scenario).to_lowercase(),
+            "metric": metric,
+            "unit": "tok/s",
+            "tessera": t,
+            "candle": c,
+            "ratio": ratio,
+            "runs": args.runs,
+            "threads": threads,
+        });
+        println!("{v}");
+    } else {
+        println!(
+            "{label}: {} runs each, {threads} threads, median tok/s",
+            args.runs
+        );
+        println!("  tessera                   {t:>8.1}");
+        match (c, ratio) {
+            (Some(c), Some(r)) => {
+                println!("  candle quantized_llama    {c:>8.1}");
+                println!("  ratio (tessera / candle)  {r:>8.2}x");
+            }
+            _ => println!("  candle quantized_llama    (not run)"),
+        }
+    }
+    Ok(())
+}

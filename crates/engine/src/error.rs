@@ -1,0 +1,36 @@
+//! Engine errors: each names what was wrong and the numbers involved.
+
+use tessera_kv::KvError;
+use tessera_model::ModelError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error("KV cache bookkeeping: {0}")]
+    Kv(#[from] KvError),
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error("the prompt has {tokens} tokens but the context holds {context}")]
+    PromptTooLong { tokens: usize, context: usize },
+    #[error("out of KV memory: the request needs {needed} blocks of {block_size} tokens and the pool has {total} (raise --kv-memory)")]
+    OutOfKvMemory {
+        needed: usize,
+        total: usize,
+        block_size: usize,
+    },
+    #[error("the KV memory budget of {bytes} bytes holds less than one block of {block_size} tokens ({per_block} bytes)")]
+    KvBudgetTooSmall {
+        bytes: usize,
+        block_size: usize,
+        per_block: usize,
+    },
+    #[error("model download: {0}")]
+    Hub(String),
+    #[error("invalid request: {0}")]
+    Invalid(String),
+}
+
+pub type Result<T> = std::result::Result<T, EngineError>;

@@ -1,0 +1,251 @@
+//! Tests on tiny generated models: paged versus dense attention, GGUF versus
+//! safetensors (RoPE layout mapping), tokenizers, chat templates, loader
+//! errors.
+
+use candle_core::quantized::GgmlDType;
+use candle_core::DType;
+
+use crate::testing::{write_tiny_gguf, write_tiny_model, TinySpec};
+use crate::{Batch, DenseKv, Llama, Message, Model, ModelError, Special};
+
+fn tiny(spec: TinySpec) -> (tempdir::Dir, Model) {
+    let dir = tempdir::Dir::new();
+    write_tiny_model(dir.path(), spec).unwrap();
+    let model = Model::load(dir.path(), &mut |_, _| {}).unwrap();
+    (dir, model)
+}
+
+/// A scratch directory removed on drop.
+mod tempdir {
+    pub struct Dir(std::path::PathBuf);
+    impl Dir {
+        pub fn new() -> Dir {
+            static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+            let n = N.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let p =
+                std::env::temp_dir().join(format!("tessera-model-test-{}-{n}", std::process::id()));
+            std::fs::create_dir_all(&p).unwrap();
+            Dir(p)
+        }
+        pub fn path(&self) -> &std::path::Path {
+            &self.0
+        }
+    }
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+/// Greedy generation through the paged cache, one sequence, block size 4,
+/// blocks deliberately scattered (reverse order).
+fn paged_greedy(
+    model: &Llama,
+    prompt: &[u32],
+    steps: usize,
+    chunk: usize,
+) -> (Vec<u32>, Vec<Vec<f32>>) {
+    let bs = 4;
+    let nb = 64;
+    let cache = model.new_cache(nb, bs, DType::F32).unwrap();
+    let table: Vec<u32> = (0..nb as u32).rev().collect();
+    let mut toks = prompt.to_vec();
+    let mut out = Vec::new();
+    let mut all_logits = Vec::new();
+    let mut done = 0;
+    let mut logits = None;
+    while done < toks.len() {
+        let end = done.saturating_add(chunk).min(toks.len());
+        let positions: Vec<u32> = (done as u32..end as u32).collect();
+        let slots: Vec<u32> = positions
+            .iter()
+            .map(|&p| table[p as usize / bs] * bs as u32 + p % bs as u32)
+            .collect();
+        let token_seq = vec![0; end - done];
+        let last = [(end - done - 1) as u32];
+        let batch = Batch {
+            tokens: &toks[done..end],
+            positions: &positions,
+            slots: &slots,
+            token_seq: &token_seq,
+            block_tables: &table,
+            max_blocks: nb,
+            block_size: bs,
+            logits_for: &last,
+        };
+        logits = Some(model.forward(&batch, &cache).unwrap().squeeze(0).unwrap());
+        done = end;
+        if done == toks.len() && out.len() < steps {
+            let l = logits.take().unwrap();
+            let t = Llama::argmax(&l).unwrap();
+            all_logits.push(l.to_vec1::<f32>().unwrap());
+            out.push(t);
+            toks.push(t);
+            if out.len() == steps {
+                break;
+            }
+        }
+    }
+    (out, all_logits)
+}
+
+fn dense_greedy(model: &Llama, prompt: &[u32], steps: usize) -> (Vec<u32>, Vec<Vec<f32>>) {
+    let mut kv = DenseKv::default();
+    let mut l = model.forward_dense(prompt, &mut kv).unwrap();
+    let mut out = Vec::new();
+    let mut all = Vec::new();
+    for _ in 0..steps {
+        let t = Llama::argmax(&l).unwrap();
+        all.push(l.to_vec1::<f32>().unwrap());
+        out.push(t);
+        l = model.forward_dense(&[t], &mut kv).unwrap();
+    }
+    (out, all)
+}
+
+fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    a.iter()
+        .flatten()
+        .zip(b.iter().flatten())
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn paged_equals_dense_and_chunking_does_not_matter() {
+    for spec in [
+        TinySpec::default(),
+        TinySpec {
+            arch: "qwen2",
+            seed: 5,
+            ..TinySpec::default()
+        },
+    ] {
+        let (_d, m) = tiny(spec);
+        let prompt = m
+            .tokenizer
+            .encode("the weather is nice in the north", Special::AsText, false)
+            .unwrap();
+        let (dense, dl) = dense_greedy(&m.llama, &prompt, 24);
+        for chunk in [usize::MAX, 7, 1] {
+            let (paged, pl) = paged_greedy(&m.llama, &prompt, 24, chunk);
+            assert_eq!(paged, dense, "{} chunk {chunk}", spec.arch);
+            // Same f32 math in another summation order: ~1e-5 relative.
+            let d = max_diff(&pl, &dl);
+            assert!(
+                d < 1e-3,
+                "{} chunk {chunk}: logits differ by {d}",
+                spec.arch
+            );
+        }
+    }
+}
+
+#[test]
+fn gguf_conversion_matches_safetensors() {
+    let dir = tempdir::Dir::new();
+    let hf = dir.path().join("hf");
+    write_tiny_model(&hf, TinySpec::default()).unwrap();
+    let st = Model::load(&hf, &mut |_, _| {}).unwrap();
+    let text = "the cat sat on the mat, 123 times!";
+    let want = st.tokenizer.encode(text, Special::AsText, false).unwrap();
+    let (want_toks, want_logits) = dense_greedy(&st.llama, &want, 8);
+    for (dtype, tol) in [(GgmlDType::F32, 1e-3f32), (GgmlDType::Q8_0, 0.5)] {
+        let path = dir.path().join(format!("tiny-{dtype:?}.gguf"));
+        write_tiny_gguf(&hf, &path, dtype, "llama").unwrap();
+        let g = Model::load(&path, &mut |_, _| {}).unwrap();
+        assert_eq!(
+            g.config().rope_style,
+            tessera_kernels::RopeStyle::Interleaved
+        );
+        assert_eq!(
+            g.tokenizer.encode(text, Special::AsText, false).unwrap(),
+            want,
+            "tokenizer from GGUF metadata"
+        );
+        assert_eq!(g.tokenizer.eog_ids(), st.tokenizer.eog_ids());
+        let (toks, logits) = dense_greedy(&g.llama, &want, 8);
+        let d = max_diff(&logits, &want_logits);
+        assert!(d < tol, "{dtype:?}: logits differ by {d}");
+        if dtype == GgmlDType::F32 {
+            assert_eq!(toks, want_toks);
+        }
+    }
+}
+
+#[test]
+fn chat_template_parses_specials_only_in_template_text() {
+    let (_d, m) = tiny(TinySpec::default());
+    let start = m.tokenizer.token_to_id("<|im_start|>").unwrap();
+    let msgs = vec![Message::new("user", "hi <|im_start|> there")];
+    let ids = m.template.encode(&m.tokenizer, &msgs, true).unwrap();
+    // The template's own <|im_start|> twice (user turn, assistant prompt);
+    // the user's is plain text.
+    assert_eq!(ids.iter().filter(|&&t| t == start).count(), 2);
+    assert_eq!(
+        m.tokenizer.decode(&ids).unwrap(),
+        m.template.render(&msgs, true).unwrap()
+    );
+    assert_eq!(
+        m.template.render(&msgs, true).unwrap(),
+        "<|im_start|>user\nhi <|im_start|> there<|im_end|>\n<|im_start|>assistant\n"
+    );
+}
+
+#[test]
+fn streaming_never_emits_broken_utf8() {
+    let (_d, m) = tiny(TinySpec::default());
+    let text = "héllo wörld 🦀 日本語 end";
+    let ids = m.tokenizer.encode(text, Special::AsText, false).unwrap();
+    assert_eq!(m.tokenizer.decode(&ids).unwrap(), text);
+    let mut s = m.tokenizer.stream();
+    let mut out = String::new();
+    for &id in &ids {
+        if let Some(p) = s.push(id).unwrap() {
+            assert!(!p.contains('\u{FFFD}'), "broken piece {p:?}");
+            out.push_str(&p);
+        }
+    }
+    out.extend(s.finish().unwrap());
+    assert_eq!(out, text);
+}
+
+#[test]
+fn loader_errors_are_clear() {
+    let dir = tempdir::Dir::new();
+    let missing = dir.path().join("nope.gguf");
+    assert!(matches!(
+        Model::load(&missing, &mut |_, _| {}),
+        Err(ModelError::NotFound(_))
+    ));
+    let not_gguf = dir.path().join("x.gguf");
+    std::fs::write(&not_gguf, b"hello world, not a model").unwrap();
+    assert!(matches!(
+        Model::load(&not_gguf, &mut |_, _| {}),
+        Err(ModelError::NotGguf { .. })
+    ));
+    let hf = dir.path().join("hf");
+    write_tiny_model(&hf, TinySpec::default()).unwrap();
+    let good = dir.path().join("good.gguf");
+    write_tiny_gguf(&hf, &good, GgmlDType::Q8_0, "llama").unwrap();
+    let bytes = std::fs::read(&good).unwrap();
+    let cut = dir.path().join("cut.gguf");
+    std::fs::write(&cut, &bytes[..bytes.len() * 2 / 3]).unwrap();
+    let e = Model::load(&cut, &mut |_, _| {}).err().unwrap();
+    assert!(matches!(e, ModelError::CorruptGguf { .. }), "{e}");
+    assert!(e.to_string().contains("truncated"), "{e}");
+    let header_only = dir.path().join("header.gguf");
+    std::fs::write(&header_only, &bytes[..40]).unwrap();
+    assert!(matches!(
+        Model::load(&header_only, &mut |_, _| {}),
+        Err(ModelError::CorruptGguf { .. })
+    ));
+    let gpt2 = dir.path().join("gpt2.gguf");
+    write_tiny_gguf(&hf, &gpt2, GgmlDType::F32, "gpt2").unwrap();
+    let e = Model::load(&gpt2, &mut |_, _| {}).err().unwrap();
+    assert!(
+        matches!(e, ModelError::UnsupportedArchitecture(ref a) if a == "gpt2"),
+        "{e}"
+    );
+}
