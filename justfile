@@ -16,6 +16,20 @@ bench:
     cargo bench --bench kv
     python3 scripts/criterion_table.py
 
+# Prefill and decode speed of Tessera beside candle's quantized_llama (same run).
+bench-model: model
+    cargo build --release -p tessera
+    ./target/release/tessera bench --model models/SmolLM2-135M-Instruct.Q4_1.gguf --scenario prefill --runs 5
+    ./target/release/tessera bench --model models/SmolLM2-135M-Instruct.Q4_1.gguf --scenario decode --runs 3
+
+# Packages llama.cpp needs to build (cmake, clang), installed with apt if missing.
+bench-deps:
+    command -v cmake >/dev/null && command -v clang >/dev/null || (apt-get update && apt-get install -y cmake clang libclang-dev)
+
+# Regenerate tests/fixtures/llamacpp_tokens.json with llama.cpp's tokenizer.
+tokenizer-fixture: model bench-deps
+    cargo run --release --features llama-cpp --example llamacpp_tokenize
+
 # Lints as CI would want them.
 lint:
     cargo fmt --all -- --check

@@ -196,7 +196,7 @@ fn check(
             meta.block_size
         )
     }
-    if meta.max_blocks == 0 || meta.block_tables.len() % meta.max_blocks != 0 {
+    if meta.max_blocks == 0 || !meta.block_tables.len().is_multiple_of(meta.max_blocks) {
         bail!(
             "paged_attention: block tables are not [num_seqs, {}]",
             meta.max_blocks

@@ -97,14 +97,14 @@ fn dots<B: GgmlType>(
 ) -> candle_core::Result<Vec<f32>> {
     let per_row = k / B::BLCK_SIZE;
     let size = std::mem::size_of::<B>();
-    if k % B::BLCK_SIZE != 0 || data.len() != n * per_row * size {
+    if !k.is_multiple_of(B::BLCK_SIZE) || data.len() != n * per_row * size {
         bail!(
             "linear: weight storage of {} bytes does not hold {n}x{k} {:?}",
             data.len(),
             B::DTYPE
         )
     }
-    if (data.as_ptr() as usize) % std::mem::align_of::<B>() != 0 {
+    if !(data.as_ptr() as usize).is_multiple_of(std::mem::align_of::<B>()) {
         bail!("linear: weight storage is not aligned for {:?}", B::DTYPE)
     }
     // SAFETY: the length and alignment were checked above, `B` is a

@@ -360,3 +360,85 @@ pub fn write_tiny_gguf(
     candle_core::quantized::gguf_file::write(&mut f, &meta_refs, &tensor_refs)?;
     Ok(())
 }
+
+/// Greedy generation of `steps` tokens through the paged cache: one
+/// sequence, block size 4, blocks deliberately scattered (reverse order),
+/// the prompt prefilled in chunks of `chunk` tokens. Returns the tokens and
+/// the logits each was picked from.
+pub fn paged_greedy(
+    model: &crate::Llama,
+    prompt: &[u32],
+    steps: usize,
+    chunk: usize,
+    cache_dtype: DType,
+) -> Result<(Vec<u32>, Vec<Vec<f32>>)> {
+    let bs = 4;
+    let nb = (prompt.len() + steps).div_ceil(bs) + 1;
+    let cache = model.new_cache(nb, bs, cache_dtype)?;
+    let table: Vec<u32> = (0..nb as u32).rev().collect();
+    let mut toks = prompt.to_vec();
+    let (mut out, mut all) = (Vec::new(), Vec::new());
+    let mut done = 0;
+    while out.len() < steps {
+        let end = if done < prompt.len() {
+            done.saturating_add(chunk.max(1)).min(prompt.len())
+        } else {
+            toks.len()
+        };
+        let positions: Vec<u32> = (done as u32..end as u32).collect();
+        let slots: Vec<u32> = positions
+            .iter()
+            .map(|&p| table[p as usize / bs] * bs as u32 + p % bs as u32)
+            .collect();
+        let token_seq = vec![0; end - done];
+        let last = [(end - done - 1) as u32];
+        let batch = crate::Batch {
+            tokens: &toks[done..end],
+            positions: &positions,
+            slots: &slots,
+            token_seq: &token_seq,
+            block_tables: &table,
+            max_blocks: nb,
+            block_size: bs,
+            logits_for: &last,
+        };
+        let logits = model.forward(&batch, &cache)?.squeeze(0)?;
+        done = end;
+        if done == toks.len() {
+            let t = crate::Llama::argmax(&logits)?;
+            all.push(logits.to_vec1::<f32>()?);
+            out.push(t);
+            toks.push(t);
+        }
+    }
+    Ok((out, all))
+}
+
+/// The same through the plain contiguous f32 cache ([`crate::DenseKv`]).
+pub fn dense_greedy(
+    model: &crate::Llama,
+    prompt: &[u32],
+    steps: usize,
+) -> Result<(Vec<u32>, Vec<Vec<f32>>)> {
+    let mut kv = crate::DenseKv::default();
+    let mut logits = model.forward_dense(prompt, &mut kv)?;
+    let (mut out, mut all) = (Vec::new(), Vec::new());
+    for i in 0..steps {
+        let t = crate::Llama::argmax(&logits)?;
+        all.push(logits.to_vec1::<f32>()?);
+        out.push(t);
+        if i + 1 < steps {
+            logits = model.forward_dense(&[t], &mut kv)?;
+        }
+    }
+    Ok((out, all))
+}
+
+/// Largest absolute difference between two logit histories.
+pub fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    a.iter()
+        .flatten()
+        .zip(b.iter().flatten())
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}

@@ -5,8 +5,8 @@
 use candle_core::quantized::GgmlDType;
 use candle_core::DType;
 
-use crate::testing::{write_tiny_gguf, write_tiny_model, TinySpec};
-use crate::{Batch, DenseKv, Llama, Message, Model, ModelError, Special};
+use crate::testing::{dense_greedy, paged_greedy, write_tiny_gguf, write_tiny_model, TinySpec};
+use crate::{Message, Model, ModelError, Special};
 
 fn tiny(spec: TinySpec) -> (tempdir::Dir, Model) {
     let dir = tempdir::Dir::new();
@@ -38,72 +38,6 @@ mod tempdir {
     }
 }
 
-/// Greedy generation through the paged cache, one sequence, block size 4,
-/// blocks deliberately scattered (reverse order).
-fn paged_greedy(
-    model: &Llama,
-    prompt: &[u32],
-    steps: usize,
-    chunk: usize,
-) -> (Vec<u32>, Vec<Vec<f32>>) {
-    let bs = 4;
-    let nb = 64;
-    let cache = model.new_cache(nb, bs, DType::F32).unwrap();
-    let table: Vec<u32> = (0..nb as u32).rev().collect();
-    let mut toks = prompt.to_vec();
-    let mut out = Vec::new();
-    let mut all_logits = Vec::new();
-    let mut done = 0;
-    let mut logits = None;
-    while done < toks.len() {
-        let end = done.saturating_add(chunk).min(toks.len());
-        let positions: Vec<u32> = (done as u32..end as u32).collect();
-        let slots: Vec<u32> = positions
-            .iter()
-            .map(|&p| table[p as usize / bs] * bs as u32 + p % bs as u32)
-            .collect();
-        let token_seq = vec![0; end - done];
-        let last = [(end - done - 1) as u32];
-        let batch = Batch {
-            tokens: &toks[done..end],
-            positions: &positions,
-            slots: &slots,
-            token_seq: &token_seq,
-            block_tables: &table,
-            max_blocks: nb,
-            block_size: bs,
-            logits_for: &last,
-        };
-        logits = Some(model.forward(&batch, &cache).unwrap().squeeze(0).unwrap());
-        done = end;
-        if done == toks.len() && out.len() < steps {
-            let l = logits.take().unwrap();
-            let t = Llama::argmax(&l).unwrap();
-            all_logits.push(l.to_vec1::<f32>().unwrap());
-            out.push(t);
-            toks.push(t);
-            if out.len() == steps {
-                break;
-            }
-        }
-    }
-    (out, all_logits)
-}
-
-fn dense_greedy(model: &Llama, prompt: &[u32], steps: usize) -> (Vec<u32>, Vec<Vec<f32>>) {
-    let mut kv = DenseKv::default();
-    let mut l = model.forward_dense(prompt, &mut kv).unwrap();
-    let mut out = Vec::new();
-    let mut all = Vec::new();
-    for _ in 0..steps {
-        let t = Llama::argmax(&l).unwrap();
-        all.push(l.to_vec1::<f32>().unwrap());
-        out.push(t);
-        l = model.forward_dense(&[t], &mut kv).unwrap();
-    }
-    (out, all)
-}
-
 fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
     a.iter()
         .flatten()
@@ -127,9 +61,9 @@ fn paged_equals_dense_and_chunking_does_not_matter() {
             .tokenizer
             .encode("the weather is nice in the north", Special::AsText, false)
             .unwrap();
-        let (dense, dl) = dense_greedy(&m.llama, &prompt, 24);
+        let (dense, dl) = dense_greedy(&m.llama, &prompt, 24).unwrap();
         for chunk in [usize::MAX, 7, 1] {
-            let (paged, pl) = paged_greedy(&m.llama, &prompt, 24, chunk);
+            let (paged, pl) = paged_greedy(&m.llama, &prompt, 24, chunk, DType::F32).unwrap();
             assert_eq!(paged, dense, "{} chunk {chunk}", spec.arch);
             // Same f32 math in another summation order: ~1e-5 relative.
             let d = max_diff(&pl, &dl);
@@ -150,7 +84,7 @@ fn gguf_conversion_matches_safetensors() {
     let st = Model::load(&hf, &mut |_, _| {}).unwrap();
     let text = "the cat sat on the mat, 123 times!";
     let want = st.tokenizer.encode(text, Special::AsText, false).unwrap();
-    let (want_toks, want_logits) = dense_greedy(&st.llama, &want, 8);
+    let (want_toks, want_logits) = dense_greedy(&st.llama, &want, 8).unwrap();
     for (dtype, tol) in [(GgmlDType::F32, 1e-3f32), (GgmlDType::Q8_0, 0.5)] {
         let path = dir.path().join(format!("tiny-{dtype:?}.gguf"));
         write_tiny_gguf(&hf, &path, dtype, "llama").unwrap();
@@ -165,7 +99,7 @@ fn gguf_conversion_matches_safetensors() {
             "tokenizer from GGUF metadata"
         );
         assert_eq!(g.tokenizer.eog_ids(), st.tokenizer.eog_ids());
-        let (toks, logits) = dense_greedy(&g.llama, &want, 8);
+        let (toks, logits) = dense_greedy(&g.llama, &want, 8).unwrap();
         let d = max_diff(&logits, &want_logits);
         assert!(d < tol, "{dtype:?}: logits differ by {d}");
         if dtype == GgmlDType::F32 {

@@ -1,0 +1,307 @@
+//! The `tessera` binary end to end: the real default model (fetched by
+//! `just model`), tiny generated models, and bad input of every kind, which
+//! must give a clear message and a non-zero exit, never a panic.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+use tessera_model::testing::{write_tiny_gguf, write_tiny_model, TinySpec};
+
+fn model() -> String {
+    let p =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(p.exists(), "{} is missing: run `just model`", p.display());
+    p.to_string_lossy().into_owned()
+}
+
+fn tessera(args: &[&str], stdin: Option<&[u8]>) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("binary runs");
+    if let Some(input) = stdin {
+        child.stdin.take().unwrap().write_all(input).unwrap();
+    }
+    drop(child.stdin.take());
+    child.wait_with_output().unwrap()
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// Fails with a message containing `needle`, a non-zero exit (1; 2 for
+/// command-line usage errors), no panic.
+fn fails_with(out: &Output, needle: &str) {
+    let err = text(&out.stderr);
+    assert!(
+        matches!(out.status.code(), Some(1 | 2)),
+        "exit {:?}, stderr: {err}",
+        out.status.code()
+    );
+    assert!(err.contains(needle), "expected {needle:?} in: {err}");
+    assert!(!err.contains("panicked"), "panicked: {err}");
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let p = std::env::temp_dir().join(format!("tessera-cli-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&p);
+    std::fs::create_dir_all(&p).unwrap();
+    p
+}
+
+#[test]
+fn run_chat_answers_paris_and_prints_stats() {
+    let m = model();
+    let out = tessera(
+        &[
+            "run",
+            "--model",
+            &m,
+            "--prompt",
+            "What is the capital of France?",
+            "--chat",
+            "--temperature",
+            "0",
+        ],
+        None,
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("Paris"), "{}", text(&out.stdout));
+    let err = text(&out.stderr);
+    let lines: Vec<&str> = err.lines().collect();
+    let prompt_line = lines
+        .iter()
+        .find(|l| l.starts_with("prompt: "))
+        .expect("prompt stats line");
+    assert!(
+        prompt_line.contains("tokens | cached: 0 | new: ")
+            && prompt_line.contains("tok/s | TTFT: "),
+        "{prompt_line}"
+    );
+    let out_line = lines
+        .iter()
+        .find(|l| l.starts_with("output: "))
+        .expect("output stats line");
+    assert!(
+        out_line.contains("tokens |") && out_line.contains("tok/s | total: "),
+        "{out_line}"
+    );
+}
+
+#[test]
+fn run_json_has_the_documented_shape() {
+    let m = model();
+    let out = tessera(
+        &[
+            "run",
+            "--model",
+            &m,
+            "--prompt",
+            "Count: one, two,",
+            "--max-tokens",
+            "5",
+            "--temperature",
+            "0",
+            "--json",
+        ],
+        None,
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: serde_json::Value =
+        serde_json::from_slice(&out.stdout).expect("stdout is one JSON object");
+    assert!(v["text"].is_string());
+    assert_eq!(v["tokens"].as_array().unwrap().len(), 5);
+    assert_eq!(v["finish_reason"], "length");
+    assert_eq!(v["usage"]["completion_tokens"], 5);
+    assert_eq!(v["usage"]["cached_tokens"], 0);
+    assert!(v["usage"]["prompt_tokens"].as_u64().unwrap() > 3);
+    for k in ["ttft_ms", "prefill_tok_s", "decode_tok_s"] {
+        assert!(v["timings"][k].as_f64().unwrap() > 0.0, "{k}");
+    }
+    // Same seed, same tokens, also when sampling.
+    let sample = |seed: &str| {
+        let o = tessera(
+            &[
+                "run",
+                "--model",
+                &m,
+                "--prompt",
+                "Once upon a time",
+                "--max-tokens",
+                "12",
+                "--seed",
+                seed,
+                "--json",
+            ],
+            None,
+        );
+        serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()["tokens"].clone()
+    };
+    assert_eq!(sample("7"), sample("7"));
+}
+
+#[test]
+fn tokenize_and_detokenize_round_trip() {
+    let m = model();
+    let s = "Hello <|im_start|> wörld 🦀\n";
+    let out = tessera(&["tokenize", "--model", &m], Some(s.as_bytes()));
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let ids: Vec<u32> = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(!ids.contains(&1), "control token parsed without --special");
+    let back = tessera(&["detokenize", "--model", &m], Some(&out.stdout));
+    assert_eq!(text(&back.stdout), s);
+    let sp = tessera(
+        &[
+            "tokenize",
+            "--model",
+            &m,
+            "--special",
+            "--text",
+            "<|im_start|>user",
+        ],
+        None,
+    );
+    let ids: Vec<u32> = serde_json::from_slice(&sp.stdout).unwrap();
+    assert_eq!(ids[0], 1);
+}
+
+#[test]
+fn inspect_reports_geometry_and_kv_cost() {
+    let out = tessera(&["inspect", "--model", &model()], None);
+    assert!(out.status.success());
+    let s = text(&out.stdout);
+    for needle in [
+        "architecture:   llama",
+        "layers:         30",
+        "9 query, 3 KV, head_dim 64",
+        "Q4_1 ×210",
+        "23040 B with a f16 cache",
+        "context length: 8192",
+    ] {
+        assert!(s.contains(needle), "{needle:?} missing in:\n{s}");
+    }
+}
+
+#[test]
+fn tiny_safetensors_model_runs() {
+    let dir = scratch("tiny");
+    write_tiny_model(&dir, TinySpec::default()).unwrap();
+    let out = tessera(
+        &[
+            "run",
+            "--model",
+            dir.to_str().unwrap(),
+            "--prompt",
+            "the",
+            "--max-tokens",
+            "4",
+            "--temperature",
+            "0",
+            "--json",
+        ],
+        None,
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["tokens"].as_array().unwrap().len(), 4);
+}
+
+#[test]
+fn bad_input_gives_clear_errors() {
+    let dir = scratch("bad");
+    fails_with(
+        &tessera(
+            &["run", "--model", "/nonexistent/model.gguf", "--prompt", "x"],
+            None,
+        ),
+        "does not exist",
+    );
+    let junk = dir.join("junk.gguf");
+    std::fs::write(&junk, b"definitely not a model").unwrap();
+    fails_with(
+        &tessera(&["inspect", "--model", junk.to_str().unwrap()], None),
+        "is not a GGUF file",
+    );
+    // The real model cut to 3 MB.
+    let mut head = vec![0u8; 3 << 20];
+    std::io::Read::read_exact(&mut std::fs::File::open(model()).unwrap(), &mut head).unwrap();
+    let cut = dir.join("cut.gguf");
+    std::fs::write(&cut, &head).unwrap();
+    fails_with(
+        &tessera(
+            &["run", "--model", cut.to_str().unwrap(), "--prompt", "x"],
+            None,
+        ),
+        "truncated",
+    );
+    let hf = dir.join("hf");
+    write_tiny_model(&hf, TinySpec::default()).unwrap();
+    let gpt2 = dir.join("gpt2.gguf");
+    write_tiny_gguf(&hf, &gpt2, candle_core_dtype(), "gpt2").unwrap();
+    fails_with(
+        &tessera(&["inspect", "--model", gpt2.to_str().unwrap()], None),
+        "unsupported architecture \"gpt2\"",
+    );
+    let long = "word ".repeat(50);
+    fails_with(
+        &tessera(
+            &["run", "--model", &model(), "--prompt", &long, "--ctx", "16"],
+            None,
+        ),
+        "but the context holds 16",
+    );
+    fails_with(
+        &tessera(
+            &["tokenize", "--model", &model()],
+            Some(&[0x66, 0xff, 0xfe]),
+        ),
+        "not valid UTF-8",
+    );
+    fails_with(
+        &tessera(&["detokenize", "--model", &model()], Some(b"[1, 99999999]")),
+        "outside the vocabulary",
+    );
+    fails_with(
+        &tessera(&["detokenize", "--model", &model()], Some(b"not json")),
+        "JSON array",
+    );
+    fails_with(
+        &tessera(
+            &[
+                "run",
+                "--model",
+                &model(),
+                "--prompt",
+                "x",
+                "--kv-memory",
+                "1KiB",
+            ],
+            None,
+        ),
+        "holds less than one block",
+    );
+    fails_with(
+        &tessera(
+            &[
+                "run",
+                "--model",
+                &model(),
+                "--prompt",
+                "x",
+                "--kv-memory",
+                "12 parsecs",
+            ],
+            None,
+        ),
+        "unknown size unit",
+    );
+}
+
+fn candle_core_dtype() -> candle_core::quantized::GgmlDType {
+    candle_core::quantized::GgmlDType::F32
+}

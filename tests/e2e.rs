@@ -1,0 +1,167 @@
+//! End-to-end tests on the real default model (SmolLM2-135M-Instruct Q4_1,
+//! fetched by `just model`, which `just test` runs first).
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use candle_core::DType;
+use tessera_engine::{Engine, EngineConfig, GenerateRequest, Message, Prompt, SamplingParams};
+use tessera_model::testing::{dense_greedy, max_diff, paged_greedy};
+use tessera_model::{Model, Special};
+
+fn model_path() -> PathBuf {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(
+        p.exists(),
+        "{} is missing: run `just model` (or `just test`, which fetches it)",
+        p.display()
+    );
+    p
+}
+
+fn model() -> &'static Model {
+    static M: OnceLock<Model> = OnceLock::new();
+    M.get_or_init(|| Model::load(&model_path(), &mut |_, _| {}).expect("default model loads"))
+}
+
+fn engine(cfg: EngineConfig) -> Engine {
+    Engine::from_model(Model::load(&model_path(), &mut |_, _| {}).unwrap(), cfg).unwrap()
+}
+
+const PROMPTS: &[&str] = &[
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a hash map is in one paragraph.",
+    "List three colors of the rainbow.",
+    "def fibonacci(n):",
+];
+
+#[test]
+fn paged_cache_matches_a_dense_f32_cache() {
+    let m = model();
+    for (i, p) in PROMPTS.iter().enumerate() {
+        let ids = if i < 4 {
+            m.template
+                .encode(&m.tokenizer, &[Message::new("user", *p)], true)
+                .unwrap()
+        } else {
+            m.tokenizer.encode(p, Special::AsText, true).unwrap()
+        };
+        let (dense, dl) = dense_greedy(&m.llama, &ids, 64).unwrap();
+        let (paged, pl) = paged_greedy(&m.llama, &ids, 64, usize::MAX, DType::F32).unwrap();
+        assert_eq!(paged, dense, "prompt {p:?}");
+        // Same weights, same f32 arithmetic; only the attention's summation
+        // order differs (blockwise online softmax versus one softmax), which
+        // moves logits (magnitude ~10-30) by ~1e-4. 1e-2 leaves a margin
+        // while catching any real mix-up, which moves them by whole units.
+        let d = max_diff(&pl, &dl);
+        assert!(d < 1e-2, "prompt {p:?}: logits differ by {d}");
+    }
+}
+
+#[test]
+fn chunked_and_token_by_token_prefill_continue_identically() {
+    let m = model();
+    let ids = m
+        .template
+        .encode(&m.tokenizer, &[Message::new("user", PROMPTS[2])], true)
+        .unwrap();
+    let (whole, _) = paged_greedy(&m.llama, &ids, 32, usize::MAX, DType::F16).unwrap();
+    let (sevens, _) = paged_greedy(&m.llama, &ids, 32, 7, DType::F16).unwrap();
+    let (ones, _) = paged_greedy(&m.llama, &ids, 32, 1, DType::F16).unwrap();
+    assert_eq!(sevens, whole);
+    assert_eq!(ones, whole);
+    // And through the engine with its own chunking.
+    let req = GenerateRequest {
+        max_tokens: 32,
+        sampling: SamplingParams::greedy(),
+        ignore_eos: true,
+        ..GenerateRequest::new(Prompt::Tokens(ids.clone()))
+    };
+    let out: Vec<Vec<u32>> = [usize::MAX, 7, 1]
+        .iter()
+        .map(|&c| {
+            let mut e = engine(EngineConfig {
+                prefill_chunk: c,
+                prefix_cache: false,
+                ..EngineConfig::default()
+            });
+            e.generate(&req, &mut |_| {}).unwrap().tokens
+        })
+        .collect();
+    assert_eq!(out[0], whole);
+    assert_eq!(out[1], whole);
+    assert_eq!(out[2], whole);
+}
+
+#[test]
+fn the_capital_of_france_is_paris() {
+    let mut e = engine(EngineConfig::default());
+    let req = GenerateRequest {
+        max_tokens: 32,
+        sampling: SamplingParams::greedy(),
+        ..GenerateRequest::new(Prompt::Chat(vec![Message::new(
+            "user",
+            "What is the capital of France?",
+        )]))
+    };
+    let mut streamed = String::new();
+    let done = e
+        .generate(&req, &mut |ev| streamed.push_str(ev.text))
+        .unwrap();
+    assert!(done.text.contains("Paris"), "{:?}", done.text);
+    assert_eq!(streamed, done.text);
+    assert_eq!(done.finish_reason.as_str(), "stop");
+    // The same request again hits the prefix cache for all but one token.
+    let again = e.generate(&req, &mut |_| {}).unwrap();
+    assert_eq!(again.usage.cached_tokens, again.usage.prompt_tokens - 1);
+    assert_eq!(again.text, done.text);
+}
+
+fn corpus() -> Vec<String> {
+    let text = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer_corpus.json"),
+    )
+    .unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+#[test]
+fn tokenizer_round_trips_a_varied_corpus() {
+    let tok = &model().tokenizer;
+    for text in corpus() {
+        let ids = tok.encode(&text, Special::AsText, false).unwrap();
+        assert_eq!(tok.decode(&ids).unwrap(), text);
+        // Streaming gives the same text, in valid pieces.
+        let mut s = tok.stream();
+        let mut out = String::new();
+        for &id in &ids {
+            out.extend(s.push(id).unwrap());
+        }
+        out.extend(s.finish().unwrap());
+        assert_eq!(out, text);
+    }
+}
+
+#[test]
+fn tokenizer_ids_equal_llama_cpp() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llamacpp_tokens.json");
+    let fixture: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let cases = fixture["cases"].as_array().unwrap();
+    assert_eq!(
+        cases.len(),
+        corpus().len(),
+        "fixture is stale: run `just tokenizer-fixture`"
+    );
+    let tok = &model().tokenizer;
+    for case in cases {
+        let text = case["text"].as_str().unwrap();
+        let want: Vec<u32> = serde_json::from_value(case["ids"].clone()).unwrap();
+        assert_eq!(
+            tok.encode(text, Special::AsText, false).unwrap(),
+            want,
+            "{text:?}"
+        );
+    }
+}
