@@ -165,3 +165,38 @@ fn tokenizer_ids_equal_llama_cpp() {
         );
     }
 }
+
+#[test]
+fn generation_stops_before_a_stop_string_and_at_max_tokens() {
+    let mut e = engine(EngineConfig {
+        prefix_cache: false,
+        ..EngineConfig::default()
+    });
+    let prompt = Prompt::Chat(vec![Message::new(
+        "user",
+        "Write a short story about a robot.",
+    )]);
+    let base = GenerateRequest {
+        max_tokens: 40,
+        sampling: SamplingParams::greedy(),
+        ..GenerateRequest::new(prompt)
+    };
+    let full = e.generate(&base, &mut |_| {}).unwrap();
+    assert_eq!(full.usage.completion_tokens, 40);
+    assert_eq!(full.finish_reason.as_str(), "length");
+    // Stop at a word from the middle of the greedy text.
+    let words: Vec<&str> = full.text.split_whitespace().collect();
+    let stop = words[words.len() / 2].to_string();
+    let at = full.text.find(&stop).unwrap();
+    let mut streamed = String::new();
+    let req = GenerateRequest {
+        stop: vec![stop.clone()],
+        ..base
+    };
+    let cut = e
+        .generate(&req, &mut |ev| streamed.push_str(ev.text))
+        .unwrap();
+    assert_eq!(cut.text, full.text[..at], "stop {stop:?}");
+    assert_eq!(streamed, cut.text, "the stop string is never streamed");
+    assert_eq!(cut.finish_reason.as_str(), "stop");
+}

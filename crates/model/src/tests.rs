@@ -183,3 +183,162 @@ fn loader_errors_are_clear() {
         "{e}"
     );
 }
+
+#[test]
+fn several_sequences_in_one_forward_equal_each_alone() {
+    use crate::Batch;
+    let (_d, m) = tiny(TinySpec::default());
+    let a = m
+        .tokenizer
+        .encode("the north wind and the sun", Special::AsText, false)
+        .unwrap();
+    let b = m
+        .tokenizer
+        .encode("on a hill", Special::AsText, false)
+        .unwrap();
+    let bs = 4;
+    let (ta, tb): (Vec<u32>, Vec<u32>) = ((0..8).collect(), (8..16).collect());
+    let slots = |table: &[u32], range: std::ops::Range<usize>| -> Vec<u32> {
+        range
+            .map(|p| table[p / bs] * bs as u32 + (p % bs) as u32)
+            .collect()
+    };
+    // Alone: each sequence in its own forward call.
+    let alone = |tokens: &[u32], table: &[u32], start: usize, cache: &[crate::LayerKv]| {
+        let positions: Vec<u32> = (start as u32..(start + tokens.len()) as u32).collect();
+        let sl = slots(table, start..start + tokens.len());
+        let seq = vec![0u32; tokens.len()];
+        let last = [tokens.len() as u32 - 1];
+        let batch = Batch {
+            tokens,
+            positions: &positions,
+            slots: &sl,
+            token_seq: &seq,
+            block_tables: table,
+            max_blocks: 8,
+            block_size: bs,
+            logits_for: &last,
+        };
+        m.llama
+            .forward(&batch, cache)
+            .unwrap()
+            .squeeze(0)
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+    };
+    let c1 = m.llama.new_cache(16, bs, DType::F32).unwrap();
+    let want_a = alone(&a, &ta, 0, &c1);
+    let want_b = alone(&b, &tb, 0, &c1);
+    let want_a2 = alone(&[5], &ta, a.len(), &c1);
+    let want_b2 = alone(&[9], &tb, b.len(), &c1);
+    // Together: both prompts in one call, then one decode token each.
+    let c2 = m.llama.new_cache(16, bs, DType::F32).unwrap();
+    let tables: Vec<u32> = ta.iter().chain(&tb).copied().collect();
+    let together = |tokens: &[u32], starts: [usize; 2], lens: [usize; 2]| {
+        let mut positions = Vec::new();
+        let mut sl = Vec::new();
+        let mut seq = Vec::new();
+        for (i, table) in [&ta, &tb].into_iter().enumerate() {
+            positions.extend(starts[i] as u32..(starts[i] + lens[i]) as u32);
+            sl.extend(slots(table, starts[i]..starts[i] + lens[i]));
+            seq.extend(std::iter::repeat_n(i as u32, lens[i]));
+        }
+        let last = [lens[0] as u32 - 1, (lens[0] + lens[1]) as u32 - 1];
+        let batch = Batch {
+            tokens,
+            positions: &positions,
+            slots: &sl,
+            token_seq: &seq,
+            block_tables: &tables,
+            max_blocks: 8,
+            block_size: bs,
+            logits_for: &last,
+        };
+        m.llama
+            .forward(&batch, &c2)
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap()
+    };
+    let ab: Vec<u32> = a.iter().chain(&b).copied().collect();
+    let got = together(&ab, [0, 0], [a.len(), b.len()]);
+    let got2 = together(&[5, 9], [a.len(), b.len()], [1, 1]);
+    for (g, w) in [
+        (&got[0], &want_a),
+        (&got[1], &want_b),
+        (&got2[0], &want_a2),
+        (&got2[1], &want_b2),
+    ] {
+        let d = g
+            .iter()
+            .zip(w.iter())
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f32::max);
+        assert!(d < 1e-3, "batched logits differ by {d}");
+    }
+}
+
+#[test]
+fn sentencepiece_tokenizer_from_gguf_metadata() {
+    use candle_core::quantized::gguf_file::{self, Value};
+    let dir = tempdir::Dir::new();
+    let path = dir.path().join("spm.gguf");
+    let mut tokens: Vec<(String, f32, i32)> = vec![
+        ("<unk>".into(), 0.0, 2),
+        ("<s>".into(), 0.0, 3),
+        ("</s>".into(), 0.0, 3),
+    ];
+    tokens.extend((0..256).map(|b| (format!("<0x{b:02X}>"), 0.0, 6)));
+    for (i, p) in [
+        "▁", "t", "h", "e", "c", "a", "s", "he", "▁t", "▁the", "at", "▁c", "▁cat", "▁s", "▁sat",
+    ]
+    .iter()
+    .enumerate()
+    {
+        // Longer pieces score higher, as SentencePiece's do.
+        tokens.push((
+            p.to_string(),
+            -(100.0 - p.chars().count() as f32 * 10.0) - i as f32 * 0.01,
+            1,
+        ));
+    }
+    let meta: Vec<(&str, Value)> = vec![
+        ("general.architecture", Value::String("llama".into())),
+        ("tokenizer.ggml.model", Value::String("llama".into())),
+        (
+            "tokenizer.ggml.tokens",
+            Value::Array(tokens.iter().map(|t| Value::String(t.0.clone())).collect()),
+        ),
+        (
+            "tokenizer.ggml.scores",
+            Value::Array(tokens.iter().map(|t| Value::F32(t.1)).collect()),
+        ),
+        (
+            "tokenizer.ggml.token_type",
+            Value::Array(tokens.iter().map(|t| Value::I32(t.2)).collect()),
+        ),
+        ("tokenizer.ggml.bos_token_id", Value::U32(1)),
+        ("tokenizer.ggml.eos_token_id", Value::U32(2)),
+    ];
+    let refs: Vec<(&str, &Value)> = meta.iter().map(|(k, v)| (*k, v)).collect();
+    gguf_file::write(&mut std::fs::File::create(&path).unwrap(), &refs, &[]).unwrap();
+    let g = crate::GgufFile::open(&path).unwrap();
+    let tok = crate::Tokenizer::from_gguf(&g).unwrap();
+    let id = |s: &str| tok.token_to_id(s).unwrap();
+    assert_eq!(
+        tok.encode("the cat sat", Special::AsText, false).unwrap(),
+        vec![id("▁the"), id("▁cat"), id("▁sat")]
+    );
+    // BOS is added by default for SentencePiece models.
+    assert_eq!(
+        tok.encode("the", Special::AsText, true).unwrap(),
+        vec![1, id("▁the")]
+    );
+    // Unknown characters fall back to bytes and decode back exactly.
+    for text in ["the cat sat", "Ω the  cat", "a\nb"] {
+        let ids = tok.encode(text, Special::AsText, false).unwrap();
+        assert_eq!(tok.decode(&ids).unwrap(), text);
+    }
+    assert!(tok.is_eog(2));
+}
