@@ -7,6 +7,11 @@ default:
 model name="":
     python3 scripts/fetch_model.py {{name}}
 
+# Fetch the model, build, and run a scripted 10-turn chat printing per-turn cache statistics.
+demo: model
+    cargo build --release -p tessera
+    ./target/release/tessera chat --model models/SmolLM2-135M-Instruct.Q4_1.gguf --script demo/chat.jsonl --temperature 0 --max-tokens 48
+
 # Run every test of the workspace (fetches the default model first).
 test: model
     cargo test --workspace

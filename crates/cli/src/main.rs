@@ -5,6 +5,7 @@
 //! which runs candle's own model, not ours).
 
 mod bench;
+mod chat;
 
 use std::io::{IsTerminal, Read, Write};
 use std::process::ExitCode;
@@ -35,6 +36,8 @@ struct Cli {
 enum Cmd {
     /// Generate text from a prompt.
     Run(RunArgs),
+    /// A multi-turn conversation that keeps its KV cache between turns.
+    Chat(chat::ChatArgs),
     /// Print the token ids of a text as a JSON array.
     Tokenize(TokenizeArgs),
     /// Read a JSON array of token ids from stdin and print their text.
@@ -46,10 +49,10 @@ enum Cmd {
 }
 
 #[derive(Args)]
-struct ModelArg {
+pub(crate) struct ModelArg {
     /// A GGUF file, a safetensors directory, or hf:OWNER/REPO/FILE.
     #[arg(long)]
-    model: String,
+    pub(crate) model: String,
 }
 
 #[derive(Args, Clone)]
@@ -201,7 +204,6 @@ fn run(args: RunArgs) -> Result<()> {
         Prompt::Text(args.prompt.clone())
     };
     let req = GenerateRequest {
-        prompt,
         sampling: SamplingParams {
             temperature: args.temperature,
             top_k: args.top_k,
@@ -213,7 +215,7 @@ fn run(args: RunArgs) -> Result<()> {
         },
         max_tokens: args.max_tokens,
         stop: args.stop.clone(),
-        ignore_eos: false,
+        ..GenerateRequest::new(prompt)
     };
     let mut stdout = std::io::stdout().lock();
     let json = args.json;
@@ -250,7 +252,7 @@ pub(crate) fn completion_json(c: &Completion) -> serde_json::Value {
     })
 }
 
-fn print_stats(c: &Completion) {
+pub(crate) fn print_stats(c: &Completion) {
     let u = c.usage;
     let t = c.timings;
     eprintln!(
@@ -355,6 +357,7 @@ fn main() -> ExitCode {
     }
     let result = match cli.cmd {
         Cmd::Run(a) => run(a),
+        Cmd::Chat(a) => chat::chat(a),
         Cmd::Tokenize(a) => tokenize(a),
         Cmd::Detokenize(a) => detokenize(a),
         Cmd::Inspect(a) => inspect(a),

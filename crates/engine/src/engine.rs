@@ -4,8 +4,10 @@
 use std::time::Instant;
 
 use candle_core::DType;
-use tessera_kernels::copy_blocks;
-use tessera_kv::{Admission, CopyOp, KvCache, KvConfig, KvStats, Namespace, SeqId, TokenId};
+use tessera_kernels::{copy_blocks, shift_kv, Rotation};
+use tessera_kv::{
+    Admission, CopyOp, KvCache, KvConfig, KvStats, Namespace, SeqId, ShiftPlan, TokenId,
+};
 use tessera_model::{Batch, LayerKv, Message, Model, Special};
 
 use crate::sampler::{Sampler, SamplingParams};
@@ -90,6 +92,19 @@ pub struct GenerateRequest {
     pub stop: Vec<String>,
     /// Keep generating through end-of-generation tokens (benchmarks).
     pub ignore_eos: bool,
+    /// What to do when the sequence reaches the context length.
+    pub context_shift: ContextShift,
+}
+
+/// Context-shift policy at the context limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ContextShift {
+    /// Finish with reason `length`.
+    #[default]
+    Off,
+    /// Keep the first `n_keep` tokens, drop half of the rest, move the tail
+    /// down (rotating cached K by the position delta) and go on.
+    Keep(usize),
 }
 
 impl GenerateRequest {
@@ -100,6 +115,7 @@ impl GenerateRequest {
             max_tokens: 256,
             stop: Vec::new(),
             ignore_eos: false,
+            context_shift: ContextShift::Off,
         }
     }
 }
@@ -161,6 +177,23 @@ pub struct Completion {
     pub timings: Timings,
 }
 
+/// Engine-wide counters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct EngineStats {
+    pub kv: KvStats,
+    pub requests: u64,
+    pub prompt_tokens: u64,
+    /// Prompt tokens served from the prefix cache.
+    pub cached_tokens: u64,
+}
+
+impl EngineStats {
+    /// Share of prompt tokens served from the cache.
+    pub fn hit_ratio(&self) -> f64 {
+        self.cached_tokens as f64 / (self.prompt_tokens.max(1)) as f64
+    }
+}
+
 /// A model with its paged K/V pool and prefix cache.
 pub struct Engine {
     model: Model,
@@ -169,6 +202,7 @@ pub struct Engine {
     cfg: EngineConfig,
     ctx: usize,
     ns: Namespace,
+    totals: EngineStats,
 }
 
 /// Length of the longest suffix of `text` that begins some stop string.
@@ -223,6 +257,7 @@ impl Engine {
             cfg,
             ctx,
             ns,
+            totals: EngineStats::default(),
         })
     }
 
@@ -240,6 +275,14 @@ impl Engine {
 
     pub fn kv_stats(&self) -> KvStats {
         self.kv.stats()
+    }
+
+    /// Cache occupancy and hit counters.
+    pub fn stats(&self) -> EngineStats {
+        EngineStats {
+            kv: self.kv.stats(),
+            ..self.totals
+        }
     }
 
     /// Drops every cached prefix no request uses.
@@ -294,6 +337,11 @@ impl Engine {
             self.kv.insert_sequence(seq)?;
         }
         self.kv.free_sequence(seq)?;
+        if let Ok(done) = &result {
+            self.totals.requests += 1;
+            self.totals.prompt_tokens += done.usage.prompt_tokens as u64;
+            self.totals.cached_tokens += done.usage.cached_tokens as u64;
+        }
         result
     }
 
@@ -357,8 +405,20 @@ impl Engine {
                 text: &text[emitted..safe],
             });
             emitted = safe;
-            if out.len() >= req.max_tokens || ids.len() + out.len() >= self.ctx {
+            if out.len() >= req.max_tokens {
                 break FinishReason::Length;
+            }
+            let len = self.kv.sequence(seq)?.len();
+            if len >= self.ctx {
+                match req.context_shift {
+                    ContextShift::Off => break FinishReason::Length,
+                    ContextShift::Keep(n_keep) => {
+                        // Keep n_keep (at most half the context), drop half of the rest.
+                        let n_keep = n_keep.min(self.ctx / 2);
+                        let n_discard = ((len - n_keep) / 2).max(1);
+                        self.shift(seq, n_keep, n_discard)?;
+                    }
+                }
             }
             logits = self.step(seq, &[tok], true)?.unwrap_or_default();
         };
@@ -439,6 +499,36 @@ impl Engine {
             return Ok(None);
         }
         Ok(Some(logits.squeeze(0)?.to_vec1::<f32>()?))
+    }
+
+    /// Context shift of `seq`: the bookkeeping plan, then the K/V moves with
+    /// the RoPE rotation of every cached K.
+    fn shift(&mut self, seq: SeqId, n_keep: usize, n_discard: usize) -> Result<()> {
+        let plan = match self.kv.plan_shift(seq, n_keep, n_discard)? {
+            Admission::Ok(plan) => plan,
+            Admission::Later { needed, .. } | Admission::Never { needed, .. } => {
+                return Err(EngineError::OutOfKvMemory {
+                    needed,
+                    total: self.kv.pool().num_blocks(),
+                    block_size: self.kv.block_size(),
+                })
+            }
+        };
+        self.apply_shift(&plan)
+    }
+
+    fn apply_shift(&self, plan: &ShiftPlan) -> Result<()> {
+        self.apply_copies(&plan.copies)?;
+        let moves: Vec<(u32, u32)> = plan.moves.iter().map(|m| (m.src.0, m.dst.0)).collect();
+        let rotation = Rotation {
+            style: self.model.config().rope_style,
+            inv_freq: self.model.llama.inv_freq().to_vec(),
+            delta: plan.position_delta,
+        };
+        for layer in &self.cache {
+            shift_kv(&layer.k, &layer.v, &moves, &rotation)?;
+        }
+        Ok(())
     }
 
     fn apply_copies(&self, copies: &[CopyOp]) -> Result<()> {

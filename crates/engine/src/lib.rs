@@ -12,14 +12,16 @@
 //!         → insert the sequence into the prefix tree → free
 //! ```
 
+mod chat;
 mod engine;
 mod error;
 mod sampler;
 mod source;
 
+pub use chat::{ChatSession, TurnOptions};
 pub use engine::{
-    CacheDType, Completion, Engine, EngineConfig, FinishReason, GenerateRequest, Prompt, Timings,
-    TokenEvent, Usage,
+    CacheDType, Completion, ContextShift, Engine, EngineConfig, EngineStats, FinishReason,
+    GenerateRequest, Prompt, Timings, TokenEvent, Usage,
 };
 pub use error::{EngineError, Result};
 pub use sampler::{Sampler, SamplingParams};
