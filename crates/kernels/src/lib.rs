@@ -32,7 +32,7 @@ mod rope;
 mod shift;
 mod write;
 
-pub use attention::{paged_attention, paged_attention_slow, PagedMeta};
+pub use attention::{dot, paged_attention, paged_attention_slow, PagedMeta};
 pub use copy::{copy_blocks, copy_blocks_slow};
 pub use rope::{RopeStyle, Rotation};
 pub use shift::{shift_kv, shift_kv_slow};
