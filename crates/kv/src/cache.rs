@@ -193,7 +193,9 @@ impl KvCache {
         let m = if reusable.is_empty() {
             PrefixMatch::default()
         } else {
-            self.tree.match_prefix(ns, reusable)
+            self.tree
+                .match_prefix_for_lock(&mut self.pool, ns, reusable)
+                .expect("matched blocks are live")
         };
         for &b in &m.blocks {
             self.pool

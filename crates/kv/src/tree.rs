@@ -149,6 +149,44 @@ impl PrefixTree {
         m
     }
 
+    /// [`match_prefix`](Self::match_prefix) for a sequence that will lock
+    /// what it matched: `node` becomes the node ending exactly at the last
+    /// whole block of the match (the edge is split there), or `None` when
+    /// the match is shorter than a block. A partly matched last block is not
+    /// locked: the sequence holds it by reference and copies it on its first
+    /// write, so locking it would pin cached content the sequence no longer
+    /// reads, and the rest of the edge stays evictable.
+    pub fn match_prefix_for_lock(
+        &mut self,
+        pool: &mut BlockPool,
+        ns: Namespace,
+        tokens: &[TokenId],
+    ) -> Result<PrefixMatch, KvError> {
+        let mut m = self.match_prefix(ns, tokens);
+        let aligned = m.len / self.block_size * self.block_size;
+        let mut at = m.node;
+        while let Some(id) = at {
+            let node = self.n(id);
+            if node.parent.is_none() || node.start < aligned {
+                break;
+            }
+            at = node.parent;
+        }
+        m.node = match at {
+            Some(id) if self.n(id).parent.is_some() => {
+                let node = self.n(id);
+                let inside = aligned - node.start;
+                Some(if inside < node.tokens.len() {
+                    self.split(pool, id, inside)?
+                } else {
+                    id
+                })
+            }
+            _ => None,
+        };
+        Ok(m)
+    }
+
     /// Like [`match_prefix`](Self::match_prefix) without touching the LRU
     /// clock: for inspection and tests.
     pub fn peek_prefix(&self, ns: Namespace, tokens: &[TokenId]) -> PrefixMatch {
@@ -302,7 +340,9 @@ impl PrefixTree {
     }
 
     /// Removes least-recently-used unlocked leaves until `n_blocks` blocks
-    /// became free in the pool or nothing is left to evict. Returns the
+    /// became free in the pool or nothing is left to evict. A leaf longer
+    /// than what is still needed loses only its last blocks, so the front of
+    /// a long cached conversation survives a small eviction. Returns the
     /// blocks that became free.
     pub fn evict(
         &mut self,
@@ -314,7 +354,12 @@ impl PrefixTree {
             let Some(&(_, id)) = self.evictable.first() else {
                 break;
             };
-            self.remove_leaf(pool, id, &mut freed)?;
+            let want = n_blocks - freed.len();
+            if self.n(id).blocks.len() > want {
+                self.trim_leaf(pool, id, want, &mut freed)?;
+            } else {
+                self.remove_leaf(pool, id, &mut freed)?;
+            }
         }
         Ok(freed)
     }
@@ -613,6 +658,31 @@ impl PrefixTree {
         bottom.parent = Some(top_id);
         self.nm(parent).children.insert(first_token, top_id);
         Ok(top_id)
+    }
+
+    /// Drops the last `k` blocks of a leaf (fewer than it has) and the
+    /// tokens they hold; the leaf keeps its first block.
+    fn trim_leaf(
+        &mut self,
+        pool: &mut BlockPool,
+        id: NodeId,
+        k: usize,
+        freed: &mut Vec<BlockId>,
+    ) -> Result<(), KvError> {
+        let bs = self.block_size;
+        let node = self.nm(id);
+        let keep = node.blocks.len() - k;
+        let new_end = (node.start / bs + keep) * bs;
+        let dropped_tokens = node.end() - new_end;
+        node.tokens.truncate(new_end - node.start);
+        let dropped = node.blocks.split_off(keep);
+        self.cached_tokens -= dropped_tokens;
+        for b in dropped {
+            if pool.release(b)? {
+                freed.push(b);
+            }
+        }
+        Ok(())
     }
 
     fn remove_leaf(

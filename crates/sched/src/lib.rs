@@ -2,9 +2,602 @@
 //!
 //! **What this crate must not know:** tensors, candle, devices, the model.
 //! It turns waiting and running requests plus the state of a
-//! [`tessera_kv::KvCache`] into a step plan (which sequences run, how many
-//! tokens each, which blocks to allocate, evict, copy or shift), and is
-//! tested through a simulated executor.
+//! [`tessera_kv::KvCache`] into a [`StepPlan`] (which sequences run, how many
+//! tokens each, which blocks to copy or shift), and is tested through a
+//! simulated executor.
 //!
-//! Status: not built yet. The engine issue fills this crate; until then it
-//! exports nothing.
+//! One step, as the engine drives it:
+//!
+//! ```text
+//! plan = sched.schedule()          // decodes first, then prefill chunks,
+//!                                  // then new requests, inside the budget
+//! apply plan.ops in order          // copy-on-write copies, context shifts
+//! forward(plan.items)              // write K/V into the slots, attend
+//! sched.step_done(&plan)           // the items' K/V is now computed
+//! for items with logits:
+//!     sched.push_token(req, tok)   // or finish(req) / fork(req)
+//! ```
+//!
+//! Policies:
+//! - **Budget.** A step computes at most `max_batch_tokens` tokens over at
+//!   most `max_running` sequences. Running sequences go first, oldest first
+//!   (one token each when decoding, a chunk when prefilling); what is left
+//!   admits waiting requests, prefilled in chunks.
+//! - **Cache-aware order.** Waiting requests with the longest cached prefix
+//!   are admitted first; one that has waited `max_wait_steps` steps goes
+//!   before all others (first come, first served among those), so no
+//!   request waits forever.
+//! - **Out of blocks.** [`KvCache::append`] evicts cached-only blocks (LRU)
+//!   by itself. When that is not enough, the most recently admitted running
+//!   request is preempted by recompute: its computed tokens go into the
+//!   prefix tree (so they usually stay cached), its blocks are freed, and it
+//!   waits at the front of the queue with every token it has so far. A
+//!   request that cannot fit even alone is rejected when it is added.
+//! - **Context limit.** A request that would pass the context length is
+//!   shifted (keep `n_keep` tokens, drop half the rest, [`KvOp::Shift`]) or
+//!   ended with [`EndReason::ContextFull`].
+
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+
+use tessera_kv::{
+    Admission, BlockId, CopyOp, KvCache, KvError, Namespace, SeqId, ShiftPlan, Slot, TokenId,
+};
+
+/// A request handle, assigned by [`Scheduler::add`] and [`Scheduler::fork`].
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
+pub struct ReqId(pub u64);
+
+impl fmt::Display for ReqId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "r{}", self.0)
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct SchedConfig {
+    /// Most tokens computed in one step (decodes and prefill chunks).
+    pub max_batch_tokens: usize,
+    /// Most sequences in one step.
+    pub max_running: usize,
+    /// Steps a waiting request may be passed over by better-cached ones.
+    pub max_wait_steps: u64,
+    /// Reuse cached prefixes and insert finished sequences.
+    pub prefix_cache: bool,
+    /// Positions a sequence may hold.
+    pub context_length: usize,
+}
+
+impl Default for SchedConfig {
+    fn default() -> Self {
+        SchedConfig {
+            max_batch_tokens: 512,
+            max_running: 64,
+            max_wait_steps: 64,
+            prefix_cache: true,
+            context_length: 2048,
+        }
+    }
+}
+
+/// What a request asks for.
+#[derive(Debug, Clone)]
+pub struct NewRequest {
+    pub namespace: Namespace,
+    pub prompt: Vec<TokenId>,
+    /// Most tokens it will generate (for the fits-alone check).
+    pub max_new_tokens: usize,
+    /// At the context limit: `Some(n_keep)` shifts, `None` ends the request.
+    pub shift_keep: Option<usize>,
+}
+
+/// Why a request was refused at [`Scheduler::add`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SchedError {
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error("the prompt has {tokens} tokens but the context holds {context}")]
+    PromptTooLong { tokens: usize, context: usize },
+    #[error(
+        "the request needs {needed} blocks of {block_size} tokens and the whole pool has {total}"
+    )]
+    TooLarge {
+        needed: usize,
+        total: usize,
+        block_size: usize,
+    },
+    #[error("unknown request {0}")]
+    UnknownRequest(ReqId),
+    #[error("request {0} cannot do that now: {1}")]
+    BadState(ReqId, &'static str),
+    #[error(transparent)]
+    Kv(#[from] KvError),
+}
+
+/// A KV operation the engine carries out, in order, before the forward pass.
+#[derive(Debug, Clone, PartialEq)]
+pub enum KvOp {
+    /// Copy whole blocks (copy-on-write).
+    Copy(Vec<CopyOp>),
+    /// A context shift of `req`: its copies, then the moves with K rotated.
+    Shift { req: ReqId, plan: ShiftPlan },
+}
+
+/// One sequence's part of a step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepItem {
+    pub req: ReqId,
+    pub seq: SeqId,
+    pub tokens: Vec<TokenId>,
+    /// Position of `tokens[0]`.
+    pub start: usize,
+    pub slots: Vec<Slot>,
+    /// The sequence's block table after this step's appends.
+    pub block_table: Vec<BlockId>,
+    /// The last token ends what is known: the engine samples from it.
+    pub wants_logits: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EndReason {
+    /// The sequence holds the whole context and shifting is off.
+    ContextFull,
+}
+
+/// What one step runs.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StepPlan {
+    pub ops: Vec<KvOp>,
+    pub items: Vec<StepItem>,
+    /// Running requests sent back to the queue (they come back by themselves).
+    pub preempted: Vec<ReqId>,
+    /// Requests ended by the scheduler; the engine finishes them.
+    pub ended: Vec<(ReqId, EndReason)>,
+}
+
+impl StepPlan {
+    pub fn num_tokens(&self) -> usize {
+        self.items.iter().map(|i| i.tokens.len()).sum()
+    }
+}
+
+/// Engine-wide scheduling counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SchedStats {
+    pub steps: u64,
+    pub preemptions: u64,
+    pub shifts: u64,
+    pub admitted: u64,
+}
+
+#[derive(Debug)]
+struct Request {
+    ns: Namespace,
+    /// Every token known: prompt, then generated ones.
+    tokens: Vec<TokenId>,
+    shift_keep: Option<usize>,
+    /// Prompt tokens served from the cache at first admission.
+    cached: Option<usize>,
+    state: State,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum State {
+    Waiting { since: u64 },
+    Running { seq: SeqId, admitted: u64 },
+}
+
+/// The continuous-batching scheduler over a [`KvCache`].
+pub struct Scheduler {
+    kv: KvCache,
+    cfg: SchedConfig,
+    reqs: HashMap<ReqId, Request>,
+    /// Front: preempted requests; back: new arrivals.
+    waiting: VecDeque<ReqId>,
+    /// Admission order.
+    running: Vec<ReqId>,
+    next_req: u64,
+    step: u64,
+    admissions: u64,
+    stats: SchedStats,
+}
+
+impl Scheduler {
+    pub fn new(kv: KvCache, cfg: SchedConfig) -> Scheduler {
+        Scheduler {
+            kv,
+            cfg,
+            reqs: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            next_req: 0,
+            step: 0,
+            admissions: 0,
+            stats: SchedStats::default(),
+        }
+    }
+
+    pub fn kv(&self) -> &KvCache {
+        &self.kv
+    }
+
+    /// The cache, for work between steps (defragmentation, sessions).
+    pub fn kv_mut(&mut self) -> &mut KvCache {
+        &mut self.kv
+    }
+
+    pub fn config(&self) -> &SchedConfig {
+        &self.cfg
+    }
+
+    pub fn stats(&self) -> SchedStats {
+        self.stats
+    }
+
+    pub fn has_work(&self) -> bool {
+        !self.waiting.is_empty() || !self.running.is_empty()
+    }
+
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    /// Every token the request has so far.
+    pub fn tokens(&self, req: ReqId) -> Result<&[TokenId], SchedError> {
+        Ok(&self.get(req)?.tokens)
+    }
+
+    /// Prompt tokens served from the cache when the request was first
+    /// admitted (`None` before).
+    pub fn cached_tokens(&self, req: ReqId) -> Result<Option<usize>, SchedError> {
+        Ok(self.get(req)?.cached)
+    }
+
+    fn get(&self, req: ReqId) -> Result<&Request, SchedError> {
+        self.reqs.get(&req).ok_or(SchedError::UnknownRequest(req))
+    }
+
+    /// Queues a request, or refuses one that can never run.
+    pub fn add(&mut self, r: NewRequest) -> Result<ReqId, SchedError> {
+        let ctx = self.cfg.context_length;
+        if r.prompt.is_empty() {
+            return Err(SchedError::EmptyPrompt);
+        }
+        if r.prompt.len() > ctx {
+            return Err(SchedError::PromptTooLong {
+                tokens: r.prompt.len(),
+                context: ctx,
+            });
+        }
+        let most = (r.prompt.len() + r.max_new_tokens).min(ctx);
+        let needed = self.kv.blocks_for(most);
+        let total = self.kv.pool().num_blocks();
+        if needed > total {
+            return Err(SchedError::TooLarge {
+                needed,
+                total,
+                block_size: self.kv.block_size(),
+            });
+        }
+        let id = self.new_id();
+        self.reqs.insert(
+            id,
+            Request {
+                ns: r.namespace,
+                tokens: r.prompt,
+                shift_keep: r.shift_keep,
+                cached: None,
+                state: State::Waiting { since: self.step },
+            },
+        );
+        self.waiting.push_back(id);
+        Ok(id)
+    }
+
+    fn new_id(&mut self) -> ReqId {
+        let id = ReqId(self.next_req);
+        self.next_req += 1;
+        id
+    }
+
+    /// Plans the next step.
+    pub fn schedule(&mut self) -> Result<StepPlan, SchedError> {
+        self.step += 1;
+        self.stats.steps += 1;
+        let mut plan = StepPlan::default();
+        let mut budget = self.cfg.max_batch_tokens.max(1);
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 && plan.items.len() < self.cfg.max_running {
+            let id = self.running[i];
+            match self.schedule_running(id, &mut budget, &mut plan)? {
+                Placed::Yes | Placed::Ended => i += 1,
+                // The victim was the newest: either this one (now gone) or
+                // one behind it; this one is retried.
+                Placed::Preempted(victim) => {
+                    plan.preempted.push(victim);
+                    if victim == id {
+                        break;
+                    }
+                }
+            }
+        }
+        for (id, _) in &plan.ended {
+            self.running.retain(|r| r != id);
+        }
+        if plan.preempted.is_empty() {
+            self.admit(&mut budget, &mut plan)?;
+        }
+        Ok(plan)
+    }
+
+    /// Schedules one running request's next tokens.
+    fn schedule_running(
+        &mut self,
+        id: ReqId,
+        budget: &mut usize,
+        plan: &mut StepPlan,
+    ) -> Result<Placed, SchedError> {
+        let State::Running { seq, .. } = self.reqs[&id].state else {
+            unreachable!("running list holds running requests")
+        };
+        let mut len = self.kv.sequence(seq)?.len();
+        let known = self.reqs[&id].tokens.len();
+        if len == known {
+            // Nothing to compute until the engine pushes a token.
+            return Ok(Placed::Yes);
+        }
+        if len >= self.cfg.context_length {
+            let Some(keep) = self.reqs[&id].shift_keep else {
+                plan.ended.push((id, EndReason::ContextFull));
+                return Ok(Placed::Ended);
+            };
+            let n_keep = keep.min(self.cfg.context_length / 2);
+            let n_discard = ((len - n_keep) / 2).max(1);
+            match self.kv.plan_shift(seq, n_keep, n_discard)? {
+                Admission::Ok(shift) => {
+                    self.reqs
+                        .get_mut(&id)
+                        .expect("known")
+                        .tokens
+                        .drain(n_keep..n_keep + n_discard);
+                    self.stats.shifts += 1;
+                    plan.ops.push(KvOp::Shift {
+                        req: id,
+                        plan: shift,
+                    });
+                    len -= n_discard;
+                }
+                Admission::Later { .. } | Admission::Never { .. } => {
+                    return self.preempt_newest().map(Placed::Preempted);
+                }
+            }
+        }
+        let req = &self.reqs[&id];
+        let known = req.tokens.len();
+        let end = known.min(len + *budget);
+        let chunk = req.tokens[len..end].to_vec();
+        match self.kv.append(seq, &chunk)? {
+            Admission::Ok(a) => {
+                *budget -= chunk.len();
+                if !a.copies.is_empty() {
+                    plan.ops.push(KvOp::Copy(a.copies));
+                }
+                plan.items.push(StepItem {
+                    req: id,
+                    seq,
+                    start: len,
+                    slots: a.slots,
+                    block_table: self.kv.sequence(seq)?.block_table().to_vec(),
+                    wants_logits: end == known,
+                    tokens: chunk,
+                });
+                Ok(Placed::Yes)
+            }
+            Admission::Later { .. } | Admission::Never { .. } => {
+                self.preempt_newest().map(Placed::Preempted)
+            }
+        }
+    }
+
+    /// Sends the most recently admitted running request back to the queue.
+    fn preempt_newest(&mut self) -> Result<ReqId, SchedError> {
+        let victim = *self
+            .running
+            .iter()
+            .max_by_key(|r| match self.reqs[r].state {
+                State::Running { admitted, .. } => admitted,
+                State::Waiting { .. } => 0,
+            })
+            .expect("a running request asked for room");
+        self.running.retain(|&r| r != victim);
+        if self.running.is_empty() {
+            // Alone and still out of room: what pins the missing blocks is
+            // cached content its own path locks (partial blocks of shared
+            // ancestors). Start it over on an empty cache, where it fits.
+            if let State::Running { seq, .. } = self.reqs[&victim].state {
+                self.kv.free_sequence(seq)?;
+            }
+            self.kv.clear_cache()?;
+        } else {
+            self.release(victim)?;
+        }
+        let r = self.reqs.get_mut(&victim).expect("known");
+        r.state = State::Waiting { since: self.step };
+        self.waiting.push_front(victim);
+        self.stats.preemptions += 1;
+        Ok(victim)
+    }
+
+    /// Caches what `req` computed (when caching) and frees its sequence.
+    fn release(&mut self, req: ReqId) -> Result<(), SchedError> {
+        if let State::Running { seq, .. } = self.get(req)?.state {
+            if self.cfg.prefix_cache {
+                self.kv.insert_sequence(seq)?;
+            }
+            self.kv.free_sequence(seq)?;
+        }
+        Ok(())
+    }
+
+    /// Admits waiting requests in cache-aware order while budget and blocks
+    /// allow.
+    fn admit(&mut self, budget: &mut usize, plan: &mut StepPlan) -> Result<(), SchedError> {
+        if self.waiting.is_empty() {
+            return Ok(());
+        }
+        let order = self.admission_order();
+        for id in order {
+            if *budget == 0 || self.running.len() >= self.cfg.max_running {
+                break;
+            }
+            let r = &self.reqs[&id];
+            let reusable = if self.cfg.prefix_cache {
+                &r.tokens[..r.tokens.len() - 1]
+            } else {
+                &[][..]
+            };
+            let (seq, cached) = self.kv.add_sequence(r.ns, reusable);
+            let end = r.tokens.len().min(cached + *budget);
+            let chunk = r.tokens[cached..end].to_vec();
+            match self.kv.append(seq, &chunk)? {
+                Admission::Ok(a) => {
+                    *budget -= chunk.len();
+                    self.waiting.retain(|&w| w != id);
+                    self.running.push(id);
+                    self.admissions += 1;
+                    self.stats.admitted += 1;
+                    let r = self.reqs.get_mut(&id).expect("known");
+                    r.state = State::Running {
+                        seq,
+                        admitted: self.admissions,
+                    };
+                    r.cached.get_or_insert(cached);
+                    if !a.copies.is_empty() {
+                        plan.ops.push(KvOp::Copy(a.copies));
+                    }
+                    plan.items.push(StepItem {
+                        req: id,
+                        seq,
+                        start: cached,
+                        slots: a.slots,
+                        block_table: self.kv.sequence(seq)?.block_table().to_vec(),
+                        wants_logits: end == r.tokens.len(),
+                        tokens: chunk,
+                    });
+                }
+                Admission::Later { .. } | Admission::Never { .. } => {
+                    // Not now: it waits for running requests to finish. With
+                    // none running, its own match pinned the room it needs:
+                    // drop the cache so the next step admits it.
+                    self.kv.free_sequence(seq)?;
+                    if self.running.is_empty() {
+                        self.kv.clear_cache()?;
+                    }
+                    break;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Overdue requests first (in queue order), then the longest cached
+    /// prefix, then queue order.
+    fn admission_order(&self) -> Vec<ReqId> {
+        let mut keyed: Vec<(bool, usize, usize, ReqId)> = self
+            .waiting
+            .iter()
+            .enumerate()
+            .map(|(qpos, &id)| {
+                let r = &self.reqs[&id];
+                let State::Waiting { since } = r.state else {
+                    unreachable!("waiting list holds waiting requests")
+                };
+                let overdue = self.step.saturating_sub(since) > self.cfg.max_wait_steps;
+                let hit = if self.cfg.prefix_cache && !overdue {
+                    let n = r.tokens.len() - 1;
+                    self.kv.tree().peek_prefix(r.ns, &r.tokens[..n]).len
+                } else {
+                    0
+                };
+                (overdue, hit, qpos, id)
+            })
+            .collect();
+        keyed.sort_by(|a, b| {
+            b.0.cmp(&a.0)
+                .then(if a.0 { a.2.cmp(&b.2) } else { b.1.cmp(&a.1) })
+                .then(a.2.cmp(&b.2))
+        });
+        keyed.into_iter().map(|k| k.3).collect()
+    }
+
+    /// Records that the plan's K/V is written.
+    pub fn step_done(&mut self, plan: &StepPlan) -> Result<(), SchedError> {
+        for item in &plan.items {
+            self.kv
+                .mark_computed(item.seq, item.start + item.tokens.len())?;
+        }
+        Ok(())
+    }
+
+    /// Appends a sampled token; the next step computes it.
+    pub fn push_token(&mut self, req: ReqId, token: TokenId) -> Result<(), SchedError> {
+        let r = self
+            .reqs
+            .get_mut(&req)
+            .ok_or(SchedError::UnknownRequest(req))?;
+        r.tokens.push(token);
+        Ok(())
+    }
+
+    /// A new request continuing `req` from the same state (parallel
+    /// samples): it shares every block; the next append copies the shared
+    /// tail. Only between steps, with `req` running and fully computed.
+    pub fn fork(&mut self, req: ReqId) -> Result<ReqId, SchedError> {
+        let r = self.get(req)?;
+        let State::Running { seq, .. } = r.state else {
+            return Err(SchedError::BadState(req, "only a running request forks"));
+        };
+        if self.kv.sequence(seq)?.len() != r.tokens.len() {
+            return Err(SchedError::BadState(req, "fork before pushing a token"));
+        }
+        let (ns, tokens, shift_keep, cached) = (r.ns, r.tokens.clone(), r.shift_keep, r.cached);
+        let child_seq = self.kv.fork(seq)?;
+        let child = Request {
+            ns,
+            tokens,
+            shift_keep,
+            cached,
+            state: State::Running {
+                seq: child_seq,
+                admitted: self.admissions + 1,
+            },
+        };
+        self.admissions += 1;
+        let id = self.new_id();
+        self.reqs.insert(id, child);
+        self.running.push(id);
+        Ok(id)
+    }
+
+    /// Ends a request: what it computed goes into the prefix tree (when
+    /// caching), its blocks are freed. Also cancels a waiting request.
+    pub fn finish(&mut self, req: ReqId) -> Result<Vec<TokenId>, SchedError> {
+        self.release(req)?;
+        self.running.retain(|&r| r != req);
+        self.waiting.retain(|&r| r != req);
+        Ok(self.reqs.remove(&req).expect("checked by release").tokens)
+    }
+}
+
+enum Placed {
+    Yes,
+    Ended,
+    Preempted(ReqId),
+}
+
+#[cfg(test)]
+mod tests;
