@@ -9,7 +9,10 @@ use tessera_engine::{Engine, EngineConfig, GenerateRequest, Message, Prompt, Sam
 use tessera_model::testing::{dense_greedy, max_diff, paged_greedy};
 use tessera_model::{Model, Special};
 
-fn model_path() -> PathBuf {
+#[path = "e2e/cache.rs"]
+mod cache;
+
+pub(crate) fn model_path() -> PathBuf {
     let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
     assert!(
         p.exists(),
@@ -24,7 +27,7 @@ fn model() -> &'static Model {
     M.get_or_init(|| Model::load(&model_path(), &mut |_, _| {}).expect("default model loads"))
 }
 
-fn engine(cfg: EngineConfig) -> Engine {
+pub(crate) fn engine(cfg: EngineConfig) -> Engine {
     Engine::from_model(Model::load(&model_path(), &mut |_, _| {}).unwrap(), cfg).unwrap()
 }
 
@@ -81,12 +84,12 @@ fn chunked_and_token_by_token_prefill_continue_identically() {
     let out: Vec<Vec<u32>> = [usize::MAX, 7, 1]
         .iter()
         .map(|&c| {
-            let mut e = engine(EngineConfig {
+            let e = engine(EngineConfig {
                 prefill_chunk: c,
                 prefix_cache: false,
                 ..EngineConfig::default()
             });
-            e.generate(&req, &mut |_| {}).unwrap().tokens
+            e.complete(&req, &mut |_| {}).unwrap().tokens
         })
         .collect();
     assert_eq!(out[0], whole);
@@ -96,7 +99,7 @@ fn chunked_and_token_by_token_prefill_continue_identically() {
 
 #[test]
 fn the_capital_of_france_is_paris() {
-    let mut e = engine(EngineConfig::default());
+    let e = engine(EngineConfig::default());
     let req = GenerateRequest {
         max_tokens: 32,
         sampling: SamplingParams::greedy(),
@@ -107,13 +110,13 @@ fn the_capital_of_france_is_paris() {
     };
     let mut streamed = String::new();
     let done = e
-        .generate(&req, &mut |ev| streamed.push_str(ev.text))
+        .complete(&req, &mut |ev| streamed.push_str(ev.text))
         .unwrap();
     assert!(done.text.contains("Paris"), "{:?}", done.text);
     assert_eq!(streamed, done.text);
     assert_eq!(done.finish_reason.as_str(), "stop");
     // The same request again hits the prefix cache for all but one token.
-    let again = e.generate(&req, &mut |_| {}).unwrap();
+    let again = e.complete(&req, &mut |_| {}).unwrap();
     assert_eq!(again.usage.cached_tokens, again.usage.prompt_tokens - 1);
     assert_eq!(again.text, done.text);
 }
@@ -136,9 +139,9 @@ fn tokenizer_round_trips_a_varied_corpus() {
         let mut s = tok.stream();
         let mut out = String::new();
         for &id in &ids {
-            out.extend(s.push(id).unwrap());
+            out.extend(s.push(tok, id).unwrap());
         }
-        out.extend(s.finish().unwrap());
+        out.extend(s.finish(tok).unwrap());
         assert_eq!(out, text);
     }
 }
@@ -168,7 +171,7 @@ fn tokenizer_ids_equal_llama_cpp() {
 
 #[test]
 fn generation_stops_before_a_stop_string_and_at_max_tokens() {
-    let mut e = engine(EngineConfig {
+    let e = engine(EngineConfig {
         prefix_cache: false,
         ..EngineConfig::default()
     });
@@ -181,7 +184,7 @@ fn generation_stops_before_a_stop_string_and_at_max_tokens() {
         sampling: SamplingParams::greedy(),
         ..GenerateRequest::new(prompt)
     };
-    let full = e.generate(&base, &mut |_| {}).unwrap();
+    let full = e.complete(&base, &mut |_| {}).unwrap();
     assert_eq!(full.usage.completion_tokens, 40);
     assert_eq!(full.finish_reason.as_str(), "length");
     // Stop at a word from the middle of the greedy text.
@@ -194,7 +197,7 @@ fn generation_stops_before_a_stop_string_and_at_max_tokens() {
         ..base
     };
     let cut = e
-        .generate(&req, &mut |ev| streamed.push_str(ev.text))
+        .complete(&req, &mut |ev| streamed.push_str(ev.text))
         .unwrap();
     assert_eq!(cut.text, full.text[..at], "stop {stop:?}");
     assert_eq!(streamed, cut.text, "the stop string is never streamed");

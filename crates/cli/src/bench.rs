@@ -1,6 +1,8 @@
 //! `tessera bench`: prefill and decode speed on one model, beside candle's
 //! own `quantized_llama` on the same GGUF file, measured in the same run,
-//! alternating the two engines, and reported as medians with their ratio.
+//! alternating the two engines, and reported as medians with their ratio;
+//! and the KV-cache scenarios (chat, shared-prefix, interleaved, shift),
+//! each against the same engine with the cache's help taken away.
 
 use std::time::Instant;
 
@@ -20,6 +22,14 @@ pub enum Scenario {
     Prefill,
     /// Generation: tok/s over 128 tokens after a 16-token prompt.
     Decode,
+    /// A 12-turn chat: TTFT per turn with and without prefix reuse.
+    Chat,
+    /// 8 requests sharing a 1,000-token prefix, submitted together.
+    SharedPrefix,
+    /// 4 conversations taking turns on one engine.
+    Interleaved,
+    /// Greedy agreement after a context shift with a fresh prefill.
+    Shift,
 }
 
 #[derive(Args)]
@@ -30,22 +40,23 @@ pub struct BenchArgs {
     scenario: Scenario,
     /// Timed runs per engine (the median is reported).
     #[arg(long, default_value_t = 3)]
-    runs: usize,
+    pub(crate) runs: usize,
     /// Skip candle's quantized_llama baseline.
     #[arg(long)]
     no_baseline: bool,
     /// Print one JSON object.
     #[arg(long)]
-    json: bool,
+    pub(crate) json: bool,
     #[command(flatten)]
-    kv: KvArgs,
+    pub(crate) kv: KvArgs,
 }
 
 const PREFILL_TOKENS: usize = 512;
 const DECODE_PROMPT: usize = 16;
 const DECODE_TOKENS: usize = 128;
 
-const TEXT: &str = "The history of computing is a story of abstraction layered on abstraction. \
+pub(crate) const TEXT: &str =
+    "The history of computing is a story of abstraction layered on abstraction. \
 Early machines were programmed by rewiring panels; later, stored programs let the same hardware \
 run many tasks. Compilers turned human-readable code into machine instructions, operating systems \
 shared processors between programs, and networks joined machines across continents. Each layer \
@@ -108,7 +119,14 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         bail!("benchmark text gave only {} tokens", ids.len());
     }
     ids.truncate(PREFILL_TOKENS);
-    let mut engine = Engine::from_model(model, args.kv.config(false))?;
+    match args.scenario {
+        Scenario::Prefill | Scenario::Decode => {}
+        Scenario::Chat => return crate::scenarios::chat(model, &args),
+        Scenario::SharedPrefix => return crate::scenarios::shared_prefix(model, &args),
+        Scenario::Interleaved => return crate::scenarios::interleaved(model, &args),
+        Scenario::Shift => return crate::scenarios::shift(model, &args),
+    }
+    let engine = Engine::from_model(model, args.kv.config(false))?;
     let mut candle = if is_gguf && !args.no_baseline {
         Some(Candle::load(&path)?)
     } else {
@@ -125,7 +143,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
                     sampling: SamplingParams::greedy(),
                     ..GenerateRequest::new(Prompt::Tokens(ids.clone()))
                 };
-                let done = engine.generate(&req, &mut |_| {})?;
+                let done = engine.complete(&req, &mut |_| {})?;
                 ours.push(done.timings.prefill_tok_s);
                 if let Some(c) = candle.as_mut() {
                     theirs.push(PREFILL_TOKENS as f64 / c.prefill(&ids)?);
@@ -139,12 +157,13 @@ pub fn bench(args: BenchArgs) -> Result<()> {
                     ignore_eos: true,
                     ..GenerateRequest::new(Prompt::Tokens(prompt.clone()))
                 };
-                let done = engine.generate(&req, &mut |_| {})?;
+                let done = engine.complete(&req, &mut |_| {})?;
                 ours.push(done.timings.decode_tok_s);
                 if let Some(c) = candle.as_mut() {
                     theirs.push(DECODE_TOKENS as f64 / c.decode(&prompt, DECODE_TOKENS)?);
                 }
             }
+            _ => unreachable!("returned above"),
         }
     }
     let (metric, label) = match args.scenario {
@@ -153,6 +172,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
             format!("prefill, {PREFILL_TOKENS}-token prompt"),
         ),
         Scenario::Decode => ("decode_tok_s", format!("decode, {DECODE_TOKENS} tokens")),
+        _ => unreachable!("returned above"),
     };
     let t = median(ours);
     let c = (!theirs.is_empty()).then(|| median(theirs));

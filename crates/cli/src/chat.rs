@@ -3,11 +3,11 @@
 //! Lines), with per-turn cache statistics on stderr.
 
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use tessera_engine::{ChatSession, Completion, Engine, SamplingParams, TurnOptions};
+use tessera_engine::{ChatSession, Completion, Engine, EngineConfig, SamplingParams, TurnOptions};
 
 use crate::{load_model, print_stats, KvArgs, ModelArg};
 
@@ -27,6 +27,9 @@ pub struct ChatArgs {
     /// Recompute the whole history every turn (for comparison).
     #[arg(long)]
     no_prefix_cache: bool,
+    /// Keep the prefix cache here: restored at start, written at exit.
+    #[arg(long)]
+    cache_dir: Option<PathBuf>,
     /// JSON Lines: {"system": TEXT}, {"user": TEXT} or {"cmd": "/stats"}.
     #[arg(long)]
     script: Option<PathBuf>,
@@ -38,7 +41,6 @@ pub struct ChatArgs {
 }
 
 struct Chat {
-    engine: Engine,
     session: ChatSession,
     opts: TurnOptions,
     json: bool,
@@ -54,14 +56,12 @@ impl Chat {
     fn say(&mut self, user: &str) -> Result<()> {
         let json = self.json;
         let mut out = std::io::stdout().lock();
-        let done: Completion =
-            self.engine
-                .chat_turn(&mut self.session, user, &self.opts, &mut |ev| {
-                    if !json {
-                        let _ = out.write_all(ev.text.as_bytes());
-                        let _ = out.flush();
-                    }
-                })?;
+        let done: Completion = self.session.send(user, &self.opts, &mut |ev| {
+            if !json {
+                let _ = out.write_all(ev.text.as_bytes());
+                let _ = out.flush();
+            }
+        })?;
         drop(out);
         self.turn += 1;
         if json {
@@ -101,11 +101,30 @@ impl Chat {
                 self.session.set_system(arg);
                 eprintln!("(new system prompt; history cleared)");
             }
+            "/save" if !arg.is_empty() => {
+                self.session
+                    .save(Path::new(arg))
+                    .with_context(|| format!("saving the session to {arg}"))?;
+                eprintln!(
+                    "(saved {} messages, {} tokens to {arg})",
+                    self.session.messages().len(),
+                    self.session.token_ids().len()
+                );
+            }
+            "/load" if !arg.is_empty() => {
+                let engine = self.session.engine().clone();
+                self.session = engine.load_session(Path::new(arg))?;
+                eprintln!(
+                    "(loaded {} messages, {} tokens from {arg}; the next turn reuses them)",
+                    self.session.messages().len(),
+                    self.session.token_ids().len()
+                );
+            }
             "/stats" => {
-                let s = self.engine.stats();
+                let s = self.session.engine().stats();
                 let k = s.kv;
                 eprintln!(
-                    "requests: {} | prompt tokens: {} | cached: {} ({:.1}%) | blocks: {} used, {} cached, {} free of {} | evicted: {} | copy-on-write: {} | shifts: {}",
+                    "requests: {} | prompt tokens: {} | cached: {} ({:.1}%) | blocks: {} used, {} cached, {} free of {} | evicted: {} | preempted: {} | copy-on-write: {} | shifts: {}",
                     s.requests,
                     s.prompt_tokens,
                     s.cached_tokens,
@@ -115,11 +134,14 @@ impl Chat {
                     k.free_blocks,
                     k.num_blocks,
                     k.evicted_blocks,
+                    s.preemptions,
                     k.cow_copies,
                     k.shifts
                 );
             }
-            other => bail!("unknown command {other:?} (try /clear, /system TEXT, /stats, /exit)"),
+            other => bail!(
+                "unknown command {other:?} (try /clear, /system TEXT, /save FILE, /load FILE, /stats, /exit)"
+            ),
         }
         Ok(Flow::Continue)
     }
@@ -158,7 +180,7 @@ impl Chat {
 
     fn interactive(&mut self) -> Result<()> {
         let mut rl = rustyline::DefaultEditor::new()?;
-        eprintln!("tessera chat — /clear, /system TEXT, /stats, /exit");
+        eprintln!("tessera chat — /clear, /system TEXT, /save FILE, /load FILE, /stats, /exit");
         loop {
             let line = match rl.readline("> ") {
                 Ok(l) => l,
@@ -192,7 +214,17 @@ impl Chat {
 
 pub fn chat(args: ChatArgs) -> Result<()> {
     let model = load_model(&args.model.model)?;
-    let engine = Engine::from_model(model, args.kv.config(!args.no_prefix_cache))?;
+    let cfg = EngineConfig {
+        cache_dir: args.cache_dir.clone(),
+        ..args.kv.config(!args.no_prefix_cache)
+    };
+    let engine = Engine::from_model(model, cfg).with_context(|| match &args.cache_dir {
+        Some(d) => format!(
+            "starting the engine (if {} is damaged, remove it)",
+            d.join(tessera_engine::CACHE_FILE).display()
+        ),
+        None => "starting the engine".to_string(),
+    })?;
     let session = engine.chat(args.system.as_deref());
     let opts = TurnOptions {
         sampling: SamplingParams {
@@ -204,7 +236,6 @@ pub fn chat(args: ChatArgs) -> Result<()> {
         ..TurnOptions::default()
     };
     let mut chat = Chat {
-        engine,
         session,
         opts,
         json: args.json,

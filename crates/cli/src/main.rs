@@ -6,6 +6,7 @@
 
 mod bench;
 mod chat;
+mod scenarios;
 
 use std::io::{IsTerminal, Read, Write};
 use std::process::ExitCode;
@@ -44,7 +45,8 @@ enum Cmd {
     Detokenize(ModelArg),
     /// Print a model's architecture, sizes, quantization and KV cost.
     Inspect(ModelArg),
-    /// Measure prefill and decode speed, beside candle's quantized_llama.
+    /// Measure speed: prefill and decode beside candle's quantized_llama,
+    /// and the KV-cache scenarios (chat, shared-prefix, interleaved, shift).
     Bench(bench::BenchArgs),
 }
 
@@ -73,6 +75,7 @@ pub(crate) struct KvArgs {
 
 impl KvArgs {
     pub(crate) fn config(&self, prefix_cache: bool) -> EngineConfig {
+        // (`chat --cache-dir` adds the cache directory.)
         EngineConfig {
             kv_memory: self.kv_memory,
             block_size: self.block_size,
@@ -114,9 +117,12 @@ struct RunArgs {
     /// Stop before this string (repeatable).
     #[arg(long)]
     stop: Vec<String>,
-    /// Print one JSON object instead of streaming text.
+    /// Print one JSON object (one line per sample) instead of streaming text.
     #[arg(long)]
     json: bool,
+    /// Independent samples of the prompt; they share its prefill.
+    #[arg(long, default_value_t = 1)]
+    n: usize,
     #[command(flatten)]
     kv: KvArgs,
 }
@@ -189,7 +195,7 @@ pub(crate) fn load_model(spec: &str) -> Result<Model> {
 
 fn run(args: RunArgs) -> Result<()> {
     let model = load_model(&args.model.model)?;
-    let mut engine = Engine::from_model(model, args.kv.config(true))?;
+    let engine = Engine::from_model(model, args.kv.config(true))?;
     let prompt = if args.chat {
         let mut msgs = Vec::new();
         if let Some(sys) = &args.system {
@@ -215,22 +221,37 @@ fn run(args: RunArgs) -> Result<()> {
         },
         max_tokens: args.max_tokens,
         stop: args.stop.clone(),
+        n: args.n,
         ..GenerateRequest::new(prompt)
     };
+    if args.n == 0 {
+        bail!("--n must be at least 1");
+    }
     let mut stdout = std::io::stdout().lock();
-    let json = args.json;
-    let done = engine.generate(&req, &mut |ev| {
-        if !json && !ev.text.is_empty() {
+    let stream = !args.json && args.n == 1;
+    let samples = engine.complete_n(&req, &mut |ev| {
+        if stream && !ev.text.is_empty() {
             let _ = stdout.write_all(ev.text.as_bytes());
             let _ = stdout.flush();
         }
     })?;
-    if json {
-        println!("{}", completion_json(&done));
-    } else {
-        println!();
+    drop(stdout);
+    for done in &samples {
+        if args.json {
+            let mut v = completion_json(done);
+            if args.n > 1 {
+                v["index"] = done.index.into();
+            }
+            println!("{v}");
+        } else if args.n > 1 {
+            println!("--- sample {} ---\n{}", done.index + 1, done.text);
+        } else {
+            println!();
+        }
     }
-    print_stats(&done);
+    if let Some(first) = samples.first() {
+        print_stats(first);
+    }
     Ok(())
 }
 
@@ -351,6 +372,15 @@ fn inspect(args: ModelArg) -> Result<()> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // Engine warnings (a cache directory that cannot be written, …) go to
+    // stderr; RUST_LOG=tessera_engine=debug shows the step phases.
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
     if let Some(n) = cli.threads {
         // candle and the kernels both size their pools from this.
         std::env::set_var("RAYON_NUM_THREADS", n.to_string());

@@ -4,13 +4,17 @@
 //! never re-tokenized from text, so the next prompt shares the exact token
 //! prefix with what the cache holds.
 
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
 use tessera_model::{Message, Special};
 
 use crate::engine::{
     Completion, ContextShift, Engine, FinishReason, GenerateRequest, Prompt, TokenEvent,
 };
 use crate::sampler::SamplingParams;
-use crate::Result;
+use crate::snapshot::{read_file, write_file};
+use crate::{EngineError, Result};
 
 /// Per-turn generation settings.
 #[derive(Debug, Clone)]
@@ -34,9 +38,11 @@ impl Default for TurnOptions {
     }
 }
 
-/// A conversation: its messages and the exact token ids of its history.
-#[derive(Debug, Clone, Default)]
+/// A conversation on an engine: its messages and the exact token ids of
+/// its history.
+#[derive(Clone)]
 pub struct ChatSession {
+    engine: Engine,
     messages: Vec<Message>,
     /// Prompt and generated ids of every turn so far, in order.
     ids: Vec<u32>,
@@ -47,15 +53,30 @@ pub struct ChatSession {
     n_keep: usize,
 }
 
+/// What a session file holds besides the K/V.
+#[derive(Serialize, Deserialize)]
+struct SessionMeta {
+    messages: Vec<(String, String)>,
+    covered: Option<String>,
+    n_keep: usize,
+}
+
 impl ChatSession {
-    pub fn new(system: Option<&str>) -> ChatSession {
+    pub fn new(engine: &Engine, system: Option<&str>) -> ChatSession {
         let messages = system
             .map(|s| vec![Message::new("system", s)])
             .unwrap_or_default();
         ChatSession {
+            engine: engine.clone(),
             messages,
-            ..ChatSession::default()
+            ids: Vec::new(),
+            covered: None,
+            n_keep: 0,
         }
+    }
+
+    pub fn engine(&self) -> &Engine {
+        &self.engine
     }
 
     pub fn messages(&self) -> &[Message] {
@@ -77,24 +98,80 @@ impl ChatSession {
     /// Forgets the conversation, keeping the system prompt.
     pub fn clear(&mut self) {
         let system = self.system().map(str::to_string);
-        *self = ChatSession::new(system.as_deref());
+        *self = ChatSession::new(&self.engine, system.as_deref());
     }
 
     /// Starts over with a new system prompt.
     pub fn set_system(&mut self, system: &str) {
-        *self = ChatSession::new(Some(system));
+        *self = ChatSession::new(&self.engine, Some(system));
+    }
+
+    /// Writes the conversation and the K/V of its history to `path`, so
+    /// that [`Engine::load_session`] resumes it without recomputing, in
+    /// this process or another.
+    pub fn save(&self, path: &Path) -> Result<()> {
+        let snap = self.engine.export_kv(&self.ids)?;
+        let meta = SessionMeta {
+            messages: self
+                .messages
+                .iter()
+                .map(|m| (m.role.clone(), m.content.clone()))
+                .collect(),
+            covered: self.covered.clone(),
+            n_keep: self.n_keep,
+        };
+        let meta = serde_json::to_value(meta).map_err(|e| EngineError::Invalid(e.to_string()))?;
+        write_file(path, "chat session", &self.engine.geometry(), &[snap], meta)
+    }
+
+    /// Runs one turn: `user` speaks, the assistant answers.
+    pub fn send(
+        &mut self,
+        user: &str,
+        opts: &TurnOptions,
+        on_token: &mut dyn FnMut(TokenEvent),
+    ) -> Result<Completion> {
+        let engine = self.engine.clone();
+        engine.chat_turn(self, user, opts, on_token)
     }
 }
 
 impl Engine {
     /// A new conversation.
     pub fn chat(&self, system: Option<&str>) -> ChatSession {
-        ChatSession::new(system)
+        ChatSession::new(self, system)
     }
 
-    /// Runs one turn: `user` speaks, the assistant answers.
+    /// Resumes a conversation saved by [`ChatSession::save`]: its K/V goes
+    /// into the prefix cache, so the next turn computes only its new
+    /// tokens. A file that is truncated, corrupted, of another format
+    /// version or of another model is refused with the reason, and the
+    /// engine is left as it was.
+    pub fn load_session(&self, path: &Path) -> Result<ChatSession> {
+        let (snaps, meta) = read_file(path, "chat session", &self.geometry())?;
+        let meta: SessionMeta =
+            serde_json::from_value(meta).map_err(|e| EngineError::Snapshot {
+                path: path.to_path_buf(),
+                reason: format!("corrupted session metadata: {e}"),
+            })?;
+        let ids = snaps.first().map(|s| s.tokens.clone()).unwrap_or_default();
+        self.import_kv(snaps)?;
+        Ok(ChatSession {
+            engine: self.clone(),
+            messages: meta
+                .messages
+                .into_iter()
+                .map(|(role, content)| Message::new(&role, content))
+                .collect(),
+            ids,
+            covered: meta.covered,
+            n_keep: meta.n_keep,
+        })
+    }
+
+    /// Runs one turn of `session`: `user` speaks, the assistant answers.
     pub fn chat_turn(
-        &mut self,
+        &self,
         session: &mut ChatSession,
         user: &str,
         opts: &TurnOptions,
@@ -135,7 +212,7 @@ impl Engine {
             },
             ..GenerateRequest::new(Prompt::Tokens(prompt))
         };
-        let done = self.generate(&req, on_token)?;
+        let done = self.complete(&req, on_token)?;
         let tok = &self.model().tokenizer;
         session.messages.push(Message::new("user", user));
         session

@@ -1,16 +1,19 @@
-//! [`Engine`]: one model, its paged KV pool and prefix cache, and
-//! request-by-request generation.
+//! [`Engine`]: a cheap, cloneable, thread-safe handle to one model, its
+//! paged KV pool and prefix cache, served by a worker thread that runs the
+//! continuous-batching loop (see `core.rs`).
 
-use std::time::Instant;
+use std::path::PathBuf;
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::thread::JoinHandle;
 
 use candle_core::DType;
-use tessera_kernels::{copy_blocks, shift_kv, Rotation};
-use tessera_kv::{
-    Admission, CopyOp, KvCache, KvConfig, KvStats, Namespace, SeqId, ShiftPlan, TokenId,
-};
-use tessera_model::{Batch, LayerKv, Message, Model, Special};
+use tessera_kv::KvStats;
+use tessera_model::{Message, Model, Special};
 
-use crate::sampler::{Sampler, SamplingParams};
+use crate::core::{Command, Core};
+use crate::sampler::SamplingParams;
+use crate::stream::{Event, RequestStream};
 use crate::{EngineError, ModelSource, Result};
 
 /// Element type of the K/V cache.
@@ -56,8 +59,16 @@ pub struct EngineConfig {
     pub prefix_cache: bool,
     /// Context length; `None`: the model's.
     pub context_length: Option<usize>,
-    /// Most prompt tokens computed in one forward call.
+    /// Most tokens computed in one forward call (decodes and prompt
+    /// chunks of all running requests together).
     pub prefill_chunk: usize,
+    /// Most requests decoding together.
+    pub max_running: usize,
+    /// Where the prefix cache is written on shutdown and read at start.
+    pub cache_dir: Option<PathBuf>,
+    /// Defragment automatically when idle and more than this share of the
+    /// pool's span is holes.
+    pub defrag_threshold: f64,
 }
 
 impl Default for EngineConfig {
@@ -69,6 +80,9 @@ impl Default for EngineConfig {
             prefix_cache: true,
             context_length: None,
             prefill_chunk: 512,
+            max_running: 16,
+            cache_dir: None,
+            defrag_threshold: 0.25,
         }
     }
 }
@@ -94,6 +108,9 @@ pub struct GenerateRequest {
     pub ignore_eos: bool,
     /// What to do when the sequence reaches the context length.
     pub context_shift: ContextShift,
+    /// Independent samples of the prompt; they share its prefill and its
+    /// blocks (fork, copy-on-write). Sample `i` uses seed `seed + i`.
+    pub n: usize,
 }
 
 /// Context-shift policy at the context limit.
@@ -116,6 +133,7 @@ impl GenerateRequest {
             stop: Vec::new(),
             ignore_eos: false,
             context_shift: ContextShift::Off,
+            n: 1,
         }
     }
 }
@@ -124,6 +142,8 @@ impl GenerateRequest {
 /// multi-byte character or a possible stop string is held back).
 #[derive(Debug, Clone, Copy)]
 pub struct TokenEvent<'a> {
+    /// Which sample (0 unless `n > 1`).
+    pub index: usize,
     pub id: u32,
     pub text: &'a str,
 }
@@ -136,6 +156,8 @@ pub enum FinishReason {
     Length,
     /// A stop string.
     StopString,
+    /// The caller cancelled (or dropped the stream).
+    Cancelled,
 }
 
 impl FinishReason {
@@ -143,6 +165,7 @@ impl FinishReason {
         match self {
             FinishReason::Stop | FinishReason::StopString => "stop",
             FinishReason::Length => "length",
+            FinishReason::Cancelled => "cancelled",
         }
     }
 }
@@ -168,6 +191,8 @@ pub struct Timings {
 
 #[derive(Debug, Clone)]
 pub struct Completion {
+    /// Which sample (0 unless `n > 1`).
+    pub index: usize,
     pub text: String,
     /// Generated ids (end-of-generation token excluded).
     pub tokens: Vec<u32>,
@@ -185,6 +210,13 @@ pub struct EngineStats {
     pub prompt_tokens: u64,
     /// Prompt tokens served from the prefix cache.
     pub cached_tokens: u64,
+    pub completion_tokens: u64,
+    /// Running requests sent back to the queue for lack of blocks.
+    pub preemptions: u64,
+    /// Forward steps run.
+    pub steps: u64,
+    /// Defragmentations run (by call or when idle).
+    pub defrags: u64,
 }
 
 impl EngineStats {
@@ -194,28 +226,32 @@ impl EngineStats {
     }
 }
 
-/// A model with its paged K/V pool and prefix cache.
+/// A model with its paged K/V pool and prefix cache, served by one worker
+/// thread. Cloning is cheap; clones share everything and may be used from
+/// any thread. Requests run concurrently, batched together step by step.
+/// The worker stops (writing the cache to `cache_dir`, if set) when the last
+/// clone is dropped.
+#[derive(Clone)]
 pub struct Engine {
-    model: Model,
-    kv: KvCache,
-    cache: Vec<LayerKv>,
-    cfg: EngineConfig,
-    ctx: usize,
-    ns: Namespace,
-    totals: EngineStats,
+    inner: Arc<Inner>,
 }
 
-/// Length of the longest suffix of `text` that begins some stop string.
-fn held_back(text: &str, stops: &[String]) -> usize {
-    let mut hold = 0;
-    for s in stops {
-        for (k, _) in s.char_indices().skip(1) {
-            if k > hold && text.ends_with(&s[..k]) {
-                hold = k;
-            }
+struct Inner {
+    model: Arc<Model>,
+    cfg: EngineConfig,
+    ctx: usize,
+    per_block: usize,
+    tx: mpsc::Sender<Command>,
+    worker: Option<JoinHandle<()>>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        let _ = self.tx.send(Command::Shutdown);
+        if let Some(w) = self.worker.take() {
+            let _ = w.join();
         }
     }
-    hold
 }
 
 impl Engine {
@@ -230,318 +266,188 @@ impl Engine {
         Engine::from_model(model, cfg)
     }
 
+    /// Sizes the pool from `cfg.kv_memory`, starts the worker, and restores
+    /// the prefix cache from `cfg.cache_dir` when it holds one.
     pub fn from_model(model: Model, cfg: EngineConfig) -> Result<Engine> {
         let mc = model.config();
         let per_block = cfg.block_size * mc.kv_bytes_per_token(cfg.cache_dtype.bytes());
-        let num_blocks = cfg.kv_memory / per_block.max(1);
-        if num_blocks == 0 {
-            return Err(EngineError::KvBudgetTooSmall {
-                bytes: cfg.kv_memory,
-                block_size: cfg.block_size,
-                per_block,
-            });
-        }
-        let kv = KvCache::new(KvConfig {
-            num_blocks,
-            block_size: cfg.block_size,
-        })?;
-        let cache = model
-            .llama
-            .new_cache(num_blocks, cfg.block_size, cfg.cache_dtype.dtype())?;
         let ctx = cfg.context_length.unwrap_or(mc.context_length);
-        let ns = Namespace(model.fingerprint);
-        Ok(Engine {
-            model,
-            kv,
-            cache,
-            cfg,
-            ctx,
-            ns,
-            totals: EngineStats::default(),
-        })
+        let model = Arc::new(model);
+        let core = Core::new(model.clone(), &cfg, ctx, per_block)?;
+        let (tx, rx) = mpsc::channel();
+        let worker = std::thread::Builder::new()
+            .name("tessera-engine".into())
+            .spawn(move || core.run(rx))
+            .map_err(|e| EngineError::Invalid(format!("cannot start the engine thread: {e}")))?;
+        let engine = Engine {
+            inner: Arc::new(Inner {
+                model,
+                cfg,
+                ctx,
+                per_block,
+                tx,
+                worker: Some(worker),
+            }),
+        };
+        if let Some(dir) = &engine.inner.cfg.cache_dir {
+            engine.restore_cache_dir(dir)?;
+        }
+        Ok(engine)
     }
 
     pub fn model(&self) -> &Model {
-        &self.model
+        &self.inner.model
     }
 
     pub fn config(&self) -> &EngineConfig {
-        &self.cfg
+        &self.inner.cfg
     }
 
     pub fn context_length(&self) -> usize {
-        self.ctx
+        self.inner.ctx
+    }
+
+    /// Bytes of one KV block (all layers, K and V).
+    pub fn block_bytes(&self) -> usize {
+        self.inner.per_block
+    }
+
+    /// Sends a command to the worker and waits for its answer.
+    pub(crate) fn call<T: Send + 'static>(
+        &self,
+        make: impl FnOnce(mpsc::Sender<T>) -> Command,
+    ) -> Result<T> {
+        let (tx, rx) = mpsc::channel();
+        self.inner
+            .tx
+            .send(make(tx))
+            .map_err(|_| EngineError::Stopped)?;
+        rx.recv().map_err(|_| EngineError::Stopped)
     }
 
     pub fn kv_stats(&self) -> KvStats {
-        self.kv.stats()
+        self.stats().kv
     }
 
-    /// Cache occupancy and hit counters.
+    /// Cache occupancy, hit and scheduling counters.
     pub fn stats(&self) -> EngineStats {
-        EngineStats {
-            kv: self.kv.stats(),
-            ..self.totals
-        }
+        self.call(Command::Stats).unwrap_or_default()
     }
 
-    /// Drops every cached prefix no request uses.
-    pub fn clear_cache(&mut self) -> Result<usize> {
-        Ok(self.kv.clear_cache()?)
+    /// Drops every cached prefix no request uses; returns the blocks freed.
+    pub fn clear_cache(&self) -> Result<usize> {
+        self.call(Command::ClearCache)?
+    }
+
+    /// Compacts live blocks to the low end of the pool; returns the blocks
+    /// moved.
+    pub fn defragment(&self) -> Result<usize> {
+        self.call(Command::Defragment)?
+    }
+
+    /// Resizes the pool to `bytes` (whole blocks). Shrinking evicts cached
+    /// blocks as needed, defragments, and gives the memory back; it fails,
+    /// changing nothing, when running requests hold more than fits.
+    pub fn resize_kv(&self, bytes: usize) -> Result<usize> {
+        self.call(|tx| Command::Resize(bytes / self.inner.per_block, tx))?
+    }
+
+    /// [`resize_kv`](Self::resize_kv) to a smaller size.
+    pub fn shrink_to(&self, bytes: usize) -> Result<usize> {
+        self.resize_kv(bytes)
     }
 
     /// The token ids a prompt becomes.
     pub fn tokenize_prompt(&self, prompt: &Prompt) -> Result<Vec<u32>> {
-        let tok = &self.model.tokenizer;
+        let model = &self.inner.model;
+        let tok = &model.tokenizer;
         Ok(match prompt {
             Prompt::Text(t) => tok.encode(t, Special::Parse, true)?,
             Prompt::Tokens(ids) => ids.clone(),
-            Prompt::Chat(msgs) => self.model.template.encode(tok, msgs, true)?,
+            Prompt::Chat(msgs) => model.template.encode(tok, msgs, true)?,
         })
     }
 
-    /// Generates a completion, calling `on_token` for every token.
-    pub fn generate(
-        &mut self,
-        req: &GenerateRequest,
-        on_token: &mut dyn FnMut(TokenEvent),
-    ) -> Result<Completion> {
-        let start = Instant::now();
+    /// Starts a request; its tokens and its end arrive on the stream.
+    /// Dropping the stream (or [`RequestStream::cancel`]) cancels it. Errors
+    /// that the request can never run (too long, larger than the pool) come
+    /// back here, before anything is queued.
+    pub fn generate(&self, req: GenerateRequest) -> Result<RequestStream> {
         let ids = self.tokenize_prompt(&req.prompt)?;
-        if ids.is_empty() {
-            return Err(EngineError::EmptyPrompt);
-        }
-        if ids.len() > self.ctx {
-            return Err(EngineError::PromptTooLong {
-                tokens: ids.len(),
-                context: self.ctx,
-            });
-        }
-        let vocab = self.model.config().vocab_size;
+        let vocab = self.inner.model.config().vocab_size;
         if let Some(&bad) = ids.iter().find(|&&t| t as usize >= vocab) {
             return Err(EngineError::Invalid(format!(
                 "token id {bad} is outside the vocabulary of {vocab}"
             )));
         }
-        let toks: Vec<TokenId> = ids.iter().copied().map(TokenId).collect();
-        let reusable = if self.cfg.prefix_cache {
-            &toks[..toks.len() - 1]
-        } else {
-            &[][..]
-        };
-        let (seq, cached) = self.kv.add_sequence(self.ns, reusable);
-        let result = self.run(seq, ids, cached, req, start, on_token);
-        // Whatever happened, the sequence's blocks go back; what was computed
-        // stays cached for the next request.
-        if result.is_ok() && self.cfg.prefix_cache {
-            self.kv.insert_sequence(seq)?;
+        if req.n == 0 {
+            return Err(EngineError::Invalid("n must be at least 1".into()));
         }
-        self.kv.free_sequence(seq)?;
-        if let Ok(done) = &result {
-            self.totals.requests += 1;
-            self.totals.prompt_tokens += done.usage.prompt_tokens as u64;
-            self.totals.cached_tokens += done.usage.cached_tokens as u64;
-        }
-        result
+        let (events, rx) = mpsc::channel();
+        let cancel = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        self.call(|reply| Command::Submit {
+            ids,
+            req: Box::new(req.clone()),
+            events,
+            cancel: cancel.clone(),
+            reply,
+        })??;
+        Ok(RequestStream::new(rx, cancel, req.n))
     }
 
-    fn run(
-        &mut self,
-        seq: SeqId,
-        ids: Vec<u32>,
-        cached: usize,
+    /// Runs a request to the end, calling `on_token` for every token of
+    /// every sample; returns the completion of each sample, in order.
+    pub fn complete_n(
+        &self,
         req: &GenerateRequest,
-        start: Instant,
+        on_token: &mut dyn FnMut(TokenEvent),
+    ) -> Result<Vec<Completion>> {
+        let mut stream = self.generate(req.clone())?;
+        let mut done: Vec<Option<Completion>> = vec![None; req.n];
+        for ev in stream.by_ref() {
+            match ev {
+                Event::Token { index, id, text } => on_token(TokenEvent {
+                    index,
+                    id,
+                    text: &text,
+                }),
+                Event::Done(c) => {
+                    let i = c.index;
+                    done[i] = Some(*c);
+                }
+                Event::Error(e) => return Err(e),
+            }
+        }
+        done.into_iter()
+            .map(|c| c.ok_or(EngineError::Stopped))
+            .collect()
+    }
+
+    /// [`complete_n`](Self::complete_n) for one sample.
+    pub fn complete(
+        &self,
+        req: &GenerateRequest,
         on_token: &mut dyn FnMut(TokenEvent),
     ) -> Result<Completion> {
-        let mut logits = Vec::new();
-        let mut pos = cached;
-        while pos < ids.len() {
-            let end = (pos + self.cfg.prefill_chunk.max(1)).min(ids.len());
-            logits = self
-                .step(seq, &ids[pos..end], end == ids.len())?
-                .unwrap_or_default();
-            pos = end;
-        }
-        let prefill_s = start.elapsed().as_secs_f64();
-        let mut sampler = Sampler::new(req.sampling.clone());
-        let mut history = ids.clone();
-        let mut out = Vec::new();
-        let mut text = String::new();
-        let mut emitted = 0;
-        let mut ttft = None;
-        let mut decode_start = Instant::now();
-        let tokenizer = self.model.tokenizer.clone();
-        let mut stream = tokenizer.stream();
-        let finish = loop {
-            if out.len() >= req.max_tokens {
-                break FinishReason::Length;
-            }
-            let tok = sampler.sample(&logits, &history);
-            if ttft.is_none() {
-                ttft = Some(start.elapsed().as_secs_f64() * 1e3);
-                decode_start = Instant::now();
-            }
-            if tokenizer.is_eog(tok) && !req.ignore_eos {
-                break FinishReason::Stop;
-            }
-            out.push(tok);
-            history.push(tok);
-            if let Some(piece) = stream.push(tok)? {
-                text.push_str(&piece);
-            }
-            if let Some(at) = req.stop.iter().filter_map(|s| text.find(s.as_str())).min() {
-                text.truncate(at);
-                on_token(TokenEvent {
-                    id: tok,
-                    text: &text[emitted.min(at)..],
-                });
-                emitted = text.len();
-                break FinishReason::StopString;
-            }
-            let safe = text.len() - held_back(&text, &req.stop);
-            on_token(TokenEvent {
-                id: tok,
-                text: &text[emitted..safe],
-            });
-            emitted = safe;
-            if out.len() >= req.max_tokens {
-                break FinishReason::Length;
-            }
-            let len = self.kv.sequence(seq)?.len();
-            if len >= self.ctx {
-                match req.context_shift {
-                    ContextShift::Off => break FinishReason::Length,
-                    ContextShift::Keep(n_keep) => {
-                        // Keep n_keep (at most half the context), drop half of the rest.
-                        let n_keep = n_keep.min(self.ctx / 2);
-                        let n_discard = ((len - n_keep) / 2).max(1);
-                        self.shift(seq, n_keep, n_discard)?;
-                    }
-                }
-            }
-            logits = self.step(seq, &[tok], true)?.unwrap_or_default();
+        let req = GenerateRequest {
+            n: 1,
+            ..req.clone()
         };
-        if finish != FinishReason::StopString {
-            if let Some(rest) = stream.finish()? {
-                text.push_str(&rest);
-            }
-            if emitted < text.len() {
-                if let Some(&last) = out.last() {
-                    on_token(TokenEvent {
-                        id: last,
-                        text: &text[emitted..],
-                    });
-                }
-            }
-        }
-        let decode_s = decode_start.elapsed().as_secs_f64();
-        let new_prompt = ids.len() - cached;
-        Ok(Completion {
-            usage: Usage {
-                prompt_tokens: ids.len(),
-                cached_tokens: cached,
-                completion_tokens: out.len(),
-            },
-            timings: Timings {
-                ttft_ms: ttft.unwrap_or(prefill_s * 1e3),
-                prefill_tok_s: new_prompt as f64 / prefill_s.max(1e-9),
-                decode_tok_s: if out.len() > 1 {
-                    (out.len() - 1) as f64 / decode_s.max(1e-9)
-                } else {
-                    0.0
-                },
-                total_s: start.elapsed().as_secs_f64(),
-            },
-            text,
-            tokens: out,
-            prompt_tokens: ids,
-            finish_reason: finish,
-        })
+        Ok(self.complete_n(&req, on_token)?.remove(0))
     }
+}
 
-    /// Reserves slots for `tokens`, runs the forward pass, and returns the
-    /// logits of the last token when asked.
-    fn step(&mut self, seq: SeqId, tokens: &[u32], want_logits: bool) -> Result<Option<Vec<f32>>> {
-        let toks: Vec<TokenId> = tokens.iter().copied().map(TokenId).collect();
-        let plan = match self.kv.append(seq, &toks)? {
-            Admission::Ok(plan) => plan,
-            Admission::Later { .. } | Admission::Never { .. } => {
-                let len = self.kv.sequence(seq)?.len() + tokens.len();
-                return Err(EngineError::OutOfKvMemory {
-                    needed: self.kv.blocks_for(len),
-                    total: self.kv.pool().num_blocks(),
-                    block_size: self.kv.block_size(),
-                });
+/// Length of the longest suffix of `text` that begins some stop string.
+pub(crate) fn held_back(text: &str, stops: &[String]) -> usize {
+    let mut hold = 0;
+    for s in stops {
+        for (k, _) in s.char_indices().skip(1) {
+            if k > hold && text.ends_with(&s[..k]) {
+                hold = k;
             }
-        };
-        self.apply_copies(&plan.copies)?;
-        let s = self.kv.sequence(seq)?;
-        let first = s.len() - tokens.len();
-        let positions: Vec<u32> = (first..s.len()).map(|p| p as u32).collect();
-        let slots: Vec<u32> = plan.slots.iter().map(|s| s.0).collect();
-        let table: Vec<u32> = s.block_table().iter().map(|b| b.0).collect();
-        let token_seq = vec![0u32; tokens.len()];
-        let last = [tokens.len() as u32 - 1];
-        let batch = Batch {
-            tokens,
-            positions: &positions,
-            slots: &slots,
-            token_seq: &token_seq,
-            block_tables: &table,
-            max_blocks: table.len(),
-            block_size: self.kv.block_size(),
-            logits_for: if want_logits { &last } else { &[] },
-        };
-        let logits = self.model.llama.forward(&batch, &self.cache)?;
-        self.kv.mark_computed(seq, s.len())?;
-        if !want_logits {
-            return Ok(None);
         }
-        Ok(Some(logits.squeeze(0)?.to_vec1::<f32>()?))
     }
-
-    /// Context shift of `seq`: the bookkeeping plan, then the K/V moves with
-    /// the RoPE rotation of every cached K.
-    fn shift(&mut self, seq: SeqId, n_keep: usize, n_discard: usize) -> Result<()> {
-        let plan = match self.kv.plan_shift(seq, n_keep, n_discard)? {
-            Admission::Ok(plan) => plan,
-            Admission::Later { needed, .. } | Admission::Never { needed, .. } => {
-                return Err(EngineError::OutOfKvMemory {
-                    needed,
-                    total: self.kv.pool().num_blocks(),
-                    block_size: self.kv.block_size(),
-                })
-            }
-        };
-        self.apply_shift(&plan)
-    }
-
-    fn apply_shift(&self, plan: &ShiftPlan) -> Result<()> {
-        self.apply_copies(&plan.copies)?;
-        let moves: Vec<(u32, u32)> = plan.moves.iter().map(|m| (m.src.0, m.dst.0)).collect();
-        let rotation = Rotation {
-            style: self.model.config().rope_style,
-            inv_freq: self.model.llama.inv_freq().to_vec(),
-            delta: plan.position_delta,
-        };
-        for layer in &self.cache {
-            shift_kv(&layer.k, &layer.v, &moves, &rotation)?;
-        }
-        Ok(())
-    }
-
-    fn apply_copies(&self, copies: &[CopyOp]) -> Result<()> {
-        if copies.is_empty() {
-            return Ok(());
-        }
-        let pairs: Vec<(u32, u32)> = copies.iter().map(|c| (c.src.0, c.dst.0)).collect();
-        for layer in &self.cache {
-            copy_blocks(&layer.k, &pairs)?;
-            copy_blocks(&layer.v, &pairs)?;
-        }
-        Ok(())
-    }
+    hold
 }
 
 #[cfg(test)]

@@ -31,6 +31,15 @@ pub enum EngineError {
     Hub(String),
     #[error("invalid request: {0}")]
     Invalid(String),
+    #[error("{}: {reason}", path.display())]
+    Snapshot {
+        path: std::path::PathBuf,
+        reason: String,
+    },
+    #[error("the step running this request failed: {0}")]
+    Step(String),
+    #[error("the engine has stopped")]
+    Stopped,
 }
 
 pub type Result<T> = std::result::Result<T, EngineError>;

@@ -6,17 +6,21 @@
 //! timings.
 //!
 //! ```text
-//! request → tokens → KvCache::add_sequence (reuse the cached prefix)
-//!         → prefill chunks: append (slots, copy-on-write) → forward
-//!         → decode: sample → append → forward … → stop
-//!         → insert the sequence into the prefix tree → free
+//! Engine (handle, any thread) ──commands──▶ worker thread (core.rs)
+//!   generate(req) → RequestStream           Scheduler::schedule (tessera-sched)
+//!   ◀── Token … Done events ──────────────  ops: copy_blocks / shift_kv
+//!                                           forward over every running sequence
+//!                                           sample, stop rules, finish → prefix tree
 //! ```
 
 mod chat;
+mod core;
 mod engine;
 mod error;
 mod sampler;
+mod snapshot;
 mod source;
+mod stream;
 
 pub use chat::{ChatSession, TurnOptions};
 pub use engine::{
@@ -25,5 +29,7 @@ pub use engine::{
 };
 pub use error::{EngineError, Result};
 pub use sampler::{Sampler, SamplingParams};
+pub use snapshot::{Geometry, KvSnapshot, LayerBytes, CACHE_FILE, FORMAT_VERSION};
 pub use source::ModelSource;
+pub use stream::{Event, RequestStream};
 pub use tessera_model::{Message, Model};

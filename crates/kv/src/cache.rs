@@ -333,10 +333,23 @@ impl KvCache {
     /// swapped for the cached ones, and the sequence's lock moves to its new
     /// deepest node so that what it holds is not evicted under it.
     pub fn insert_sequence(&mut self, seq: SeqId) -> Result<InsertReport, KvError> {
+        self.insert_prefix(seq, usize::MAX)
+    }
+
+    /// [`insert_sequence`](Self::insert_sequence) of the whole blocks only:
+    /// for a sequence that goes on writing its partly filled last block,
+    /// which must not become shared (that would force a copy).
+    pub fn insert_whole_blocks(&mut self, seq: SeqId) -> Result<InsertReport, KvError> {
+        let bs = self.block_size();
+        let len = self.sequence(seq)?.len();
+        self.insert_prefix(seq, len / bs * bs)
+    }
+
+    fn insert_prefix(&mut self, seq: SeqId, upto: usize) -> Result<InsertReport, KvError> {
         let bs = self.block_size();
         let s = self.sequence(seq)?;
         Self::require_computed(seq, s, "insert")?;
-        let n = s.tokens.len().min(s.cacheable);
+        let n = s.tokens.len().min(s.cacheable).min(upto);
         if n == 0 {
             return Ok(InsertReport::default());
         }

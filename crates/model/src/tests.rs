@@ -136,12 +136,12 @@ fn streaming_never_emits_broken_utf8() {
     let mut s = m.tokenizer.stream();
     let mut out = String::new();
     for &id in &ids {
-        if let Some(p) = s.push(id).unwrap() {
+        if let Some(p) = s.push(&m.tokenizer, id).unwrap() {
             assert!(!p.contains('\u{FFFD}'), "broken piece {p:?}");
             out.push_str(&p);
         }
     }
-    out.extend(s.finish().unwrap());
+    out.extend(s.finish(&m.tokenizer).unwrap());
     assert_eq!(out, text);
 }
 

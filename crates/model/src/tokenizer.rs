@@ -280,9 +280,8 @@ impl Tokenizer {
     }
 
     /// An incremental decoder for streaming output.
-    pub fn stream(&self) -> StreamDecoder<'_> {
+    pub fn stream(&self) -> StreamDecoder {
         StreamDecoder {
-            tok: self,
             ids: Vec::new(),
             prefix: 0,
             read: 0,
@@ -405,19 +404,21 @@ fn add_special_tokens(
 /// Turns a stream of token ids into text pieces that are always valid,
 /// complete UTF-8: a token that ends inside a multi-byte character is held
 /// back until the character is complete.
-pub struct StreamDecoder<'a> {
-    tok: &'a Tokenizer,
+/// It holds no reference to the tokenizer: each call takes it, so a decoder
+/// can live in long-running request state.
+#[derive(Debug, Clone, Default)]
+pub struct StreamDecoder {
     ids: Vec<u32>,
     prefix: usize,
     read: usize,
 }
 
-impl StreamDecoder<'_> {
+impl StreamDecoder {
     /// Adds a token; returns the text it completes, if any.
-    pub fn push(&mut self, id: u32) -> Result<Option<String>> {
+    pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<Option<String>> {
         self.ids.push(id);
-        let before = self.tok.decode(&self.ids[self.prefix..self.read])?;
-        let now = self.tok.decode(&self.ids[self.prefix..])?;
+        let before = tok.decode(&self.ids[self.prefix..self.read])?;
+        let now = tok.decode(&self.ids[self.prefix..])?;
         if now.len() > before.len()
             && !now.ends_with('\u{FFFD}')
             && now.is_char_boundary(before.len())
@@ -432,9 +433,9 @@ impl StreamDecoder<'_> {
 
     /// Whatever is still held back (an incomplete character at the very end
     /// is emitted as U+FFFD).
-    pub fn finish(&mut self) -> Result<Option<String>> {
-        let before = self.tok.decode(&self.ids[self.prefix..self.read])?;
-        let now = self.tok.decode(&self.ids[self.prefix..])?;
+    pub fn finish(&mut self, tok: &Tokenizer) -> Result<Option<String>> {
+        let before = tok.decode(&self.ids[self.prefix..self.read])?;
+        let now = tok.decode(&self.ids[self.prefix..])?;
         self.prefix = self.ids.len();
         self.read = self.ids.len();
         Ok(now

@@ -26,7 +26,10 @@
 //! - **Cache-aware order.** Waiting requests with the longest cached prefix
 //!   are admitted first; one that has waited `max_wait_steps` steps goes
 //!   before all others (first come, first served among those), so no
-//!   request waits forever.
+//!   request waits forever. Prompt chunks enter the prefix tree as soon as
+//!   they are computed, and a request whose prompt shares more with a prompt
+//!   being prefilled than with the cache waits for that prefill instead of
+//!   computing the same tokens twice.
 //! - **Out of blocks.** [`KvCache::append`] evicts cached-only blocks (LRU)
 //!   by itself. When that is not enough, the most recently admitted running
 //!   request is preempted by recompute: its computed tokens go into the
@@ -378,7 +381,7 @@ impl Scheduler {
         }
         let req = &self.reqs[&id];
         let known = req.tokens.len();
-        let end = known.min(len + *budget);
+        let end = known.min(len.saturating_add(*budget));
         let chunk = req.tokens[len..end].to_vec();
         match self.kv.append(seq, &chunk)? {
             Admission::Ok(a) => {
@@ -460,8 +463,15 @@ impl Scheduler {
             } else {
                 &[][..]
             };
+            // A running request is computing more of this prompt than the
+            // cache holds: wait for it rather than compute it twice.
+            if self.cfg.prefix_cache
+                && self.in_flight(reusable) > self.kv.tree().peek_prefix(r.ns, reusable).len
+            {
+                continue;
+            }
             let (seq, cached) = self.kv.add_sequence(r.ns, reusable);
-            let end = r.tokens.len().min(cached + *budget);
+            let end = r.tokens.len().min(cached.saturating_add(*budget));
             let chunk = r.tokens[cached..end].to_vec();
             match self.kv.append(seq, &chunk)? {
                 Admission::Ok(a) => {
@@ -534,13 +544,42 @@ impl Scheduler {
         keyed.into_iter().map(|k| k.3).collect()
     }
 
-    /// Records that the plan's K/V is written.
+    /// Records that the plan's K/V is written. Prompt chunks that do not
+    /// end their prompt enter the prefix tree now, so that requests sharing
+    /// the prompt can use them before this one finishes.
     pub fn step_done(&mut self, plan: &StepPlan) -> Result<(), SchedError> {
         for item in &plan.items {
             self.kv
                 .mark_computed(item.seq, item.start + item.tokens.len())?;
+            let prefill = item.tokens.len() > 1 || !item.wants_logits;
+            if self.cfg.prefix_cache && prefill {
+                self.kv.insert_whole_blocks(item.seq)?;
+            }
         }
         Ok(())
+    }
+
+    /// The longest prefix `tokens` shares with a running request that has
+    /// not yet computed it (a prompt being prefilled).
+    fn in_flight(&self, tokens: &[TokenId]) -> usize {
+        self.running
+            .iter()
+            .filter_map(|r| {
+                let req = &self.reqs[r];
+                let State::Running { seq, .. } = req.state else {
+                    return None;
+                };
+                let done = self.kv.sequence(seq).map_or(0, |s| s.num_computed());
+                let common = req
+                    .tokens
+                    .iter()
+                    .zip(tokens)
+                    .take_while(|(a, b)| a == b)
+                    .count();
+                (common > done).then_some(common)
+            })
+            .max()
+            .unwrap_or(0)
     }
 
     /// Appends a sampled token; the next step computes it.

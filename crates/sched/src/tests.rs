@@ -361,6 +361,24 @@ fn forks_continue_independently_on_shared_blocks() {
 }
 
 #[test]
+fn requests_arriving_together_compute_a_shared_prefix_once() {
+    let mut sim = Sim::new(512, 4, cfg(64, 16));
+    let shared = prompt(0, 100);
+    let ids: Vec<ReqId> = (0..8)
+        .map(|i| {
+            let mut p = shared.clone();
+            p.extend(prompt(i + 1, 10));
+            sim.add(&p, 2)
+        })
+        .collect();
+    sim.run();
+    let computed: usize = sim.log.iter().map(|p| p.num_tokens()).sum();
+    // The prefix once, 8 suffixes of 10, and one decode step each.
+    assert_eq!(computed, 100 + 8 * 10 + 8);
+    assert_eq!(sim.outputs().len(), ids.len());
+}
+
+#[test]
 fn finishing_a_waiting_request_cancels_it() {
     let mut sim = Sim::new(64, 4, cfg(8, 1));
     let a = sim.add(&prompt(1, 20), 4);

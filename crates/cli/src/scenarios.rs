@@ -1,0 +1,368 @@
+//! The KV-cache scenarios of `tessera bench`. Each one runs the engine as a
+//! user would and compares it with the same engine without the cache's
+//! help (prefix reuse off, or a fresh prefill), in the same run.
+
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use tessera_engine::{
+    ContextShift, Engine, EngineConfig, Event, GenerateRequest, Prompt, SamplingParams, TurnOptions,
+};
+use tessera_model::{Model, Special};
+
+use crate::bench::BenchArgs;
+use crate::load_model;
+
+const WORDS: &[&str] = &[
+    "river", "engine", "garden", "window", "theory", "market", "signal", "forest", "letter",
+    "bridge", "planet", "memory", "harbor", "circuit", "painting", "kitchen", "voyage", "mountain",
+    "library", "weather", "question", "machine", "island", "story", "winter", "language", "number",
+    "friend", "music", "station", "orbit", "village", "teacher", "problem", "pattern", "journey",
+];
+
+/// Text of about `n` tokens, different for each seed.
+fn text_of(model: &Model, seed: u64, n: usize) -> Result<String> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut text = String::new();
+    let mut sentence = 0;
+    while text.len() < n * 8 {
+        let mut words = Vec::new();
+        for _ in 0..8 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            words.push(WORDS[(x % WORDS.len() as u64) as usize]);
+        }
+        sentence += 1;
+        text.push_str(&format!(
+            "Point {sentence}: the {} of the {} met a {} near the {}, and the {} spoke of {} {} and {}. ",
+            words[0], words[1], words[2], words[3], words[4], words[5], words[6], words[7]
+        ));
+    }
+    let ids = model.tokenizer.encode(&text, Special::AsText, false)?;
+    Ok(model.tokenizer.decode(&ids[..n.min(ids.len())])?)
+}
+
+fn greedy_turn(max_tokens: usize) -> TurnOptions {
+    TurnOptions {
+        sampling: SamplingParams::greedy(),
+        max_tokens,
+        ..TurnOptions::default()
+    }
+}
+
+/// The engine of the scenario, and the same model with reuse off.
+fn two_engines(model: Model, args: &BenchArgs) -> Result<(Engine, Engine)> {
+    let other = load_model(&model.path.display().to_string())?;
+    let with = Engine::from_model(model, args.kv.config(true))?;
+    let without = Engine::from_model(other, args.kv.config(false))?;
+    Ok((with, without))
+}
+
+fn emit(args: &BenchArgs, v: serde_json::Value, lines: &[String]) {
+    if args.json {
+        println!("{v}");
+    } else {
+        for l in lines {
+            println!("{l}");
+        }
+    }
+}
+
+/// 12 turns: a ~150-token system prompt, ~150-token user turns, 32-token
+/// greedy replies. TTFT per turn with and without prefix reuse.
+pub fn chat(model: Model, args: &BenchArgs) -> Result<()> {
+    const TURNS: usize = 12;
+    let system = text_of(&model, 1, 150)?;
+    let users: Vec<String> = (0..TURNS)
+        .map(|i| text_of(&model, 100 + i as u64, 150))
+        .collect::<Result<_>>()?;
+    let (reuse, plain) = two_engines(model, args)?;
+    let mut a = reuse.chat(Some(&system));
+    let mut b = plain.chat(Some(&system));
+    let opts = greedy_turn(32);
+    let mut rows = Vec::new();
+    let mut lines = vec![format!(
+        "chat: {TURNS} turns, system ~150 tokens, user turns ~150, replies ≤32 greedy"
+    )];
+    lines.push("turn  prompt  cached   TTFT reuse  TTFT no reuse   ratio".into());
+    let mut same = true;
+    for (i, u) in users.iter().enumerate() {
+        // Alternate the two engines turn by turn so drift hits both alike.
+        let x = a.send(u, &opts, &mut |_| {})?;
+        let y = b.send(u, &opts, &mut |_| {})?;
+        same &= x.tokens == y.tokens;
+        let ratio = y.timings.ttft_ms / x.timings.ttft_ms.max(1e-9);
+        lines.push(format!(
+            "{:>4}  {:>6}  {:>6}  {:>8.1} ms  {:>10.1} ms  {:>6.1}x",
+            i + 1,
+            x.usage.prompt_tokens,
+            x.usage.cached_tokens,
+            x.timings.ttft_ms,
+            y.timings.ttft_ms,
+            ratio
+        ));
+        rows.push(serde_json::json!({
+            "turn": i + 1,
+            "prompt_tokens": x.usage.prompt_tokens,
+            "cached_tokens": x.usage.cached_tokens,
+            "ttft_ms_reuse": x.timings.ttft_ms,
+            "ttft_ms_no_reuse": y.timings.ttft_ms,
+        }));
+    }
+    let last = |k: &str| rows.last().map_or(0.0, |r| r[k].as_f64().unwrap_or(0.0));
+    let sum = |k: &str| {
+        rows.iter()
+            .map(|r| r[k].as_f64().unwrap_or(0.0))
+            .sum::<f64>()
+    };
+    let (lr, ln) = (last("ttft_ms_reuse"), last("ttft_ms_no_reuse"));
+    lines.push(format!(
+        "turn {TURNS}: {lr:.1} ms with reuse, {ln:.1} ms without: {:.1}x; sum over turns {:.0} vs {:.0} ms; same greedy replies: {same}",
+        ln / lr.max(1e-9),
+        sum("ttft_ms_reuse"),
+        sum("ttft_ms_no_reuse"),
+    ));
+    let v = serde_json::json!({
+        "scenario": "chat",
+        "turns": rows,
+        "last_ttft_ms_reuse": lr,
+        "last_ttft_ms_no_reuse": ln,
+        "last_ratio": ln / lr.max(1e-9),
+        "sum_ttft_ms_reuse": sum("ttft_ms_reuse"),
+        "sum_ttft_ms_no_reuse": sum("ttft_ms_no_reuse"),
+        "same_replies": same,
+    });
+    emit(args, v, &lines);
+    Ok(())
+}
+
+/// Submits every prompt at once; seconds until all have their first token.
+fn all_at_once(engine: &Engine, prompts: &[Vec<u32>]) -> Result<f64> {
+    let t = Instant::now();
+    let streams: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            engine.generate(GenerateRequest {
+                max_tokens: 1,
+                sampling: SamplingParams::greedy(),
+                ..GenerateRequest::new(Prompt::Tokens(p.clone()))
+            })
+        })
+        .collect::<std::result::Result<_, _>>()?;
+    for s in streams {
+        for ev in s {
+            if let Event::Error(e) = ev {
+                return Err(e.into());
+            }
+        }
+    }
+    Ok(t.elapsed().as_secs_f64())
+}
+
+fn one(engine: &Engine, prompt: &[u32]) -> Result<f64> {
+    all_at_once(engine, &[prompt.to_vec()])
+}
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs[xs.len() / 2]
+}
+
+/// 8 requests sharing a 1,000-token prefix, each with its own 50-token
+/// suffix, submitted together: time until all 8 have their first token,
+/// against prefilling the prefix once plus the 8 suffixes one by one, and
+/// against the same 8 requests with reuse off.
+pub fn shared_prefix(model: Model, args: &BenchArgs) -> Result<()> {
+    let tok = &model.tokenizer;
+    let mut prefix = tok.encode(&text_of(&model, 7, 1000)?, Special::AsText, true)?;
+    prefix.truncate(1000);
+    let suffixes: Vec<Vec<u32>> = (0..8)
+        .map(|i| {
+            let t = text_of(&model, 50 + i, 50)?;
+            let mut ids = tok.encode(&t, Special::AsText, false)?;
+            ids.truncate(50);
+            Ok(ids)
+        })
+        .collect::<Result<_>>()?;
+    let prompts: Vec<Vec<u32>> = suffixes
+        .iter()
+        .map(|s| [prefix.as_slice(), s].concat())
+        .collect();
+    let (reuse, plain) = two_engines(model, args)?;
+    let (mut shared, mut reference, mut none) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..args.runs.max(1) {
+        reuse.clear_cache()?;
+        shared.push(all_at_once(&reuse, &prompts)?);
+        reuse.clear_cache()?;
+        let mut t = one(&reuse, &prefix)?;
+        for p in &prompts {
+            t += one(&reuse, p)?;
+        }
+        reference.push(t);
+        none.push(all_at_once(&plain, &prompts)?);
+    }
+    let (s, r, n) = (median(shared), median(reference), median(none));
+    let lines = vec![
+        format!("shared-prefix: 8 requests, 1,000-token shared prefix, 50-token suffixes, {} runs (median)", args.runs),
+        format!("  all 8 submitted together, reuse on     {:>8.1} ms", s * 1e3),
+        format!("  prefix once + 8 suffixes one by one    {:>8.1} ms   (together / this: {:.2})", r * 1e3, s / r),
+        format!("  all 8 together, reuse off              {:>8.1} ms   (speedup of reuse: {:.1}x)", n * 1e3, n / s),
+    ];
+    let v = serde_json::json!({
+        "scenario": "shared-prefix",
+        "total_ttft_ms": s * 1e3,
+        "prefix_once_plus_suffixes_ms": r * 1e3,
+        "ratio_to_prefix_once": s / r,
+        "no_reuse_ms": n * 1e3,
+        "speedup_vs_no_reuse": n / s,
+        "runs": args.runs,
+    });
+    emit(args, v, &lines);
+    Ok(())
+}
+
+/// 4 conversations taking turns on one engine, 6 rounds (a ~400-token
+/// system prompt each, ~40-token user turns, 32-token replies): the share of
+/// prompt tokens served from cache from each one's second turn on, the share
+/// of the history (what an earlier turn computed) served from cache, and
+/// the sum of TTFT with and without reuse.
+pub fn interleaved(model: Model, args: &BenchArgs) -> Result<()> {
+    const CONVS: usize = 4;
+    const ROUNDS: usize = 6;
+    let systems: Vec<String> = (0..CONVS)
+        .map(|c| text_of(&model, 200 + c as u64, 400))
+        .collect::<Result<_>>()?;
+    let users: Vec<String> = (0..CONVS * ROUNDS)
+        .map(|i| text_of(&model, 300 + i as u64, 40))
+        .collect::<Result<_>>()?;
+    let (reuse, plain) = two_engines(model, args)?;
+    let mut a: Vec<_> = systems.iter().map(|s| reuse.chat(Some(s))).collect();
+    let mut b: Vec<_> = systems.iter().map(|s| plain.chat(Some(s))).collect();
+    let opts = greedy_turn(32);
+    let (mut prompt, mut cached, mut history) = (0usize, 0usize, 0usize);
+    let mut worst: f64 = 1.0;
+    let (mut ttft_a, mut ttft_b) = (0.0, 0.0);
+    for round in 0..ROUNDS {
+        for c in 0..CONVS {
+            let u = &users[round * CONVS + c];
+            let before = a[c].token_ids().len();
+            let x = a[c].send(u, &opts, &mut |_| {})?;
+            let y = b[c].send(u, &opts, &mut |_| {})?;
+            ttft_a += x.timings.ttft_ms;
+            ttft_b += y.timings.ttft_ms;
+            if round > 0 {
+                prompt += x.usage.prompt_tokens;
+                cached += x.usage.cached_tokens;
+                history += before;
+                worst = worst.min(x.usage.cached_tokens as f64 / x.usage.prompt_tokens as f64);
+            }
+        }
+    }
+    let share = cached as f64 / prompt.max(1) as f64;
+    let of_history = cached as f64 / history.max(1) as f64;
+    let lines = vec![
+        format!("interleaved: {CONVS} conversations × {ROUNDS} rounds, system ~400 tokens, user ~40, replies ≤32"),
+        format!("  prompt tokens served from cache from turn 2: {:.1}% (lowest turn {:.1}%)", share * 100.0, worst * 100.0),
+        format!("  history (tokens earlier turns computed) served from cache: {:.1}%", of_history * 100.0),
+        format!("  sum of TTFT: {ttft_a:.0} ms with reuse, {ttft_b:.0} ms without ({:.1}x)", ttft_b / ttft_a.max(1e-9)),
+    ];
+    let v = serde_json::json!({
+        "scenario": "interleaved",
+        "cached_share_from_turn_2": share,
+        "lowest_turn_share": worst,
+        "history_cached_share": of_history,
+        "sum_ttft_ms_reuse": ttft_a,
+        "sum_ttft_ms_no_reuse": ttft_b,
+    });
+    emit(args, v, &lines);
+    Ok(())
+}
+
+/// Greedy generation through a context shift (context 256, keep 32): the 32
+/// tokens after the shift against a fresh prefill of the kept tokens.
+pub fn shift(model: Model, args: &BenchArgs) -> Result<()> {
+    const CTX: usize = 256;
+    const KEEP: usize = 32;
+    const AFTER: usize = 32;
+    const PROMPT: usize = 200;
+    const PROMPTS: u64 = 8;
+    let texts: Vec<String> = (0..PROMPTS)
+        .map(|i| text_of(&model, 400 + i, PROMPT))
+        .collect::<Result<_>>()?;
+    let other = load_model(&model.path.display().to_string())?;
+    let cfg = EngineConfig {
+        context_length: Some(CTX),
+        ..args.kv.config(false)
+    };
+    let shifted = Engine::from_model(model, cfg.clone())?;
+    let fresh = Engine::from_model(other, cfg)?;
+    let (mut matched, mut total, mut prefix_sum, mut whole) = (0, 0, 0, 0);
+    for text in &texts {
+        let mut ids = shifted
+            .model()
+            .tokenizer
+            .encode(text, Special::AsText, true)?;
+        ids.truncate(PROMPT);
+        let need = CTX - ids.len() + 1 + AFTER;
+        let req = GenerateRequest {
+            max_tokens: need,
+            sampling: SamplingParams::greedy(),
+            ignore_eos: true,
+            context_shift: ContextShift::Keep(KEEP),
+            ..GenerateRequest::new(Prompt::Tokens(ids.clone()))
+        };
+        let done = shifted.complete(&req, &mut |_| {})?;
+        if done.tokens.len() != need {
+            bail!("the shifted run stopped after {} tokens", done.tokens.len());
+        }
+        let full: Vec<u32> = ids.iter().chain(&done.tokens).copied().collect();
+        let discard = (CTX - KEEP) / 2;
+        let kept: Vec<u32> = full[..KEEP]
+            .iter()
+            .chain(&full[KEEP + discard..=CTX])
+            .copied()
+            .collect();
+        let after = &full[CTX + 1..];
+        let again = fresh.complete(
+            &GenerateRequest {
+                max_tokens: AFTER,
+                sampling: SamplingParams::greedy(),
+                ignore_eos: true,
+                ..GenerateRequest::new(Prompt::Tokens(kept))
+            },
+            &mut |_| {},
+        )?;
+        let same = after
+            .iter()
+            .zip(&again.tokens)
+            .filter(|(a, b)| a == b)
+            .count();
+        let prefix = after
+            .iter()
+            .zip(&again.tokens)
+            .take_while(|(a, b)| a == b)
+            .count();
+        matched += same;
+        total += AFTER;
+        prefix_sum += prefix;
+        whole += usize::from(prefix == AFTER);
+    }
+    let rate = matched as f64 / total as f64;
+    let lines = vec![
+        format!("shift: context {CTX}, keep {KEEP}, {PROMPTS} prompts of {PROMPT} tokens; the {AFTER} greedy tokens after the shift against a fresh prefill of the kept tokens"),
+        format!("  same token at the same place: {:.1}% | identical first {:.1} tokens on average | all {AFTER} identical in {whole} of {PROMPTS}", rate * 100.0, prefix_sum as f64 / PROMPTS as f64),
+    ];
+    let v = serde_json::json!({
+        "scenario": "shift",
+        "context": CTX,
+        "keep": KEEP,
+        "tokens_compared": total,
+        "agreement": rate,
+        "mean_identical_prefix": prefix_sum as f64 / PROMPTS as f64,
+        "fully_identical": whole,
+        "prompts": PROMPTS,
+    });
+    emit(args, v, &lines);
+    Ok(())
+}

@@ -1,0 +1,295 @@
+//! K/V snapshots on disk: saved chat sessions and the `--cache-dir` prefix
+//! cache.
+//!
+//! ```text
+//! magic    8 bytes  "TSRKV\0\0\0"
+//! version  u32 LE   FORMAT_VERSION
+//! hlen     u32 LE   length of the header
+//! header   JSON     kind, model fingerprint, architecture, cache dtype,
+//!                   geometry (layers, KV heads, head dim), entry lengths,
+//!                   and for a session its messages
+//! entries  for each entry: token ids (u32 LE), then per layer K then V
+//!          ([tokens, kv_heads, head_dim] in the cache dtype, LE)
+//! crc32    u32 LE   of everything before it
+//! ```
+//!
+//! Loading checks each part and names what is wrong; nothing reaches the
+//! engine until the whole file is validated.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use tessera_model::Model;
+
+use crate::engine::{CacheDType, Engine};
+use crate::{EngineError, Result};
+
+const MAGIC: &[u8; 8] = b"TSRKV\0\0\0";
+pub const FORMAT_VERSION: u32 = 1;
+/// The prefix cache's file inside `--cache-dir`.
+pub const CACHE_FILE: &str = "prefix-cache.tkv";
+
+/// One layer's K and V rows.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerBytes {
+    pub k: Vec<u8>,
+    pub v: Vec<u8>,
+}
+
+/// Token ids and the K/V of every one of them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KvSnapshot {
+    pub tokens: Vec<u32>,
+    pub layers: Vec<LayerBytes>,
+}
+
+/// What must match between the file and the engine loading it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Geometry {
+    pub fingerprint: u64,
+    pub arch: String,
+    pub cache_dtype: String,
+    pub n_layers: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl Geometry {
+    pub fn of(model: &Model, dtype: CacheDType) -> Geometry {
+        let c = model.config();
+        Geometry {
+            fingerprint: model.fingerprint,
+            arch: format!("{:?}", c.arch).to_lowercase(),
+            cache_dtype: format!("{:?}", dtype).to_lowercase(),
+            n_layers: c.n_layers,
+            n_kv_heads: c.n_kv_heads,
+            head_dim: c.head_dim,
+        }
+    }
+
+    fn row_bytes(&self) -> usize {
+        let size = match self.cache_dtype.as_str() {
+            "f32" => 4,
+            _ => 2,
+        };
+        self.n_kv_heads * self.head_dim * size
+    }
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Header {
+    kind: String,
+    geometry: Geometry,
+    /// Tokens per entry.
+    entries: Vec<usize>,
+    #[serde(default)]
+    meta: serde_json::Value,
+}
+
+fn bad(path: &Path, reason: impl Into<String>) -> EngineError {
+    EngineError::Snapshot {
+        path: path.to_path_buf(),
+        reason: reason.into(),
+    }
+}
+
+/// Writes `snaps` to `path` (through a temporary file, renamed at the end).
+pub fn write_file(
+    path: &Path,
+    kind: &str,
+    geometry: &Geometry,
+    snaps: &[KvSnapshot],
+    meta: serde_json::Value,
+) -> Result<()> {
+    let header = serde_json::to_vec(&Header {
+        kind: kind.to_string(),
+        geometry: geometry.clone(),
+        entries: snaps.iter().map(|s| s.tokens.len()).collect(),
+        meta,
+    })
+    .map_err(|e| bad(path, e.to_string()))?;
+    let mut buf = Vec::new();
+    buf.extend_from_slice(MAGIC);
+    buf.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+    buf.extend_from_slice(&(header.len() as u32).to_le_bytes());
+    buf.extend_from_slice(&header);
+    for s in snaps {
+        buf.extend(s.tokens.iter().flat_map(|t| t.to_le_bytes()));
+        for l in &s.layers {
+            buf.extend_from_slice(&l.k);
+            buf.extend_from_slice(&l.v);
+        }
+    }
+    let crc = crc32fast::hash(&buf);
+    buf.extend_from_slice(&crc.to_le_bytes());
+    let tmp = path.with_extension("tmp");
+    let io = |e: std::io::Error| bad(path, format!("cannot write: {e}"));
+    std::fs::write(&tmp, &buf).map_err(io)?;
+    std::fs::rename(&tmp, path).map_err(io)
+}
+
+/// Reads and validates a file written by [`write_file`] against the
+/// engine's `geometry`; returns its kind's entries and metadata.
+pub fn read_file(
+    path: &Path,
+    kind: &str,
+    geometry: &Geometry,
+) -> Result<(Vec<KvSnapshot>, serde_json::Value)> {
+    let data = std::fs::read(path).map_err(|e| bad(path, format!("cannot read: {e}")))?;
+    let fixed = MAGIC.len() + 8;
+    if data.len() < MAGIC.len() || &data[..MAGIC.len()] != MAGIC {
+        return Err(bad(path, "not a Tessera K/V file (wrong magic bytes)"));
+    }
+    if data.len() < fixed + 4 {
+        return Err(bad(path, format!("truncated: only {} bytes", data.len())));
+    }
+    let version = u32::from_le_bytes(data[8..12].try_into().expect("4 bytes"));
+    if version != FORMAT_VERSION {
+        return Err(bad(
+            path,
+            format!("format version {version}; this build reads version {FORMAT_VERSION}"),
+        ));
+    }
+    let hlen = u32::from_le_bytes(data[12..16].try_into().expect("4 bytes")) as usize;
+    if data.len() < fixed + hlen + 4 {
+        return Err(bad(
+            path,
+            format!(
+                "truncated: {} bytes, the header alone needs {}",
+                data.len(),
+                fixed + hlen + 4
+            ),
+        ));
+    }
+    let header: Header = serde_json::from_slice(&data[fixed..fixed + hlen])
+        .map_err(|e| bad(path, format!("corrupted header: {e}")))?;
+    let row = header.geometry.row_bytes();
+    let per_token = 4 + 2 * header.geometry.n_layers * row;
+    let body: usize = header.entries.iter().map(|&n| n * per_token).sum();
+    let expected = fixed + hlen + body + 4;
+    if data.len() < expected {
+        return Err(bad(
+            path,
+            format!("truncated: {} bytes of {expected}", data.len()),
+        ));
+    }
+    if data.len() > expected {
+        return Err(bad(
+            path,
+            format!(
+                "corrupted: {} bytes where the header says {expected}",
+                data.len()
+            ),
+        ));
+    }
+    let stored = u32::from_le_bytes(data[expected - 4..].try_into().expect("4 bytes"));
+    if crc32fast::hash(&data[..expected - 4]) != stored {
+        return Err(bad(path, "checksum mismatch: the file is corrupted"));
+    }
+    if header.kind != kind {
+        return Err(bad(path, format!("holds a {}, not a {kind}", header.kind)));
+    }
+    let g = &header.geometry;
+    if g.fingerprint != geometry.fingerprint {
+        return Err(bad(
+            path,
+            format!(
+                "saved with another model (fingerprint {:016x}, {} with {} layers); this engine runs {:016x}, {} with {} layers",
+                g.fingerprint, g.arch, g.n_layers, geometry.fingerprint, geometry.arch, geometry.n_layers
+            ),
+        ));
+    }
+    if g != geometry {
+        return Err(bad(
+            path,
+            format!(
+                "saved with cache dtype {} and geometry {}x{}x{}; this engine uses {} and {}x{}x{}",
+                g.cache_dtype,
+                g.n_layers,
+                g.n_kv_heads,
+                g.head_dim,
+                geometry.cache_dtype,
+                geometry.n_layers,
+                geometry.n_kv_heads,
+                geometry.head_dim
+            ),
+        ));
+    }
+    let mut at = fixed + hlen;
+    let mut take = |n: usize| {
+        let s = &data[at..at + n];
+        at += n;
+        s
+    };
+    let snaps = header
+        .entries
+        .iter()
+        .map(|&n| {
+            let tokens = take(4 * n)
+                .chunks_exact(4)
+                .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
+                .collect();
+            let layers = (0..g.n_layers)
+                .map(|_| LayerBytes {
+                    k: take(n * row).to_vec(),
+                    v: take(n * row).to_vec(),
+                })
+                .collect();
+            KvSnapshot { tokens, layers }
+        })
+        .collect();
+    Ok((snaps, header.meta))
+}
+
+pub(crate) fn write_cache_dir(dir: &Path, geometry: &Geometry, snaps: &[KvSnapshot]) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| bad(dir, format!("cannot create: {e}")))?;
+    write_file(
+        &dir.join(CACHE_FILE),
+        "prefix cache",
+        geometry,
+        snaps,
+        serde_json::Value::Null,
+    )
+}
+
+impl Engine {
+    pub(crate) fn geometry(&self) -> Geometry {
+        Geometry::of(self.model(), self.config().cache_dtype)
+    }
+
+    /// The K/V of `tokens` (computed now for any part not cached).
+    pub fn export_kv(&self, tokens: &[u32]) -> Result<KvSnapshot> {
+        self.call(|tx| crate::core::Command::Export(tokens.to_vec(), tx))?
+    }
+
+    /// Inserts saved K/V into the prefix cache; returns the tokens added.
+    pub fn import_kv(&self, snaps: Vec<KvSnapshot>) -> Result<usize> {
+        let vocab = self.model().config().vocab_size;
+        for s in &snaps {
+            if let Some(&t) = s.tokens.iter().find(|&&t| t as usize >= vocab) {
+                return Err(EngineError::Invalid(format!(
+                    "saved token id {t} is outside the vocabulary of {vocab}"
+                )));
+            }
+        }
+        self.call(|tx| crate::core::Command::Import(snaps, tx))?
+    }
+
+    /// Writes the whole prefix cache to `dir` now (the engine also does it
+    /// when it stops, if `cache_dir` is set).
+    pub fn save_cache_dir(&self, dir: &Path) -> Result<()> {
+        let snaps = self.call(crate::core::Command::ExportCache)??;
+        write_cache_dir(dir, &self.geometry(), &snaps)
+    }
+
+    /// Fills the prefix cache from `dir`, if it holds a cache file; returns
+    /// the tokens restored.
+    pub fn restore_cache_dir(&self, dir: &Path) -> Result<usize> {
+        let path: PathBuf = dir.join(CACHE_FILE);
+        if !path.exists() {
+            return Ok(0);
+        }
+        let (snaps, _) = read_file(&path, "prefix cache", &self.geometry())?;
+        self.import_kv(snaps)
+    }
+}

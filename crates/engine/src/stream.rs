@@ -1,0 +1,71 @@
+//! [`RequestStream`]: the events of one request, as the worker produces
+//! them. Dropping the stream cancels the request.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::sync::Arc;
+
+use crate::engine::Completion;
+use crate::EngineError;
+
+/// What a request reports, in order: tokens of each sample as they come,
+/// then one `Done` per sample (or one `Error`, after which nothing follows).
+#[derive(Debug)]
+pub enum Event {
+    /// A generated token and the text it completes: valid UTF-8, possibly
+    /// empty while a character or a possible stop string is held back.
+    Token { index: usize, id: u32, text: String },
+    /// A sample finished: its text, tokens, finish reason, usage, timings.
+    Done(Box<Completion>),
+    /// The request failed; what it computed stays cached.
+    Error(EngineError),
+}
+
+/// The events of a request. An iterator that ends after the last sample is
+/// done or after an error.
+pub struct RequestStream {
+    rx: mpsc::Receiver<Event>,
+    cancel: Arc<AtomicBool>,
+    open: usize,
+}
+
+impl RequestStream {
+    pub(crate) fn new(rx: mpsc::Receiver<Event>, cancel: Arc<AtomicBool>, n: usize) -> Self {
+        RequestStream {
+            rx,
+            cancel,
+            open: n,
+        }
+    }
+
+    /// Stops the request at the next step; each open sample then ends with
+    /// [`FinishReason::Cancelled`](crate::FinishReason::Cancelled).
+    pub fn cancel(&self) {
+        self.cancel.store(true, Ordering::Relaxed);
+    }
+}
+
+impl Iterator for RequestStream {
+    type Item = Event;
+
+    fn next(&mut self) -> Option<Event> {
+        if self.open == 0 {
+            return None;
+        }
+        let ev = self.rx.recv().ok();
+        match &ev {
+            Some(Event::Done(_)) => self.open -= 1,
+            Some(Event::Error(_)) | None => self.open = 0,
+            Some(Event::Token { .. }) => {}
+        }
+        ev
+    }
+}
+
+impl Drop for RequestStream {
+    fn drop(&mut self) {
+        if self.open > 0 {
+            self.cancel();
+        }
+    }
+}
