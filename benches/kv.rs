@@ -2,7 +2,9 @@
 //! prefix matching and insertion on a tree of ~1,000,000 cached tokens in
 //! 10,000 branches, the request life cycle at a full pool (eviction
 //! included), allocate/free, decode-style appends, and `plan_defrag` on a
-//! full pool of 65,536 blocks.
+//! full pool of 65,536 blocks; and the paged-attention kernel on
+//! SmolLM2-135M's geometry (one layer), for a prefill chunk and a decode
+//! step over a 2,048-token context.
 
 use std::hint::black_box;
 
@@ -189,9 +191,56 @@ fn bench_defrag(c: &mut Criterion) {
     g.finish();
 }
 
+/// One layer of SmolLM2-135M (9 query heads, 3 KV heads, head_dim 64,
+/// f16 cache, blocks of 16) over a 2,048-token context.
+fn bench_attention(c: &mut Criterion) {
+    use candle_core::DType;
+    use tessera_kernels::{paged_attention, PagedMeta};
+    let (ctx, bs, nh, kvh, hd) = (2048usize, 16usize, 9usize, 3usize, 64usize);
+    let blocks = ctx / bs;
+    let seeded = |shape: &[usize], seed: u64, dtype: DType| {
+        let n: usize = shape.iter().product();
+        let mut s = seed | 1;
+        let v: Vec<f32> = (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+            })
+            .collect();
+        candle_core::Tensor::from_vec(v, shape, &candle_core::Device::Cpu)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap()
+    };
+    let k = seeded(&[blocks, bs, kvh, hd], 1, DType::F16);
+    let v = seeded(&[blocks, bs, kvh, hd], 2, DType::F16);
+    let table: Vec<u32> = (0..blocks as u32).rev().collect();
+    let mut g = c.benchmark_group("paged_attention_smollm2_layer");
+    for (name, new) in [("prefill_128_at_2048", 128usize), ("decode_1_at_2048", 1)] {
+        let q = seeded(&[new, nh, hd], 3, DType::F32);
+        let pos: Vec<u32> = (ctx - new..ctx).map(|p| p as u32).collect();
+        let seq = vec![0u32; new];
+        let meta = PagedMeta {
+            block_size: bs,
+            block_tables: &table,
+            max_blocks: blocks,
+            token_seq: &seq,
+            token_pos: &pos,
+            scale: 0.125,
+        };
+        g.throughput(Throughput::Elements(new as u64));
+        g.bench_function(name, |b| {
+            b.iter(|| black_box(paged_attention(&q, &k, &v, &meta).unwrap()))
+        });
+    }
+    g.finish();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().sample_size(30).measurement_time(std::time::Duration::from_secs(3));
-    targets = bench_tree, bench_pool, bench_defrag
+    targets = bench_tree, bench_pool, bench_defrag, bench_attention
 }
 criterion_main!(benches);

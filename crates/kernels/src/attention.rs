@@ -16,6 +16,7 @@ use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Ten
 use rayon::prelude::*;
 
 use crate::elem::{contiguous, f32_data, KvElem};
+use crate::simd;
 
 /// Where each query token's context lives. All ids are plain integers.
 #[derive(Debug, Clone, Copy)]
@@ -39,92 +40,216 @@ struct PagedAttention<'a> {
     head_dim: usize,
 }
 
+/// Most query tokens of one sequence that share one pass over its cache.
+const QUERY_TILE: usize = 16;
+
 impl PagedAttention<'_> {
+    /// Runs of consecutive tokens of the same sequence, at most
+    /// [`QUERY_TILE`] long: `(first token, count)`.
+    fn tiles(&self) -> Vec<(usize, usize)> {
+        let seqs = self.meta.token_seq;
+        let mut tiles = Vec::new();
+        let mut t = 0;
+        while t < seqs.len() {
+            let mut n = 1;
+            while t + n < seqs.len() && n < QUERY_TILE && seqs[t + n] == seqs[t] {
+                n += 1;
+            }
+            tiles.push((t, n));
+            t += n;
+        }
+        tiles
+    }
+
     fn run<T: KvElem>(&self, q: &[f32], k: &[T], v: &[T]) -> Vec<f32> {
         let (nh, kvh, hd) = (self.n_heads, self.n_kv_heads, self.head_dim);
         let group = nh / kvh;
         let bs = self.meta.block_size;
         let m = &self.meta;
+        let tiles = self.tiles();
+        // One task per (tile of query tokens, KV head): each cached row is
+        // converted to f32 once for every query token of the tile and every
+        // query head sharing the KV head.
+        let results: Vec<Vec<f32>> = (0..tiles.len() * kvh)
+            .into_par_iter()
+            .map_init(
+                || (vec![0f32; bs * hd], vec![0f32; bs * hd], vec![0f32; bs]),
+                |(kbuf, vbuf, scores), task| {
+                    let job = Tile {
+                        tile: tiles[task / kvh],
+                        g: task % kvh,
+                        group,
+                        nh,
+                        kvh,
+                        hd,
+                    };
+                    if simd::has_avx2_fma() {
+                        // SAFETY: the CPU supports AVX2 and FMA (checked).
+                        unsafe { attend_tile_avx2(m, &job, q, k, v, kbuf, vbuf, scores) }
+                    } else {
+                        attend_tile::<T, false>(m, &job, q, k, v, kbuf, vbuf, scores)
+                    }
+                },
+            )
+            .collect();
         let mut out = vec![0f32; q.len()];
-        // One task per (token, KV head): the group of query heads sharing a
-        // KV head converts each cached row to f32 once.
-        out.par_chunks_mut(group * hd).enumerate().for_each_init(
-            || {
-                (
-                    vec![0f32; bs * hd],
-                    vec![0f32; bs * hd],
-                    vec![0f32; bs],
-                    vec![0f32; 2 * group],
-                )
-            },
-            |(kbuf, vbuf, scores, ml), (idx, acc)| {
-                let (t, g) = (idx / kvh, idx % kvh);
-                let pos = m.token_pos[t] as usize;
-                let seq = m.token_seq[t] as usize;
-                let table = &m.block_tables[seq * m.max_blocks..(seq + 1) * m.max_blocks];
-                let qs = &q[(t * nh + g * group) * hd..(t * nh + (g + 1) * group) * hd];
-                let (mx, l) = ml.split_at_mut(group);
-                mx.fill(f32::NEG_INFINITY);
-                l.fill(0.0);
-                for (j, &b) in table.iter().enumerate().take(pos / bs + 1) {
-                    let n = bs.min(pos + 1 - j * bs);
-                    for o in 0..n {
-                        let row = ((b as usize * bs + o) * kvh + g) * hd;
-                        T::load(&k[row..row + hd], &mut kbuf[o * hd..(o + 1) * hd]);
-                        T::load(&v[row..row + hd], &mut vbuf[o * hd..(o + 1) * hd]);
-                    }
-                    for h in 0..group {
-                        let qh = &qs[h * hd..(h + 1) * hd];
-                        let mut best = f32::NEG_INFINITY;
-                        for (i, s) in scores[..n].iter_mut().enumerate() {
-                            *s = dot(qh, &kbuf[i * hd..(i + 1) * hd]) * m.scale;
-                            best = best.max(*s);
-                        }
-                        let new_max = mx[h].max(best);
-                        let correction = (mx[h] - new_max).exp();
-                        let ah = &mut acc[h * hd..(h + 1) * hd];
-                        if correction != 1.0 {
-                            ah.iter_mut().for_each(|a| *a *= correction);
-                        }
-                        l[h] *= correction;
-                        for (i, &s) in scores[..n].iter().enumerate() {
-                            let p = (s - new_max).exp();
-                            l[h] += p;
-                            for (a, &vv) in ah.iter_mut().zip(&vbuf[i * hd..(i + 1) * hd]) {
-                                *a += p * vv;
-                            }
-                        }
-                        mx[h] = new_max;
-                    }
-                }
-                for h in 0..group {
-                    let inv = 1.0 / l[h];
-                    acc[h * hd..(h + 1) * hd].iter_mut().for_each(|a| *a *= inv);
-                }
-            },
-        );
+        for (task, acc) in results.iter().enumerate() {
+            let ((t0, nt), g) = (tiles[task / kvh], task % kvh);
+            for ti in 0..nt {
+                let dst = ((t0 + ti) * nh + g * group) * hd;
+                out[dst..dst + group * hd]
+                    .copy_from_slice(&acc[ti * group * hd..(ti + 1) * group * hd]);
+            }
+        }
         out
     }
 }
 
-/// f32 dot product of two equal-length slices.
-#[inline]
-pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    // Eight independent accumulators let the compiler vectorize.
-    let mut acc = [0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = ca
-        .remainder()
-        .iter()
-        .zip(cb.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (x, y) in ca.zip(cb) {
-        for i in 0..8 {
-            acc[i] += x[i] * y[i];
+/// One task: a tile of query tokens of one sequence and one KV head.
+struct Tile {
+    /// First token and number of tokens.
+    tile: (usize, usize),
+    g: usize,
+    group: usize,
+    nh: usize,
+    kvh: usize,
+    hd: usize,
+}
+
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn attend_tile_avx2<T: KvElem>(
+    m: &PagedMeta,
+    job: &Tile,
+    q: &[f32],
+    k: &[T],
+    v: &[T],
+    kbuf: &mut [f32],
+    vbuf: &mut [f32],
+    scores: &mut [f32],
+) -> Vec<f32> {
+    attend_tile::<T, true>(m, job, q, k, v, kbuf, vbuf, scores)
+}
+
+/// Online-softmax attention of a tile's queries over their context, block
+/// by block; each cached row is converted to f32 once for the whole tile.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn attend_tile<T: KvElem, const FMA: bool>(
+    m: &PagedMeta,
+    job: &Tile,
+    q: &[f32],
+    k: &[T],
+    v: &[T],
+    kbuf: &mut [f32],
+    vbuf: &mut [f32],
+    scores: &mut [f32],
+) -> Vec<f32> {
+    let Tile {
+        tile: (t0, nt),
+        g,
+        group,
+        nh,
+        kvh,
+        hd,
+    } = *job;
+    let bs = m.block_size;
+    let seq = m.token_seq[t0] as usize;
+    let table = &m.block_tables[seq * m.max_blocks..(seq + 1) * m.max_blocks];
+    let rows = nt * group;
+    let mut acc = vec![0f32; rows * hd];
+    let mut mx = vec![f32::NEG_INFINITY; rows];
+    let mut l = vec![0f32; rows];
+    let last = (t0..t0 + nt)
+        .map(|t| m.token_pos[t] as usize)
+        .max()
+        .unwrap_or(0);
+    for (j, &b) in table.iter().enumerate().take(last / bs + 1) {
+        let loaded = bs.min(last + 1 - j * bs);
+        for o in 0..loaded {
+            let row = ((b as usize * bs + o) * kvh + g) * hd;
+            T::load(&k[row..row + hd], &mut kbuf[o * hd..(o + 1) * hd]);
+            T::load(&v[row..row + hd], &mut vbuf[o * hd..(o + 1) * hd]);
+        }
+        for ti in 0..nt {
+            let t = t0 + ti;
+            let pos = m.token_pos[t] as usize;
+            if pos < j * bs {
+                continue;
+            }
+            let n = bs.min(pos + 1 - j * bs);
+            for h in 0..group {
+                let r = ti * group + h;
+                let qh = &q[(t * nh + g * group + h) * hd..][..hd];
+                let mut best = f32::NEG_INFINITY;
+                for (i, s) in scores[..n].iter_mut().enumerate() {
+                    *s = simd::dot::<FMA>(qh, &kbuf[i * hd..(i + 1) * hd]) * m.scale;
+                    best = best.max(*s);
+                }
+                let new_max = mx[r].max(best);
+                let correction = (mx[r] - new_max).exp();
+                let ah = &mut acc[r * hd..(r + 1) * hd];
+                if correction != 1.0 {
+                    ah.iter_mut().for_each(|a| *a *= correction);
+                }
+                l[r] *= correction;
+                for s in scores[..n].iter_mut() {
+                    *s = exp_nonpositive(*s - new_max);
+                }
+                l[r] += scores[..n].iter().sum::<f32>();
+                for (i, &p) in scores[..n].iter().enumerate() {
+                    simd::axpy::<FMA>(p, &vbuf[i * hd..(i + 1) * hd], ah);
+                }
+                mx[r] = new_max;
+            }
         }
     }
-    acc.iter().sum::<f32>() + tail
+    for (r, a) in acc.chunks_mut(hd).enumerate() {
+        let inv = 1.0 / l[r];
+        a.iter_mut().for_each(|x| *x *= inv);
+    }
+    acc
+}
+
+/// `e^x` for `x <= 0` (softmax weights), within 2 ulp of `f32::exp`, in
+/// straight-line arithmetic the compiler vectorizes: `x = n·ln2 + r` with
+/// `|r| <= ln2/2`, a degree-6 polynomial for `e^r`, and `2^n` put into the
+/// exponent bits. Below -87 the result is 0.
+#[inline(always)]
+fn exp_nonpositive(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    let x = x.max(-87.0);
+    let n = (x * LOG2E).round();
+    let r = x - n * LN2_HI - n * LN2_LO;
+    let p = 1.0
+        + r * (1.0
+            + r * (0.5
+                + r * (0.166_666_67
+                    + r * (0.041_666_668 + r * (0.008_333_334 + r * 0.001_388_889)))));
+    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    p * scale
+}
+
+/// f32 dot product of two equal-length slices (AVX2/FMA when the CPU has
+/// them).
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    simd::dot_dispatch(a, b)
+}
+
+#[cfg(test)]
+#[test]
+fn fast_exp_matches_std_exp() {
+    let mut worst = 0f32;
+    for i in 0..=200_000 {
+        let x = -(i as f32) * 87.0 / 200_000.0;
+        let (a, b) = (exp_nonpositive(x), x.exp());
+        worst = worst.max((a - b).abs() / b.max(f32::MIN_POSITIVE));
+    }
+    assert!(worst < 3e-7, "relative error {worst}");
+    assert_eq!(exp_nonpositive(0.0), 1.0);
+    assert_eq!(exp_nonpositive(-1000.0), exp_nonpositive(-87.0));
 }
 
 impl CustomOp3 for PagedAttention<'_> {

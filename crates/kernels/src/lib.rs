@@ -30,6 +30,7 @@ mod copy;
 mod elem;
 mod rope;
 mod shift;
+mod simd;
 mod write;
 
 pub use attention::{dot, paged_attention, paged_attention_slow, PagedMeta};

@@ -1,0 +1,80 @@
+//! f32 vector loops, written so the compiler vectorizes them, in two
+//! builds: the baseline target, and AVX2 + FMA chosen at run time (the
+//! kernels' hot functions are compiled again under `#[target_feature]` and
+//! inline these).
+
+use std::sync::OnceLock;
+
+/// Whether this CPU has AVX2 and FMA (checked once).
+#[inline]
+pub(crate) fn has_avx2_fma() -> bool {
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    })
+}
+
+#[inline(always)]
+fn madd<const FMA: bool>(acc: f32, x: f32, y: f32) -> f32 {
+    if FMA {
+        x.mul_add(y, acc)
+    } else {
+        acc + x * y
+    }
+}
+
+/// Dot product with sixteen independent accumulators.
+#[inline(always)]
+pub(crate) fn dot<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
+    let tail: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ca.zip(cb) {
+        for i in 0..16 {
+            acc[i] = madd::<FMA>(acc[i], x[i], y[i]);
+        }
+    }
+    let mut s = [0f32; 8];
+    for i in 0..8 {
+        s[i] = acc[i] + acc[i + 8];
+    }
+    (s[0] + s[4]) + (s[1] + s[5]) + ((s[2] + s[6]) + (s[3] + s[7])) + tail
+}
+
+/// `y += a · x`.
+#[inline(always)]
+pub(crate) fn axpy<const FMA: bool>(a: f32, x: &[f32], y: &mut [f32]) {
+    for (y, &x) in y.iter_mut().zip(x) {
+        *y = madd::<FMA>(*y, a, x);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
+    dot::<true>(a, b)
+}
+
+/// [`dot`] in the best build this CPU runs.
+#[inline]
+pub(crate) fn dot_dispatch(a: &[f32], b: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2_fma() {
+        // SAFETY: the CPU supports AVX2 and FMA (checked).
+        return unsafe { dot_avx2(a, b) };
+    }
+    dot::<false>(a, b)
+}
