@@ -27,9 +27,21 @@ bench-model: model
     ./target/release/tessera bench --model models/SmolLM2-135M-Instruct.Q4_1.gguf --scenario prefill --runs 5
     ./target/release/tessera bench --model models/SmolLM2-135M-Instruct.Q4_1.gguf --scenario decode --runs 3
 
-# Packages llama.cpp needs to build (cmake, clang), installed with apt if missing.
+# The KV-cache scenarios: chat TTFT with and without reuse, shared prefix, interleaved conversations, context shift.
+bench-engine: model
+    cargo build --release -p tessera
+    for s in chat shared-prefix interleaved shift; do ./target/release/tessera bench --model models/SmolLM2-135M-Instruct.Q4_1.gguf --scenario $s --runs 3; done
+
+# Tessera beside llama.cpp and candle on the default model (same file, same threads, same run):
+# a table, target/bench/vs-llamacpp.json, two charts, then the README's results section.
+# llama.cpp and Tessera are built with the native CPU flags, in target/native.
+bench-llamacpp: model bench-deps
+    CARGO_TARGET_DIR=target/native RUSTFLAGS="-C target-cpu=native" cargo run --release --features llama-cpp --example vs_llamacpp
+    python3 scripts/readme_results.py
+
+# Packages the llama.cpp comparison needs (cmake, clang to build llama.cpp; a font for the charts), with apt if missing.
 bench-deps:
-    command -v cmake >/dev/null && command -v clang >/dev/null || (apt-get update && apt-get install -y cmake clang libclang-dev)
+    command -v cmake >/dev/null && command -v clang >/dev/null && test -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf || ($(command -v sudo || true) apt-get update && $(command -v sudo || true) apt-get install -y cmake clang libclang-dev fonts-dejavu-core)
 
 # Regenerate tests/fixtures/llamacpp_tokens.json with llama.cpp's tokenizer.
 tokenizer-fixture: model bench-deps

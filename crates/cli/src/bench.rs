@@ -4,15 +4,11 @@
 //! and the KV-cache scenarios (chat, shared-prefix, interleaved, shift),
 //! each against the same engine with the cache's help taken away.
 
-use std::time::Instant;
-
 use anyhow::{bail, Result};
-use candle_core::quantized::gguf_file;
-use candle_core::{Device, Tensor};
-use candle_transformers::models::quantized_llama::ModelWeights;
 use clap::{Args, ValueEnum};
+use tessera_bench::{decode_prompt, median, prefill_prompt, Candle, DECODE_TOKENS, PREFILL_TOKENS};
 use tessera_engine::{Engine, GenerateRequest, Prompt, SamplingParams};
-use tessera_model::{ModelFormat, Special};
+use tessera_model::ModelFormat;
 
 use crate::{load_model, KvArgs};
 
@@ -51,58 +47,6 @@ pub struct BenchArgs {
     pub(crate) kv: KvArgs,
 }
 
-const PREFILL_TOKENS: usize = 512;
-const DECODE_PROMPT: usize = 16;
-const DECODE_TOKENS: usize = 128;
-
-pub(crate) const TEXT: &str =
-    "The history of computing is a story of abstraction layered on abstraction. \
-Early machines were programmed by rewiring panels; later, stored programs let the same hardware \
-run many tasks. Compilers turned human-readable code into machine instructions, operating systems \
-shared processors between programs, and networks joined machines across continents. Each layer \
-hid the details of the one below, so that people could think about larger problems. ";
-
-fn median(mut xs: Vec<f64>) -> f64 {
-    xs.sort_by(f64::total_cmp);
-    xs[xs.len() / 2]
-}
-
-/// candle's quantized_llama, timed the same way.
-struct Candle {
-    model: ModelWeights,
-}
-
-impl Candle {
-    fn load(path: &std::path::Path) -> Result<Candle> {
-        let mut f = std::fs::File::open(path)?;
-        let ct = gguf_file::Content::read(&mut f)?;
-        Ok(Candle {
-            model: ModelWeights::from_gguf(ct, &mut f, &Device::Cpu)?,
-        })
-    }
-
-    /// Seconds to run `ids` as one prompt from position 0.
-    fn prefill(&mut self, ids: &[u32]) -> Result<f64> {
-        let t = Instant::now();
-        let x = Tensor::new(ids, &Device::Cpu)?.unsqueeze(0)?;
-        self.model.forward(&x, 0)?.to_vec2::<f32>()?;
-        Ok(t.elapsed().as_secs_f64())
-    }
-
-    /// Seconds for `n` greedy decode steps after the prompt `ids`.
-    fn decode(&mut self, ids: &[u32], n: usize) -> Result<f64> {
-        let x = Tensor::new(ids, &Device::Cpu)?.unsqueeze(0)?;
-        let mut logits = self.model.forward(&x, 0)?;
-        let t = Instant::now();
-        for i in 0..n {
-            let next = logits.squeeze(0)?.argmax(0)?.to_scalar::<u32>()?;
-            let x = Tensor::new(&[next], &Device::Cpu)?.unsqueeze(0)?;
-            logits = self.model.forward(&x, ids.len() + i)?;
-        }
-        Ok(t.elapsed().as_secs_f64())
-    }
-}
-
 pub fn bench(args: BenchArgs) -> Result<()> {
     if args.runs == 0 {
         bail!("--runs must be at least 1");
@@ -110,15 +54,8 @@ pub fn bench(args: BenchArgs) -> Result<()> {
     let model = load_model(&args.model)?;
     let path = model.path.clone();
     let is_gguf = model.format == ModelFormat::Gguf;
-    let mut text = String::new();
-    while text.len() < PREFILL_TOKENS * 8 {
-        text.push_str(TEXT);
-    }
-    let mut ids = model.tokenizer.encode(&text, Special::AsText, true)?;
-    if ids.len() < PREFILL_TOKENS {
-        bail!("benchmark text gave only {} tokens", ids.len());
-    }
-    ids.truncate(PREFILL_TOKENS);
+    let ids = prefill_prompt(&model)?;
+    let short = decode_prompt(&model)?;
     match args.scenario {
         Scenario::Prefill | Scenario::Decode => {}
         Scenario::Chat => return crate::scenarios::chat(model, &args),
@@ -150,7 +87,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
                 }
             }
             Scenario::Decode => {
-                let prompt = ids[..DECODE_PROMPT].to_vec();
+                let prompt = short.clone();
                 let req = GenerateRequest {
                     max_tokens: DECODE_TOKENS + 1,
                     sampling: SamplingParams::greedy(),
@@ -160,7 +97,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
                 let done = engine.complete(&req, &mut |_| {})?;
                 ours.push(done.timings.decode_tok_s);
                 if let Some(c) = candle.as_mut() {
-                    theirs.push(DECODE_TOKENS as f64 / c.decode(&prompt, DECODE_TOKENS)?);
+                    theirs.push(DECODE_TOKENS as f64 / c.decode(&prompt, DECODE_TOKENS)?.0);
                 }
             }
             _ => unreachable!("returned above"),

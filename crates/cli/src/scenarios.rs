@@ -10,38 +10,10 @@ use tessera_engine::{
 };
 use tessera_model::{Model, Special};
 
+use tessera_bench::{median, text, REPLY_TOKENS};
+
 use crate::bench::BenchArgs;
 use crate::load_model;
-
-const WORDS: &[&str] = &[
-    "river", "engine", "garden", "window", "theory", "market", "signal", "forest", "letter",
-    "bridge", "planet", "memory", "harbor", "circuit", "painting", "kitchen", "voyage", "mountain",
-    "library", "weather", "question", "machine", "island", "story", "winter", "language", "number",
-    "friend", "music", "station", "orbit", "village", "teacher", "problem", "pattern", "journey",
-];
-
-/// Text of about `n` tokens, different for each seed.
-fn text_of(model: &Model, seed: u64, n: usize) -> Result<String> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut text = String::new();
-    let mut sentence = 0;
-    while text.len() < n * 8 {
-        let mut words = Vec::new();
-        for _ in 0..8 {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            words.push(WORDS[(x % WORDS.len() as u64) as usize]);
-        }
-        sentence += 1;
-        text.push_str(&format!(
-            "Point {sentence}: the {} of the {} met a {} near the {}, and the {} spoke of {} {} and {}. ",
-            words[0], words[1], words[2], words[3], words[4], words[5], words[6], words[7]
-        ));
-    }
-    let ids = model.tokenizer.encode(&text, Special::AsText, false)?;
-    Ok(model.tokenizer.decode(&ids[..n.min(ids.len())])?)
-}
 
 fn greedy_turn(max_tokens: usize) -> TurnOptions {
     TurnOptions {
@@ -72,22 +44,19 @@ fn emit(args: &BenchArgs, v: serde_json::Value, lines: &[String]) {
 /// 12 turns: a ~150-token system prompt, ~150-token user turns, 32-token
 /// greedy replies. TTFT per turn with and without prefix reuse.
 pub fn chat(model: Model, args: &BenchArgs) -> Result<()> {
+    let conv = tessera_bench::chat(&model)?;
     const TURNS: usize = 12;
-    let system = text_of(&model, 1, 150)?;
-    let users: Vec<String> = (0..TURNS)
-        .map(|i| text_of(&model, 100 + i as u64, 150))
-        .collect::<Result<_>>()?;
     let (reuse, plain) = two_engines(model, args)?;
-    let mut a = reuse.chat(Some(&system));
-    let mut b = plain.chat(Some(&system));
-    let opts = greedy_turn(32);
+    let mut a = reuse.chat(Some(&conv.system));
+    let mut b = plain.chat(Some(&conv.system));
+    let opts = greedy_turn(REPLY_TOKENS);
     let mut rows = Vec::new();
     let mut lines = vec![format!(
         "chat: {TURNS} turns, system ~150 tokens, user turns ~150, replies ≤32 greedy"
     )];
     lines.push("turn  prompt  cached   TTFT reuse  TTFT no reuse   ratio".into());
     let mut same = true;
-    for (i, u) in users.iter().enumerate() {
+    for (i, u) in conv.users.iter().enumerate() {
         // Alternate the two engines turn by turn so drift hits both alike.
         let x = a.send(u, &opts, &mut |_| {})?;
         let y = b.send(u, &opts, &mut |_| {})?;
@@ -164,27 +133,12 @@ fn one(engine: &Engine, prompt: &[u32]) -> Result<f64> {
     all_at_once(engine, &[prompt.to_vec()])
 }
 
-fn median(mut xs: Vec<f64>) -> f64 {
-    xs.sort_by(f64::total_cmp);
-    xs[xs.len() / 2]
-}
-
 /// 8 requests sharing a 1,000-token prefix, each with its own 50-token
 /// suffix, submitted together: time until all 8 have their first token,
 /// against prefilling the prefix once plus the 8 suffixes one by one, and
 /// against the same 8 requests with reuse off.
 pub fn shared_prefix(model: Model, args: &BenchArgs) -> Result<()> {
-    let tok = &model.tokenizer;
-    let mut prefix = tok.encode(&text_of(&model, 7, 1000)?, Special::AsText, true)?;
-    prefix.truncate(1000);
-    let suffixes: Vec<Vec<u32>> = (0..8)
-        .map(|i| {
-            let t = text_of(&model, 50 + i, 50)?;
-            let mut ids = tok.encode(&t, Special::AsText, false)?;
-            ids.truncate(50);
-            Ok(ids)
-        })
-        .collect::<Result<_>>()?;
+    let (prefix, suffixes) = tessera_bench::shared_prefix(&model)?;
     let prompts: Vec<Vec<u32>> = suffixes
         .iter()
         .map(|s| [prefix.as_slice(), s].concat())
@@ -228,24 +182,18 @@ pub fn shared_prefix(model: Model, args: &BenchArgs) -> Result<()> {
 /// of the history (what an earlier turn computed) served from cache, and
 /// the sum of TTFT with and without reuse.
 pub fn interleaved(model: Model, args: &BenchArgs) -> Result<()> {
-    const CONVS: usize = 4;
-    const ROUNDS: usize = 6;
-    let systems: Vec<String> = (0..CONVS)
-        .map(|c| text_of(&model, 200 + c as u64, 400))
-        .collect::<Result<_>>()?;
-    let users: Vec<String> = (0..CONVS * ROUNDS)
-        .map(|i| text_of(&model, 300 + i as u64, 40))
-        .collect::<Result<_>>()?;
+    let convs = tessera_bench::interleaved(&model)?;
+    let (n, rounds) = (convs.len(), convs[0].users.len());
     let (reuse, plain) = two_engines(model, args)?;
-    let mut a: Vec<_> = systems.iter().map(|s| reuse.chat(Some(s))).collect();
-    let mut b: Vec<_> = systems.iter().map(|s| plain.chat(Some(s))).collect();
-    let opts = greedy_turn(32);
+    let mut a: Vec<_> = convs.iter().map(|c| reuse.chat(Some(&c.system))).collect();
+    let mut b: Vec<_> = convs.iter().map(|c| plain.chat(Some(&c.system))).collect();
+    let opts = greedy_turn(REPLY_TOKENS);
     let (mut prompt, mut cached, mut history) = (0usize, 0usize, 0usize);
     let mut worst: f64 = 1.0;
     let (mut ttft_a, mut ttft_b) = (0.0, 0.0);
-    for round in 0..ROUNDS {
-        for c in 0..CONVS {
-            let u = &users[round * CONVS + c];
+    for round in 0..rounds {
+        for c in 0..n {
+            let u = &convs[c].users[round];
             let before = a[c].token_ids().len();
             let x = a[c].send(u, &opts, &mut |_| {})?;
             let y = b[c].send(u, &opts, &mut |_| {})?;
@@ -262,7 +210,7 @@ pub fn interleaved(model: Model, args: &BenchArgs) -> Result<()> {
     let share = cached as f64 / prompt.max(1) as f64;
     let of_history = cached as f64 / history.max(1) as f64;
     let lines = vec![
-        format!("interleaved: {CONVS} conversations × {ROUNDS} rounds, system ~400 tokens, user ~40, replies ≤32"),
+        format!("interleaved: {n} conversations × {rounds} rounds, system ~400 tokens, user ~40, replies ≤{REPLY_TOKENS}"),
         format!("  prompt tokens served from cache from turn 2: {:.1}% (lowest turn {:.1}%)", share * 100.0, worst * 100.0),
         format!("  history (tokens earlier turns computed) served from cache: {:.1}%", of_history * 100.0),
         format!("  sum of TTFT: {ttft_a:.0} ms with reuse, {ttft_b:.0} ms without ({:.1}x)", ttft_b / ttft_a.max(1e-9)),
@@ -288,7 +236,7 @@ pub fn shift(model: Model, args: &BenchArgs) -> Result<()> {
     const PROMPT: usize = 200;
     const PROMPTS: u64 = 8;
     let texts: Vec<String> = (0..PROMPTS)
-        .map(|i| text_of(&model, 400 + i, PROMPT))
+        .map(|i| text(&model, 400 + i, PROMPT))
         .collect::<Result<_>>()?;
     let other = load_model(&model.path.display().to_string())?;
     let cfg = EngineConfig {

@@ -28,6 +28,7 @@
 mod attention;
 mod copy;
 mod elem;
+mod quant;
 mod rope;
 mod shift;
 mod simd;
@@ -35,6 +36,7 @@ mod write;
 
 pub use attention::{dot, paged_attention, paged_attention_slow, PagedMeta};
 pub use copy::{copy_blocks, copy_blocks_slow};
+pub use quant::{quantized_dots, RowFormat};
 pub use rope::{RopeStyle, Rotation};
 pub use shift::{shift_kv, shift_kv_slow};
 pub use write::{write_kv, write_kv_slow};

@@ -22,6 +22,22 @@ pub(crate) fn has_avx2_fma() -> bool {
     })
 }
 
+/// Whether this CPU converts f16 in hardware (F16C; checked once).
+#[inline]
+pub(crate) fn has_f16c() -> bool {
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            std::arch::is_x86_feature_detected!("f16c")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    })
+}
+
 #[inline(always)]
 fn madd<const FMA: bool>(acc: f32, x: f32, y: f32) -> f32 {
     if FMA {

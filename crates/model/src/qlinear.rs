@@ -6,21 +6,22 @@
 //! (Q8_1 for Q4_1 weights); on SmolLM2-135M Q4_1 that loses enough precision
 //! to change greedy answers. Here the only rounding is the weights' own.
 //!
-//! - few rows of input (decode): one pass over the weights, each row
-//!   dequantized into a small buffer and dotted with every input row;
+//! - few rows of input (decode): one pass over the weights; Q4_1 and Q8_0
+//!   rows are dotted in place (`tessera_kernels::quantized_dots`), other
+//!   formats dequantized row by row into a small buffer;
 //! - many rows (prefill): the weight is dequantized once into a dense f32
 //!   matrix and multiplied with candle's GEMM.
 
 use std::sync::Arc;
 
 use candle_core::quantized::k_quants::{
-    BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K,
-    BlockQ8K, BlockQ8_0, BlockQ8_1, GgmlType,
+    BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K,
+    BlockQ8_1, GgmlType,
 };
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{bail, DType, Tensor};
 use rayon::prelude::*;
-use tessera_kernels::dot;
+use tessera_kernels::{dot, quantized_dots, RowFormat};
 
 use crate::Result;
 
@@ -67,14 +68,14 @@ fn row_dots(w: &QTensor, x: &Tensor) -> Result<Tensor> {
     let xs = x.flatten_all()?.to_vec1::<f32>()?;
     let data = w.data()?;
     let out_t = match w.dtype() {
+        GgmlDType::Q4_1 => Ok(quantized_dots(RowFormat::Q4_1, &data, &xs, t, k, n)?),
+        GgmlDType::Q8_0 => Ok(quantized_dots(RowFormat::Q8_0, &data, &xs, t, k, n)?),
         GgmlDType::F32 => dots::<f32>(&data, &xs, t, k, n),
         GgmlDType::F16 => dots::<half::f16>(&data, &xs, t, k, n),
         GgmlDType::BF16 => dots::<half::bf16>(&data, &xs, t, k, n),
         GgmlDType::Q4_0 => dots::<BlockQ4_0>(&data, &xs, t, k, n),
-        GgmlDType::Q4_1 => dots::<BlockQ4_1>(&data, &xs, t, k, n),
         GgmlDType::Q5_0 => dots::<BlockQ5_0>(&data, &xs, t, k, n),
         GgmlDType::Q5_1 => dots::<BlockQ5_1>(&data, &xs, t, k, n),
-        GgmlDType::Q8_0 => dots::<BlockQ8_0>(&data, &xs, t, k, n),
         GgmlDType::Q8_1 => dots::<BlockQ8_1>(&data, &xs, t, k, n),
         GgmlDType::Q2K => dots::<BlockQ2K>(&data, &xs, t, k, n),
         GgmlDType::Q3K => dots::<BlockQ3K>(&data, &xs, t, k, n),
