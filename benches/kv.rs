@@ -199,20 +199,7 @@ fn bench_attention(c: &mut Criterion) {
     let (ctx, bs, nh, kvh, hd) = (2048usize, 16usize, 9usize, 3usize, 64usize);
     let blocks = ctx / bs;
     let seeded = |shape: &[usize], seed: u64, dtype: DType| {
-        let n: usize = shape.iter().product();
-        let mut s = seed | 1;
-        let v: Vec<f32> = (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-            })
-            .collect();
-        candle_core::Tensor::from_vec(v, shape, &candle_core::Device::Cpu)
-            .unwrap()
-            .to_dtype(dtype)
-            .unwrap()
+        tessera_kernels::testing::seeded(shape, seed, dtype).unwrap()
     };
     let k = seeded(&[blocks, bs, kvh, hd], 1, DType::F16);
     let v = seeded(&[blocks, bs, kvh, hd], 2, DType::F16);

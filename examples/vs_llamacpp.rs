@@ -601,6 +601,17 @@ mod charts {
 
     use super::Row;
 
+    fn short_name(r: &Row) -> &'static str {
+        match (r.scenario, r.metric) {
+            ("chat-ttft", "ttft_sum_ms") => "chat: TTFT sum",
+            ("chat-ttft", _) => "chat: TTFT turn 12",
+            ("shared-prefix", _) => "shared prefix",
+            ("interleaved", _) => "interleaved",
+            ("decode", _) => "decode",
+            _ => "prefill",
+        }
+    }
+
     const FONT: &str = "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf";
 
     fn font() -> Result<()> {
@@ -644,6 +655,8 @@ mod charts {
             .configure_mesh()
             .x_desc("turn")
             .y_desc("TTFT (ms)")
+            .x_label_formatter(&|x| format!("{x:.0}"))
+            .y_label_formatter(&|y| format!("{y:.0}"))
             .label_style(("sans-serif", 14))
             .draw()
             .map_err(|e| err(&e))?;
@@ -681,41 +694,29 @@ mod charts {
         let path = dir.join("ratios.png");
         let root = BitMapBackend::new(&path, (900, 520)).into_drawing_area();
         root.fill(&WHITE).map_err(|e| err(&e))?;
-        let names: Vec<String> = rows
-            .iter()
-            .map(|r| {
-                format!(
-                    "{} {}",
-                    r.scenario,
-                    r.metric.trim_end_matches("_ms").trim_end_matches("_tok_s")
-                )
-            })
-            .collect();
+        let names: Vec<&str> = rows.iter().map(short_name).collect();
         let top = rows.iter().map(Row::ratio).fold(1f64, f64::max) * 1.15;
+        let n = rows.len();
         let mut chart = ChartBuilder::on(&root)
             .caption(
                 "Tessera / llama.cpp (above 1: Tessera better)",
                 ("sans-serif", 24),
             )
             .margin(16)
-            .x_label_area_size(60)
+            .x_label_area_size(40)
             .y_label_area_size(60)
-            .build_cartesian_2d(0f64..rows.len() as f64, 0f64..top)
+            .build_cartesian_2d((0..n.saturating_sub(1)).into_segmented(), 0f64..top)
             .map_err(|e| err(&e))?;
         chart
             .configure_mesh()
             .disable_x_mesh()
-            .x_labels(rows.len() * 2)
-            .x_label_formatter(&|x| {
-                let i = x.floor() as usize;
-                if (x - i as f64 - 0.5).abs() < 0.01 && i < names.len() {
-                    names[i].clone()
-                } else {
-                    String::new()
-                }
+            .x_labels(n)
+            .x_label_formatter(&|v| match v {
+                SegmentValue::CenterOf(i) => names.get(*i).map_or(String::new(), |s| s.to_string()),
+                _ => String::new(),
             })
             .y_desc("ratio")
-            .label_style(("sans-serif", 13))
+            .label_style(("sans-serif", 14))
             .draw()
             .map_err(|e| err(&e))?;
         chart
@@ -725,15 +726,20 @@ mod charts {
                 } else {
                     RGBColor(30, 90, 200)
                 };
-                Rectangle::new(
-                    [(i as f64 + 0.15, 0.0), (i as f64 + 0.85, r.ratio())],
+                let mut bar = Rectangle::new(
+                    [
+                        (SegmentValue::Exact(i), 0.0),
+                        (SegmentValue::Exact(i + 1), r.ratio()),
+                    ],
                     color.filled(),
-                )
+                );
+                bar.set_margin(0, 0, 14, 14);
+                bar
             }))
             .map_err(|e| err(&e))?;
         chart
             .draw_series(std::iter::once(PathElement::new(
-                vec![(0.0, 1.0), (rows.len() as f64, 1.0)],
+                vec![(SegmentValue::Exact(0), 1.0), (SegmentValue::Exact(n), 1.0)],
                 BLACK.stroke_width(2),
             )))
             .map_err(|e| err(&e))?;
@@ -741,8 +747,8 @@ mod charts {
             .draw_series(rows.iter().enumerate().map(|(i, r)| {
                 Text::new(
                     format!("{:.2}x", r.ratio()),
-                    (i as f64 + 0.35, r.ratio() + top * 0.02),
-                    ("sans-serif", 16),
+                    (SegmentValue::CenterOf(i), r.ratio() + top * 0.04),
+                    ("sans-serif", 16).into_font().color(&BLACK),
                 )
             }))
             .map_err(|e| err(&e))?;

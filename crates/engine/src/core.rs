@@ -21,7 +21,8 @@ use std::time::Instant;
 use candle_core::{DType, Tensor};
 use tessera_kernels::{copy_blocks, shift_kv, write_kv, Rotation};
 use tessera_kv::{
-    token_ids, Admission, CopyOp, KvCache, KvConfig, Namespace, SeqId, ShiftPlan, TokenId,
+    token_ids, Admission, AppendPlan, CopyOp, KvCache, KvConfig, Namespace, SeqId, ShiftPlan,
+    TokenId,
 };
 use tessera_model::{Batch, LayerKv, Model, StreamDecoder};
 use tessera_sched::{
@@ -667,20 +668,26 @@ impl Core {
         result
     }
 
+    /// Reserves slots for `toks` on `seq` outside the scheduler (sessions,
+    /// exports): out of blocks is an error, not a wait.
+    fn append_now(&mut self, seq: SeqId, toks: &[TokenId]) -> Result<AppendPlan> {
+        let kv = self.sched.kv_mut();
+        match kv.append(seq, toks)? {
+            Admission::Ok(p) => Ok(p),
+            Admission::Later { needed, .. } | Admission::Never { needed, .. } => {
+                Err(EngineError::OutOfKvMemory {
+                    needed,
+                    total: kv.pool().num_blocks(),
+                    block_size: kv.block_size(),
+                })
+            }
+        }
+    }
+
     /// Appends and computes `toks` on `seq`, in chunks.
     fn compute_on(&mut self, seq: SeqId, toks: &[TokenId]) -> Result<()> {
         for chunk in toks.chunks(self.cfg.prefill_chunk.max(1)) {
-            let kv = self.sched.kv_mut();
-            let plan = match kv.append(seq, chunk)? {
-                Admission::Ok(p) => p,
-                Admission::Later { needed, .. } | Admission::Never { needed, .. } => {
-                    return Err(EngineError::OutOfKvMemory {
-                        needed,
-                        total: kv.pool().num_blocks(),
-                        block_size: kv.block_size(),
-                    })
-                }
-            };
+            let plan = self.append_now(seq, chunk)?;
             self.apply_copies(&plan.copies)?;
             let s = self.sched.kv().sequence(seq)?;
             let part = Part {
@@ -780,17 +787,7 @@ impl Core {
         dtype: DType,
     ) -> Result<()> {
         let toks = token_ids(&snap.tokens[cached..]);
-        let kv = self.sched.kv_mut();
-        let plan = match kv.append(seq, &toks)? {
-            Admission::Ok(p) => p,
-            Admission::Later { needed, .. } | Admission::Never { needed, .. } => {
-                return Err(EngineError::OutOfKvMemory {
-                    needed,
-                    total: kv.pool().num_blocks(),
-                    block_size: kv.block_size(),
-                })
-            }
-        };
+        let plan = self.append_now(seq, &toks)?;
         self.apply_copies(&plan.copies)?;
         let slots: Vec<u32> = plan.slots.iter().map(|s| s.0).collect();
         let dev = self.model.llama.device();

@@ -69,7 +69,7 @@ pub fn copy_blocks_slow(cache: &Tensor, pairs: &[(u32, u32)]) -> Result<Tensor> 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testutil::{max_abs_diff, seeded};
+    use crate::testing::{max_abs_diff, seeded};
     use candle_core::DType;
 
     #[test]

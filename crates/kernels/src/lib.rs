@@ -53,8 +53,8 @@ pub fn cache_geometry(cache: &Tensor) -> Result<(usize, usize, usize, usize)> {
     Ok((nb, bs, kvh, hd))
 }
 
-#[cfg(test)]
-pub(crate) mod testutil {
+/// Deterministic tensors for tests and benches.
+pub mod testing {
     use candle_core::{DType, Device, Result, Tensor};
 
     /// Seeded pseudo-random tensor (xorshift), values in [-1, 1).

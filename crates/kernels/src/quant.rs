@@ -16,7 +16,7 @@ use candle_core::{bail, Result};
 use half::f16;
 use rayon::prelude::*;
 
-use crate::simd;
+use crate::simd::{self, madd};
 
 /// Block formats with a fused dot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -39,15 +39,6 @@ const QK: usize = 32;
 #[inline(always)]
 fn scale(b: &[u8], at: usize) -> f32 {
     f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32()
-}
-
-#[inline(always)]
-fn madd<const FMA: bool>(acc: f32, x: f32, y: f32) -> f32 {
-    if FMA {
-        x.mul_add(y, acc)
-    } else {
-        acc + x * y
-    }
 }
 
 #[inline(always)]
@@ -98,25 +89,23 @@ fn row_dot<const FMA: bool>(format: RowFormat, row: &[u8], x: &[f32], xsum: &[f3
     (s[0] + s[4]) + (s[1] + s[5]) + ((s[2] + s[6]) + (s[3] + s[7])) + offset
 }
 
-/// One weight row against every input row.
+/// One weight row against every input row, with `dot(x_row, xsum_row)`.
 #[inline(always)]
-fn rows<const FMA: bool>(
-    format: RowFormat,
-    row: &[u8],
+fn each_input(
     x: &[f32],
     xsums: &[f32],
     k: usize,
     out: &mut [f32],
+    mut dot: impl FnMut(&[f32], &[f32]) -> f32,
 ) {
     let nb = k / QK;
     for (i, y) in out.iter_mut().enumerate() {
-        *y = row_dot::<FMA>(
-            format,
-            row,
-            &x[i * k..(i + 1) * k],
-            &xsums[i * nb..(i + 1) * nb],
-        );
+        *y = dot(&x[i * k..(i + 1) * k], &xsums[i * nb..(i + 1) * nb]);
     }
+}
+
+fn rows(format: RowFormat, row: &[u8], x: &[f32], xsums: &[f32], k: usize, out: &mut [f32]) {
+    each_input(x, xsums, k, out, |x, s| row_dot::<false>(format, row, x, s));
 }
 
 /// The same loops in AVX2 intrinsics: each block's 32 weights become four
@@ -201,15 +190,7 @@ mod avx2 {
         k: usize,
         out: &mut [f32],
     ) {
-        let nb = k / QK;
-        for (i, y) in out.iter_mut().enumerate() {
-            *y = row_dot(
-                format,
-                row,
-                &x[i * k..(i + 1) * k],
-                &xsums[i * nb..(i + 1) * nb],
-            );
-        }
+        super::each_input(x, xsums, k, out, |x, s| row_dot(format, row, x, s));
     }
 }
 
@@ -246,7 +227,7 @@ pub fn quantized_dots(
                 return unsafe { avx2::rows(format, row, x, &xsums, k, o) };
             }
             let _ = avx2;
-            rows::<false>(format, row, x, &xsums, k, o)
+            rows(format, row, x, &xsums, k, o)
         });
     Ok(out)
 }
@@ -301,7 +282,7 @@ mod tests {
             for r in 0..n {
                 let row = &data[r * k / QK * bb..(r + 1) * k / QK * bb];
                 let mut portable = vec![0f32; t];
-                rows::<false>(format, row, &x, &xsums, k, &mut portable);
+                rows(format, row, &x, &xsums, k, &mut portable);
                 for i in 0..t {
                     let want: f32 = (0..k).map(|c| weight(r, c) * x[i * k + c]).sum();
                     for (what, v) in [("dispatched", got[r * t + i]), ("portable", portable[i])] {

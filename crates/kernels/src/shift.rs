@@ -157,7 +157,7 @@ pub fn shift_kv_slow(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testutil::{max_abs_diff, seeded};
+    use crate::testing::{max_abs_diff, seeded};
     use crate::RopeStyle;
     use candle_core::DType;
 

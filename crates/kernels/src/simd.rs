@@ -39,7 +39,7 @@ pub(crate) fn has_f16c() -> bool {
 }
 
 #[inline(always)]
-fn madd<const FMA: bool>(acc: f32, x: f32, y: f32) -> f32 {
+pub(crate) fn madd<const FMA: bool>(acc: f32, x: f32, y: f32) -> f32 {
     if FMA {
         x.mul_add(y, acc)
     } else {

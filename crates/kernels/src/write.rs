@@ -85,7 +85,7 @@ pub fn write_kv_slow(cache: &Tensor, new: &Tensor, slots: &[u32]) -> Result<Tens
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testutil::{max_abs_diff, seeded};
+    use crate::testing::{max_abs_diff, seeded};
 
     #[test]
     fn matches_reference_for_every_cache_dtype() -> Result<()> {

@@ -44,7 +44,8 @@ use std::collections::{HashMap, VecDeque};
 use std::fmt;
 
 use tessera_kv::{
-    Admission, BlockId, CopyOp, KvCache, KvError, Namespace, SeqId, ShiftPlan, Slot, TokenId,
+    Admission, AppendPlan, BlockId, CopyOp, KvCache, KvError, Namespace, SeqId, ShiftPlan, Slot,
+    TokenId,
 };
 
 /// A request handle, assigned by [`Scheduler::add`] and [`Scheduler::fork`].
@@ -386,24 +387,40 @@ impl Scheduler {
         match self.kv.append(seq, &chunk)? {
             Admission::Ok(a) => {
                 *budget -= chunk.len();
-                if !a.copies.is_empty() {
-                    plan.ops.push(KvOp::Copy(a.copies));
-                }
-                plan.items.push(StepItem {
-                    req: id,
-                    seq,
-                    start: len,
-                    slots: a.slots,
-                    block_table: self.kv.sequence(seq)?.block_table().to_vec(),
-                    wants_logits: end == known,
-                    tokens: chunk,
-                });
+                self.place(plan, id, seq, len, chunk, a, end == known)?;
                 Ok(Placed::Yes)
             }
             Admission::Later { .. } | Admission::Never { .. } => {
                 self.preempt_newest().map(Placed::Preempted)
             }
         }
+    }
+
+    /// Adds an admitted chunk to the plan: its copies, then its item.
+    #[allow(clippy::too_many_arguments)]
+    fn place(
+        &self,
+        plan: &mut StepPlan,
+        req: ReqId,
+        seq: SeqId,
+        start: usize,
+        tokens: Vec<TokenId>,
+        admitted: AppendPlan,
+        wants_logits: bool,
+    ) -> Result<(), SchedError> {
+        if !admitted.copies.is_empty() {
+            plan.ops.push(KvOp::Copy(admitted.copies));
+        }
+        plan.items.push(StepItem {
+            req,
+            seq,
+            start,
+            slots: admitted.slots,
+            block_table: self.kv.sequence(seq)?.block_table().to_vec(),
+            wants_logits,
+            tokens,
+        });
+        Ok(())
     }
 
     /// Sends the most recently admitted running request back to the queue.
@@ -486,18 +503,8 @@ impl Scheduler {
                         admitted: self.admissions,
                     };
                     r.cached.get_or_insert(cached);
-                    if !a.copies.is_empty() {
-                        plan.ops.push(KvOp::Copy(a.copies));
-                    }
-                    plan.items.push(StepItem {
-                        req: id,
-                        seq,
-                        start: cached,
-                        slots: a.slots,
-                        block_table: self.kv.sequence(seq)?.block_table().to_vec(),
-                        wants_logits: end == r.tokens.len(),
-                        tokens: chunk,
-                    });
+                    let last = end == r.tokens.len();
+                    self.place(plan, id, seq, cached, chunk, a, last)?;
                 }
                 Admission::Later { .. } | Admission::Never { .. } => {
                     // Not now: it waits for running requests to finish. With
