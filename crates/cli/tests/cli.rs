@@ -305,3 +305,125 @@ fn bad_input_gives_clear_errors() {
 fn candle_core_dtype() -> candle_core::quantized::GgmlDType {
     candle_core::quantized::GgmlDType::F32
 }
+
+/// The JSON objects a `--json` run printed, one per line.
+fn json_lines(out: &Output) -> Vec<serde_json::Value> {
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    text(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON object per line"))
+        .collect()
+}
+
+#[test]
+fn chat_script_saves_and_a_new_process_resumes_from_cache() {
+    let m = model();
+    let dir = scratch("chat-save");
+    let session = dir.join("trip.tkv");
+    let first = dir.join("first.jsonl");
+    std::fs::write(
+        &first,
+        format!(
+            "{}\n{}\n{}\n{}\n",
+            serde_json::json!({"system": "You are a concise assistant."}),
+            serde_json::json!({"user": "Name a lake in the Alps."}),
+            serde_json::json!({"user": "And a mountain hut near it?"}),
+            serde_json::json!({"cmd": format!("/save {}", session.display())}),
+        ),
+    )
+    .unwrap();
+    let args = |script: &Path| {
+        vec![
+            "chat".to_string(),
+            "--model".into(),
+            m.clone(),
+            "--temperature".into(),
+            "0".into(),
+            "--max-tokens".into(),
+            "16".into(),
+            "--json".into(),
+            "--script".into(),
+            script.display().to_string(),
+        ]
+    };
+    let a: Vec<String> = args(&first);
+    let a: Vec<&str> = a.iter().map(String::as_str).collect();
+    let turns = json_lines(&tessera(&a, None));
+    assert_eq!(turns.len(), 2);
+    for key in [
+        "turn",
+        "text",
+        "prompt_tokens",
+        "cached_tokens",
+        "new_tokens",
+        "completion_tokens",
+        "ttft_ms",
+        "prefill_tok_s",
+        "decode_tok_s",
+    ] {
+        assert!(turns[1].get(key).is_some(), "missing {key}: {}", turns[1]);
+    }
+    assert!(turns[1]["cached_tokens"].as_u64().unwrap() > 0);
+    assert!(session.exists());
+
+    let second = dir.join("second.jsonl");
+    std::fs::write(
+        &second,
+        format!(
+            "{}\n{}\n",
+            serde_json::json!({"cmd": format!("/load {}", session.display())}),
+            serde_json::json!({"user": "How long is the walk?"}),
+        ),
+    )
+    .unwrap();
+    let b: Vec<String> = args(&second);
+    let b: Vec<&str> = b.iter().map(String::as_str).collect();
+    let resumed = json_lines(&tessera(&b, None));
+    let t = &resumed[0];
+    let (prompt, cached) = (
+        t["prompt_tokens"].as_u64().unwrap(),
+        t["cached_tokens"].as_u64().unwrap(),
+    );
+    assert!(
+        cached * 10 >= prompt * 7,
+        "the loaded history is served from cache: {cached} of {prompt}"
+    );
+
+    // A damaged file is refused with the reason (a script stops there;
+    // interactively the conversation goes on).
+    std::fs::write(&session, b"TSRKV\0\0\0garbage").unwrap();
+    let out = tessera(&b, None);
+    fails_with(&out, "truncated");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn run_n_prints_independent_samples() {
+    let m = model();
+    let out = tessera(
+        &[
+            "run",
+            "--model",
+            &m,
+            "--prompt",
+            "Write one sentence about the sea.",
+            "--chat",
+            "--n",
+            "3",
+            "--max-tokens",
+            "12",
+            "--json",
+        ],
+        None,
+    );
+    let samples = json_lines(&out);
+    assert_eq!(samples.len(), 3);
+    let indices: Vec<u64> = samples
+        .iter()
+        .map(|s| s["index"].as_u64().unwrap())
+        .collect();
+    assert_eq!(indices, vec![0, 1, 2]);
+    assert!(samples
+        .iter()
+        .all(|s| s["usage"]["prompt_tokens"] == samples[0]["usage"]["prompt_tokens"]));
+}
