@@ -69,6 +69,9 @@ pub struct EngineConfig {
     /// Defragment automatically when idle and more than this share of the
     /// pool's span is holes.
     pub defrag_threshold: f64,
+    /// Compute threads (default: all cores). The pool is process-wide: the
+    /// first engine (or `RAYON_NUM_THREADS`) sets it.
+    pub threads: Option<usize>,
 }
 
 impl Default for EngineConfig {
@@ -83,6 +86,7 @@ impl Default for EngineConfig {
             max_running: 16,
             cache_dir: None,
             defrag_threshold: 0.25,
+            threads: None,
         }
     }
 }
@@ -269,6 +273,12 @@ impl Engine {
     /// Sizes the pool from `cfg.kv_memory`, starts the worker, and restores
     /// the prefix cache from `cfg.cache_dir` when it holds one.
     pub fn from_model(model: Model, cfg: EngineConfig) -> Result<Engine> {
+        if let Some(n) = cfg.threads {
+            // Fails only when the pool already exists: the first one stays.
+            let _ = rayon::ThreadPoolBuilder::new()
+                .num_threads(n.max(1))
+                .build_global();
+        }
         let mc = model.config();
         let per_block = cfg.block_size * mc.kv_bytes_per_token(cfg.cache_dtype.bytes());
         let ctx = cfg.context_length.unwrap_or(mc.context_length);
