@@ -37,6 +37,7 @@ use tessera_model::Special;
 const PREFILL_RUNS: usize = 5;
 const DECODE_RUNS: usize = 3;
 const SHARED_RUNS: usize = 3;
+const CHAT_RUNS: usize = 3;
 /// Tokens per llama.cpp decode call (and its context's batch size).
 const LLAMA_BATCH: usize = 512;
 
@@ -390,21 +391,35 @@ fn main() -> Result<()> {
     }
 
     if enabled("chat-ttft") {
-        println!("chat-ttft: 12 turns");
-        let mut a = reuse.chat(Some(&chat.system));
-        let mut b = plain.chat(Some(&chat.system));
-        llama.clear();
+        println!("chat-ttft: 12 turns, median of {CHAT_RUNS} runs per turn");
+        let turns = chat.users.len();
+        let (mut tr, mut tp, mut tl) = (
+            vec![Vec::new(); turns],
+            vec![Vec::new(); turns],
+            vec![Vec::new(); turns],
+        );
         let mut same_first = 0;
-        for u in &chat.users {
-            let x = a.send(u, &opts, &mut |_| {})?;
-            let y = b.send(u, &opts, &mut |_| {})?;
-            let (first, s) = llama.prompt(&x.prompt_tokens)?;
-            llama.reply(first, REPLY_TOKENS, true)?;
-            same_first += usize::from(x.tokens.first() == Some(&first));
-            ttft_reuse.push(x.timings.ttft_ms);
-            ttft_plain.push(y.timings.ttft_ms);
-            ttft_llama.push(s * 1e3);
+        for run in 0..CHAT_RUNS {
+            reuse.clear_cache()?;
+            llama.clear();
+            let mut a = reuse.chat(Some(&chat.system));
+            let mut b = plain.chat(Some(&chat.system));
+            for (i, u) in chat.users.iter().enumerate() {
+                let x = a.send(u, &opts, &mut |_| {})?;
+                let y = b.send(u, &opts, &mut |_| {})?;
+                let (first, s) = llama.prompt(&x.prompt_tokens)?;
+                llama.reply(first, REPLY_TOKENS, true)?;
+                if run == 0 {
+                    same_first += usize::from(x.tokens.first() == Some(&first));
+                }
+                tr[i].push(x.timings.ttft_ms);
+                tp[i].push(y.timings.ttft_ms);
+                tl[i].push(s * 1e3);
+            }
         }
+        ttft_reuse = tr.into_iter().map(median).collect();
+        ttft_plain = tp.into_iter().map(median).collect();
+        ttft_llama = tl.into_iter().map(median).collect();
         agree.add(
             "chat: first greedy token of each turn",
             same_first,

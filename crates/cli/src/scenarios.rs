@@ -46,37 +46,51 @@ fn emit(args: &BenchArgs, v: serde_json::Value, lines: &[String]) {
 pub fn chat(model: Model, args: &BenchArgs) -> Result<()> {
     let conv = tessera_bench::chat(&model)?;
     const TURNS: usize = 12;
+    let runs = args.runs.max(1);
     let (reuse, plain) = two_engines(model, args)?;
-    let mut a = reuse.chat(Some(&conv.system));
-    let mut b = plain.chat(Some(&conv.system));
     let opts = greedy_turn(REPLY_TOKENS);
+    // ttft[turn] over the runs, for each engine; each run is a new
+    // conversation on an emptied cache.
+    let (mut ta, mut tb) = (vec![Vec::new(); TURNS], vec![Vec::new(); TURNS]);
+    let mut usage = Vec::new();
+    let mut same = true;
+    for _ in 0..runs {
+        reuse.clear_cache()?;
+        let mut a = reuse.chat(Some(&conv.system));
+        let mut b = plain.chat(Some(&conv.system));
+        usage.clear();
+        for (i, u) in conv.users.iter().enumerate() {
+            // Alternate the two engines turn by turn so drift hits both alike.
+            let x = a.send(u, &opts, &mut |_| {})?;
+            let y = b.send(u, &opts, &mut |_| {})?;
+            same &= x.tokens == y.tokens;
+            ta[i].push(x.timings.ttft_ms);
+            tb[i].push(y.timings.ttft_ms);
+            usage.push(x.usage);
+        }
+    }
     let mut rows = Vec::new();
     let mut lines = vec![format!(
-        "chat: {TURNS} turns, system ~150 tokens, user turns ~150, replies ≤32 greedy"
+        "chat: {TURNS} turns, system ~150 tokens, user turns ~150, replies ≤32 greedy; median of {runs} runs per turn"
     )];
     lines.push("turn  prompt  cached   TTFT reuse  TTFT no reuse   ratio".into());
-    let mut same = true;
-    for (i, u) in conv.users.iter().enumerate() {
-        // Alternate the two engines turn by turn so drift hits both alike.
-        let x = a.send(u, &opts, &mut |_| {})?;
-        let y = b.send(u, &opts, &mut |_| {})?;
-        same &= x.tokens == y.tokens;
-        let ratio = y.timings.ttft_ms / x.timings.ttft_ms.max(1e-9);
+    for i in 0..TURNS {
+        let (x, y) = (median(ta[i].clone()), median(tb[i].clone()));
         lines.push(format!(
             "{:>4}  {:>6}  {:>6}  {:>8.1} ms  {:>10.1} ms  {:>6.1}x",
             i + 1,
-            x.usage.prompt_tokens,
-            x.usage.cached_tokens,
-            x.timings.ttft_ms,
-            y.timings.ttft_ms,
-            ratio
+            usage[i].prompt_tokens,
+            usage[i].cached_tokens,
+            x,
+            y,
+            y / x.max(1e-9)
         ));
         rows.push(serde_json::json!({
             "turn": i + 1,
-            "prompt_tokens": x.usage.prompt_tokens,
-            "cached_tokens": x.usage.cached_tokens,
-            "ttft_ms_reuse": x.timings.ttft_ms,
-            "ttft_ms_no_reuse": y.timings.ttft_ms,
+            "prompt_tokens": usage[i].prompt_tokens,
+            "cached_tokens": usage[i].cached_tokens,
+            "ttft_ms_reuse": x,
+            "ttft_ms_no_reuse": y,
         }));
     }
     let last = |k: &str| rows.last().map_or(0.0, |r| r[k].as_f64().unwrap_or(0.0));
@@ -101,6 +115,7 @@ pub fn chat(model: Model, args: &BenchArgs) -> Result<()> {
         "sum_ttft_ms_reuse": sum("ttft_ms_reuse"),
         "sum_ttft_ms_no_reuse": sum("ttft_ms_no_reuse"),
         "same_replies": same,
+        "runs": runs,
     });
     emit(args, v, &lines);
     Ok(())
