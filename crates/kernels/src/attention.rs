@@ -124,26 +124,30 @@ struct Tile {
     hd: usize,
 }
 
-#[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn attend_tile_avx2<T: KvElem>(
-    m: &PagedMeta,
-    job: &Tile,
-    q: &[f32],
-    k: &[T],
-    v: &[T],
-    kbuf: &mut [f32],
-    vbuf: &mut [f32],
-    scores: &mut [f32],
-) -> Vec<f32> {
-    attend_tile::<T, true>(m, job, q, k, v, kbuf, vbuf, scores)
+/// How one path of the attention treats a loaded block: what it prepares
+/// from the block's keys, and how one query row attends to the block's
+/// first `n` positions (updating the row's output, running max and sum).
+trait BlockKernel {
+    fn prepare(&mut self, loaded: usize, kbuf: &[f32]);
+    #[allow(clippy::too_many_arguments)]
+    fn row(
+        &mut self,
+        qh: &[f32],
+        n: usize,
+        kbuf: &[f32],
+        vbuf: &[f32],
+        acc: &mut [f32],
+        mx: &mut f32,
+        l: &mut f32,
+    );
 }
 
 /// Online-softmax attention of a tile's queries over their context, block
-/// by block; each cached row is converted to f32 once for the whole tile.
+/// by block; each cached row is converted to f32 once for the whole tile,
+/// and `kernel` does the per-block arithmetic.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn attend_tile<T: KvElem, const FMA: bool>(
+fn walk_tile<T: KvElem, K: BlockKernel>(
     m: &PagedMeta,
     job: &Tile,
     q: &[f32],
@@ -151,7 +155,7 @@ fn attend_tile<T: KvElem, const FMA: bool>(
     v: &[T],
     kbuf: &mut [f32],
     vbuf: &mut [f32],
-    scores: &mut [f32],
+    kernel: &mut K,
 ) -> Vec<f32> {
     let Tile {
         tile: (t0, nt),
@@ -179,6 +183,7 @@ fn attend_tile<T: KvElem, const FMA: bool>(
             T::load(&k[row..row + hd], &mut kbuf[o * hd..(o + 1) * hd]);
             T::load(&v[row..row + hd], &mut vbuf[o * hd..(o + 1) * hd]);
         }
+        kernel.prepare(loaded, kbuf);
         for ti in 0..nt {
             let t = t0 + ti;
             let pos = m.token_pos[t] as usize;
@@ -189,26 +194,8 @@ fn attend_tile<T: KvElem, const FMA: bool>(
             for h in 0..group {
                 let r = ti * group + h;
                 let qh = &q[(t * nh + g * group + h) * hd..][..hd];
-                let mut best = f32::NEG_INFINITY;
-                for (i, s) in scores[..n].iter_mut().enumerate() {
-                    *s = simd::dot::<FMA>(qh, &kbuf[i * hd..(i + 1) * hd]) * m.scale;
-                    best = best.max(*s);
-                }
-                let new_max = mx[r].max(best);
-                let correction = (mx[r] - new_max).exp();
-                let ah = &mut acc[r * hd..(r + 1) * hd];
-                if correction != 1.0 {
-                    ah.iter_mut().for_each(|a| *a *= correction);
-                }
-                l[r] *= correction;
-                for s in scores[..n].iter_mut() {
-                    *s = exp_nonpositive(*s - new_max);
-                }
-                l[r] += scores[..n].iter().sum::<f32>();
-                for (i, &p) in scores[..n].iter().enumerate() {
-                    simd::axpy::<FMA>(p, &vbuf[i * hd..(i + 1) * hd], ah);
-                }
-                mx[r] = new_max;
+                let out = &mut acc[r * hd..(r + 1) * hd];
+                kernel.row(qh, n, kbuf, vbuf, out, &mut mx[r], &mut l[r]);
             }
         }
     }
@@ -219,10 +206,167 @@ fn attend_tile<T: KvElem, const FMA: bool>(
     acc
 }
 
+/// Any block size and head dimension: one dot per key, one axpy per value.
+struct AnyGeometry<'a, const FMA: bool> {
+    scores: &'a mut [f32],
+    scale: f32,
+}
+
+impl<const FMA: bool> BlockKernel for AnyGeometry<'_, FMA> {
+    #[inline(always)]
+    fn prepare(&mut self, _loaded: usize, _kbuf: &[f32]) {}
+
+    #[inline(always)]
+    fn row(
+        &mut self,
+        qh: &[f32],
+        n: usize,
+        kbuf: &[f32],
+        vbuf: &[f32],
+        acc: &mut [f32],
+        mx: &mut f32,
+        l: &mut f32,
+    ) {
+        let hd = qh.len();
+        let scores = &mut self.scores[..n];
+        let mut best = f32::NEG_INFINITY;
+        for (i, s) in scores.iter_mut().enumerate() {
+            *s = simd::dot::<FMA>(qh, &kbuf[i * hd..(i + 1) * hd]) * self.scale;
+            best = best.max(*s);
+        }
+        let new_max = mx.max(best);
+        let correction = (*mx - new_max).exp();
+        if correction != 1.0 {
+            acc.iter_mut().for_each(|a| *a *= correction);
+        }
+        *l *= correction;
+        for s in scores.iter_mut() {
+            *s = exp_nonpositive(*s - new_max);
+        }
+        *l += scores.iter().sum::<f32>();
+        for (i, &p) in scores.iter().enumerate() {
+            simd::axpy::<FMA>(p, &vbuf[i * hd..(i + 1) * hd], acc);
+        }
+        *mx = new_max;
+    }
+}
+
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn attend_tile_avx2<T: KvElem>(
+    m: &PagedMeta,
+    job: &Tile,
+    q: &[f32],
+    k: &[T],
+    v: &[T],
+    kbuf: &mut [f32],
+    vbuf: &mut [f32],
+    scores: &mut [f32],
+) -> Vec<f32> {
+    attend_tile::<T, true>(m, job, q, k, v, kbuf, vbuf, scores)
+}
+
+/// [`walk_tile`] with [`AnyGeometry`].
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn attend_tile<T: KvElem, const FMA: bool>(
+    m: &PagedMeta,
+    job: &Tile,
+    q: &[f32],
+    k: &[T],
+    v: &[T],
+    kbuf: &mut [f32],
+    vbuf: &mut [f32],
+    scores: &mut [f32],
+) -> Vec<f32> {
+    let mut kernel = AnyGeometry::<FMA> {
+        scores,
+        scale: m.scale,
+    };
+    walk_tile(m, job, q, k, v, kbuf, vbuf, &mut kernel)
+}
+
 /// Block size and head dimension of the register-blocked path (the
 /// defaults: 16-token blocks, 64-dim heads as in SmolLM2 and Llama 3.2 1B).
 const FIXED_BS: usize = 16;
 const FIXED_HD: usize = 64;
+
+/// 16-token blocks and 64-dim heads, in fixed-size arrays the compiler
+/// keeps in vector registers: the block's keys are transposed once per tile
+/// so that one query's 16 scores accumulate together over the head
+/// dimension (no horizontal sums), and a row's output accumulates over the
+/// block's 16 values before it is stored.
+struct Fixed<const FMA: bool> {
+    /// Transposed keys of the block: `kt[d][i]`.
+    kt: [[f32; FIXED_BS]; FIXED_HD],
+    scale: f32,
+}
+
+impl<const FMA: bool> BlockKernel for Fixed<FMA> {
+    #[inline(always)]
+    fn prepare(&mut self, loaded: usize, kbuf: &[f32]) {
+        for (d, col) in self.kt.iter_mut().enumerate() {
+            for (i, c) in col.iter_mut().enumerate() {
+                *c = if i < loaded {
+                    kbuf[i * FIXED_HD + d]
+                } else {
+                    0.0
+                };
+            }
+        }
+    }
+
+    #[inline(always)]
+    fn row(
+        &mut self,
+        qh: &[f32],
+        n: usize,
+        _kbuf: &[f32],
+        vbuf: &[f32],
+        acc: &mut [f32],
+        mx: &mut f32,
+        l: &mut f32,
+    ) {
+        const BS: usize = FIXED_BS;
+        const HD: usize = FIXED_HD;
+        let qh: &[f32; HD] = qh.try_into().expect("HD values");
+        let mut sc = [0f32; BS];
+        for (d, col) in self.kt.iter().enumerate() {
+            let qd = qh[d];
+            for i in 0..BS {
+                sc[i] = simd::madd::<FMA>(sc[i], qd, col[i]);
+            }
+        }
+        let mut best = f32::NEG_INFINITY;
+        for (i, x) in sc.iter_mut().enumerate() {
+            *x = if i < n {
+                *x * self.scale
+            } else {
+                f32::NEG_INFINITY
+            };
+            best = best.max(*x);
+        }
+        let new_max = mx.max(best);
+        let correction = (*mx - new_max).exp();
+        for x in sc.iter_mut() {
+            *x = exp_nonpositive(*x - new_max);
+        }
+        *l = *l * correction + sc.iter().sum::<f32>();
+        let out: &mut [f32; HD] = acc.try_into().expect("HD values");
+        let mut o = [0f32; HD];
+        for d in 0..HD {
+            o[d] = out[d] * correction;
+        }
+        for (i, &p) in sc.iter().enumerate().take(n) {
+            let vi: &[f32; HD] = vbuf[i * HD..(i + 1) * HD].try_into().expect("HD values");
+            for d in 0..HD {
+                o[d] = simd::madd::<FMA>(o[d], p, vi[d]);
+            }
+        }
+        *out = o;
+        *mx = new_max;
+    }
+}
 
 #[target_feature(enable = "avx2,fma")]
 unsafe fn attend_fixed_avx2<T: KvElem>(
@@ -237,11 +381,7 @@ unsafe fn attend_fixed_avx2<T: KvElem>(
     attend_fixed::<T, true>(m, job, q, k, v, kbuf, vbuf)
 }
 
-/// [`attend_tile`] for 16-token blocks and 64-dim heads, in fixed-size
-/// arrays the compiler keeps in vector registers: the block's keys are
-/// transposed once per tile so that one query's 16 scores accumulate
-/// together over the head dimension (no horizontal sums), and a row's
-/// output accumulates over the block's 16 values before it is stored.
+/// [`walk_tile`] with [`Fixed`].
 #[inline(always)]
 fn attend_fixed<T: KvElem, const FMA: bool>(
     m: &PagedMeta,
@@ -252,97 +392,11 @@ fn attend_fixed<T: KvElem, const FMA: bool>(
     kbuf: &mut [f32],
     vbuf: &mut [f32],
 ) -> Vec<f32> {
-    const BS: usize = FIXED_BS;
-    const HD: usize = FIXED_HD;
-    let Tile {
-        tile: (t0, nt),
-        g,
-        group,
-        nh,
-        kvh,
-        ..
-    } = *job;
-    let seq = m.token_seq[t0] as usize;
-    let table = &m.block_tables[seq * m.max_blocks..(seq + 1) * m.max_blocks];
-    let rows = nt * group;
-    let mut acc = vec![0f32; rows * HD];
-    let mut mx = vec![f32::NEG_INFINITY; rows];
-    let mut l = vec![0f32; rows];
-    // Transposed keys of the block: kt[d][i].
-    let mut kt = [[0f32; BS]; HD];
-    let last = (t0..t0 + nt)
-        .map(|t| m.token_pos[t] as usize)
-        .max()
-        .unwrap_or(0);
-    for (j, &b) in table.iter().enumerate().take(last / BS + 1) {
-        let loaded = BS.min(last + 1 - j * BS);
-        for o in 0..loaded {
-            let row = ((b as usize * BS + o) * kvh + g) * HD;
-            T::load(&k[row..row + HD], &mut kbuf[o * HD..(o + 1) * HD]);
-            T::load(&v[row..row + HD], &mut vbuf[o * HD..(o + 1) * HD]);
-        }
-        for (d, col) in kt.iter_mut().enumerate() {
-            for (i, c) in col.iter_mut().enumerate() {
-                *c = if i < loaded { kbuf[i * HD + d] } else { 0.0 };
-            }
-        }
-        for ti in 0..nt {
-            let t = t0 + ti;
-            let pos = m.token_pos[t] as usize;
-            if pos < j * BS {
-                continue;
-            }
-            let n = BS.min(pos + 1 - j * BS);
-            for h in 0..group {
-                let r = ti * group + h;
-                let qh: &[f32; HD] = q[(t * nh + g * group + h) * HD..][..HD]
-                    .try_into()
-                    .expect("HD values");
-                let mut sc = [0f32; BS];
-                for (d, col) in kt.iter().enumerate() {
-                    let qd = qh[d];
-                    for i in 0..BS {
-                        sc[i] = simd::madd::<FMA>(sc[i], qd, col[i]);
-                    }
-                }
-                let mut best = f32::NEG_INFINITY;
-                for (i, x) in sc.iter_mut().enumerate() {
-                    *x = if i < n {
-                        *x * m.scale
-                    } else {
-                        f32::NEG_INFINITY
-                    };
-                    best = best.max(*x);
-                }
-                let new_max = mx[r].max(best);
-                let correction = (mx[r] - new_max).exp();
-                for x in sc.iter_mut() {
-                    *x = exp_nonpositive(*x - new_max);
-                }
-                l[r] = l[r] * correction + sc.iter().sum::<f32>();
-                let out: &mut [f32; HD] = (&mut acc[r * HD..(r + 1) * HD])
-                    .try_into()
-                    .expect("HD values");
-                let mut o = [0f32; HD];
-                for d in 0..HD {
-                    o[d] = out[d] * correction;
-                }
-                for (i, &p) in sc.iter().enumerate().take(n) {
-                    let vi: &[f32; HD] = vbuf[i * HD..(i + 1) * HD].try_into().expect("HD values");
-                    for d in 0..HD {
-                        o[d] = simd::madd::<FMA>(o[d], p, vi[d]);
-                    }
-                }
-                *out = o;
-                mx[r] = new_max;
-            }
-        }
-    }
-    for (r, a) in acc.chunks_mut(HD).enumerate() {
-        let inv = 1.0 / l[r];
-        a.iter_mut().for_each(|x| *x *= inv);
-    }
-    acc
+    let mut kernel = Fixed::<FMA> {
+        kt: [[0f32; FIXED_BS]; FIXED_HD],
+        scale: m.scale,
+    };
+    walk_tile(m, job, q, k, v, kbuf, vbuf, &mut kernel)
 }
 
 /// `e^x` for `x <= 0` (softmax weights), within 2 ulp of `f32::exp`, in
