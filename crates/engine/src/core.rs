@@ -457,7 +457,9 @@ impl Core {
         let model = self.model.clone();
         let tok = &model.tokenizer;
         let a = self.active.get_mut(&id).expect("active");
-        let req = a.group.req.clone();
+        // The request is shared with the other samples: no per-token copy.
+        let group = a.group.clone();
+        let req = &group.req;
         if a.out.len() >= req.max_tokens {
             self.finish(id, FinishReason::Length);
             return Ok(());

@@ -67,12 +67,11 @@ impl Geometry {
         }
     }
 
-    fn row_bytes(&self) -> usize {
-        let size = match self.cache_dtype.as_str() {
-            "f32" => 4,
-            _ => 2,
-        };
-        self.n_kv_heads * self.head_dim * size
+    /// Bytes of one token's K (or V) in one layer; `None` for a dtype this
+    /// build does not know.
+    fn row_bytes(&self) -> Option<usize> {
+        let dtype = CacheDType::parse(&self.cache_dtype)?;
+        Some(self.n_kv_heads * self.head_dim * dtype.bytes())
     }
 }
 
@@ -163,7 +162,15 @@ pub fn read_file(
     }
     let header: Header = serde_json::from_slice(&data[fixed..fixed + hlen])
         .map_err(|e| bad(path, format!("corrupted header: {e}")))?;
-    let row = header.geometry.row_bytes();
+    let row = header.geometry.row_bytes().ok_or_else(|| {
+        bad(
+            path,
+            format!(
+                "corrupted header: unknown cache dtype {:?}",
+                header.geometry.cache_dtype
+            ),
+        )
+    })?;
     let per_token = 4 + 2 * header.geometry.n_layers * row;
     let body: usize = header.entries.iter().map(|&n| n * per_token).sum();
     let expected = fixed + hlen + body + 4;
