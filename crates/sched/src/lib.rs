@@ -39,6 +39,16 @@
 //! - **Context limit.** A request that would pass the context length is
 //!   shifted (keep `n_keep` tokens, drop half the rest, [`KvOp::Shift`]) or
 //!   ended with [`EndReason::ContextFull`].
+//! - **Never fits.** A request that no longer fits the pool even alone (the
+//!   pool was shrunk under it) is ended with [`EndReason::OutOfKvMemory`],
+//!   never left waiting. A request that fits alone but not beside the cache
+//!   evicts just the cached blocks it needs, least recently used first.
+//! - **Failed steps.** [`Scheduler::abort_step`] undoes a step whose forward
+//!   pass failed: the sequences of its items are freed without entering the
+//!   prefix tree (their new slots were never written), and their requests
+//!   either fail (alone in the step: the fault was theirs) or are retried
+//!   one per step from what the cache holds, so that a request that breaks
+//!   every step it is in fails alone and the others go on.
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
@@ -146,6 +156,20 @@ pub struct StepItem {
 pub enum EndReason {
     /// The sequence holds the whole context and shifting is off.
     ContextFull,
+    /// The request needs more blocks than the whole pool has (it was shrunk
+    /// after the request was added).
+    OutOfKvMemory { needed: usize, total: usize },
+}
+
+/// What [`Scheduler::abort_step`] did with the requests of a failed step.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Aborted {
+    /// Alone in the failed step: the engine fails them (and then calls
+    /// [`Scheduler::finish`]).
+    pub failed: Vec<ReqId>,
+    /// Sent back to the front of the queue, to run alone until they have
+    /// computed what the failed step held.
+    pub retried: Vec<ReqId>,
 }
 
 /// What one step runs.
@@ -182,6 +206,14 @@ struct Request {
     shift_keep: Option<usize>,
     /// Prompt tokens served from the cache at first admission.
     cached: Option<usize>,
+    /// Blocks it holds at most (prompt and new tokens, within the context).
+    most_blocks: usize,
+    /// After a failed step shared with others: it runs alone until its
+    /// sequence holds this many computed tokens.
+    solo_until: Option<usize>,
+    /// Ran out of blocks while running alone: its own cached path pinned
+    /// what it needed. The second time, it starts over on an empty cache.
+    starved: bool,
     state: State,
 }
 
@@ -277,7 +309,7 @@ impl Scheduler {
                 context: ctx,
             });
         }
-        let most = (r.prompt.len() + r.max_new_tokens).min(ctx);
+        let most = r.prompt.len().saturating_add(r.max_new_tokens).min(ctx);
         let needed = self.kv.blocks_for(most);
         let total = self.kv.pool().num_blocks();
         if needed > total {
@@ -295,6 +327,9 @@ impl Scheduler {
                 tokens: r.prompt,
                 shift_keep: r.shift_keep,
                 cached: None,
+                most_blocks: needed,
+                solo_until: None,
+                starved: false,
                 state: State::Waiting { since: self.step },
             },
         );
@@ -314,6 +349,10 @@ impl Scheduler {
         self.stats.steps += 1;
         let mut plan = StepPlan::default();
         let mut budget = self.cfg.max_batch_tokens.max(1);
+        if let Some(id) = self.solo_candidate() {
+            self.schedule_solo(id, &mut budget, &mut plan)?;
+            return Ok(plan);
+        }
         let mut i = 0;
         while i < self.running.len() && budget > 0 && plan.items.len() < self.cfg.max_running {
             let id = self.running[i];
@@ -333,9 +372,49 @@ impl Scheduler {
             self.running.retain(|r| r != id);
         }
         if plan.preempted.is_empty() {
-            self.admit(&mut budget, &mut plan)?;
+            let order = self.admission_order();
+            self.admit(order, &mut budget, &mut plan)?;
         }
         Ok(plan)
+    }
+
+    /// A request that must run alone: a running one first, else the first
+    /// waiting one.
+    fn solo_candidate(&self) -> Option<ReqId> {
+        let solo = |r: &&ReqId| self.reqs[*r].solo_until.is_some();
+        self.running
+            .iter()
+            .find(solo)
+            .or_else(|| self.waiting.iter().find(solo))
+            .copied()
+    }
+
+    /// A step of `id` alone. Running requests that hold the blocks it needs
+    /// are preempted, newest first.
+    fn schedule_solo(
+        &mut self,
+        id: ReqId,
+        budget: &mut usize,
+        plan: &mut StepPlan,
+    ) -> Result<(), SchedError> {
+        if self.running.contains(&id) {
+            if let Placed::Preempted(victim) = self.schedule_running(id, budget, plan)? {
+                plan.preempted.push(victim);
+            }
+            for (ended, _) in &plan.ended {
+                self.running.retain(|r| r != ended);
+            }
+            return Ok(());
+        }
+        loop {
+            self.admit(vec![id], budget, plan)?;
+            let placed = !plan.items.is_empty() || !plan.ended.is_empty();
+            if placed || self.running.is_empty() {
+                return Ok(());
+            }
+            let victim = self.preempt_newest()?;
+            plan.preempted.push(victim);
+        }
     }
 
     /// Schedules one running request's next tokens.
@@ -375,7 +454,12 @@ impl Scheduler {
                     });
                     len -= n_discard;
                 }
-                Admission::Later { .. } | Admission::Never { .. } => {
+                Admission::Never { needed, total } => {
+                    plan.ended
+                        .push((id, EndReason::OutOfKvMemory { needed, total }));
+                    return Ok(Placed::Ended);
+                }
+                Admission::Later { .. } => {
                     return self.preempt_newest().map(Placed::Preempted);
                 }
             }
@@ -390,9 +474,12 @@ impl Scheduler {
                 self.place(plan, id, seq, len, chunk, a, end == known)?;
                 Ok(Placed::Yes)
             }
-            Admission::Later { .. } | Admission::Never { .. } => {
-                self.preempt_newest().map(Placed::Preempted)
+            Admission::Never { needed, total } => {
+                plan.ended
+                    .push((id, EndReason::OutOfKvMemory { needed, total }));
+                Ok(Placed::Ended)
             }
+            Admission::Later { .. } => self.preempt_newest().map(Placed::Preempted),
         }
     }
 
@@ -434,18 +521,23 @@ impl Scheduler {
             })
             .expect("a running request asked for room");
         self.running.retain(|&r| r != victim);
-        if self.running.is_empty() {
-            // Alone and still out of room: what pins the missing blocks is
-            // cached content its own path locks (partial blocks of shared
-            // ancestors). Start it over on an empty cache, where it fits.
+        let alone = self.running.is_empty();
+        if alone && self.reqs[&victim].starved {
+            // Alone and out of room again: what pins the missing blocks is
+            // cached content on its own path (partial blocks of shared
+            // ancestors, which its cached tokens keep alive). Start it over
+            // on an empty cache, where it fits.
             if let State::Running { seq, .. } = self.reqs[&victim].state {
                 self.kv.free_sequence(seq)?;
             }
             self.kv.clear_cache()?;
         } else {
+            // Its work stays cached; readmission evicts what it needs, least
+            // recently used first.
             self.release(victim)?;
         }
         let r = self.reqs.get_mut(&victim).expect("known");
+        r.starved |= alone;
         r.state = State::Waiting { since: self.step };
         self.waiting.push_front(victim);
         self.stats.preemptions += 1;
@@ -465,13 +557,15 @@ impl Scheduler {
 
     /// Admits waiting requests in cache-aware order while budget and blocks
     /// allow.
-    fn admit(&mut self, budget: &mut usize, plan: &mut StepPlan) -> Result<(), SchedError> {
-        if self.waiting.is_empty() {
-            return Ok(());
-        }
-        let order = self.admission_order();
+    fn admit(
+        &mut self,
+        order: Vec<ReqId>,
+        budget: &mut usize,
+        plan: &mut StepPlan,
+    ) -> Result<(), SchedError> {
         for id in order {
-            if *budget == 0 || self.running.len() >= self.cfg.max_running {
+            let solo = self.reqs[&id].solo_until.is_some();
+            if *budget == 0 || (self.running.len() >= self.cfg.max_running && !solo) {
                 break;
             }
             let r = &self.reqs[&id];
@@ -483,6 +577,7 @@ impl Scheduler {
             // A running request is computing more of this prompt than the
             // cache holds: wait for it rather than compute it twice.
             if self.cfg.prefix_cache
+                && !solo
                 && self.in_flight(reusable) > self.kv.tree().peek_prefix(r.ns, reusable).len
             {
                 continue;
@@ -506,13 +601,24 @@ impl Scheduler {
                     let last = end == r.tokens.len();
                     self.place(plan, id, seq, cached, chunk, a, last)?;
                 }
-                Admission::Later { .. } | Admission::Never { .. } => {
+                Admission::Never { needed, total } => {
+                    self.kv.free_sequence(seq)?;
+                    self.waiting.retain(|&w| w != id);
+                    plan.ended
+                        .push((id, EndReason::OutOfKvMemory { needed, total }));
+                }
+                Admission::Later { needed, free } => {
                     // Not now: it waits for running requests to finish. With
-                    // none running, its own match pinned the room it needs:
-                    // drop the cache so the next step admits it.
+                    // none running, cached blocks (its own match pins some)
+                    // hold the room it needs: unpinned, the least recently
+                    // used of them go, just enough for the next step.
                     self.kv.free_sequence(seq)?;
                     if self.running.is_empty() {
-                        self.kv.clear_cache()?;
+                        if self.reqs[&id].starved {
+                            self.kv.clear_cache()?;
+                        } else {
+                            self.kv.evict(needed.saturating_sub(free).max(1))?;
+                        }
                     }
                     break;
                 }
@@ -556,14 +662,60 @@ impl Scheduler {
     /// the prompt can use them before this one finishes.
     pub fn step_done(&mut self, plan: &StepPlan) -> Result<(), SchedError> {
         for item in &plan.items {
-            self.kv
-                .mark_computed(item.seq, item.start + item.tokens.len())?;
+            let computed = item.start + item.tokens.len();
+            self.kv.mark_computed(item.seq, computed)?;
             let prefill = item.tokens.len() > 1 || !item.wants_logits;
             if self.cfg.prefix_cache && prefill {
                 self.kv.insert_whole_blocks(item.seq)?;
             }
+            if let Some(r) = self.reqs.get_mut(&item.req) {
+                if r.solo_until.is_some_and(|until| computed >= until) {
+                    r.solo_until = None;
+                }
+            }
         }
         Ok(())
+    }
+
+    /// Undoes a step whose K/V was not (or not wholly) written: nothing of
+    /// it is marked computed, and the sequences of its items are freed
+    /// without entering the prefix tree, so no block the step may have left
+    /// half written can ever be matched. What those sequences computed in
+    /// earlier steps stays cached. Requests the scheduler ended in the plan
+    /// are left for the engine to finish, as after a good step.
+    pub fn abort_step(&mut self, plan: &StepPlan) -> Result<Aborted, SchedError> {
+        let alone = plan.items.len() == 1;
+        let mut out = Aborted::default();
+        for item in &plan.items {
+            let r = self
+                .reqs
+                .get_mut(&item.req)
+                .ok_or(SchedError::UnknownRequest(item.req))?;
+            if let State::Running { seq, .. } = r.state {
+                self.kv.free_sequence(seq)?;
+            }
+            r.state = State::Waiting { since: self.step };
+            self.running.retain(|&x| x != item.req);
+            self.waiting.retain(|&x| x != item.req);
+            if alone {
+                out.failed.push(item.req);
+            } else {
+                r.solo_until = Some(item.start + item.tokens.len());
+                out.retried.push(item.req);
+            }
+        }
+        // The retried go first, in the order they ran.
+        for &id in out.retried.iter().rev() {
+            self.waiting.push_front(id);
+        }
+        Ok(out)
+    }
+
+    /// Blocks the pool must keep for the requests it has (the largest any
+    /// one of them may hold): a smaller pool would leave one that can never
+    /// run.
+    pub fn min_blocks(&self) -> usize {
+        self.reqs.values().map(|r| r.most_blocks).max().unwrap_or(0)
     }
 
     /// The longest prefix `tokens` shares with a running request that has
@@ -611,12 +763,16 @@ impl Scheduler {
             return Err(SchedError::BadState(req, "fork before pushing a token"));
         }
         let (ns, tokens, shift_keep, cached) = (r.ns, r.tokens.clone(), r.shift_keep, r.cached);
+        let (most_blocks, solo_until) = (r.most_blocks, r.solo_until);
         let child_seq = self.kv.fork(seq)?;
         let child = Request {
             ns,
             tokens,
             shift_keep,
             cached,
+            most_blocks,
+            solo_until,
+            starved: false,
             state: State::Running {
                 seq: child_seq,
                 admitted: self.admissions + 1,

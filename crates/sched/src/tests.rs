@@ -86,7 +86,6 @@ impl Sim {
     /// One step: plan, apply, check every sampled context, sample.
     fn step(&mut self) {
         let plan = self.sched.schedule().unwrap();
-        let bs = self.bs();
         for op in &plan.ops {
             match op {
                 KvOp::Copy(copies) => copies.iter().for_each(|c| self.copy_block(c.src, c.dst)),
@@ -112,6 +111,14 @@ impl Sim {
             let (out, _) = self.out.remove(&req).unwrap();
             self.done.push((req, out));
         }
+        self.sample(&plan);
+        self.sched.kv().check_invariants().unwrap();
+        self.log.push(plan);
+    }
+
+    /// Checks the context each item that wants logits reads, and samples.
+    fn sample(&mut self, plan: &StepPlan) {
+        let bs = self.bs();
         for item in plan.items.iter().filter(|i| i.wants_logits) {
             let len = item.start + item.tokens.len();
             let ctx: Vec<TokenId> = (0..len)
@@ -136,8 +143,15 @@ impl Sim {
                 self.sched.push_token(item.req, TokenId(next)).unwrap();
             }
         }
-        self.sched.kv().check_invariants().unwrap();
-        self.log.push(plan);
+    }
+
+    fn run_until(&mut self, done: impl Fn(&Sim) -> bool) {
+        let mut steps = 0;
+        while !done(self) {
+            self.step();
+            steps += 1;
+            assert!(steps < 100_000, "no progress");
+        }
     }
 
     fn run(&mut self) {
@@ -422,5 +436,270 @@ proptest! {
         let (small, _) = run(need);
         let (large, _) = run(need * reqs.len() + 8);
         prop_assert_eq!(small, large);
+    }
+}
+
+/// Writes the plan's tokens into the shadow pool as a forward pass would,
+/// without marking anything computed.
+fn write_items(sim: &mut Sim, plan: &StepPlan) {
+    for item in &plan.items {
+        for (j, (t, s)) in item.tokens.iter().zip(&item.slots).enumerate() {
+            sim.slots.insert(s.0, (*t, item.start + j));
+        }
+    }
+}
+
+/// With every request done, no block is held but by the prefix tree.
+fn assert_no_leak(sim: &Sim) {
+    let kv = sim.sched.kv();
+    kv.check_invariants().unwrap();
+    let stats = kv.stats();
+    assert_eq!((stats.sequences, stats.used_blocks), (0, 0), "{stats:?}");
+}
+
+/// Every token the prefix tree would serve is one the shadow pool holds at
+/// its position: nothing unwritten is matchable.
+fn assert_tree_written(sim: &Sim) {
+    let bs = sim.bs();
+    for path in sim.sched.kv().tree().paths() {
+        let m = sim
+            .sched
+            .kv()
+            .tree()
+            .peek_prefix(path.namespace, &path.tokens);
+        for (p, t) in path.tokens.iter().enumerate().take(m.len) {
+            let slot = Slot::of(m.blocks[p / bs], p % bs, bs).0;
+            assert_eq!(sim.slots.get(&slot), Some(&(*t, p)), "cached position {p}");
+        }
+    }
+}
+
+#[test]
+fn an_aborted_step_of_several_requests_retries_them_alone_with_the_same_outputs() {
+    let reference = {
+        let mut sim = Sim::new(64, 4, cfg(16, 8));
+        for i in 0..3 {
+            sim.add(&prompt(i, 11), 6);
+        }
+        sim.run();
+        sim.outputs()
+    };
+    let mut sim = Sim::new(64, 4, cfg(16, 8));
+    let ids: Vec<ReqId> = (0..3).map(|i| sim.add(&prompt(i, 11), 6)).collect();
+    sim.step();
+    sim.step();
+    // The third step fails after writing garbage into every slot it had.
+    let plan = sim.sched.schedule().unwrap();
+    assert!(plan.items.len() > 1);
+    for s in plan.items.iter().flat_map(|i| &i.slots) {
+        sim.slots.insert(s.0, (TokenId(u32::MAX), usize::MAX));
+    }
+    let aborted = sim.sched.abort_step(&plan).unwrap();
+    assert!(aborted.failed.is_empty());
+    assert_eq!(aborted.retried.len(), plan.items.len());
+    sim.sched.kv().check_invariants().unwrap();
+    assert_tree_written(&sim);
+    // Each retried request runs alone until it is past the failed step.
+    let log_from = sim.log.len();
+    sim.run();
+    for p in &sim.log[log_from..log_from + aborted.retried.len()] {
+        assert_eq!(p.items.len(), 1, "{p:?}");
+    }
+    assert_eq!(sim.outputs(), reference);
+    assert_no_leak(&sim);
+    assert!(ids.iter().all(|i| sim.outputs().contains_key(i)));
+    assert_tree_written(&sim);
+}
+
+#[test]
+fn an_aborted_step_of_one_request_fails_it_and_frees_everything_unwritten() {
+    let mut sim = Sim::new(64, 4, cfg(8, 8));
+    let a = sim.add(&prompt(1, 30), 4);
+    sim.step();
+    let plan = sim.sched.schedule().unwrap();
+    assert_eq!(plan.items.len(), 1);
+    let aborted = sim.sched.abort_step(&plan).unwrap();
+    assert_eq!(aborted.failed, vec![a]);
+    sim.sched.finish(a).unwrap();
+    sim.out.remove(&a);
+    sim.sched.kv().check_invariants().unwrap();
+    assert!(!sim.sched.has_work());
+    // Only the first chunk (8 tokens, 2 whole blocks) was computed.
+    assert_eq!(sim.sched.kv().tree().cached_tokens(), 8);
+    assert_tree_written(&sim);
+    // A later request with the same prompt reuses just that and finishes.
+    let b = sim.add(&prompt(1, 30), 4);
+    sim.run();
+    assert_no_leak(&sim);
+    assert_eq!(sim.outputs()[&b].len(), 4);
+}
+
+#[test]
+fn a_request_that_no_longer_fits_the_pool_ends_instead_of_waiting_forever() {
+    let mut sim = Sim::new(16, 4, cfg(64, 1));
+    let a = sim.add(&prompt(1, 20), 4);
+    let b = sim.add(&prompt(2, 40), 8);
+    assert_eq!(sim.sched.min_blocks(), 12);
+    sim.run_until(|s| s.done.iter().any(|(r, _)| *r == a));
+    // The pool shrinks below what b needs while it waits.
+    sim.sched.kv_mut().clear_cache().unwrap();
+    sim.sched.kv_mut().shrink_to(8).unwrap();
+    let mut ended = Vec::new();
+    for _ in 0..4 {
+        if !sim.sched.has_work() {
+            break;
+        }
+        sim.step();
+        ended.extend(sim.log.last().unwrap().ended.clone());
+    }
+    assert_eq!(
+        ended,
+        vec![(
+            b,
+            EndReason::OutOfKvMemory {
+                needed: 10,
+                total: 8
+            }
+        )]
+    );
+    assert!(!sim.sched.has_work());
+    assert_eq!(sim.sched.min_blocks(), 0);
+}
+
+#[test]
+fn a_request_pinned_by_its_own_match_evicts_only_what_it_needs() {
+    let mut sim = Sim::new(12, 4, cfg(64, 4));
+    // Three cached conversations of 3 blocks each (8 prompt + 1 generated,
+    // then the request ends).
+    for i in 0..3 {
+        sim.add(&prompt(i, 8), 1);
+        sim.run();
+    }
+    let before = sim.sched.kv().tree().cached_tokens();
+    assert_eq!(before, 24);
+    // A long continuation of the newest one needs 10 blocks.
+    let mut long = prompt(2, 8);
+    long.extend(prompt(9, 29));
+    let q = sim.add(&long, 2);
+    sim.run();
+    assert_eq!(sim.outputs()[&q].len(), 2);
+    assert_eq!(sim.sched.cached_tokens(q).ok(), None);
+    let evicted = sim.sched.kv().stats().evicted_blocks;
+    assert!(
+        evicted <= 8,
+        "evicted {evicted} blocks for a request of 10 in a pool of 12"
+    );
+    // Its 38 tokens, and one of the other conversations.
+    assert!(sim.sched.kv().tree().cached_tokens() >= 38 + 8);
+}
+
+type RandomReq = (u32, usize, usize, bool);
+
+/// Runs `reqs` (seed, prompt length, new tokens, shift) with the steps
+/// marked in `faults` failing after writing garbage, `cancel_at`
+/// (request, step) cancellations, and a fork of the first request to sample;
+/// returns the outputs and the failed or cancelled requests.
+fn faulty_run(
+    reqs: &[RandomReq],
+    faults: &[bool],
+    cancel_at: &[(usize, usize)],
+    fork_first: bool,
+    blocks: usize,
+) -> (HashMap<ReqId, Vec<u32>>, Vec<ReqId>) {
+    let bs = 4;
+    let mut c = cfg(12, 4);
+    c.context_length = 36;
+    let mut sim = Sim::new(blocks, bs, c);
+    let mut ids = Vec::new();
+    for &(seed, len, max_new, shift) in reqs {
+        let most = (len + max_new).min(36).div_ceil(bs);
+        if most > blocks {
+            continue;
+        }
+        ids.push(sim.add_with(&prompt(seed, len), max_new, shift.then_some(4)));
+    }
+    if fork_first && !ids.is_empty() {
+        // The first request to finish its prompt is forked before it
+        // samples; both then sample as usual.
+        let mut plan = sim.sched.schedule().unwrap();
+        write_items(&mut sim, &plan);
+        sim.sched.step_done(&plan).unwrap();
+        if let Some(first) = plan.items.iter().find(|i| i.wants_logits).cloned() {
+            let child = sim.sched.fork(first.req).unwrap();
+            let max = sim.out[&first.req].1;
+            sim.out.insert(child, (Vec::new(), max));
+            sim.salt.insert(child, 99);
+            plan.items.push(StepItem {
+                req: child,
+                ..first
+            });
+        }
+        sim.sample(&plan);
+    }
+    let mut failed = Vec::new();
+    let mut steps = 0;
+    while sim.sched.has_work() {
+        for &(which, at) in cancel_at {
+            if at == steps {
+                if let Some(&id) = ids.get(which) {
+                    if sim.out.remove(&id).is_some() {
+                        sim.sched.finish(id).unwrap();
+                        failed.push(id);
+                    }
+                }
+            }
+        }
+        if faults.get(steps).copied().unwrap_or(false) {
+            let plan = sim.sched.schedule().unwrap();
+            for s in plan.items.iter().flat_map(|i| &i.slots) {
+                sim.slots.insert(s.0, (TokenId(u32::MAX), usize::MAX));
+            }
+            let aborted = sim.sched.abort_step(&plan).unwrap();
+            for &(req, _) in &plan.ended {
+                sim.sched.finish(req).unwrap();
+                let (out, _) = sim.out.remove(&req).unwrap();
+                sim.done.push((req, out));
+            }
+            for id in aborted.failed {
+                sim.sched.finish(id).unwrap();
+                sim.out.remove(&id);
+                failed.push(id);
+            }
+            sim.sched.kv().check_invariants().unwrap();
+            assert_tree_written(&sim);
+        } else if sim.sched.has_work() {
+            sim.step();
+            assert_tree_written(&sim);
+        }
+        steps += 1;
+        assert!(steps < 5_000, "no progress");
+    }
+    assert_no_leak(&sim);
+    assert_eq!(sim.done.len() + failed.len(), sim.salt.len() + ids.len());
+    (sim.outputs(), failed)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+
+    /// Steps that fail at random (several requests, forks, context shifts,
+    /// cancellations) never leak a block or make an unwritten slot
+    /// matchable, and every request that is not failed gives the output it
+    /// gives without faults.
+    #[test]
+    fn random_failures_cancels_forks_and_shifts_keep_the_cache_sound(
+        reqs in prop::collection::vec((0u32..4, 1usize..24, 1usize..16, any::<bool>()), 1..6),
+        faults in prop::collection::vec(any::<bool>(), 0..40),
+        cancel_at in prop::collection::vec((0usize..6, 0usize..30), 0..3),
+        fork_first in any::<bool>(),
+        blocks in 10usize..40,
+    ) {
+        let (outs, failed) = faulty_run(&reqs, &faults, &cancel_at, fork_first, blocks);
+        let (clean, none) = faulty_run(&reqs, &[], &[], fork_first, blocks);
+        prop_assert!(none.is_empty());
+        for (id, out) in &outs {
+            prop_assert!(!failed.contains(id));
+            prop_assert_eq!(Some(out), clean.get(id), "{}", id);
+        }
     }
 }
