@@ -1,234 +1,27 @@
 //! [`Engine`]: a cheap, cloneable, thread-safe handle to one model, its
 //! paged KV pool and prefix cache, served by a worker thread that runs the
-//! continuous-batching loop (see `core.rs`).
+//! continuous-batching loop (see `worker.rs`). Every method of the handle
+//! lives in this file: requests, chat turns, sessions and the cache
+//! directory, pool management.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::mpsc;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use candle_core::DType;
 use tessera_kv::KvStats;
 use tessera_model::{Message, Model, Special};
+use tracing::warn;
 
-use crate::core::{Command, Core};
-use crate::sampler::SamplingParams;
+use crate::chat::{encode_turn_suffix, ChatSession, SessionMeta, TurnOptions};
+use crate::snapshot::{read_file, write_file, Geometry, KvSnapshot, CACHE_FILE};
 use crate::stream::{Event, RequestStream};
+use crate::types::{
+    Completion, ContextShift, EngineConfig, EngineStats, FinishReason, GenerateRequest, Prompt,
+    TokenEvent,
+};
+use crate::worker::{Command, Worker};
 use crate::{EngineError, ModelSource, Result};
-
-/// Element type of the K/V cache.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CacheDType {
-    F32,
-    F16,
-    BF16,
-}
-
-impl CacheDType {
-    pub fn dtype(self) -> DType {
-        match self {
-            CacheDType::F32 => DType::F32,
-            CacheDType::F16 => DType::F16,
-            CacheDType::BF16 => DType::BF16,
-        }
-    }
-
-    pub fn bytes(self) -> usize {
-        self.dtype().size_in_bytes()
-    }
-
-    pub fn parse(s: &str) -> Option<CacheDType> {
-        match s {
-            "f32" => Some(CacheDType::F32),
-            "f16" => Some(CacheDType::F16),
-            "bf16" => Some(CacheDType::BF16),
-            _ => None,
-        }
-    }
-}
-
-/// How the engine is set up.
-#[derive(Debug, Clone)]
-pub struct EngineConfig {
-    /// Bytes for the K/V pool; the number of blocks follows from it.
-    pub kv_memory: usize,
-    /// Tokens per KV block.
-    pub block_size: usize,
-    pub cache_dtype: CacheDType,
-    /// Reuse cached prefixes across requests.
-    pub prefix_cache: bool,
-    /// Context length; `None`: the model's.
-    pub context_length: Option<usize>,
-    /// Most tokens computed in one forward call (decodes and prompt
-    /// chunks of all running requests together).
-    pub prefill_chunk: usize,
-    /// Most requests decoding together.
-    pub max_running: usize,
-    /// Where the prefix cache is written on shutdown and read at start.
-    pub cache_dir: Option<PathBuf>,
-    /// Defragment automatically when idle and more than this share of the
-    /// pool's span is holes.
-    pub defrag_threshold: f64,
-    /// Compute threads (default: all cores). The pool is process-wide: the
-    /// first engine (or `RAYON_NUM_THREADS`) sets it.
-    pub threads: Option<usize>,
-}
-
-impl Default for EngineConfig {
-    fn default() -> Self {
-        EngineConfig {
-            kv_memory: 256 << 20,
-            block_size: 16,
-            cache_dtype: CacheDType::F16,
-            prefix_cache: true,
-            context_length: None,
-            prefill_chunk: 512,
-            max_running: 16,
-            cache_dir: None,
-            defrag_threshold: 0.25,
-            threads: None,
-        }
-    }
-}
-
-/// What to generate from.
-#[derive(Debug, Clone)]
-pub enum Prompt {
-    /// Raw text; control-token text in it is parsed (the caller owns it all).
-    Text(String),
-    Tokens(Vec<u32>),
-    /// Messages rendered with the model's chat template.
-    Chat(Vec<Message>),
-}
-
-#[derive(Debug, Clone)]
-pub struct GenerateRequest {
-    pub prompt: Prompt,
-    pub sampling: SamplingParams,
-    pub max_tokens: usize,
-    /// Generation stops before any of these strings.
-    pub stop: Vec<String>,
-    /// Keep generating through end-of-generation tokens (benchmarks).
-    pub ignore_eos: bool,
-    /// What to do when the sequence reaches the context length.
-    pub context_shift: ContextShift,
-    /// Independent samples of the prompt; they share its prefill and its
-    /// blocks (fork, copy-on-write). Sample `i` uses seed `seed + i`.
-    pub n: usize,
-}
-
-/// Context-shift policy at the context limit.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum ContextShift {
-    /// Finish with reason `length`.
-    #[default]
-    Off,
-    /// Keep the first `n_keep` tokens, drop half of the rest, move the tail
-    /// down (rotating cached K by the position delta) and go on.
-    Keep(usize),
-}
-
-impl GenerateRequest {
-    pub fn new(prompt: Prompt) -> Self {
-        GenerateRequest {
-            prompt,
-            sampling: SamplingParams::default(),
-            max_tokens: 256,
-            stop: Vec::new(),
-            ignore_eos: false,
-            context_shift: ContextShift::Off,
-            n: 1,
-        }
-    }
-}
-
-/// One generated token and the text it completes (possibly empty while a
-/// multi-byte character or a possible stop string is held back).
-#[derive(Debug, Clone, Copy)]
-pub struct TokenEvent<'a> {
-    /// Which sample (0 unless `n > 1`).
-    pub index: usize,
-    pub id: u32,
-    pub text: &'a str,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FinishReason {
-    /// An end-of-generation token.
-    Stop,
-    /// `max_tokens` or the context length.
-    Length,
-    /// A stop string.
-    StopString,
-    /// The caller cancelled (or dropped the stream).
-    Cancelled,
-}
-
-impl FinishReason {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            FinishReason::Stop | FinishReason::StopString => "stop",
-            FinishReason::Length => "length",
-            FinishReason::Cancelled => "cancelled",
-        }
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Usage {
-    pub prompt_tokens: usize,
-    /// Prompt tokens whose K/V came from the prefix cache.
-    pub cached_tokens: usize,
-    pub completion_tokens: usize,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub struct Timings {
-    /// Request start to the first sampled token.
-    pub ttft_ms: f64,
-    /// Newly computed prompt tokens per second of prefill.
-    pub prefill_tok_s: f64,
-    /// Tokens per second after the first.
-    pub decode_tok_s: f64,
-    pub total_s: f64,
-}
-
-#[derive(Debug, Clone)]
-pub struct Completion {
-    /// Which sample (0 unless `n > 1`).
-    pub index: usize,
-    pub text: String,
-    /// Generated ids (end-of-generation token excluded).
-    pub tokens: Vec<u32>,
-    pub prompt_tokens: Vec<u32>,
-    pub finish_reason: FinishReason,
-    pub usage: Usage,
-    pub timings: Timings,
-}
-
-/// Engine-wide counters.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct EngineStats {
-    pub kv: KvStats,
-    pub requests: u64,
-    pub prompt_tokens: u64,
-    /// Prompt tokens served from the prefix cache.
-    pub cached_tokens: u64,
-    pub completion_tokens: u64,
-    /// Running requests sent back to the queue for lack of blocks.
-    pub preemptions: u64,
-    /// Forward steps run.
-    pub steps: u64,
-    /// Defragmentations run (by call or when idle).
-    pub defrags: u64,
-}
-
-impl EngineStats {
-    /// Share of prompt tokens served from the cache.
-    pub fn hit_ratio(&self) -> f64 {
-        self.cached_tokens as f64 / (self.prompt_tokens.max(1)) as f64
-    }
-}
 
 /// A model with its paged K/V pool and prefix cache, served by one worker
 /// thread. Cloning is cheap; clones share everything and may be used from
@@ -247,10 +40,32 @@ struct Inner {
     per_block: usize,
     tx: mpsc::Sender<Command>,
     worker: Option<JoinHandle<()>>,
+    /// Where the prefix cache is written when the engine stops: set only
+    /// once restoring from there succeeded (or found nothing), so that a
+    /// file this engine could not read is never overwritten.
+    persist: Mutex<Option<PathBuf>>,
 }
 
 impl Drop for Inner {
     fn drop(&mut self) {
+        let dir = self.persist.lock().ok().and_then(|mut d| d.take());
+        if let Some(dir) = dir {
+            let (tx, rx) = mpsc::channel();
+            let snaps = self
+                .tx
+                .send(Command::ExportCache(tx))
+                .ok()
+                .and_then(|()| rx.recv().ok());
+            let geometry = Geometry::of(&self.model, self.cfg.cache_dtype);
+            let written = match snaps {
+                Some(Ok(snaps)) => write_cache_dir(&dir, &geometry, &snaps),
+                Some(Err(e)) => Err(e),
+                None => Err(EngineError::Stopped),
+            };
+            if let Err(e) = written {
+                warn!("writing the prefix cache to {}: {e}", dir.display());
+            }
+        }
         let _ = self.tx.send(Command::Shutdown);
         if let Some(w) = self.worker.take() {
             let _ = w.join();
@@ -283,7 +98,7 @@ impl Engine {
         let per_block = cfg.block_size * mc.kv_bytes_per_token(cfg.cache_dtype.bytes());
         let ctx = cfg.context_length.unwrap_or(mc.context_length);
         let model = Arc::new(model);
-        let core = Core::new(model.clone(), &cfg, ctx, per_block)?;
+        let core = Worker::new(model.clone(), &cfg, ctx, per_block)?;
         let (tx, rx) = mpsc::channel();
         let worker = std::thread::Builder::new()
             .name("tessera-engine".into())
@@ -297,10 +112,12 @@ impl Engine {
                 per_block,
                 tx,
                 worker: Some(worker),
+                persist: Mutex::new(None),
             }),
         };
         if let Some(dir) = &engine.inner.cfg.cache_dir {
             engine.restore_cache_dir(dir)?;
+            *engine.inner.persist.lock().expect("not poisoned") = Some(dir.clone());
         }
         Ok(engine)
     }
@@ -447,28 +264,175 @@ impl Engine {
     }
 }
 
-/// Length of the longest suffix of `text` that begins some stop string.
-pub(crate) fn held_back(text: &str, stops: &[String]) -> usize {
-    let mut hold = 0;
-    for s in stops {
-        for (k, _) in s.char_indices().skip(1) {
-            if k > hold && text.ends_with(&s[..k]) {
-                hold = k;
-            }
-        }
+// ---- chat sessions -------------------------------------------------------
+
+impl Engine {
+    /// A new conversation.
+    pub fn chat(&self, system: Option<&str>) -> ChatSession {
+        ChatSession::new(self, system)
     }
-    hold
+
+    /// Resumes a conversation saved by [`ChatSession::save`]: its K/V goes
+    /// into the prefix cache, so the next turn computes only its new
+    /// tokens. A file that is truncated, corrupted, of another format
+    /// version or of another model is refused with the reason, and the
+    /// engine is left as it was.
+    pub fn load_session(&self, path: &Path) -> Result<ChatSession> {
+        let (snaps, meta) = read_file(path, "chat session", &self.geometry())?;
+        let meta: SessionMeta =
+            serde_json::from_value(meta).map_err(|e| EngineError::Snapshot {
+                path: path.to_path_buf(),
+                reason: format!("corrupted session metadata: {e}"),
+            })?;
+        let ids = snaps.first().map(|s| s.tokens.clone()).unwrap_or_default();
+        self.import_kv(snaps)?;
+        Ok(ChatSession {
+            engine: self.clone(),
+            messages: meta
+                .messages
+                .into_iter()
+                .map(|(role, content)| Message::new(&role, content))
+                .collect(),
+            ids,
+            covered: meta.covered,
+            n_keep: meta.n_keep,
+        })
+    }
+
+    /// Runs one turn of `session`: `user` speaks, the assistant answers.
+    pub fn chat_turn(
+        &self,
+        session: &mut ChatSession,
+        user: &str,
+        opts: &TurnOptions,
+        on_token: &mut dyn FnMut(TokenEvent),
+    ) -> Result<Completion> {
+        let model = self.model();
+        let (tok, template) = (&model.tokenizer, &model.template);
+        let mut msgs = session.messages.clone();
+        msgs.push(Message::new("user", user));
+        let full = template.render(&msgs, true)?;
+        let covered = session
+            .covered
+            .as_deref()
+            .filter(|_| !session.ids.is_empty());
+        let prompt = match covered.and_then(|c| full.strip_prefix(c)) {
+            // Append-only template and an unbroken history: splice.
+            Some(suffix) => {
+                let mut ids = session.ids.clone();
+                ids.extend(encode_turn_suffix(tok, suffix, user)?);
+                ids
+            }
+            _ => template.encode(tok, &msgs, true)?,
+        };
+        if session.ids.is_empty() && session.system().is_some() {
+            session.n_keep = template.encode(tok, &msgs[..1], false)?.len();
+        }
+        let whole = prompt.len();
+        let prompt = self.fit_context(prompt, session.n_keep);
+        let cut = prompt.len() != whole;
+        let req = GenerateRequest {
+            sampling: opts.sampling.clone(),
+            max_tokens: opts.max_tokens,
+            stop: opts.stop.clone(),
+            context_shift: if opts.context_shift {
+                ContextShift::Keep(session.n_keep)
+            } else {
+                ContextShift::Off
+            },
+            ..GenerateRequest::new(Prompt::Tokens(prompt))
+        };
+        let done = self.complete(&req, on_token)?;
+        let tok = &self.model().tokenizer;
+        session.messages.push(Message::new("user", user));
+        session
+            .messages
+            .push(Message::new("assistant", done.text.clone()));
+        session.ids = done
+            .prompt_tokens
+            .iter()
+            .chain(&done.tokens)
+            .copied()
+            .collect();
+        // A prompt cut to fit the context, or a reply cut at a stop string
+        // (the message holds the text before it, the ids the stop string
+        // too), leaves ids and text disagreeing: the next turn re-encodes.
+        session.covered = if cut || done.finish_reason == FinishReason::StopString {
+            None
+        } else {
+            Some(full + &tok.decode(&done.tokens)?)
+        };
+        Ok(done)
+    }
+
+    /// Drops history after the first `n_keep` tokens until the prompt fits
+    /// in the context with room to answer (a quarter of the context).
+    fn fit_context(&self, mut ids: Vec<u32>, n_keep: usize) -> Vec<u32> {
+        let ctx = self.context_length();
+        let budget = ctx - ctx / 4;
+        if ids.len() > budget && n_keep < budget {
+            let drop = ids.len() - budget;
+            ids.drain(n_keep..n_keep + drop);
+        }
+        ids
+    }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::held_back;
+// ---- K/V snapshots, sessions on disk, the cache directory -----------------
 
-    #[test]
-    fn holds_back_possible_stop_prefixes() {
-        let stops = vec!["</end>".to_string(), "STOP".to_string()];
-        assert_eq!(held_back("hello </e", &stops), 3);
-        assert_eq!(held_back("hello S", &stops), 1);
-        assert_eq!(held_back("hello", &stops), 0);
+impl Engine {
+    pub(crate) fn geometry(&self) -> Geometry {
+        Geometry::of(self.model(), self.config().cache_dtype)
     }
+
+    /// The K/V of `tokens` (computed now for any part not cached).
+    pub fn export_kv(&self, tokens: &[u32]) -> Result<KvSnapshot> {
+        self.call(|tx| Command::Export(tokens.to_vec(), tx))?
+    }
+
+    /// Inserts saved K/V into the prefix cache; returns the tokens added.
+    pub fn import_kv(&self, snaps: Vec<KvSnapshot>) -> Result<usize> {
+        let vocab = self.model().config().vocab_size;
+        for s in &snaps {
+            if let Some(&t) = s.tokens.iter().find(|&&t| t as usize >= vocab) {
+                return Err(EngineError::Invalid(format!(
+                    "saved token id {t} is outside the vocabulary of {vocab}"
+                )));
+            }
+        }
+        self.call(|tx| Command::Import(snaps, tx))?
+    }
+
+    /// Writes the whole prefix cache to `dir` now (the engine also does it
+    /// when it stops, if `cache_dir` is set).
+    pub fn save_cache_dir(&self, dir: &Path) -> Result<()> {
+        let snaps = self.call(Command::ExportCache)??;
+        write_cache_dir(dir, &self.geometry(), &snaps)
+    }
+
+    /// Fills the prefix cache from `dir`, if it holds a cache file; returns
+    /// the tokens restored.
+    pub fn restore_cache_dir(&self, dir: &Path) -> Result<usize> {
+        let path: PathBuf = dir.join(CACHE_FILE);
+        if !path.exists() {
+            return Ok(0);
+        }
+        let (snaps, _) = read_file(&path, "prefix cache", &self.geometry())?;
+        self.import_kv(snaps)
+    }
+}
+
+/// Writes the prefix cache file into `dir` (created if missing).
+fn write_cache_dir(dir: &Path, geometry: &Geometry, snaps: &[KvSnapshot]) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| EngineError::Snapshot {
+        path: dir.to_path_buf(),
+        reason: format!("cannot create: {e}"),
+    })?;
+    write_file(
+        &dir.join(CACHE_FILE),
+        "prefix cache",
+        geometry,
+        snaps,
+        serde_json::Value::Null,
+    )
 }

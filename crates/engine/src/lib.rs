@@ -6,30 +6,47 @@
 //! timings.
 //!
 //! ```text
-//! Engine (handle, any thread) ──commands──▶ worker thread (core.rs)
+//! Engine (handle, any thread) ──commands──▶ worker thread (worker.rs)
 //!   generate(req) → RequestStream           Scheduler::schedule (tessera-sched)
 //!   ◀── Token … Done events ──────────────  ops: copy_blocks / shift_kv
 //!                                           forward over every running sequence
 //!                                           sample, stop rules, finish → prefix tree
 //! ```
 
+//!
+//! Modules, each with one job and no cycles between them:
+//!
+//! ```text
+//! types     plain data: config, requests, completions, stats, fault hook
+//! snapshot  the session / cache file format (bytes only)
+//! runner    the K/V tensors and the model: ops, forward, rows, resize
+//! request   one sample: sampling, stream decoding, stop strings, usage
+//! worker    the loop: commands, schedule, run, abort, sample, finish
+//! chat      ChatSession (token-id splicing across turns)
+//! engine    the handle: every `impl Engine`
+//! ```
+
 mod chat;
-mod core;
 mod engine;
 mod error;
+mod request;
+mod runner;
 mod sampler;
 mod snapshot;
 mod source;
 mod stream;
+mod types;
+mod worker;
 
 pub use chat::{ChatSession, TurnOptions};
-pub use engine::{
-    CacheDType, Completion, ContextShift, Engine, EngineConfig, EngineStats, FinishReason,
-    GenerateRequest, Prompt, Timings, TokenEvent, Usage,
-};
+pub use engine::Engine;
 pub use error::{EngineError, Result};
 pub use sampler::{Sampler, SamplingParams};
 pub use snapshot::{Geometry, KvSnapshot, LayerBytes, CACHE_FILE, FORMAT_VERSION};
 pub use source::ModelSource;
 pub use stream::{Event, RequestStream};
 pub use tessera_model::{Message, Model};
+pub use types::{
+    CacheDType, Completion, ContextShift, EngineConfig, EngineStats, Fault, FaultHook, FaultSite,
+    FinishReason, GenerateRequest, Prompt, Timings, TokenEvent, Usage,
+};

@@ -16,12 +16,12 @@
 //! Loading checks each part and names what is wrong; nothing reaches the
 //! engine until the whole file is validated.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 use tessera_model::Model;
 
-use crate::engine::{CacheDType, Engine};
+use crate::types::CacheDType;
 use crate::{EngineError, Result};
 
 const MAGIC: &[u8; 8] = b"TSRKV\0\0\0";
@@ -43,9 +43,12 @@ pub struct KvSnapshot {
     pub layers: Vec<LayerBytes>,
 }
 
-/// What must match between the file and the engine loading it.
+/// What must match between the file and the engine loading it (all but
+/// `model`, the file name of the model, which names it in messages).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Geometry {
+    #[serde(default)]
+    pub model: String,
     pub fingerprint: u64,
     pub arch: String,
     pub cache_dtype: String,
@@ -58,6 +61,10 @@ impl Geometry {
     pub fn of(model: &Model, dtype: CacheDType) -> Geometry {
         let c = model.config();
         Geometry {
+            model: model
+                .path
+                .file_name()
+                .map_or_else(String::new, |n| n.to_string_lossy().into_owned()),
             fingerprint: model.fingerprint,
             arch: format!("{:?}", c.arch).to_lowercase(),
             cache_dtype: format!("{:?}", dtype).to_lowercase(),
@@ -71,7 +78,20 @@ impl Geometry {
     /// build does not know.
     fn row_bytes(&self) -> Option<usize> {
         let dtype = CacheDType::parse(&self.cache_dtype)?;
-        Some(self.n_kv_heads * self.head_dim * dtype.bytes())
+        self.n_kv_heads
+            .checked_mul(self.head_dim)?
+            .checked_mul(dtype.bytes())
+    }
+
+    /// Equal in everything that decides whether the K/V fits.
+    fn matches(&self, other: &Geometry) -> bool {
+        Geometry {
+            model: String::new(),
+            ..self.clone()
+        } == Geometry {
+            model: String::new(),
+            ..other.clone()
+        }
     }
 }
 
@@ -121,10 +141,40 @@ pub fn write_file(
     }
     let crc = crc32fast::hash(&buf);
     buf.extend_from_slice(&crc.to_le_bytes());
-    let tmp = path.with_extension("tmp");
-    let io = |e: std::io::Error| bad(path, format!("cannot write: {e}"));
-    std::fs::write(&tmp, &buf).map_err(io)?;
-    std::fs::rename(&tmp, path).map_err(io)
+    write_atomic(path, &buf).map_err(|e| bad(path, format!("cannot write: {e}")))
+}
+
+/// Replaces `path` with `bytes` so that a crash, a kill or a full disk at
+/// any moment leaves either the old file or the new one whole: the bytes go
+/// to a temporary file beside it, are flushed to the disk, and the file is
+/// renamed over the old one (then the directory is flushed too). On an
+/// error the temporary file is removed and the old file is untouched.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let name = path
+        .file_name()
+        .map_or_else(Default::default, |n| n.to_string_lossy());
+    let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
+    let written = (|| {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)
+    })();
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+        return written;
+    }
+    // The rename itself is durable once the directory is flushed; where a
+    // directory cannot be opened for that, the rename has still happened.
+    if let Ok(d) = std::fs::File::open(dir) {
+        let _ = d.sync_all();
+    }
+    Ok(())
 }
 
 /// Reads and validates a file written by [`write_file`] against the
@@ -171,9 +221,20 @@ pub fn read_file(
             ),
         )
     })?;
-    let per_token = 4 + 2 * header.geometry.n_layers * row;
-    let body: usize = header.entries.iter().map(|&n| n * per_token).sum();
-    let expected = fixed + hlen + body + 4;
+    let huge = || bad(path, "corrupted header: sizes overflow");
+    let per_token = header
+        .geometry
+        .n_layers
+        .checked_mul(row)
+        .and_then(|x| x.checked_mul(2))
+        .and_then(|x| x.checked_add(4))
+        .ok_or_else(huge)?;
+    let body = header.entries.iter().try_fold(0usize, |acc, &n| {
+        n.checked_mul(per_token).and_then(|b| acc.checked_add(b))
+    });
+    let expected = body
+        .and_then(|b| b.checked_add(fixed + hlen + 4))
+        .ok_or_else(huge)?;
     if data.len() < expected {
         return Err(bad(
             path,
@@ -198,15 +259,22 @@ pub fn read_file(
     }
     let g = &header.geometry;
     if g.fingerprint != geometry.fingerprint {
+        let name = |g: &Geometry| {
+            if g.model.is_empty() {
+                "a model".to_string()
+            } else {
+                g.model.clone()
+            }
+        };
         return Err(bad(
             path,
             format!(
-                "saved with another model (fingerprint {:016x}, {} with {} layers); this engine runs {:016x}, {} with {} layers",
-                g.fingerprint, g.arch, g.n_layers, geometry.fingerprint, geometry.arch, geometry.n_layers
+                "saved with another model: {} (fingerprint {:016x}, {} with {} layers); this engine runs {} (fingerprint {:016x}, {} with {} layers)",
+                name(g), g.fingerprint, g.arch, g.n_layers, name(geometry), geometry.fingerprint, geometry.arch, geometry.n_layers
             ),
         ));
     }
-    if g != geometry {
+    if !g.matches(geometry) {
         return Err(bad(
             path,
             format!(
@@ -246,57 +314,4 @@ pub fn read_file(
         })
         .collect();
     Ok((snaps, header.meta))
-}
-
-pub(crate) fn write_cache_dir(dir: &Path, geometry: &Geometry, snaps: &[KvSnapshot]) -> Result<()> {
-    std::fs::create_dir_all(dir).map_err(|e| bad(dir, format!("cannot create: {e}")))?;
-    write_file(
-        &dir.join(CACHE_FILE),
-        "prefix cache",
-        geometry,
-        snaps,
-        serde_json::Value::Null,
-    )
-}
-
-impl Engine {
-    pub(crate) fn geometry(&self) -> Geometry {
-        Geometry::of(self.model(), self.config().cache_dtype)
-    }
-
-    /// The K/V of `tokens` (computed now for any part not cached).
-    pub fn export_kv(&self, tokens: &[u32]) -> Result<KvSnapshot> {
-        self.call(|tx| crate::core::Command::Export(tokens.to_vec(), tx))?
-    }
-
-    /// Inserts saved K/V into the prefix cache; returns the tokens added.
-    pub fn import_kv(&self, snaps: Vec<KvSnapshot>) -> Result<usize> {
-        let vocab = self.model().config().vocab_size;
-        for s in &snaps {
-            if let Some(&t) = s.tokens.iter().find(|&&t| t as usize >= vocab) {
-                return Err(EngineError::Invalid(format!(
-                    "saved token id {t} is outside the vocabulary of {vocab}"
-                )));
-            }
-        }
-        self.call(|tx| crate::core::Command::Import(snaps, tx))?
-    }
-
-    /// Writes the whole prefix cache to `dir` now (the engine also does it
-    /// when it stops, if `cache_dir` is set).
-    pub fn save_cache_dir(&self, dir: &Path) -> Result<()> {
-        let snaps = self.call(crate::core::Command::ExportCache)??;
-        write_cache_dir(dir, &self.geometry(), &snaps)
-    }
-
-    /// Fills the prefix cache from `dir`, if it holds a cache file; returns
-    /// the tokens restored.
-    pub fn restore_cache_dir(&self, dir: &Path) -> Result<usize> {
-        let path: PathBuf = dir.join(CACHE_FILE);
-        if !path.exists() {
-            return Ok(0);
-        }
-        let (snaps, _) = read_file(&path, "prefix cache", &self.geometry())?;
-        self.import_kv(snaps)
-    }
 }

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
 
-use crate::engine::Completion;
+use crate::types::Completion;
 use crate::EngineError;
 
 /// What a request reports, in order: tokens of each sample as they come,

@@ -1,0 +1,192 @@
+//! Request handling: what happens to one sample's tokens once the model has
+//! given logits: sampling, stream decoding into valid UTF-8, stop strings
+//! (held back until they can no longer start one), events to the stream,
+//! usage and timings. Nothing here knows blocks or tensors.
+
+use std::sync::atomic::AtomicBool;
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::Instant;
+
+use tessera_model::{StreamDecoder, Tokenizer};
+
+use crate::sampler::Sampler;
+use crate::stream::Event;
+use crate::types::{Completion, FinishReason, GenerateRequest, Timings, Usage};
+use crate::Result;
+
+/// One request as submitted (shared by its samples).
+pub(crate) struct Group {
+    pub req: Box<GenerateRequest>,
+    pub prompt: Vec<u32>,
+    pub events: mpsc::Sender<Event>,
+    pub cancel: Arc<AtomicBool>,
+    pub submitted: Instant,
+}
+
+/// One sample being generated.
+pub(crate) struct Active {
+    pub group: Arc<Group>,
+    pub index: usize,
+    /// The samples of `n > 1` are forked at the first logits.
+    pub fork_pending: bool,
+    sampler: Sampler,
+    decoder: StreamDecoder,
+    history: Vec<u32>,
+    out: Vec<u32>,
+    text: String,
+    emitted: usize,
+    pub started: Option<Instant>,
+    first_token: Option<Instant>,
+    /// Prompt tokens served from the cache.
+    pub cached: Option<usize>,
+}
+
+/// What a sampled token means for its sample.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Next {
+    /// Compute this token and go on.
+    Continue(u32),
+    Finish(FinishReason),
+}
+
+impl Active {
+    pub(crate) fn new(group: Arc<Group>, index: usize) -> Active {
+        let mut sampling = group.req.sampling.clone();
+        sampling.seed = sampling.seed.wrapping_add(index as u64);
+        Active {
+            fork_pending: index == 0 && group.req.n > 1,
+            sampler: Sampler::new(sampling),
+            decoder: StreamDecoder::default(),
+            history: group.prompt.clone(),
+            out: Vec::new(),
+            text: String::new(),
+            emitted: 0,
+            started: None,
+            first_token: None,
+            cached: None,
+            index,
+            group,
+        }
+    }
+
+    fn send_text(&self, id: u32, text: &str) {
+        let _ = self.group.events.send(Event::Token {
+            index: self.index,
+            id,
+            text: text.to_string(),
+        });
+    }
+
+    /// Samples one token from `logits`, streams its text, and says whether
+    /// the sample goes on.
+    pub(crate) fn advance(&mut self, logits: &[f32], tok: &Tokenizer) -> Result<Next> {
+        let group = self.group.clone();
+        let req = &group.req;
+        if self.out.len() >= req.max_tokens {
+            return Ok(Next::Finish(FinishReason::Length));
+        }
+        let t = self.sampler.sample(logits, &self.history);
+        self.first_token.get_or_insert_with(Instant::now);
+        if tok.is_eog(t) && !req.ignore_eos {
+            return Ok(Next::Finish(FinishReason::Stop));
+        }
+        self.out.push(t);
+        self.history.push(t);
+        if let Some(piece) = self.decoder.push(tok, t)? {
+            self.text.push_str(&piece);
+        }
+        if let Some(at) = req
+            .stop
+            .iter()
+            .filter_map(|s| self.text.find(s.as_str()))
+            .min()
+        {
+            self.text.truncate(at);
+            self.send_text(t, &self.text[self.emitted.min(at)..]);
+            self.emitted = self.text.len();
+            return Ok(Next::Finish(FinishReason::StopString));
+        }
+        let safe = self.text.len() - held_back(&self.text, &req.stop);
+        if safe > self.emitted || self.text.is_empty() {
+            self.send_text(t, &self.text[self.emitted..safe]);
+        } else {
+            self.send_text(t, "");
+        }
+        self.emitted = safe.max(self.emitted);
+        if self.out.len() >= req.max_tokens {
+            return Ok(Next::Finish(FinishReason::Length));
+        }
+        Ok(Next::Continue(t))
+    }
+
+    /// Flushes held-back text and builds the sample's completion.
+    pub(crate) fn complete(mut self, reason: FinishReason, tok: &Tokenizer) -> Completion {
+        if reason != FinishReason::StopString {
+            if let Ok(Some(rest)) = self.decoder.finish(tok) {
+                self.text.push_str(&rest);
+            }
+            if self.emitted < self.text.len() {
+                if let Some(&last) = self.out.last() {
+                    self.send_text(last, &self.text[self.emitted..]);
+                }
+            }
+        }
+        let now = Instant::now();
+        let g = &self.group;
+        let first = self.first_token.unwrap_or(now);
+        let started = self.started.unwrap_or(g.submitted);
+        let cached = self.cached.unwrap_or(0);
+        let new_prompt = g.prompt.len().saturating_sub(cached);
+        let decode_s = now.duration_since(first).as_secs_f64();
+        let prefill_s = first.duration_since(started).as_secs_f64();
+        Completion {
+            index: self.index,
+            usage: Usage {
+                prompt_tokens: g.prompt.len(),
+                cached_tokens: cached,
+                completion_tokens: self.out.len(),
+            },
+            timings: Timings {
+                ttft_ms: first.duration_since(g.submitted).as_secs_f64() * 1e3,
+                prefill_tok_s: new_prompt as f64 / prefill_s.max(1e-9),
+                decode_tok_s: if self.out.len() > 1 {
+                    (self.out.len() - 1) as f64 / decode_s.max(1e-9)
+                } else {
+                    0.0
+                },
+                total_s: now.duration_since(g.submitted).as_secs_f64(),
+            },
+            text: self.text,
+            tokens: self.out,
+            prompt_tokens: g.prompt.clone(),
+            finish_reason: reason,
+        }
+    }
+}
+
+/// Length of the longest suffix of `text` that begins some stop string.
+pub(crate) fn held_back(text: &str, stops: &[String]) -> usize {
+    let mut hold = 0;
+    for s in stops {
+        for (k, _) in s.char_indices().skip(1) {
+            if k > hold && text.ends_with(&s[..k]) {
+                hold = k;
+            }
+        }
+    }
+    hold
+}
+
+#[cfg(test)]
+mod tests {
+    use super::held_back;
+
+    #[test]
+    fn holds_back_possible_stop_prefixes() {
+        let stops = vec!["</end>".to_string(), "STOP".to_string()];
+        assert_eq!(held_back("hello </e", &stops), 3);
+        assert_eq!(held_back("hello S", &stops), 1);
+        assert_eq!(held_back("hello", &stops), 0);
+    }
+}

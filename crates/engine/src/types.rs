@@ -1,0 +1,272 @@
+//! Plain data of the engine's API: configuration, requests, completions,
+//! statistics, and the fault hook tests use. No behaviour lives here.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use candle_core::DType;
+use tessera_kv::KvStats;
+use tessera_model::Message;
+
+use crate::sampler::SamplingParams;
+
+/// Element type of the K/V cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheDType {
+    F32,
+    F16,
+    BF16,
+}
+
+impl CacheDType {
+    pub fn dtype(self) -> DType {
+        match self {
+            CacheDType::F32 => DType::F32,
+            CacheDType::F16 => DType::F16,
+            CacheDType::BF16 => DType::BF16,
+        }
+    }
+
+    pub fn bytes(self) -> usize {
+        self.dtype().size_in_bytes()
+    }
+
+    pub fn parse(s: &str) -> Option<CacheDType> {
+        match s {
+            "f32" => Some(CacheDType::F32),
+            "f16" => Some(CacheDType::F16),
+            "bf16" => Some(CacheDType::BF16),
+            _ => None,
+        }
+    }
+}
+
+/// How the engine is set up.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Bytes for the K/V pool; the number of blocks follows from it.
+    pub kv_memory: usize,
+    /// Tokens per KV block.
+    pub block_size: usize,
+    pub cache_dtype: CacheDType,
+    /// Reuse cached prefixes across requests.
+    pub prefix_cache: bool,
+    /// Context length; `None`: the model's.
+    pub context_length: Option<usize>,
+    /// Most tokens computed in one forward call (decodes and prompt
+    /// chunks of all running requests together).
+    pub prefill_chunk: usize,
+    /// Most requests decoding together.
+    pub max_running: usize,
+    /// Where the prefix cache is written on shutdown and read at start.
+    pub cache_dir: Option<PathBuf>,
+    /// Defragment automatically when idle and more than this share of the
+    /// pool's span is holes.
+    pub defrag_threshold: f64,
+    /// Compute threads (default: all cores). The pool is process-wide: the
+    /// first engine (or `RAYON_NUM_THREADS`) sets it.
+    pub threads: Option<usize>,
+    /// Faults injected into chosen steps (tests and the soak benchmark).
+    pub faults: Option<FaultHook>,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            kv_memory: 256 << 20,
+            block_size: 16,
+            cache_dtype: CacheDType::F16,
+            prefix_cache: true,
+            context_length: None,
+            prefill_chunk: 512,
+            max_running: 16,
+            cache_dir: None,
+            defrag_threshold: 0.25,
+            threads: None,
+            faults: None,
+        }
+    }
+}
+
+/// What to generate from.
+#[derive(Debug, Clone)]
+pub enum Prompt {
+    /// Raw text; control-token text in it is parsed (the caller owns it all).
+    Text(String),
+    Tokens(Vec<u32>),
+    /// Messages rendered with the model's chat template.
+    Chat(Vec<Message>),
+}
+
+#[derive(Debug, Clone)]
+pub struct GenerateRequest {
+    pub prompt: Prompt,
+    pub sampling: SamplingParams,
+    pub max_tokens: usize,
+    /// Generation stops before any of these strings.
+    pub stop: Vec<String>,
+    /// Keep generating through end-of-generation tokens (benchmarks).
+    pub ignore_eos: bool,
+    /// What to do when the sequence reaches the context length.
+    pub context_shift: ContextShift,
+    /// Independent samples of the prompt; they share its prefill and its
+    /// blocks (fork, copy-on-write). Sample `i` uses seed `seed + i`.
+    pub n: usize,
+}
+
+/// Context-shift policy at the context limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ContextShift {
+    /// Finish with reason `length`.
+    #[default]
+    Off,
+    /// Keep the first `n_keep` tokens, drop half of the rest, move the tail
+    /// down (rotating cached K by the position delta) and go on.
+    Keep(usize),
+}
+
+impl GenerateRequest {
+    pub fn new(prompt: Prompt) -> Self {
+        GenerateRequest {
+            prompt,
+            sampling: SamplingParams::default(),
+            max_tokens: 256,
+            stop: Vec::new(),
+            ignore_eos: false,
+            context_shift: ContextShift::Off,
+            n: 1,
+        }
+    }
+}
+
+/// One generated token and the text it completes (possibly empty while a
+/// multi-byte character or a possible stop string is held back).
+#[derive(Debug, Clone, Copy)]
+pub struct TokenEvent<'a> {
+    /// Which sample (0 unless `n > 1`).
+    pub index: usize,
+    pub id: u32,
+    pub text: &'a str,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-generation token.
+    Stop,
+    /// `max_tokens` or the context length.
+    Length,
+    /// A stop string.
+    StopString,
+    /// The caller cancelled (or dropped the stream).
+    Cancelled,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop | FinishReason::StopString => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Cancelled => "cancelled",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    /// Prompt tokens whose K/V came from the prefix cache.
+    pub cached_tokens: usize,
+    pub completion_tokens: usize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Timings {
+    /// Request start to the first sampled token.
+    pub ttft_ms: f64,
+    /// Newly computed prompt tokens per second of prefill.
+    pub prefill_tok_s: f64,
+    /// Tokens per second after the first.
+    pub decode_tok_s: f64,
+    pub total_s: f64,
+}
+
+#[derive(Debug, Clone)]
+pub struct Completion {
+    /// Which sample (0 unless `n > 1`).
+    pub index: usize,
+    pub text: String,
+    /// Generated ids (end-of-generation token excluded).
+    pub tokens: Vec<u32>,
+    pub prompt_tokens: Vec<u32>,
+    pub finish_reason: FinishReason,
+    pub usage: Usage,
+    pub timings: Timings,
+}
+
+/// Engine-wide counters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct EngineStats {
+    pub kv: KvStats,
+    pub requests: u64,
+    pub prompt_tokens: u64,
+    /// Prompt tokens served from the prefix cache.
+    pub cached_tokens: u64,
+    pub completion_tokens: u64,
+    /// Running requests sent back to the queue for lack of blocks.
+    pub preemptions: u64,
+    /// Forward steps run.
+    pub steps: u64,
+    /// Defragmentations run (by call or when idle).
+    pub defrags: u64,
+    /// Forward steps that failed (an error or a panic) and were undone.
+    pub failed_steps: u64,
+    /// Requests that ended with an error.
+    pub failed_requests: u64,
+}
+
+impl EngineStats {
+    /// Share of prompt tokens served from the cache.
+    pub fn hit_ratio(&self) -> f64 {
+        self.cached_tokens as f64 / (self.prompt_tokens.max(1)) as f64
+    }
+}
+
+/// What an injected fault does to the step it hits. The slots the step
+/// would have written are first filled with NaN, so that a bug that let them
+/// be read later would show in every output that read them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// The step returns an error.
+    Error,
+    /// The step panics.
+    Panic,
+}
+
+/// One item of a step, as a fault hook sees it.
+#[derive(Debug, Clone, Copy)]
+pub struct FaultSite<'a> {
+    /// The prompt of the item's request.
+    pub prompt: &'a [u32],
+    /// Which sample of the request.
+    pub sample: usize,
+    /// Positions the item computes.
+    pub start: usize,
+    pub len: usize,
+}
+
+/// Decides, before each forward step, whether that step fails and how.
+#[derive(Clone)]
+#[allow(clippy::type_complexity)]
+pub struct FaultHook(pub Arc<dyn Fn(&[FaultSite]) -> Option<Fault> + Send + Sync>);
+
+impl FaultHook {
+    pub fn new(f: impl Fn(&[FaultSite]) -> Option<Fault> + Send + Sync + 'static) -> FaultHook {
+        FaultHook(Arc::new(f))
+    }
+}
+
+impl std::fmt::Debug for FaultHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("FaultHook")
+    }
+}

@@ -1,0 +1,690 @@
+//! The worker: owns the scheduler, the runner and the state of every
+//! request, and runs the continuous-batching loop on its own thread.
+//!
+//! ```text
+//! loop:
+//!   commands (submit, stats, defragment, sessions, …) between steps
+//!   plan  = Scheduler::schedule()       decodes + prefill chunks, in budget
+//!   run   = runner: plan.ops, forward   copy_blocks, shift_kv, write_kv + attention
+//!     failed or panicked → Scheduler::abort_step: nothing of it is cached;
+//!     a request alone in it fails, the others are retried one at a time
+//!   step_done, sample each item         stop rules, events to its stream
+//!   push_token / finish                 finished sequences enter the tree
+//! idle: defragment past the threshold, wait for a command
+//! ```
+//!
+//! A panic anywhere in the loop is caught: the requests it touched fail,
+//! the KV bookkeeping is checked, and the worker goes on serving the others.
+
+use std::collections::HashMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::Instant;
+
+use tessera_kv::{token_ids, Admission, AppendPlan, KvCache, KvConfig, Namespace, SeqId, TokenId};
+use tessera_model::Model;
+use tessera_sched::{
+    EndReason, KvOp, NewRequest, ReqId, SchedConfig, SchedError, Scheduler, StepPlan,
+};
+use tracing::{debug_span, error, warn};
+
+use crate::request::{Active, Group, Next};
+use crate::runner::{Part, Runner};
+use crate::snapshot::KvSnapshot;
+use crate::stream::Event;
+use crate::types::{
+    ContextShift, EngineConfig, EngineStats, Fault, FaultSite, FinishReason, GenerateRequest,
+};
+use crate::{EngineError, Result};
+
+/// What the handles ask of the worker.
+pub(crate) enum Command {
+    Submit {
+        ids: Vec<u32>,
+        req: Box<GenerateRequest>,
+        events: mpsc::Sender<Event>,
+        cancel: Arc<AtomicBool>,
+        reply: mpsc::Sender<Result<()>>,
+    },
+    Stats(mpsc::Sender<EngineStats>),
+    ClearCache(mpsc::Sender<Result<usize>>),
+    Defragment(mpsc::Sender<Result<usize>>),
+    /// New number of blocks.
+    Resize(usize, mpsc::Sender<Result<usize>>),
+    /// The K/V of these tokens (computed if not cached).
+    Export(Vec<u32>, mpsc::Sender<Result<KvSnapshot>>),
+    /// Every cached path of the prefix tree.
+    ExportCache(mpsc::Sender<Result<Vec<KvSnapshot>>>),
+    /// Into the prefix tree; answers the tokens inserted.
+    Import(Vec<KvSnapshot>, mpsc::Sender<Result<usize>>),
+    Shutdown,
+}
+
+pub(crate) struct Worker {
+    runner: Runner,
+    sched: Scheduler,
+    ns: Namespace,
+    cfg: EngineConfig,
+    active: HashMap<ReqId, Active>,
+    totals: EngineStats,
+}
+
+fn sched_error(e: SchedError) -> EngineError {
+    match e {
+        SchedError::EmptyPrompt => EngineError::EmptyPrompt,
+        SchedError::PromptTooLong { tokens, context } => {
+            EngineError::PromptTooLong { tokens, context }
+        }
+        SchedError::TooLarge {
+            needed,
+            total,
+            block_size,
+        } => EngineError::OutOfKvMemory {
+            needed,
+            total,
+            block_size,
+        },
+        SchedError::Kv(e) => EngineError::Kv(e),
+        other => EngineError::Invalid(other.to_string()),
+    }
+}
+
+/// The text of a caught panic.
+fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic".into())
+}
+
+impl Worker {
+    pub(crate) fn new(
+        model: Arc<Model>,
+        cfg: &EngineConfig,
+        ctx: usize,
+        per_block: usize,
+    ) -> Result<Worker> {
+        let num_blocks = cfg.kv_memory / per_block.max(1);
+        if num_blocks == 0 {
+            return Err(EngineError::KvBudgetTooSmall {
+                bytes: cfg.kv_memory,
+                block_size: cfg.block_size,
+                per_block,
+            });
+        }
+        let kv = KvCache::new(KvConfig {
+            num_blocks,
+            block_size: cfg.block_size,
+        })?;
+        let runner = Runner::new(
+            model.clone(),
+            num_blocks,
+            cfg.block_size,
+            cfg.cache_dtype.dtype(),
+        )?;
+        let sched = Scheduler::new(
+            kv,
+            SchedConfig {
+                max_batch_tokens: cfg.prefill_chunk.max(1),
+                max_running: cfg.max_running.max(1),
+                max_wait_steps: 64,
+                prefix_cache: cfg.prefix_cache,
+                context_length: ctx,
+            },
+        );
+        Ok(Worker {
+            ns: Namespace(model.fingerprint),
+            runner,
+            sched,
+            cfg: cfg.clone(),
+            active: HashMap::new(),
+            totals: EngineStats::default(),
+        })
+    }
+
+    /// The worker thread's loop.
+    pub(crate) fn run(mut self, rx: mpsc::Receiver<Command>) {
+        loop {
+            // Commands first, between steps; block only when idle.
+            let cmd = if self.sched.has_work() {
+                match rx.try_recv() {
+                    Ok(c) => Some(c),
+                    Err(mpsc::TryRecvError::Empty) => None,
+                    Err(mpsc::TryRecvError::Disconnected) => Some(Command::Shutdown),
+                }
+            } else {
+                self.guarded(|w| w.idle());
+                Some(rx.recv().unwrap_or(Command::Shutdown))
+            };
+            match cmd {
+                Some(Command::Shutdown) => return self.shutdown(),
+                Some(c) => self.guarded(|w| w.handle(c)),
+                None => self.guarded(|w| w.step()),
+            }
+        }
+    }
+
+    /// Runs `f`, and if it panics, fails every request (the state it left
+    /// them in is unknown) and checks the bookkeeping.
+    fn guarded(&mut self, f: impl FnOnce(&mut Self)) {
+        if let Err(p) = catch_unwind(AssertUnwindSafe(|| f(self))) {
+            let e = EngineError::Step(format!("the engine hit a bug: {}", panic_text(&*p)));
+            error!("{e}");
+            self.fail_all(&e);
+            self.check_or_reset();
+        }
+    }
+
+    /// Checks the KV invariants; if they broke, starts the bookkeeping over
+    /// on an empty pool (requests are already failed).
+    fn check_or_reset(&mut self) {
+        if let Err(e) = self.sched.kv().check_invariants() {
+            error!("KV bookkeeping broken ({e}): the prefix cache starts over");
+            let kv = KvCache::new(KvConfig {
+                num_blocks: self.sched.kv().pool().num_blocks(),
+                block_size: self.sched.kv().block_size(),
+            })
+            .expect("the same configuration was valid");
+            self.sched = Scheduler::new(kv, self.sched.config().clone());
+            self.active.clear();
+        }
+    }
+
+    fn handle(&mut self, cmd: Command) {
+        match cmd {
+            Command::Submit {
+                ids,
+                req,
+                events,
+                cancel,
+                reply,
+            } => {
+                let _ = reply.send(self.submit(ids, req, events, cancel));
+            }
+            Command::Stats(reply) => {
+                let _ = reply.send(self.stats());
+            }
+            Command::ClearCache(reply) => {
+                let _ = reply.send(self.sched.kv_mut().clear_cache().map_err(Into::into));
+            }
+            Command::Defragment(reply) => {
+                let _ = reply.send(self.defragment());
+            }
+            Command::Resize(blocks, reply) => {
+                let _ = reply.send(self.resize(blocks));
+            }
+            Command::Export(ids, reply) => {
+                let _ = reply.send(self.export(&ids));
+            }
+            Command::ExportCache(reply) => {
+                let _ = reply.send(self.export_cache());
+            }
+            Command::Import(snaps, reply) => {
+                let _ = reply.send(self.import(&snaps));
+            }
+            Command::Shutdown => unreachable!("handled by run"),
+        }
+    }
+
+    fn stats(&self) -> EngineStats {
+        let s = self.sched.stats();
+        EngineStats {
+            kv: self.sched.kv().stats(),
+            preemptions: s.preemptions,
+            ..self.totals
+        }
+    }
+
+    fn submit(
+        &mut self,
+        ids: Vec<u32>,
+        req: Box<GenerateRequest>,
+        events: mpsc::Sender<Event>,
+        cancel: Arc<AtomicBool>,
+    ) -> Result<()> {
+        let shift_keep = match req.context_shift {
+            ContextShift::Off => None,
+            ContextShift::Keep(n) => Some(n),
+        };
+        let id = self
+            .sched
+            .add(NewRequest {
+                namespace: self.ns,
+                prompt: token_ids(&ids),
+                max_new_tokens: req.max_tokens,
+                shift_keep,
+            })
+            .map_err(sched_error)?;
+        let group = Arc::new(Group {
+            req,
+            prompt: ids,
+            events,
+            cancel,
+            submitted: Instant::now(),
+        });
+        self.active.insert(id, Active::new(group, 0));
+        Ok(())
+    }
+
+    /// One step of the batch.
+    fn step(&mut self) {
+        let cancelled: Vec<ReqId> = self
+            .active
+            .iter()
+            .filter(|(_, a)| a.group.cancel.load(Ordering::Relaxed))
+            .map(|(&id, _)| id)
+            .collect();
+        for id in cancelled {
+            self.finish(id, FinishReason::Cancelled);
+        }
+        if !self.sched.has_work() {
+            return;
+        }
+        let plan = match debug_span!("schedule").in_scope(|| self.sched.schedule()) {
+            Ok(p) => p,
+            Err(e) => {
+                let e = sched_error(e);
+                self.fail_all(&e);
+                return self.check_or_reset();
+            }
+        };
+        self.totals.steps += 1;
+        let now = Instant::now();
+        for item in &plan.items {
+            if let Some(a) = self.active.get_mut(&item.req) {
+                a.started.get_or_insert(now);
+            }
+        }
+        let ran = catch_unwind(AssertUnwindSafe(|| self.execute(&plan)))
+            .unwrap_or_else(|p| Err(EngineError::Step(panic_text(&*p))));
+        let logits =
+            match ran.and_then(|l| self.sched.step_done(&plan).map(|()| l).map_err(sched_error)) {
+                Ok(l) => l,
+                Err(e) => return self.abort(&plan, &e),
+            };
+        self.end_scheduled(&plan);
+        let _span = debug_span!("sample").entered();
+        let wanting = plan.items.iter().filter(|i| i.wants_logits);
+        for (item, row) in wanting.zip(logits) {
+            if let Err(e) = self.on_logits(item.req, &row) {
+                self.fail(item.req, &e);
+            }
+        }
+    }
+
+    /// Finishes the requests the scheduler ended.
+    fn end_scheduled(&mut self, plan: &StepPlan) {
+        for &(req, reason) in &plan.ended {
+            match reason {
+                EndReason::ContextFull => self.finish(req, FinishReason::Length),
+                EndReason::OutOfKvMemory { needed, total } => {
+                    let e = EngineError::OutOfKvMemory {
+                        needed,
+                        total,
+                        block_size: self.sched.kv().block_size(),
+                    };
+                    self.fail(req, &e);
+                }
+            }
+        }
+    }
+
+    /// A step failed: nothing of it enters the cache; the requests alone in
+    /// it fail, the others are retried.
+    fn abort(&mut self, plan: &StepPlan, e: &EngineError) {
+        warn!("step failed: {e}");
+        self.totals.failed_steps += 1;
+        match self.sched.abort_step(plan) {
+            Ok(aborted) => {
+                self.end_scheduled(plan);
+                for id in aborted.failed {
+                    self.fail(id, e);
+                }
+            }
+            Err(bug) => {
+                self.fail_all(&EngineError::Step(format!("{e}; undoing it: {bug}")));
+            }
+        }
+        self.check_or_reset();
+    }
+
+    /// Applies the plan's KV operations and runs the forward pass; returns
+    /// the logits of the items that want them, in order.
+    fn execute(&self, plan: &StepPlan) -> Result<Vec<Vec<f32>>> {
+        let _span = debug_span!("execute", tokens = plan.num_tokens()).entered();
+        for op in &plan.ops {
+            match op {
+                KvOp::Copy(copies) => self.runner.apply_copies(copies)?,
+                KvOp::Shift { plan, .. } => self.runner.apply_shift(plan)?,
+            }
+        }
+        let parts: Vec<Part> = plan
+            .items
+            .iter()
+            .map(|i| Part {
+                tokens: &i.tokens,
+                start: i.start,
+                slots: i.slots.iter().map(|s| s.0).collect(),
+                table: i.block_table.iter().map(|b| b.0).collect(),
+                logits: i.wants_logits,
+            })
+            .collect();
+        self.inject_fault(plan, &parts)?;
+        self.runner.forward(&parts)
+    }
+
+    /// Asks the fault hook about this step; a chosen fault poisons the
+    /// step's slots and then errors or panics.
+    fn inject_fault(&self, plan: &StepPlan, parts: &[Part]) -> Result<()> {
+        let Some(hook) = &self.cfg.faults else {
+            return Ok(());
+        };
+        let sites: Vec<FaultSite> = plan
+            .items
+            .iter()
+            .filter_map(|i| {
+                let a = self.active.get(&i.req)?;
+                Some(FaultSite {
+                    prompt: &a.group.prompt,
+                    sample: a.index,
+                    start: i.start,
+                    len: i.tokens.len(),
+                })
+            })
+            .collect();
+        let Some(fault) = (hook.0)(&sites) else {
+            return Ok(());
+        };
+        let slots: Vec<u32> = parts.iter().flat_map(|p| p.slots.iter().copied()).collect();
+        self.runner.poison(&slots)?;
+        match fault {
+            Fault::Error => Err(EngineError::Step("injected fault".into())),
+            Fault::Panic => panic!("injected panic"),
+        }
+    }
+
+    /// Samples the next token of `req` (and of its forks, the first time).
+    fn on_logits(&mut self, req: ReqId, logits: &[f32]) -> Result<()> {
+        let cached = self.sched.cached_tokens(req).ok().flatten();
+        let Some(a) = self.active.get_mut(&req) else {
+            return Ok(());
+        };
+        a.cached = a.cached.or(cached);
+        let mut ids = vec![req];
+        if std::mem::take(&mut a.fork_pending) {
+            let (group, started) = (a.group.clone(), a.started);
+            for index in 1..group.req.n {
+                let child = self.sched.fork(req).map_err(sched_error)?;
+                let mut c = Active::new(group.clone(), index);
+                c.started = started;
+                c.cached = cached;
+                self.active.insert(child, c);
+                ids.push(child);
+            }
+        }
+        for id in ids {
+            let a = self.active.get_mut(&id).expect("active");
+            match a.advance(logits, &self.runner.model().tokenizer)? {
+                Next::Continue(t) => self.sched.push_token(id, TokenId(t)).map_err(sched_error)?,
+                Next::Finish(reason) => self.finish(id, reason),
+            }
+        }
+        Ok(())
+    }
+
+    /// Ends a sample: its sequence enters the prefix tree (when caching),
+    /// its blocks are freed, and its completion goes to the stream.
+    fn finish(&mut self, id: ReqId, reason: FinishReason) {
+        let cached = self.sched.cached_tokens(id).ok().flatten();
+        let Some(mut a) = self.active.remove(&id) else {
+            return;
+        };
+        a.cached = a.cached.or(cached);
+        if let Err(e) = self.sched.finish(id) {
+            warn!("finishing {id}: {e}");
+        }
+        let events = a.group.events.clone();
+        let done = a.complete(reason, &self.runner.model().tokenizer);
+        if done.index == 0 {
+            self.totals.requests += 1;
+            self.totals.prompt_tokens += done.usage.prompt_tokens as u64;
+            self.totals.cached_tokens += done.usage.cached_tokens as u64;
+        }
+        self.totals.completion_tokens += done.usage.completion_tokens as u64;
+        let _ = events.send(Event::Done(Box::new(done)));
+    }
+
+    /// Ends a sample with an error; what it computed stays cached.
+    fn fail(&mut self, id: ReqId, e: &EngineError) {
+        if let Some(a) = self.active.remove(&id) {
+            self.totals.failed_requests += 1;
+            let err = match e {
+                EngineError::OutOfKvMemory {
+                    needed,
+                    total,
+                    block_size,
+                } => EngineError::OutOfKvMemory {
+                    needed: *needed,
+                    total: *total,
+                    block_size: *block_size,
+                },
+                other => EngineError::Step(other.to_string()),
+            };
+            let _ = a.group.events.send(Event::Error(err));
+        }
+        if let Err(e) = self.sched.finish(id) {
+            warn!("dropping failed {id}: {e}");
+        }
+    }
+
+    fn fail_all(&mut self, e: &EngineError) {
+        let ids: Vec<ReqId> = self.active.keys().copied().collect();
+        for id in ids {
+            self.fail(id, e);
+        }
+    }
+
+    /// Between requests: defragment when holes pass the threshold.
+    fn idle(&mut self) {
+        let pool = self.sched.kv().pool();
+        let live = pool.num_live();
+        let span = pool.highest_live().map_or(0, |b| b.index() + 1);
+        if span > 0 && (span - live) as f64 > self.cfg.defrag_threshold * span as f64 {
+            if let Err(e) = self.defragment() {
+                warn!("idle defragmentation: {e}");
+            }
+        }
+    }
+
+    fn defragment(&mut self) -> Result<usize> {
+        let plan = self.sched.kv_mut().plan_defrag();
+        self.runner.apply_copies(&plan.moves)?;
+        if !plan.moves.is_empty() {
+            self.totals.defrags += 1;
+        }
+        Ok(plan.moves.len())
+    }
+
+    /// Resizes the pool to `blocks`; returns the new number of blocks. A
+    /// pool too small for a request it holds (waiting or running), or for
+    /// the blocks running requests hold now, is refused, changing nothing.
+    fn resize(&mut self, blocks: usize) -> Result<usize> {
+        let bs = self.sched.kv().block_size();
+        let now = self.sched.kv().pool().num_blocks();
+        let oom = |needed| EngineError::OutOfKvMemory {
+            needed,
+            total: blocks,
+            block_size: bs,
+        };
+        if blocks == 0 {
+            return Err(EngineError::Invalid(
+                "the KV pool needs at least one block".into(),
+            ));
+        }
+        let needed = self.sched.min_blocks();
+        if blocks < needed {
+            return Err(oom(needed));
+        }
+        if blocks < now {
+            let kv = self.sched.kv_mut();
+            let live = kv.pool().num_live();
+            if live > blocks {
+                kv.evict(live - blocks)?;
+            }
+            let live = kv.pool().num_live();
+            if live > blocks {
+                return Err(oom(live));
+            }
+            self.defragment()?;
+            self.sched.kv_mut().shrink_to(blocks)?;
+            self.runner.resize(blocks)?;
+        } else if blocks > now {
+            self.runner.resize(blocks)?;
+            self.sched.kv_mut().grow_to(blocks)?;
+        }
+        Ok(blocks)
+    }
+
+    /// Runs `tokens` through the model on a private sequence (reusing what
+    /// is cached), then hands the sequence to `f` and releases it; the
+    /// computed tokens stay cached when caching is on and all went well.
+    fn with_computed<T>(
+        &mut self,
+        tokens: &[u32],
+        f: impl FnOnce(&Self, SeqId) -> Result<T>,
+    ) -> Result<T> {
+        let toks = token_ids(tokens);
+        let (seq, cached) = self.sched.kv_mut().add_sequence(self.ns, &toks);
+        let result = self
+            .compute_on(seq, &toks[cached..])
+            .and_then(|()| f(self, seq));
+        let kv = self.sched.kv_mut();
+        if result.is_ok() && self.cfg.prefix_cache {
+            kv.insert_sequence(seq)?;
+        }
+        kv.free_sequence(seq)?;
+        result
+    }
+
+    /// Reserves slots for `toks` on `seq` outside the scheduler (sessions,
+    /// exports): out of blocks is an error, not a wait.
+    fn append_now(&mut self, seq: SeqId, toks: &[TokenId]) -> Result<AppendPlan> {
+        let kv = self.sched.kv_mut();
+        match kv.append(seq, toks)? {
+            Admission::Ok(p) => Ok(p),
+            Admission::Later { needed, .. } | Admission::Never { needed, .. } => {
+                Err(EngineError::OutOfKvMemory {
+                    needed,
+                    total: kv.pool().num_blocks(),
+                    block_size: kv.block_size(),
+                })
+            }
+        }
+    }
+
+    /// Appends and computes `toks` on `seq`, in chunks. On an error the
+    /// sequence holds tokens not computed; the caller frees it uncached.
+    fn compute_on(&mut self, seq: SeqId, toks: &[TokenId]) -> Result<()> {
+        for chunk in toks.chunks(self.cfg.prefill_chunk.max(1)) {
+            let plan = self.append_now(seq, chunk)?;
+            self.runner.apply_copies(&plan.copies)?;
+            let s = self.sched.kv().sequence(seq)?;
+            let part = Part {
+                tokens: chunk,
+                start: s.len() - chunk.len(),
+                slots: plan.slots.iter().map(|s| s.0).collect(),
+                table: s.block_table().iter().map(|b| b.0).collect(),
+                logits: false,
+            };
+            let len = s.len();
+            self.runner.forward(&[part])?;
+            self.sched.kv_mut().mark_computed(seq, len)?;
+        }
+        Ok(())
+    }
+
+    /// The K/V of `seq`'s positions `0..n`.
+    fn read_kv(&self, seq: SeqId, n: usize) -> Result<Vec<crate::snapshot::LayerBytes>> {
+        let kv = self.sched.kv();
+        let slots: Vec<u32> = (0..n)
+            .map(|p| kv.slot(seq, p).map(|s| s.0))
+            .collect::<std::result::Result<_, _>>()?;
+        self.runner.read_rows(&slots)
+    }
+
+    fn export(&mut self, ids: &[u32]) -> Result<KvSnapshot> {
+        if ids.is_empty() {
+            return Ok(KvSnapshot {
+                tokens: Vec::new(),
+                layers: Vec::new(),
+            });
+        }
+        self.with_computed(ids, |w, seq| {
+            Ok(KvSnapshot {
+                tokens: ids.to_vec(),
+                layers: w.read_kv(seq, ids.len())?,
+            })
+        })
+    }
+
+    fn export_cache(&mut self) -> Result<Vec<KvSnapshot>> {
+        let paths = self.sched.kv().tree().paths();
+        let mut out = Vec::new();
+        let ns = self.ns;
+        for p in paths.into_iter().filter(|p| p.namespace == ns) {
+            let ids: Vec<u32> = p.tokens.iter().map(|t| t.0).collect();
+            out.push(self.export(&ids)?);
+        }
+        Ok(out)
+    }
+
+    /// Inserts snapshots into the prefix tree. Each is checked whole (token
+    /// ids in the vocabulary, one K and one V row per token per layer)
+    /// before any of its bytes is written; a bad one is refused and what
+    /// came before it stays.
+    fn import(&mut self, snaps: &[KvSnapshot]) -> Result<usize> {
+        if !self.cfg.prefix_cache {
+            return Err(EngineError::Invalid(
+                "loading saved K/V needs the prefix cache, which is off".into(),
+            ));
+        }
+        let vocab = self.runner.model().config().vocab_size;
+        let mut total = 0;
+        for snap in snaps.iter().filter(|s| !s.tokens.is_empty()) {
+            if let Some(&t) = snap.tokens.iter().find(|&&t| t as usize >= vocab) {
+                return Err(EngineError::Invalid(format!(
+                    "saved token id {t} is outside the vocabulary of {vocab}"
+                )));
+            }
+            // Checks the byte counts before touching the pool.
+            self.runner
+                .write_rows(&[], &snap.layers, snap.tokens.len())?;
+            let toks = token_ids(&snap.tokens);
+            let (seq, cached) = self.sched.kv_mut().add_sequence(self.ns, &toks);
+            let result = self.append_now(seq, &toks[cached..]).and_then(|plan| {
+                self.runner.apply_copies(&plan.copies)?;
+                let slots: Vec<u32> = plan.slots.iter().map(|s| s.0).collect();
+                self.runner.write_rows(&slots, &snap.layers, cached)
+            });
+            let kv = self.sched.kv_mut();
+            if result.is_ok() {
+                kv.mark_computed(seq, toks.len())?;
+                total += kv.insert_sequence(seq)?.inserted;
+            }
+            kv.free_sequence(seq)?;
+            result?;
+        }
+        Ok(total)
+    }
+
+    fn shutdown(mut self) {
+        for id in self.active.keys().copied().collect::<Vec<_>>() {
+            self.finish(id, FinishReason::Cancelled);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,349 @@
+//! Worker tests on a tiny generated model.
+use super::*;
+use crate::types::CacheDType;
+use tessera_model::testing::{write_tiny_model, TinySpec};
+
+fn tiny_core(dtype: CacheDType) -> (Worker, std::path::PathBuf) {
+    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = N.fetch_add(1, Ordering::SeqCst);
+    let dir = std::env::temp_dir().join(format!("tessera-core-{}-{n}", std::process::id()));
+    write_tiny_model(&dir, TinySpec::default()).unwrap();
+    let model = Arc::new(Model::load(&dir, &mut |_, _| {}).unwrap());
+    let cfg = EngineConfig {
+        kv_memory: 1 << 20,
+        block_size: 4,
+        cache_dtype: dtype,
+        prefill_chunk: 7,
+        ..EngineConfig::default()
+    };
+    let per = cfg.block_size * model.config().kv_bytes_per_token(dtype.bytes());
+    (Worker::new(model, &cfg, 512, per).unwrap(), dir)
+}
+
+fn computed(core: &mut Worker, ids: &[u32]) -> SeqId {
+    let (seq, _) = core.sched.kv_mut().add_sequence(core.ns, &[]);
+    core.compute_on(seq, &token_ids(ids)).unwrap();
+    seq
+}
+
+fn max_abs(a: &[u8], b: &[u8]) -> f32 {
+    let f = |x: &[u8]| -> Vec<f32> {
+        x.chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect()
+    };
+    f(a).iter()
+        .zip(f(b))
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+/// After a context shift, layer-0 K (rotated by the position delta) and
+/// V equal those computed fresh for the kept tokens at their new
+/// positions: layer 0 sees only the token and its position.
+#[test]
+fn shifted_layer_zero_kv_equals_a_fresh_computation() {
+    let (mut core, dir) = tiny_core(CacheDType::F32);
+    let ids: Vec<u32> = (0..23).map(|i| 5 + (i * 7) % 90).collect();
+    let seq = computed(&mut core, &ids);
+    let (keep, discard) = (5, 9);
+    let plan = core
+        .sched
+        .kv_mut()
+        .plan_shift(seq, keep, discard)
+        .unwrap()
+        .ok()
+        .unwrap();
+    core.runner.apply_shift(&plan).unwrap();
+    let shifted = core.read_kv(seq, ids.len() - discard).unwrap();
+
+    let kept: Vec<u32> = ids[..keep]
+        .iter()
+        .chain(&ids[keep + discard..])
+        .copied()
+        .collect();
+    let fresh_seq = computed(&mut core, &kept);
+    let fresh = core.read_kv(fresh_seq, kept.len()).unwrap();
+    let dk = max_abs(&shifted[0].k, &fresh[0].k);
+    let dv = max_abs(&shifted[0].v, &fresh[0].v);
+    assert!(
+        dk < 1e-4 && dv < 1e-4,
+        "layer 0: K differs by {dk}, V by {dv}"
+    );
+    // Deeper layers saw the discarded tokens: they do differ.
+    assert!(max_abs(&shifted[1].v, &fresh[1].v) > 1e-3);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// Exported K/V imported into another pool reads back byte for byte.
+#[test]
+fn snapshots_round_trip_between_pools() {
+    for dtype in [CacheDType::F16, CacheDType::F32] {
+        let (mut a, d1) = tiny_core(dtype);
+        let (mut b, d2) = tiny_core(dtype);
+        let ids: Vec<u32> = (0..19).map(|i| 3 + (i * 5) % 80).collect();
+        let snap = a.export(&ids).unwrap();
+        assert_eq!(snap.layers.len(), 2);
+        assert_eq!(b.import(std::slice::from_ref(&snap)).unwrap(), ids.len());
+        let again = b.export(&ids).unwrap();
+        assert_eq!(again, snap);
+        // The imported tokens are served from b's cache.
+        let (seq, cached) = b.sched.kv_mut().add_sequence(b.ns, &token_ids(&ids));
+        assert_eq!(cached, ids.len());
+        b.sched.kv_mut().free_sequence(seq).unwrap();
+        std::fs::remove_dir_all(d1).unwrap();
+        std::fs::remove_dir_all(d2).unwrap();
+    }
+}
+
+// ---- failure paths, through the engine handle ------------------------------
+
+use crate::engine::Engine;
+use crate::sampler::SamplingParams;
+use crate::types::{FaultHook, GenerateRequest, Prompt};
+use std::sync::atomic::AtomicUsize;
+
+fn tiny_engine(cfg: EngineConfig) -> (Engine, std::path::PathBuf) {
+    static N: AtomicUsize = AtomicUsize::new(0);
+    let n = N.fetch_add(1, Ordering::SeqCst);
+    let dir = std::env::temp_dir().join(format!("tessera-engine-{}-{n}", std::process::id()));
+    write_tiny_model(&dir, TinySpec::default()).unwrap();
+    let model = Model::load(&dir, &mut |_, _| {}).unwrap();
+    (Engine::from_model(model, cfg).unwrap(), dir)
+}
+
+fn small_cfg() -> EngineConfig {
+    EngineConfig {
+        kv_memory: 1 << 20,
+        block_size: 4,
+        cache_dtype: CacheDType::F32,
+        prefill_chunk: 16,
+        ..EngineConfig::default()
+    }
+}
+
+fn greedy(prompt: &[u32], max_tokens: usize) -> GenerateRequest {
+    GenerateRequest {
+        sampling: SamplingParams {
+            temperature: 0.0,
+            ..SamplingParams::default()
+        },
+        max_tokens,
+        ignore_eos: true,
+        ..GenerateRequest::new(Prompt::Tokens(prompt.to_vec()))
+    }
+}
+
+fn prompts() -> Vec<Vec<u32>> {
+    // A shared prefix, then a different tail each.
+    (0..4u32)
+        .map(|i| {
+            (0..9u32)
+                .map(|t| 3 + t * 5 % 60)
+                .chain((0..14u32).map(|t| 7 + (t * 11 + i * 17) % 80))
+                .collect()
+        })
+        .collect()
+}
+
+/// Runs the prompts concurrently; per prompt, its tokens or the error text.
+fn run_all(engine: &Engine, prompts: &[Vec<u32>]) -> Vec<std::result::Result<Vec<u32>, String>> {
+    let streams: Vec<_> = prompts
+        .iter()
+        .map(|p| engine.generate(greedy(p, 12)).unwrap())
+        .collect();
+    streams
+        .into_iter()
+        .map(|s| {
+            let mut out = Err("no end".to_string());
+            for ev in s {
+                match ev {
+                    Event::Done(c) => out = Ok(c.tokens),
+                    Event::Error(e) => out = Err(e.to_string()),
+                    Event::Token { .. } => {}
+                }
+            }
+            out
+        })
+        .collect()
+}
+
+fn assert_no_leak(engine: &Engine) {
+    let kv = engine.stats().kv;
+    assert_eq!((kv.sequences, kv.used_blocks), (0, 0), "{kv:?}");
+}
+
+/// Errors and panics injected into chosen steps of concurrent requests: a
+/// request whose every step fails ends with an error, one whose step fails
+/// once is retried, and all others give exactly the tokens of a run without
+/// faults. No block leaks, and the poisoned slots are never read again.
+#[test]
+fn injected_errors_and_panics_fail_only_the_request_at_fault() {
+    let ps = prompts();
+    let (clean, d1) = tiny_engine(small_cfg());
+    let reference = run_all(&clean, &ps);
+    assert!(reference.iter().all(|r| r.is_ok()));
+
+    let (always, once) = (ps[1].clone(), ps[2].clone());
+    let armed = Arc::new(AtomicBool::new(true));
+    let panicked = Arc::new(AtomicBool::new(false));
+    let (a, p) = (armed.clone(), panicked.clone());
+    let hook = FaultHook::new(move |sites| {
+        if !a.load(Ordering::SeqCst) {
+            return None;
+        }
+        // Every step that computes past position 12 of `always` fails.
+        if sites
+            .iter()
+            .any(|s| s.prompt == always && s.start + s.len > 12)
+        {
+            return Some(Fault::Error);
+        }
+        // The first step that decodes `once` panics.
+        if sites
+            .iter()
+            .any(|s| s.prompt == once && s.start >= once.len())
+            && !p.swap(true, Ordering::SeqCst)
+        {
+            return Some(Fault::Panic);
+        }
+        None
+    });
+    let (faulty, d2) = tiny_engine(EngineConfig {
+        faults: Some(hook),
+        ..small_cfg()
+    });
+    let got = run_all(&faulty, &ps);
+    assert!(panicked.load(Ordering::SeqCst), "the panic was injected");
+    assert!(
+        got[1].as_ref().is_err_and(|e| e.contains("injected fault")),
+        "{:?}",
+        got[1]
+    );
+    for i in [0, 2, 3] {
+        assert_eq!(got[i], reference[i], "prompt {i}");
+    }
+    let stats = faulty.stats();
+    assert!(stats.failed_steps >= 2, "{stats:?}");
+    assert_eq!(stats.failed_requests, 1);
+    assert_no_leak(&faulty);
+
+    // With the faults off, the failed prompt and the others run again from
+    // what the cache holds, and give the reference tokens.
+    armed.store(false, Ordering::SeqCst);
+    assert_eq!(run_all(&faulty, &ps), reference);
+    assert!(faulty.stats().cached_tokens > 0);
+    assert_no_leak(&faulty);
+    drop((clean, faulty));
+    std::fs::remove_dir_all(d1).unwrap();
+    std::fs::remove_dir_all(d2).unwrap();
+}
+
+/// Shrinking the pool below what a queued request needs is refused with the
+/// numbers; the request then runs as usual.
+#[test]
+fn resize_keeps_room_for_the_requests_it_holds() {
+    let (engine, dir) = tiny_engine(EngineConfig {
+        max_running: 1,
+        ..small_cfg()
+    });
+    let per = engine.block_bytes();
+    let long: Vec<u32> = (0..60).map(|i| 5 + i % 70).collect();
+    let first = engine.generate(greedy(&long, 40)).unwrap();
+    // 100 tokens of 4 per block: 25 blocks.
+    let err = engine.resize_kv(20 * per).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            EngineError::OutOfKvMemory {
+                needed: 25,
+                total: 20,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    let done: Vec<_> = first.collect();
+    assert!(matches!(done.last(), Some(Event::Done(_))));
+    assert_eq!(engine.resize_kv(20 * per).unwrap(), 20);
+    // Now a request that needs 25 blocks is refused up front.
+    assert!(matches!(
+        engine.generate(greedy(&long, 40)),
+        Err(EngineError::OutOfKvMemory {
+            needed: 25,
+            total: 20,
+            ..
+        })
+    ));
+    drop(engine);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// A cache directory the engine cannot read (saved with another cache
+/// dtype) makes loading fail and is left exactly as it was.
+#[test]
+fn a_failed_restore_never_overwrites_the_cache_file() {
+    let cache = std::env::temp_dir().join(format!("tessera-cachedir-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&cache);
+    let with = |dtype| EngineConfig {
+        cache_dir: Some(cache.clone()),
+        cache_dtype: dtype,
+        ..small_cfg()
+    };
+    let (engine, d1) = tiny_engine(with(CacheDType::F32));
+    let p = &prompts()[0];
+    engine.complete(&greedy(p, 4), &mut |_| {}).unwrap();
+    drop(engine);
+    let file = cache.join(crate::snapshot::CACHE_FILE);
+    let before = std::fs::read(&file).unwrap();
+    assert!(before.len() > 1000);
+
+    let dir = std::env::temp_dir().join(format!("tessera-engine-f16-{}", std::process::id()));
+    write_tiny_model(&dir, TinySpec::default()).unwrap();
+    let model = Model::load(&dir, &mut |_, _| {}).unwrap();
+    let err = Engine::from_model(model, with(CacheDType::F16))
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("cache dtype f32"), "{err}");
+    assert_eq!(
+        std::fs::read(&file).unwrap(),
+        before,
+        "the file is untouched"
+    );
+    // No temporary files are left beside it.
+    assert_eq!(std::fs::read_dir(&cache).unwrap().count(), 1);
+
+    // The engine that wrote it still reads it back.
+    let (engine, d3) = tiny_engine(with(CacheDType::F32));
+    assert!(engine.stats().kv.cached_tokens >= p.len());
+    drop(engine);
+    for d in [d1, dir, d3, cache] {
+        std::fs::remove_dir_all(d).unwrap();
+    }
+}
+
+/// Saved K/V whose bytes do not match the pool's geometry is refused before
+/// anything is written, on the caller's thread, and the engine goes on.
+#[test]
+fn import_refuses_short_or_long_rows() {
+    let (engine, dir) = tiny_engine(small_cfg());
+    let p = &prompts()[0];
+    let good = engine.export_kv(p).unwrap();
+    let (fresh, d2) = tiny_engine(small_cfg());
+    let mut short = good.clone();
+    short.layers[1].v.truncate(good.layers[1].v.len() - 4);
+    let mut missing = good.clone();
+    missing.layers.pop();
+    let mut long = good.clone();
+    long.tokens.pop();
+    for bad in [short, missing, long] {
+        let err = fresh.import_kv(vec![bad]).unwrap_err();
+        assert!(matches!(err, EngineError::Invalid(_)), "{err}");
+    }
+    assert_eq!(fresh.stats().kv.cached_tokens, 0);
+    assert_no_leak(&fresh);
+    assert_eq!(fresh.import_kv(vec![good]).unwrap(), p.len());
+    drop((engine, fresh));
+    std::fs::remove_dir_all(dir).unwrap();
+    std::fs::remove_dir_all(d2).unwrap();
+}
