@@ -136,17 +136,23 @@ impl ChatSession {
 }
 
 /// Tokens of the new text of a turn: template text with control tokens
-/// parsed, the user's content as plain text.
+/// parsed, the user's content as plain text. `None` when the content does
+/// not appear in the text as typed (the template changed it): the caller
+/// then encodes the whole conversation, which keeps control tokens to the
+/// template's own text whatever it does to messages.
 pub(crate) fn encode_turn_suffix(
     tok: &tessera_model::Tokenizer,
     suffix: &str,
     user: &str,
-) -> Result<Vec<u32>> {
-    let Some(at) = (!user.is_empty()).then(|| suffix.rfind(user)).flatten() else {
-        return Ok(tok.encode(suffix, Special::Parse, false)?);
+) -> Result<Option<Vec<u32>>> {
+    if user.is_empty() {
+        return Ok(Some(tok.encode(suffix, Special::Parse, false)?));
+    }
+    let Some(at) = suffix.rfind(user) else {
+        return Ok(None);
     };
     let mut ids = tok.encode(&suffix[..at], Special::Parse, false)?;
     ids.extend(tok.encode(user, Special::AsText, false)?);
     ids.extend(tok.encode(&suffix[at + user.len()..], Special::Parse, false)?);
-    Ok(ids)
+    Ok(Some(ids))
 }

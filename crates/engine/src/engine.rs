@@ -316,14 +316,18 @@ impl Engine {
             .covered
             .as_deref()
             .filter(|_| !session.ids.is_empty());
-        let prompt = match covered.and_then(|c| full.strip_prefix(c)) {
+        let spliced = match covered.and_then(|c| full.strip_prefix(c)) {
             // Append-only template and an unbroken history: splice.
-            Some(suffix) => {
+            Some(suffix) => encode_turn_suffix(tok, suffix, user)?.map(|new| {
                 let mut ids = session.ids.clone();
-                ids.extend(encode_turn_suffix(tok, suffix, user)?);
+                ids.extend(new);
                 ids
-            }
-            _ => template.encode(tok, &msgs, true)?,
+            }),
+            None => None,
+        };
+        let prompt = match spliced {
+            Some(ids) => ids,
+            None => template.encode(tok, &msgs, true)?,
         };
         if session.ids.is_empty() && session.system().is_some() {
             session.n_keep = template.encode(tok, &msgs[..1], false)?.len();

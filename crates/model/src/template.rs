@@ -5,8 +5,12 @@
 //! has none.
 //!
 //! [`ChatTemplate::encode`] parses control tokens only in the template's own
-//! text: message contents are tokenized as plain text, so a user who types
-//! `<|im_start|>` cannot forge a turn.
+//! text: message contents (and roles) are tokenized as plain text, so a user
+//! who types `<|im_start|>` cannot forge a turn, whatever the template does
+//! to the messages (trim, replace, escape).
+//!
+//! Templates come from model files, so rendering is bounded: fuel (about
+//! one unit per instruction), a recursion limit, and a cap on the output.
 
 use minijinja::{context, Environment, Error, ErrorKind};
 use serde::Serialize;
@@ -55,9 +59,74 @@ fn sentinel(i: usize) -> String {
     format!("\u{F8FF}{i}\u{F8FE}")
 }
 
+/// Stands for literal `k` (control-token text typed by a user) in a
+/// rendering.
+const LIT_OPEN: char = '\u{F8FD}';
+const LIT_CLOSE: char = '\u{F8FC}';
+
+/// Instructions a rendering may run (a real chat template of a long
+/// conversation uses well under a million).
+pub const TEMPLATE_FUEL: u64 = 20_000_000;
+/// Nesting depth of includes, macros and blocks.
+pub const TEMPLATE_RECURSION: usize = 64;
+/// Bytes a rendering may produce.
+pub const TEMPLATE_MAX_OUTPUT: usize = 64 << 20;
+
+/// `text` with every occurrence of a control-token text replaced by a
+/// private-use marker; the replaced texts are pushed to `literals`.
+fn neutralize(text: &str, controls: &[String], literals: &mut Vec<String>) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    'outer: while !rest.is_empty() {
+        for c in controls {
+            if rest.starts_with(c.as_str()) {
+                out.push(LIT_OPEN);
+                out.push_str(&literals.len().to_string());
+                out.push(LIT_CLOSE);
+                literals.push(c.clone());
+                rest = &rest[c.len()..];
+                continue 'outer;
+            }
+        }
+        let ch = rest.chars().next().expect("not empty");
+        out.push(ch);
+        rest = &rest[ch.len_utf8()..];
+    }
+    out
+}
+
+/// Tokens of template text that may hold literal markers: control tokens
+/// parsed in the text between markers, each marker's literal as plain text.
+fn encode_with_literals(tok: &Tokenizer, text: &str, literals: &[String]) -> Result<Vec<u32>> {
+    let mut ids = Vec::new();
+    let mut rest = text;
+    while let Some(start) = rest.find(LIT_OPEN) {
+        let after = &rest[start + LIT_OPEN.len_utf8()..];
+        let lit = after.find(LIT_CLOSE).and_then(|end| {
+            let k: usize = after[..end].parse().ok()?;
+            Some((literals.get(k)?, end))
+        });
+        let Some((lit, end)) = lit else {
+            // Not a marker of ours: the rest is plain template text.
+            break;
+        };
+        if start > 0 {
+            ids.extend(tok.encode(&rest[..start], Special::Parse, false)?);
+        }
+        ids.extend(tok.encode(lit, Special::AsText, false)?);
+        rest = &after[end + LIT_CLOSE.len_utf8()..];
+    }
+    if !rest.is_empty() {
+        ids.extend(tok.encode(rest, Special::Parse, false)?);
+    }
+    Ok(ids)
+}
+
 impl ChatTemplate {
     pub fn new(source: &str, bos: &str, eos: &str) -> Result<ChatTemplate> {
         let mut env = Environment::new();
+        env.set_fuel(Some(TEMPLATE_FUEL));
+        env.set_recursion_limit(TEMPLATE_RECURSION);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function(
             "raise_exception",
@@ -85,13 +154,21 @@ impl ChatTemplate {
             .env
             .get_template("chat")
             .map_err(|e| ModelError::Template(e.to_string()))?;
-        t.render(context! {
-            messages => messages,
-            add_generation_prompt => add_generation_prompt,
-            bos_token => self.bos,
-            eos_token => self.eos,
-        })
-        .map_err(|e| ModelError::Template(e.to_string()))
+        let out = t
+            .render(context! {
+                messages => messages,
+                add_generation_prompt => add_generation_prompt,
+                bos_token => self.bos,
+                eos_token => self.eos,
+            })
+            .map_err(|e| ModelError::Template(e.to_string()))?;
+        if out.len() > TEMPLATE_MAX_OUTPUT {
+            return Err(ModelError::Template(format!(
+                "the rendered prompt has {} bytes, more than the limit of {TEMPLATE_MAX_OUTPUT}",
+                out.len()
+            )));
+        }
+        Ok(out)
     }
 
     /// Token ids of the rendered prompt, control tokens parsed only in the
@@ -102,11 +179,24 @@ impl ChatTemplate {
         messages: &[Message],
         add_generation_prompt: bool,
     ) -> Result<Vec<u32>> {
-        let real = self.render(messages, add_generation_prompt)?;
-        let marked: Vec<Message> = messages
+        // Roles are the caller's text too: control-token text in them is
+        // marked, and encoded as plain text wherever the template puts it.
+        let controls = tok.control_texts();
+        let mut literals = Vec::new();
+        let roles: Vec<String> = messages
+            .iter()
+            .map(|m| neutralize(&m.role, &controls, &mut literals))
+            .collect();
+        let with_roles: Vec<Message> = messages
+            .iter()
+            .zip(&roles)
+            .map(|(m, r)| Message::new(r.clone(), m.content.clone()))
+            .collect();
+        let real = self.render(&with_roles, add_generation_prompt)?;
+        let marked: Vec<Message> = roles
             .iter()
             .enumerate()
-            .map(|(i, m)| Message::new(m.role.clone(), sentinel(i)))
+            .map(|(i, r)| Message::new(r.clone(), sentinel(i)))
             .collect();
         let probe = self.render(&marked, add_generation_prompt)?;
         // Split the probe into template text and message slots.
@@ -129,21 +219,32 @@ impl ChatTemplate {
         parts.push((true, rest));
         let joined: String = parts.iter().map(|(_, s)| *s).collect();
         if joined != real {
-            // The template transformed the contents (trim, escape…): fall
-            // back to parsing the whole text.
-            return tok.encode(&real, Special::Parse, false);
+            // The template transformed the contents (trim, escape…), so
+            // they cannot be told apart from its text. Render them with
+            // their control-token texts marked instead: every control token
+            // left in that rendering is the template's own.
+            let neutral: Vec<Message> = with_roles
+                .iter()
+                .map(|m| {
+                    Message::new(
+                        m.role.clone(),
+                        neutralize(&m.content, &controls, &mut literals),
+                    )
+                })
+                .collect();
+            let text = self.render(&neutral, add_generation_prompt)?;
+            return encode_with_literals(tok, &text, &literals);
         }
         let mut ids = Vec::new();
         for (is_template, text) in parts {
             if text.is_empty() {
                 continue;
             }
-            let special = if is_template {
-                Special::Parse
+            if is_template {
+                ids.extend(encode_with_literals(tok, text, &literals)?);
             } else {
-                Special::AsText
-            };
-            ids.extend(tok.encode(text, special, false)?);
+                ids.extend(tok.encode(text, Special::AsText, false)?);
+            }
         }
         Ok(ids)
     }

@@ -138,6 +138,13 @@ impl Tokenizer {
                 .collect(),
             None => vec![1; tokens.len()],
         };
+        if types.len() != tokens.len() {
+            return Err(ModelError::Tokenizer(format!(
+                "tokenizer.ggml.token_type has {} entries for {} tokens",
+                types.len(),
+                tokens.len()
+            )));
+        }
         let bos = g.meta_u32("tokenizer.ggml.bos_token_id").ok();
         let mut tok = match model.as_str() {
             "gpt2" => {
@@ -168,6 +175,13 @@ impl Tokenizer {
                     Some(v) => v.iter().map(|s| s.to_f32().unwrap_or(0.0)).collect(),
                     None => vec![0.0; tokens.len()],
                 };
+                if scores.len() != tokens.len() {
+                    return Err(ModelError::Tokenizer(format!(
+                        "tokenizer.ggml.scores has {} entries for {} tokens",
+                        scores.len(),
+                        tokens.len()
+                    )));
+                }
                 let add_space_prefix = g
                     .meta("tokenizer.ggml.add_space_prefix")
                     .and_then(|v| v.to_bool().ok())
@@ -246,6 +260,21 @@ impl Tokenizer {
     }
 
     /// Text of `ids`, control tokens included as their text.
+    /// The texts of the special (control) tokens, longest first: what
+    /// [`Special::Parse`] turns into control tokens.
+    pub fn control_texts(&self) -> Vec<String> {
+        let mut texts: Vec<String> = self
+            .parse_specials
+            .get_added_tokens_decoder()
+            .into_values()
+            .filter(|t| t.special && !t.content.is_empty())
+            .map(|t| t.content)
+            .collect();
+        texts.sort_by(|a, b| b.len().cmp(&a.len()).then(a.cmp(b)));
+        texts.dedup();
+        texts
+    }
+
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
         self.parse_specials.decode(ids, false).map_err(tok_err)
     }
