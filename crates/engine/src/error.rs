@@ -10,12 +10,12 @@ pub enum EngineError {
     #[error("KV cache bookkeeping: {0}")]
     Kv(#[from] KvError),
     #[error(transparent)]
-    Candle(#[from] candle_core::Error),
+    Candle(candle_core::Error),
     #[error("the prompt is empty")]
     EmptyPrompt,
     #[error("the prompt has {tokens} tokens but the context holds {context}")]
     PromptTooLong { tokens: usize, context: usize },
-    #[error("out of KV memory: the request needs {needed} blocks of {block_size} tokens and the pool has {total} (raise --kv-memory)")]
+    #[error("out of KV memory: the request needs {needed} blocks of {block_size} tokens and the pool has {total}")]
     OutOfKvMemory {
         needed: usize,
         total: usize,
@@ -43,3 +43,9 @@ pub enum EngineError {
 }
 
 pub type Result<T> = std::result::Result<T, EngineError>;
+
+impl From<candle_core::Error> for EngineError {
+    fn from(e: candle_core::Error) -> Self {
+        EngineError::Candle(tessera_model::without_backtrace(e))
+    }
+}

@@ -131,6 +131,24 @@ impl ModelConfig {
         if self.n_layers == 0 || self.n_heads == 0 || self.n_kv_heads == 0 || self.head_dim == 0 {
             return bad(format!("empty geometry {self:?}"));
         }
+        // Sizes come from files: bound them before anything is sized by
+        // them (far above any real model, far below an allocation failure).
+        for (what, v, most) in [
+            ("layers", self.n_layers, 1 << 12),
+            ("attention heads", self.n_heads, 1 << 12),
+            ("KV heads", self.n_kv_heads, 1 << 12),
+            ("head dim", self.head_dim, 1 << 12),
+            ("hidden size", self.hidden_size, 1 << 18),
+            ("FFN size", self.intermediate_size, 1 << 20),
+            ("vocabulary", self.vocab_size, 1 << 24),
+            ("context length", self.context_length, 1 << 26),
+        ] {
+            if v > most {
+                return bad(format!(
+                    "{v} {what} is more than this build supports ({most})"
+                ));
+            }
+        }
         if !self.n_heads.is_multiple_of(self.n_kv_heads) {
             return bad(format!(
                 "{} heads are not a multiple of {} KV heads",
@@ -237,9 +255,11 @@ impl HfConfig {
             n_layers: self.num_hidden_layers,
             n_heads: self.num_attention_heads,
             n_kv_heads: self.num_key_value_heads.unwrap_or(self.num_attention_heads),
-            head_dim: self
-                .head_dim
-                .unwrap_or(self.hidden_size / self.num_attention_heads),
+            head_dim: self.head_dim.unwrap_or(
+                self.hidden_size
+                    .checked_div(self.num_attention_heads)
+                    .unwrap_or(0),
+            ),
             rms_eps: self.rms_norm_eps,
             rope_theta: self.rope_theta,
             rope_scaling,

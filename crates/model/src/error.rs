@@ -30,7 +30,35 @@ pub enum ModelError {
     #[error("chat template: {0}")]
     Template(String),
     #[error(transparent)]
-    Candle(#[from] candle_core::Error),
+    Candle(candle_core::Error),
+}
+
+impl From<candle_core::Error> for ModelError {
+    fn from(e: candle_core::Error) -> Self {
+        ModelError::Candle(without_backtrace(e))
+    }
+}
+
+/// `e` without the backtrace candle attaches when `RUST_BACKTRACE` is set:
+/// errors are read by people, one line naming what is wrong. The backtrace
+/// goes to the debug log (`TESSERA_LOG=debug`).
+pub fn without_backtrace(e: candle_core::Error) -> candle_core::Error {
+    use candle_core::Error as E;
+    match e {
+        E::WithBacktrace { inner, backtrace } => {
+            tracing::debug!("candle error {inner}: backtrace\n{backtrace}");
+            without_backtrace(*inner)
+        }
+        E::Context { inner, context } => E::Context {
+            inner: Box::new(without_backtrace(*inner)),
+            context,
+        },
+        E::WithPath { inner, path } => E::WithPath {
+            inner: Box::new(without_backtrace(*inner)),
+            path,
+        },
+        other => other,
+    }
 }
 
 pub type Result<T> = std::result::Result<T, ModelError>;

@@ -19,7 +19,7 @@ mod tests;
 mod tokenizer;
 
 pub use config::{Arch, ModelConfig, RopeScaling};
-pub use error::{ModelError, Result};
+pub use error::{without_backtrace, ModelError, Result};
 pub use llama::{Attention, Batch, DenseKv, LayerKv, Llama, PagedAttention};
 pub use loader::{GgufFile, HfDir};
 pub use model::{Model, ModelFormat};

@@ -113,7 +113,7 @@ impl GgufFile {
             reason,
         };
         let content = gguf_file::Content::read(&mut reader).map_err(|e| {
-            let msg = e.to_string();
+            let msg = crate::without_backtrace(e).to_string();
             if msg.contains("unknown dtype") {
                 ModelError::UnsupportedQuantization {
                     tensor: "(header)".into(),
@@ -123,10 +123,31 @@ impl GgufFile {
                 corrupt(msg)
             }
         })?;
-        for (name, info) in &content.tensor_infos {
+        // In name order, so that the same file always names the same tensor.
+        let mut infos: Vec<_> = content.tensor_infos.iter().collect();
+        infos.sort_unstable_by(|a, b| a.0.cmp(b.0));
+        for (name, info) in infos {
             let dt = info.ggml_dtype;
-            let bytes = info.shape.elem_count() / dt.block_size() * dt.type_size();
-            let end = content.tensor_data_offset + info.offset + bytes as u64;
+            let dims = info.shape.dims();
+            // Rows are whole quantization blocks, and nothing is empty (a
+            // zero-sized tensor breaks candle's raw-data conversion).
+            let row = dims.last().copied().unwrap_or(0);
+            if dims.contains(&0) || !row.is_multiple_of(dt.block_size()) {
+                return Err(corrupt(format!(
+                    "tensor {name} has shape {dims:?}, which {dt:?} (blocks of {}) cannot hold",
+                    dt.block_size()
+                )));
+            }
+            let end = info
+                .shape
+                .dims()
+                .iter()
+                .try_fold(1u64, |n, &d| n.checked_mul(d as u64))
+                .map(|n| n / dt.block_size() as u64)
+                .and_then(|blocks| blocks.checked_mul(dt.type_size() as u64))
+                .and_then(|b| b.checked_add(info.offset))
+                .and_then(|b| b.checked_add(content.tensor_data_offset))
+                .unwrap_or(u64::MAX);
             if end > len {
                 return Err(corrupt(format!(
                     "tensor {name} needs bytes up to {end} but the file has {len} (truncated?)"
@@ -170,7 +191,7 @@ impl GgufFile {
             .tensor(&mut self.reader, name, device)
             .map_err(|e| ModelError::CorruptGguf {
                 path: self.path.clone(),
-                reason: format!("tensor {name}: {e}"),
+                reason: format!("tensor {name}: {}", crate::without_backtrace(e)),
             })
     }
 

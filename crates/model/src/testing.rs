@@ -442,3 +442,151 @@ pub fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
         .map(|(x, y)| (x - y).abs())
         .fold(0.0, f32::max)
 }
+
+/// Deterministic mutation of valid inputs, for the fuzz tests that run in
+/// `just test` (a few hundred cases per target) and `just fuzz` (set
+/// `TESSERA_FUZZ_CASES` for long runs): bit flips, random bytes, huge
+/// length and count fields, copied chunks, truncations and extensions.
+pub struct Mutator {
+    state: u64,
+}
+
+/// Values that break size arithmetic when a file stores them as a count.
+const HUGE: [u64; 7] = [
+    u64::MAX,
+    u64::MAX / 2,
+    u32::MAX as u64,
+    i32::MAX as u64,
+    1 << 31,
+    1 << 40,
+    0,
+];
+
+impl Mutator {
+    pub fn new(seed: u64) -> Mutator {
+        Mutator {
+            state: seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1,
+        }
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        // xorshift64*
+        self.state ^= self.state >> 12;
+        self.state ^= self.state << 25;
+        self.state ^= self.state >> 27;
+        self.state.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    /// A number in `0..n` (`n > 0`).
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n.max(1) as u64) as usize
+    }
+
+    /// `data` with one to four mutations, most of them inside its first
+    /// `focus` bytes (the header, where sizes live).
+    pub fn mutate(&mut self, data: &[u8], focus: usize) -> Vec<u8> {
+        let mut d = data.to_vec();
+        for _ in 0..1 + self.below(4) {
+            let span = focus.min(d.len()).max(1);
+            let at = self.below(span);
+            match self.below(7) {
+                0 | 1 => {
+                    if let Some(b) = d.get_mut(at) {
+                        *b ^= 1 << self.below(8);
+                    }
+                }
+                2 => {
+                    if let Some(b) = d.get_mut(at) {
+                        *b = self.next_u64() as u8;
+                    }
+                }
+                3 => {
+                    let v = HUGE[self.below(HUGE.len())].to_le_bytes();
+                    let w = if self.below(2) == 0 { 4 } else { 8 };
+                    let at = at / w * w;
+                    for (i, b) in v[..w].iter().enumerate() {
+                        if let Some(x) = d.get_mut(at + i) {
+                            *x = *b;
+                        }
+                    }
+                }
+                4 => d.truncate(self.below(d.len() + 1)),
+                5 => {
+                    let n = 1 + self.below(64);
+                    d.extend((0..n).map(|_| self.next_u64() as u8));
+                }
+                _ => {
+                    let len = 1 + self.below(32);
+                    let from = self.below(d.len().max(1));
+                    let chunk: Vec<u8> = d.iter().skip(from).take(len).copied().collect();
+                    for (i, b) in chunk.into_iter().enumerate() {
+                        if let Some(x) = d.get_mut(at + i) {
+                            *x = b;
+                        }
+                    }
+                }
+            }
+        }
+        d
+    }
+}
+
+/// Cases per fuzz target: `TESSERA_FUZZ_CASES`, or `default`.
+pub fn fuzz_cases(default: usize) -> usize {
+    std::env::var("TESSERA_FUZZ_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// The largest single allocation made on the calling thread, for fuzz
+/// tests that check a loader allocates no more than its input justifies.
+/// Counted only in binaries that install [`CountingAlloc`].
+pub mod alloc_track {
+    use std::alloc::{GlobalAlloc, Layout, System};
+    use std::cell::Cell;
+
+    thread_local! {
+        static LARGEST: Cell<usize> = const { Cell::new(0) };
+    }
+
+    fn note(n: usize) {
+        let _ = LARGEST.try_with(|c| {
+            if n > c.get() {
+                c.set(n)
+            }
+        });
+    }
+
+    /// Resets the count and returns the previous largest allocation.
+    pub fn take_largest() -> usize {
+        LARGEST.with(|c| c.replace(0))
+    }
+
+    /// The system allocator, noting each request's size.
+    pub struct CountingAlloc;
+
+    // SAFETY: every call is passed to the system allocator unchanged; the
+    // only addition is a thread-local counter that never allocates.
+    unsafe impl GlobalAlloc for CountingAlloc {
+        unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+            note(l.size());
+            // SAFETY: forwarded with the caller's layout.
+            unsafe { System.alloc(l) }
+        }
+        unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
+            note(l.size());
+            // SAFETY: forwarded with the caller's layout.
+            unsafe { System.alloc_zeroed(l) }
+        }
+        unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
+            note(n);
+            // SAFETY: forwarded with the caller's pointer, layout and size.
+            unsafe { System.realloc(p, l, n) }
+        }
+        unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+            // SAFETY: forwarded with the caller's pointer and layout.
+            unsafe { System.dealloc(p, l) }
+        }
+    }
+}

@@ -390,3 +390,124 @@ fn sentencepiece_tokenizer_from_gguf_metadata() {
     }
     assert!(tok.is_eog(2));
 }
+
+// ---- fuzzing: damaged files and hostile inputs ------------------------------
+
+use crate::testing::alloc_track::{take_largest, CountingAlloc};
+use crate::testing::{fuzz_cases, Mutator};
+
+#[global_allocator]
+static ALLOC: CountingAlloc = CountingAlloc;
+
+/// What a load gives, comparable across two loads of the same bytes.
+fn load_outcome(path: &std::path::Path) -> String {
+    match Model::load(path, &mut |_, _| {}) {
+        Ok(m) => format!("ok {:016x} {:?}", m.fingerprint, m.config()),
+        Err(e) => format!("err {e}"),
+    }
+}
+
+/// Damaged GGUF files (mostly in the header and metadata) load the same way
+/// twice or are refused, never panic, and never allocate much more than the
+/// file holds.
+#[test]
+fn fuzz_gguf_files_load_or_are_refused() {
+    let dir = tempdir::Dir::new();
+    let hf = dir.path().join("hf");
+    write_tiny_model(&hf, TinySpec::default()).unwrap();
+    let good = dir.path().join("good.gguf");
+    write_tiny_gguf(&hf, &good, GgmlDType::Q8_0, "llama").unwrap();
+    let bytes = std::fs::read(&good).unwrap();
+    let header = crate::GgufFile::open(&good)
+        .unwrap()
+        .content
+        .tensor_data_offset as usize;
+    take_largest();
+    let clean = load_outcome(&good);
+    assert!(clean.starts_with("ok"), "{clean}");
+    let baseline = take_largest();
+    let path = dir.path().join("case.gguf");
+    let mut m = Mutator::new(0x6767_7566);
+    for case in 0..fuzz_cases(300) {
+        // Three in four cases hit the header; the rest anywhere.
+        let focus = if case % 4 == 3 { bytes.len() } else { header };
+        let data = m.mutate(&bytes, focus);
+        std::fs::write(&path, &data).unwrap();
+        take_largest();
+        let first = std::panic::catch_unwind(|| load_outcome(&path));
+        let largest = take_largest();
+        let first = first.unwrap_or_else(|_| panic!("case {case} panicked"));
+        assert!(
+            largest <= baseline.max(data.len()) * 4 + (8 << 20),
+            "case {case}: an allocation of {largest} bytes for a file of {} (clean load: {baseline}): {first}",
+            data.len()
+        );
+        assert_eq!(
+            load_outcome(&path),
+            first,
+            "case {case} loads the same twice"
+        );
+    }
+}
+
+/// Random text, control-token texts and their pieces included, encodes
+/// without panicking both ways; as plain text it decodes back to itself.
+#[test]
+fn fuzz_tokenizer_inputs_round_trip() {
+    let (_d, m) = tiny(TinySpec::default());
+    let tok = &m.tokenizer;
+    let pieces = [
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|",
+        "|>",
+        "héllo",
+        "🦀",
+        " ",
+        "\n",
+        "\u{0}",
+        "\u{FFFD}",
+        "ab",
+        "12",
+    ];
+    let mut r = Mutator::new(0x746f_6b);
+    for case in 0..fuzz_cases(300) {
+        let mut s = String::new();
+        for _ in 0..r.below(24) {
+            if r.below(3) == 0 {
+                let bytes: Vec<u8> = (0..1 + r.below(6)).map(|_| r.next_u64() as u8).collect();
+                s.push_str(&String::from_utf8_lossy(&bytes));
+            } else {
+                s.push_str(pieces[r.below(pieces.len())]);
+            }
+        }
+        let plain = tok.encode(&s, Special::AsText, false).unwrap();
+        assert_eq!(tok.decode(&plain).unwrap(), s, "case {case}: {s:?}");
+        let parsed = tok.encode(&s, Special::Parse, true).unwrap();
+        assert!(
+            parsed.iter().all(|&t| (t as usize) < tok.vocab_size()),
+            "case {case}"
+        );
+    }
+}
+
+/// Damaged chat templates compile and render or are refused, never panic
+/// or hang.
+#[test]
+fn fuzz_chat_templates_render_or_are_refused() {
+    let llama3 = "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}";
+    let msgs = vec![
+        Message::new("system", "be brief"),
+        Message::new("user", "hi {{ 7 * 7 }} {% raw %}"),
+    ];
+    let mut m = Mutator::new(0x6a69_6e6a_61);
+    for case in 0..fuzz_cases(300) {
+        let src = [crate::template::CHATML, llama3][case % 2];
+        let data = m.mutate(src.as_bytes(), src.len());
+        let src = String::from_utf8_lossy(&data).into_owned();
+        let outcome = std::panic::catch_unwind(|| {
+            crate::ChatTemplate::new(&src, "<s>", "</s>").and_then(|t| t.render(&msgs, true))
+        });
+        assert!(outcome.is_ok(), "case {case} panicked: {src:?}");
+    }
+}

@@ -347,3 +347,177 @@ fn import_refuses_short_or_long_rows() {
     std::fs::remove_dir_all(dir).unwrap();
     std::fs::remove_dir_all(d2).unwrap();
 }
+
+// ---- files on disk: damaged, killed mid-write, full disk --------------------
+
+use crate::chat::TurnOptions;
+use crate::snapshot::{read_file, write_file, Geometry};
+use tessera_model::testing::{fuzz_cases, Mutator};
+
+/// Damaged session and prefix-cache files are refused or read back exactly
+/// as written, never panic; loading one never harms the engine.
+#[test]
+fn fuzz_session_and_cache_files_load_identically_or_are_refused() {
+    let (engine, dir) = tiny_engine(small_cfg());
+    let mut chat = engine.chat(Some("be brief"));
+    let opts = TurnOptions {
+        max_tokens: 6,
+        ..TurnOptions::default()
+    };
+    chat.send("hello there", &opts, &mut |_| {}).unwrap();
+    let session = dir.join("chat.tkv");
+    chat.save(&session).unwrap();
+    let cache_dir = dir.join("cache");
+    engine.save_cache_dir(&cache_dir).unwrap();
+    let geometry = engine.geometry();
+    let case_path = dir.join("case.tkv");
+    let mut m = Mutator::new(0x736e_6170);
+    for (kind, file) in [
+        ("chat session", session.clone()),
+        ("prefix cache", cache_dir.join(crate::snapshot::CACHE_FILE)),
+    ] {
+        let bytes = std::fs::read(&file).unwrap();
+        let good = read_file(&file, kind, &geometry).unwrap();
+        let hlen = u32::from_le_bytes(bytes[12..16].try_into().unwrap()) as usize;
+        for case in 0..fuzz_cases(200) {
+            let focus = if case % 3 == 2 {
+                bytes.len()
+            } else {
+                16 + hlen
+            };
+            let data = m.mutate(&bytes, focus);
+            std::fs::write(&case_path, &data).unwrap();
+            let got = std::panic::catch_unwind(|| read_file(&case_path, kind, &geometry))
+                .unwrap_or_else(|_| panic!("{kind} case {case} panicked"));
+            if let Ok(got) = got {
+                assert_eq!(got.0, good.0, "{kind} case {case} read differently");
+            }
+            if kind == "chat session" && case % 10 == 0 {
+                if let Ok(s) = engine.load_session(&case_path) {
+                    assert_eq!(s.token_ids(), chat.token_ids());
+                }
+            }
+        }
+    }
+    assert_no_leak(&engine);
+    drop(engine);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// A geometry and snapshots big enough that writing takes a while.
+fn big_snapshot(version: u32) -> (Geometry, Vec<KvSnapshot>) {
+    let g = Geometry {
+        model: "test".into(),
+        fingerprint: 7,
+        arch: "llama".into(),
+        cache_dtype: "f32".into(),
+        n_layers: 4,
+        n_kv_heads: 2,
+        head_dim: 64,
+    };
+    let n = 4096;
+    let row = 2 * 64 * 4;
+    let layers = (0..4)
+        .map(|l| crate::snapshot::LayerBytes {
+            k: vec![(version + l) as u8; n * row],
+            v: vec![(version * 3 + l) as u8; n * row],
+        })
+        .collect();
+    (
+        g,
+        vec![KvSnapshot {
+            tokens: vec![version; n],
+            layers,
+        }],
+    )
+}
+
+const WRITER_ENV: &str = "TESSERA_TEST_WRITER";
+
+/// In a child process (see below): overwrite the file forever, or, with
+/// `full`, fail to write past a 64 KiB file-size limit.
+fn writer_child(spec: &str) {
+    let (mode, path) = spec.split_once(':').unwrap();
+    let path = std::path::Path::new(path);
+    if mode == "full" {
+        // SAFETY: plain libc calls on this process's own limits and signal
+        // disposition, before anything else runs in this child.
+        unsafe {
+            libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+            let lim = libc::rlimit {
+                rlim_cur: 64 << 10,
+                rlim_max: 64 << 10,
+            };
+            assert_eq!(libc::setrlimit(libc::RLIMIT_FSIZE, &lim), 0);
+        }
+        let (g, snaps) = big_snapshot(2);
+        let err =
+            write_file(path, "chat session", &g, &snaps, serde_json::Value::Null).unwrap_err();
+        println!("WRITE-FAILED: {err}");
+        std::process::exit(0);
+    }
+    for version in 1.. {
+        let (g, snaps) = big_snapshot(version % 5 + 1);
+        write_file(path, "chat session", &g, &snaps, serde_json::Value::Null).unwrap();
+    }
+}
+
+fn spawn_writer(spec: &str) -> std::process::Child {
+    std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "worker::tests::files_survive_a_killed_writer_and_a_full_disk",
+            "--exact",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(WRITER_ENV, spec)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
+/// A process killed while it rewrites a session file leaves a whole file
+/// (the old one or the new one), and a write that runs out of room fails
+/// with an error and leaves the old file as it was.
+#[test]
+fn files_survive_a_killed_writer_and_a_full_disk() {
+    if let Ok(spec) = std::env::var(WRITER_ENV) {
+        return writer_child(&spec);
+    }
+    let dir = std::env::temp_dir().join(format!("tessera-writer-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("session.tkv");
+    let (g, first) = big_snapshot(0);
+    write_file(&path, "chat session", &g, &first, serde_json::Value::Null).unwrap();
+    for delay_ms in [30, 75, 160, 250] {
+        let mut child = spawn_writer(&format!("loop:{}", path.display()));
+        std::thread::sleep(std::time::Duration::from_millis(delay_ms));
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let (snaps, _) = read_file(&path, "chat session", &g).expect("a whole file");
+        let v = snaps[0].tokens[0];
+        assert_eq!(snaps, big_snapshot(v).1, "after a kill at {delay_ms} ms");
+    }
+    let before = std::fs::read(&path).unwrap();
+    let child = spawn_writer(&format!("full:{}", path.display()));
+    let out = child.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("WRITE-FAILED") && text.contains("cannot write"),
+        "{text}"
+    );
+    assert_eq!(
+        std::fs::read(&path).unwrap(),
+        before,
+        "the old file is intact"
+    );
+    let leftovers: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".tmp"))
+        .collect();
+    // Killed writers leave their temporary files; the failed one removed its own.
+    assert!(leftovers.len() <= 4, "{leftovers:?}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
