@@ -29,6 +29,10 @@ struct Cli {
     /// Worker threads (default: all cores).
     #[arg(long, global = true)]
     threads: Option<usize>,
+    /// Debug logs, and errors with their whole chain and backtrace
+    /// (`TESSERA_LOG=debug` gives the logs alone).
+    #[arg(long, global = true)]
+    verbose: bool,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -373,18 +377,24 @@ fn inspect(args: ModelArg) -> Result<()> {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     // Engine warnings (a cache directory that cannot be written, …) go to
-    // stderr; RUST_LOG=tessera_engine=debug shows the step phases.
+    // stderr; TESSERA_LOG=debug (or --verbose) shows the step phases and the
+    // backtraces of the errors candle reports.
+    let filter = if cli.verbose {
+        tracing_subscriber::EnvFilter::new("debug")
+    } else {
+        tracing_subscriber::EnvFilter::try_from_env("TESSERA_LOG")
+            .or_else(|_| tracing_subscriber::EnvFilter::try_from_default_env())
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"))
+    };
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
+        .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .init();
     if let Some(n) = cli.threads {
         // candle and the kernels both size their pools from this.
         std::env::set_var("RAYON_NUM_THREADS", n.to_string());
     }
+    let verbose = cli.verbose;
     let result = match cli.cmd {
         Cmd::Run(a) => run(a),
         Cmd::Chat(a) => chat::chat(a),
@@ -395,8 +405,19 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        Err(e) if verbose => {
+            eprintln!("error: {e:?}");
+            ExitCode::FAILURE
+        }
         Err(e) => {
-            eprintln!("error: {e:#}");
+            // One line for people: the whole chain, no backtrace.
+            let line = format!("{e:#}");
+            let line: Vec<&str> = line
+                .lines()
+                .map(str::trim)
+                .filter(|l| !l.is_empty())
+                .collect();
+            eprintln!("error: {}", line.join(" "));
             ExitCode::FAILURE
         }
     }

@@ -18,6 +18,8 @@ fn model() -> String {
 fn tessera(args: &[&str], stdin: Option<&[u8]>) -> Output {
     let mut child = Command::new(env!("CARGO_BIN_EXE_tessera"))
         .args(args)
+        // Errors are for people even where backtraces are on.
+        .env("RUST_BACKTRACE", "1")
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -45,6 +47,10 @@ fn fails_with(out: &Output, needle: &str) {
     );
     assert!(err.contains(needle), "expected {needle:?} in: {err}");
     assert!(!err.contains("panicked"), "panicked: {err}");
+    // One `error: …` line naming the problem, no backtrace.
+    let lines: Vec<&str> = err.lines().filter(|l| l.starts_with("error: ")).collect();
+    assert_eq!(lines.len(), 1, "{err}");
+    assert!(!err.contains("backtrace") && !err.contains(".rs:"), "{err}");
 }
 
 fn scratch(name: &str) -> PathBuf {
@@ -238,6 +244,19 @@ fn bad_input_gives_clear_errors() {
             None,
         ),
         "truncated",
+    );
+    // A metadata string whose length field is huge: candle refuses it with
+    // a backtrace attached, which the message leaves out.
+    let mut damaged = head[..1 << 20].to_vec();
+    damaged[24..32].copy_from_slice(&(1u64 << 40).to_le_bytes());
+    let damaged_path = dir.join("damaged.gguf");
+    std::fs::write(&damaged_path, &damaged).unwrap();
+    fails_with(
+        &tessera(
+            &["inspect", "--model", damaged_path.to_str().unwrap()],
+            None,
+        ),
+        "damaged.gguf is a damaged or truncated GGUF file",
     );
     let hf = dir.join("hf");
     write_tiny_model(&hf, TinySpec::default()).unwrap();

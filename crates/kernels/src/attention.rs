@@ -86,16 +86,21 @@ impl PagedAttention<'_> {
                     // Transposing a block's keys pays off over several
                     // query tokens, not for one decode token.
                     let fixed = bs == FIXED_BS && hd == FIXED_HD && job.tile.1 > 1;
-                    match (simd::has_avx2_fma(), fixed) {
+                    #[cfg(target_arch = "x86_64")]
+                    if simd::has_avx2_fma() {
                         // SAFETY: the CPU supports AVX2 and FMA (checked).
-                        (true, true) => unsafe { attend_fixed_avx2(m, &job, q, k, v, kbuf, vbuf) },
-                        (true, false) => unsafe {
-                            attend_tile_avx2(m, &job, q, k, v, kbuf, vbuf, scores)
-                        },
-                        (false, true) => attend_fixed::<T, false>(m, &job, q, k, v, kbuf, vbuf),
-                        (false, false) => {
-                            attend_tile::<T, false>(m, &job, q, k, v, kbuf, vbuf, scores)
-                        }
+                        return unsafe {
+                            if fixed {
+                                attend_fixed_avx2(m, &job, q, k, v, kbuf, vbuf)
+                            } else {
+                                attend_tile_avx2(m, &job, q, k, v, kbuf, vbuf, scores)
+                            }
+                        };
+                    }
+                    if fixed {
+                        attend_fixed::<T, false>(m, &job, q, k, v, kbuf, vbuf)
+                    } else {
+                        attend_tile::<T, false>(m, &job, q, k, v, kbuf, vbuf, scores)
                     }
                 },
             )
@@ -251,6 +256,7 @@ impl<const FMA: bool> BlockKernel for AnyGeometry<'_, FMA> {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn attend_tile_avx2<T: KvElem>(
@@ -368,6 +374,7 @@ impl<const FMA: bool> BlockKernel for Fixed<FMA> {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn attend_fixed_avx2<T: KvElem>(
     m: &PagedMeta,

@@ -39,6 +39,7 @@ pub use copy::{copy_blocks, copy_blocks_slow};
 pub use quant::{quantized_dots, RowFormat};
 pub use rope::{RopeStyle, Rotation};
 pub use shift::{shift_kv, shift_kv_slow};
+pub use simd::portable_forced;
 pub use write::{write_kv, write_kv_slow};
 
 use candle_core::{bail, Result, Tensor};

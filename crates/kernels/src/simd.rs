@@ -5,11 +5,22 @@
 
 use std::sync::OnceLock;
 
+/// `TESSERA_ISA=portable` (read once per process) makes every kernel take
+/// its portable path, whatever the CPU has: tests use it to check those
+/// paths on machines where the SIMD ones would run.
+pub fn portable_forced() -> bool {
+    static FORCED: OnceLock<bool> = OnceLock::new();
+    *FORCED.get_or_init(|| std::env::var("TESSERA_ISA").is_ok_and(|v| v == "portable"))
+}
+
 /// Whether this CPU has AVX2 and FMA (checked once).
 #[inline]
 pub(crate) fn has_avx2_fma() -> bool {
     static HAS: OnceLock<bool> = OnceLock::new();
     *HAS.get_or_init(|| {
+        if portable_forced() {
+            return false;
+        }
         #[cfg(target_arch = "x86_64")]
         {
             std::arch::is_x86_feature_detected!("avx2")
@@ -27,6 +38,9 @@ pub(crate) fn has_avx2_fma() -> bool {
 pub(crate) fn has_f16c() -> bool {
     static HAS: OnceLock<bool> = OnceLock::new();
     *HAS.get_or_init(|| {
+        if portable_forced() {
+            return false;
+        }
         #[cfg(target_arch = "x86_64")]
         {
             std::arch::is_x86_feature_detected!("f16c")
