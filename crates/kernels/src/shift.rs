@@ -1,9 +1,10 @@
 //! `shift_kv`: the context shift. Moves slots of K and V, rotating each moved
 //! K by a RoPE position delta (V is position-free and moves unchanged).
 //!
-//! Moves run in order: a move may overwrite a slot that an earlier move has
-//! read, never one a later move still reads (tessera-kv's shift plans are
-//! built that way).
+//! Moves may overlap in any order (a slot both a source and a destination):
+//! every source row is read and rotated into scratch first, then all are
+//! written, so each move reads the cache as it was before the shift. A
+//! destination that appears twice is refused.
 
 use candle_core::{bail, CpuStorage, InplaceOp1, Layout, Result, Tensor};
 
@@ -20,17 +21,22 @@ struct MoveSlots<'a> {
 impl MoveSlots<'_> {
     fn run<T: KvElem>(&self, cache: &mut [T]) {
         let row = self.n_kv_heads * self.head_dim;
-        let mut buf = vec![0f32; row];
+        let mut scratch = vec![0f32; row * self.moves.len()];
         let (cos, sin) = self.rotation.map(|r| r.cos_sin()).unwrap_or_default();
-        for &(src, dst) in self.moves {
-            let (src, dst) = (src as usize * row, dst as usize * row);
-            T::load(&cache[src..src + row], &mut buf);
+        // Gather (and rotate) every source first…
+        for (&(src, _), buf) in self.moves.iter().zip(scratch.chunks_exact_mut(row)) {
+            let src = src as usize * row;
+            T::load(&cache[src..src + row], buf);
             if let Some(r) = self.rotation {
                 for head in buf.chunks_exact_mut(self.head_dim) {
                     r.apply(head, &cos, &sin);
                 }
             }
-            T::store(&buf, &mut cache[dst..dst + row]);
+        }
+        // …then scatter, so no move reads what another wrote.
+        for (&(_, dst), buf) in self.moves.iter().zip(scratch.chunks_exact(row)) {
+            let dst = dst as usize * row;
+            T::store(buf, &mut cache[dst..dst + row]);
         }
     }
 }
@@ -74,6 +80,10 @@ fn check(
             "shift_kv: move {m:?} outside the cache of {} slots",
             nb * bs
         )
+    }
+    let mut seen = std::collections::HashSet::with_capacity(moves.len());
+    if let Some(m) = moves.iter().find(|m| !seen.insert(m.1)) {
+        bail!("shift_kv: destination {} appears twice ({m:?})", m.1)
     }
     Ok((kvh, hd))
 }
@@ -184,6 +194,52 @@ mod tests {
                 assert_eq!(max_abs_diff(&v, &wv)?, 0.0);
             }
         }
+        Ok(())
+    }
+
+    /// Sources that are also destinations, in any order (ascending, as a
+    /// context shift plans them, and reversed or shuffled, where writing in
+    /// place would read moved rows): each move reads the cache as it was.
+    #[test]
+    fn overlapping_moves_in_any_order_match_the_reference() -> Result<()> {
+        let inv_freq: Vec<f32> = (0..4)
+            .map(|i| 10000f32.powf(-(2 * i) as f32 / 8.0))
+            .collect();
+        // keep 2, discard 3: positions 5..16 move to 2..13.
+        let down: Vec<(u32, u32)> = (5..16).map(|p| (p, p - 3)).collect();
+        let mut reversed = down.clone();
+        reversed.reverse();
+        let mut shuffled = down.clone();
+        shuffled.swap(0, 7);
+        shuffled.swap(3, 10);
+        // A rotation of slots 0..6 by one.
+        let cycle: Vec<(u32, u32)> = (0..6).map(|p| (p, (p + 1) % 6)).collect();
+        for moves in [down, reversed, shuffled, cycle] {
+            for style in [RopeStyle::Interleaved, RopeStyle::Neox] {
+                let rot = Rotation {
+                    style,
+                    inv_freq: inv_freq.clone(),
+                    delta: -3,
+                };
+                let k = seeded(&[4, 4, 2, 8], 21, DType::F32)?;
+                let v = seeded(&[4, 4, 2, 8], 22, DType::F32)?;
+                let (wk, wv) = shift_kv_slow(&k, &v, &moves, &rot)?;
+                shift_kv(&k, &v, &moves, &rot)?;
+                assert!(max_abs_diff(&k, &wk)? <= 1e-6, "{style:?} {moves:?}");
+                assert_eq!(max_abs_diff(&v, &wv)?, 0.0, "{moves:?}");
+            }
+        }
+        let k = seeded(&[4, 4, 2, 8], 1, DType::F32)?;
+        let rot = Rotation {
+            style: RopeStyle::Neox,
+            inv_freq,
+            delta: 1,
+        };
+        let err = shift_kv(&k, &k.copy()?, &[(1, 3), (2, 3)], &rot).unwrap_err();
+        assert!(
+            err.to_string().contains("destination 3 appears twice"),
+            "{err}"
+        );
         Ok(())
     }
 

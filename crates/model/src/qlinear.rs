@@ -130,13 +130,14 @@ fn dots<B: GgmlType>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::Device;
+    use candle_core::{DType, Device};
+    use tessera_kernels::testing::seeded;
 
     /// Both paths equal the dense product with the dequantized weight.
     #[test]
     fn quantized_paths_match_dense_dequantized() -> Result<()> {
         let dev = Device::Cpu;
-        let w = Tensor::randn(0f32, 1.0, (48, 64), &dev)?;
+        let w = seeded(&[48, 64], 1, DType::F32)?;
         for dtype in [
             GgmlDType::Q4_1,
             GgmlDType::Q8_0,
@@ -147,12 +148,12 @@ mod tests {
             let w = if k == 64 {
                 w.clone()
             } else {
-                Tensor::randn(0f32, 1.0, (48, 256), &dev)?
+                seeded(&[48, 256], 2, DType::F32)?
             };
             let q = Arc::new(QTensor::quantize(&w, dtype)?);
             let dense = q.dequantize(&dev)?;
             for t in [1, 3, 9] {
-                let x = Tensor::randn(0f32, 1.0, (t, k), &dev)?;
+                let x = seeded(&[t, k], 3 + t as u64, DType::F32)?;
                 let want = x.matmul(&dense.t()?)?;
                 let got = QLinear::Quantized(q.clone()).forward(&x)?;
                 let d = (want - got)?

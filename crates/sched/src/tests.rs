@@ -703,3 +703,47 @@ proptest! {
         }
     }
 }
+
+/// The bookkeeping crates stay free of tensors: neither tessera-kv nor
+/// tessera-sched depends, even indirectly, on candle or the crates that use
+/// it.
+#[test]
+fn kv_and_sched_depend_on_no_tensor_crate() {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let out = std::process::Command::new(cargo)
+        .args([
+            "tree",
+            "-p",
+            "tessera-sched",
+            "-e",
+            "normal",
+            "--prefix",
+            "none",
+            "--offline",
+        ])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .unwrap();
+    let tree = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(tree.contains("tessera-kv"), "{tree}");
+    for line in tree.lines() {
+        let name = line.split_whitespace().next().unwrap_or("");
+        assert!(
+            !name.starts_with("candle")
+                && ![
+                    "tessera-kernels",
+                    "tessera-model",
+                    "tessera-engine",
+                    "half",
+                    "gemm"
+                ]
+                .contains(&name),
+            "tessera-sched pulls in {name}:\n{tree}"
+        );
+    }
+}
