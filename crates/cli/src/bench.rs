@@ -26,6 +26,10 @@ pub enum Scenario {
     Interleaved,
     /// Greedy agreement after a context shift with a fresh prefill.
     Shift,
+    /// A long random mix of requests (lengths, n > 1, cancellations,
+    /// context shifts, sessions, defragment, shrink and grow, injected
+    /// faults): errors, leaked blocks, RSS.
+    Soak,
 }
 
 #[derive(Args)]
@@ -43,6 +47,9 @@ pub struct BenchArgs {
     /// Print one JSON object.
     #[arg(long)]
     pub(crate) json: bool,
+    /// Requests of the soak scenario.
+    #[arg(long, default_value_t = 2000)]
+    pub(crate) requests: usize,
     #[command(flatten)]
     pub(crate) kv: KvArgs,
 }
@@ -62,6 +69,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         Scenario::SharedPrefix => return crate::scenarios::shared_prefix(model, &args),
         Scenario::Interleaved => return crate::scenarios::interleaved(model, &args),
         Scenario::Shift => return crate::scenarios::shift(model, &args),
+        Scenario::Soak => return crate::soak::soak(model, &args),
     }
     let engine = Engine::from_model(model, args.kv.config(false))?;
     let mut candle = if is_gguf && !args.no_baseline {

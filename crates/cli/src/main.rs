@@ -7,6 +7,7 @@
 mod bench;
 mod chat;
 mod scenarios;
+mod soak;
 
 use std::io::{IsTerminal, Read, Write};
 use std::process::ExitCode;

@@ -31,7 +31,7 @@ fn two_engines(model: Model, args: &BenchArgs) -> Result<(Engine, Engine)> {
     Ok((with, without))
 }
 
-fn emit(args: &BenchArgs, v: serde_json::Value, lines: &[String]) {
+pub(crate) fn emit(args: &BenchArgs, v: serde_json::Value, lines: &[String]) {
     if args.json {
         println!("{v}");
     } else {

@@ -166,6 +166,12 @@ impl Engine {
         self.call(Command::ClearCache)?
     }
 
+    /// Verifies the KV bookkeeping: every block's reference count equals
+    /// its holders, no free block is held, every lock is accounted for.
+    pub fn check_kv(&self) -> Result<()> {
+        self.call(Command::Check)?
+    }
+
     /// Compacts live blocks to the low end of the pool; returns the blocks
     /// moved.
     pub fn defragment(&self) -> Result<usize> {

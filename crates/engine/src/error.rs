@@ -38,6 +38,9 @@ pub enum EngineError {
     },
     #[error("the step running this request failed: {0}")]
     Step(String),
+    /// A fault the configuration's fault hook asked for.
+    #[error("injected fault")]
+    Injected,
     #[error("the engine has stopped")]
     Stopped,
 }

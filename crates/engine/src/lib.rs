@@ -50,3 +50,4 @@ pub use types::{
     CacheDType, Completion, ContextShift, EngineConfig, EngineStats, Fault, FaultHook, FaultSite,
     FinishReason, GenerateRequest, Prompt, Timings, TokenEvent, Usage,
 };
+pub use worker::INJECTED_PANIC;

@@ -222,6 +222,8 @@ pub struct EngineStats {
     pub failed_steps: u64,
     /// Requests that ended with an error.
     pub failed_requests: u64,
+    /// Samples submitted and not yet finished (running or waiting).
+    pub active_samples: usize,
 }
 
 impl EngineStats {

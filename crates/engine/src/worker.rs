@@ -28,7 +28,7 @@ use tessera_model::Model;
 use tessera_sched::{
     EndReason, KvOp, NewRequest, ReqId, SchedConfig, SchedError, Scheduler, StepPlan,
 };
-use tracing::{debug_span, error, warn};
+use tracing::{debug, debug_span, error, warn};
 
 use crate::request::{Active, Group, Next};
 use crate::runner::{Part, Runner};
@@ -59,6 +59,8 @@ pub(crate) enum Command {
     ExportCache(mpsc::Sender<Result<Vec<KvSnapshot>>>),
     /// Into the prefix tree; answers the tokens inserted.
     Import(Vec<KvSnapshot>, mpsc::Sender<Result<usize>>),
+    /// Verify the KV bookkeeping.
+    Check(mpsc::Sender<Result<()>>),
     Shutdown,
 }
 
@@ -90,6 +92,9 @@ fn sched_error(e: SchedError) -> EngineError {
         other => EngineError::Invalid(other.to_string()),
     }
 }
+
+/// What an injected [`Fault::Panic`] panics with.
+pub const INJECTED_PANIC: &str = "injected panic";
 
 /// The text of a caught panic.
 fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
@@ -224,6 +229,9 @@ impl Worker {
             Command::Import(snaps, reply) => {
                 let _ = reply.send(self.import(&snaps));
             }
+            Command::Check(reply) => {
+                let _ = reply.send(self.sched.kv().check_invariants().map_err(Into::into));
+            }
             Command::Shutdown => unreachable!("handled by run"),
         }
     }
@@ -233,6 +241,7 @@ impl Worker {
         EngineStats {
             kv: self.sched.kv().stats(),
             preemptions: s.preemptions,
+            active_samples: self.active.len(),
             ..self.totals
         }
     }
@@ -297,8 +306,14 @@ impl Worker {
                 a.started.get_or_insert(now);
             }
         }
-        let ran = catch_unwind(AssertUnwindSafe(|| self.execute(&plan)))
-            .unwrap_or_else(|p| Err(EngineError::Step(panic_text(&*p))));
+        let ran = catch_unwind(AssertUnwindSafe(|| self.execute(&plan))).unwrap_or_else(|p| {
+            let text = panic_text(&*p);
+            Err(if text == INJECTED_PANIC {
+                EngineError::Injected
+            } else {
+                EngineError::Step(text)
+            })
+        });
         let logits =
             match ran.and_then(|l| self.sched.step_done(&plan).map(|()| l).map_err(sched_error)) {
                 Ok(l) => l,
@@ -334,7 +349,11 @@ impl Worker {
     /// A step failed: nothing of it enters the cache; the requests alone in
     /// it fail, the others are retried.
     fn abort(&mut self, plan: &StepPlan, e: &EngineError) {
-        warn!("step failed: {e}");
+        if matches!(e, EngineError::Injected) {
+            debug!("step failed: {e}");
+        } else {
+            warn!("step failed: {e}");
+        }
         self.totals.failed_steps += 1;
         match self.sched.abort_step(plan) {
             Ok(aborted) => {
@@ -400,8 +419,8 @@ impl Worker {
         let slots: Vec<u32> = parts.iter().flat_map(|p| p.slots.iter().copied()).collect();
         self.runner.poison(&slots)?;
         match fault {
-            Fault::Error => Err(EngineError::Step("injected fault".into())),
-            Fault::Panic => panic!("injected panic"),
+            Fault::Error => Err(EngineError::Injected),
+            Fault::Panic => std::panic::panic_any(INJECTED_PANIC),
         }
     }
 
@@ -470,6 +489,7 @@ impl Worker {
                     total: *total,
                     block_size: *block_size,
                 },
+                EngineError::Injected => EngineError::Injected,
                 other => EngineError::Step(other.to_string()),
             };
             let _ = a.group.events.send(Event::Error(err));

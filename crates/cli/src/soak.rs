@@ -1,0 +1,274 @@
+//! `tessera bench --scenario soak`: the engine under a long random mix of
+//! what users and operators do, with faults injected into its steps, to show
+//! that nothing leaks and nothing wedges.
+//!
+//! Each round submits up to four requests together (random prompt lengths
+//! over a few shared system prompts, 1 to 48 new tokens, `n` up to 3, some
+//! cancelled part way, some long enough to shift the context), and between
+//! rounds, now and then: a session saved and loaded back, a defragmentation,
+//! the pool shrunk and grown back. One step in about 150 fails with an error
+//! and one in about 300 panics. At the end: requests done and failed, the
+//! blocks still held (leaked) once every request is over, the KV invariants,
+//! and the process's resident memory after warm-up, at its peak and at the
+//! end.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use tessera_engine::{
+    ContextShift, Engine, EngineConfig, Event, Fault, FaultHook, GenerateRequest, Prompt,
+    SamplingParams, INJECTED_PANIC,
+};
+use tessera_model::Model;
+
+use crate::bench::BenchArgs;
+
+/// SplitMix64, seeded: the same mix on every run.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+}
+
+/// Resident and peak resident memory of this process, in bytes (Linux;
+/// zero elsewhere).
+fn rss() -> (u64, u64) {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|kb| kb.parse::<u64>().ok())
+            .map_or(0, |kb| kb * 1024)
+    };
+    (field("VmRSS:"), field("VmHWM:"))
+}
+
+const CONTEXT: usize = 256;
+
+/// Faults for about one step in `error_every` (errors) and one in
+/// `panic_every` (panics), by a hash of the step's number.
+fn fault_hook(error_every: u64, panic_every: u64) -> FaultHook {
+    let step = AtomicU64::new(0);
+    FaultHook::new(move |_| {
+        let n = step.fetch_add(1, Ordering::Relaxed);
+        let h = Rng(n ^ 0x5eed).next();
+        if h % panic_every == 0 {
+            Some(Fault::Panic)
+        } else if h % error_every == 1 {
+            Some(Fault::Error)
+        } else {
+            None
+        }
+    })
+}
+
+#[derive(Default)]
+struct Tally {
+    done: usize,
+    samples: usize,
+    cancelled: usize,
+    failed: usize,
+    shifted: usize,
+    sessions: usize,
+    defrags: usize,
+    resizes: usize,
+}
+
+pub fn soak(model: Model, args: &BenchArgs) -> Result<()> {
+    let n_requests = args.requests.max(1);
+    // The engine's worker catches the injected panics; keep their reports
+    // out of the output (other panics are still reported).
+    let default_hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let injected = info.payload().downcast_ref::<&str>() == Some(&INJECTED_PANIC);
+        if !injected {
+            default_hook(info);
+        }
+    }));
+    let systems: Vec<String> = (0..4)
+        .map(|i| tessera_bench::text(&model, 900 + i, 60))
+        .collect::<Result<_>>()?;
+    let body = tessera_bench::text(&model, 999, 400)?;
+    let tok = model.tokenizer.clone();
+    let system_ids: Vec<Vec<u32>> = systems
+        .iter()
+        .map(|s| tok.encode(s, tessera_model::Special::AsText, true))
+        .collect::<std::result::Result<_, _>>()?;
+    let body_ids = tok.encode(&body, tessera_model::Special::AsText, false)?;
+    let cfg = EngineConfig {
+        context_length: Some(CONTEXT),
+        faults: Some(fault_hook(150, 300)),
+        max_running: 8,
+        prefill_chunk: 128,
+        ..args.kv.config(true)
+    };
+    let engine = Engine::from_model(model, cfg)?;
+    let full_bytes = engine.stats().kv.num_blocks * engine.block_bytes();
+    let session = std::env::temp_dir().join(format!("tessera-soak-{}.tkv", std::process::id()));
+    let mut rng = Rng(42);
+    let mut t = Tally::default();
+    let warm_up = n_requests / 10;
+    let mut rss_warm = 0;
+    let started = Instant::now();
+    let mut submitted = 0;
+    while submitted < n_requests {
+        let batch = (1 + rng.below(4)).min(n_requests - submitted);
+        let mut streams = Vec::new();
+        for _ in 0..batch {
+            let sys = &system_ids[rng.below(system_ids.len())];
+            let shift = rng.below(8) == 0;
+            // A request that shifts starts near the context limit.
+            let len = if shift { 150 } else { 1 + rng.below(150) };
+            let from = rng.below(body_ids.len() - 200);
+            let mut prompt = sys.clone();
+            prompt.extend(&body_ids[from..from + len]);
+            let n = if rng.below(6) == 0 {
+                2 + rng.below(2)
+            } else {
+                1
+            };
+            let req = GenerateRequest {
+                max_tokens: if shift {
+                    CONTEXT + 16 - prompt.len().min(CONTEXT)
+                } else {
+                    1 + rng.below(32)
+                },
+                sampling: SamplingParams {
+                    seed: rng.next(),
+                    ..SamplingParams::default()
+                },
+                ignore_eos: shift,
+                context_shift: if shift {
+                    ContextShift::Keep(16)
+                } else {
+                    ContextShift::Off
+                },
+                n,
+                ..GenerateRequest::new(Prompt::Tokens(prompt))
+            };
+            let cancel_after = (rng.below(8) == 0).then(|| rng.below(12));
+            streams.push((engine.generate(req)?, cancel_after, n, shift));
+            submitted += 1;
+        }
+        for (stream, cancel_after, n, shift) in streams {
+            let mut tokens = 0;
+            let (mut done, mut failed) = (0, false);
+            for ev in stream {
+                match ev {
+                    Event::Token { .. } => {
+                        tokens += 1;
+                        if cancel_after == Some(tokens) {
+                            t.cancelled += 1;
+                            break;
+                        }
+                    }
+                    Event::Done(_) => done += 1,
+                    Event::Error(_) => failed = true,
+                }
+            }
+            t.samples += done;
+            if failed {
+                t.failed += 1;
+            } else if done == n {
+                t.done += 1;
+                t.shifted += usize::from(shift);
+            }
+        }
+        match rng.below(12) {
+            0 => {
+                let mut chat = engine.chat(Some(&systems[0]));
+                let opts = tessera_engine::TurnOptions {
+                    max_tokens: 8,
+                    ..Default::default()
+                };
+                // A turn may hit an injected fault like any request.
+                match chat.send("Say something short.", &opts, &mut |_| {}) {
+                    Ok(_) => {
+                        chat.save(&session)?;
+                        let back = engine.load_session(&session)?;
+                        if back.token_ids() != chat.token_ids() {
+                            bail!("a session came back with other tokens");
+                        }
+                        t.sessions += 1;
+                    }
+                    Err(_) => t.failed += 1,
+                }
+            }
+            1 => {
+                engine.defragment()?;
+                t.defrags += 1;
+            }
+            2 => {
+                // Shrink to half between rounds, then grow back.
+                engine.resize_kv(full_bytes / 2)?;
+                engine.resize_kv(full_bytes)?;
+                t.resizes += 1;
+            }
+            _ => {}
+        }
+        if rss_warm == 0 && submitted >= warm_up {
+            rss_warm = rss().0;
+        }
+    }
+    let _ = std::fs::remove_file(&session);
+    // Cancelled requests end at the engine's next step: wait for them.
+    let idle_by = Instant::now() + std::time::Duration::from_secs(30);
+    while engine.stats().active_samples > 0 && Instant::now() < idle_by {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    let stats = engine.stats();
+    engine.check_kv()?;
+    let leaked = stats.kv.used_blocks;
+    let (rss_end, rss_peak) = rss();
+    let growth = rss_end as f64 / rss_warm.max(1) as f64 - 1.0;
+    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    let lines = vec![
+        format!("soak: {n_requests} requests in {elapsed:.0} s (context {CONTEXT}, faults in about 1 step of 150 as errors and 1 of 300 as panics)"),
+        format!("  done {} ({} samples, {} with a context shift) | cancelled {} | failed {} | steps failed {}", t.done, t.samples, t.shifted, t.cancelled, t.failed, stats.failed_steps),
+        format!("  sessions saved and loaded {} | defragmentations {} | shrink and grow {}", t.sessions, t.defrags, t.resizes),
+        format!("  blocks leaked {leaked} | sequences left {} | KV invariants hold", stats.kv.sequences),
+        format!("  RSS after warm-up {:.1} MiB, peak {:.1} MiB, end {:.1} MiB: growth {:+.1}%", mib(rss_warm), mib(rss_peak), mib(rss_end), growth * 100.0),
+    ];
+    let v = serde_json::json!({
+        "scenario": "soak",
+        "requests": n_requests,
+        "seconds": elapsed,
+        "done": t.done,
+        "samples": t.samples,
+        "shifted": t.shifted,
+        "cancelled": t.cancelled,
+        "failed": t.failed,
+        "failed_steps": stats.failed_steps,
+        "sessions": t.sessions,
+        "defrags": t.defrags,
+        "resizes": t.resizes,
+        "leaked_blocks": leaked,
+        "sequences_left": stats.kv.sequences,
+        "rss_warm_bytes": rss_warm,
+        "rss_peak_bytes": rss_peak,
+        "rss_end_bytes": rss_end,
+        "rss_growth": growth,
+    });
+    crate::scenarios::emit(args, v, &lines);
+    if leaked != 0 || stats.kv.sequences != 0 {
+        bail!(
+            "{leaked} blocks and {} sequences leaked",
+            stats.kv.sequences
+        );
+    }
+    Ok(())
+}
