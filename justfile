@@ -16,6 +16,18 @@ demo: model
 test: model
     cargo test --workspace
 
+# Long fuzzing runs of the loaders and parsers (GGUF, sessions, cache files, tokenizer, templates).
+fuzz cases="20000":
+    TESSERA_FUZZ_CASES={{cases}} cargo test -p tessera-model -p tessera-engine -- fuzz
+
+# Other targets and the portable kernel paths: aarch64 builds (cargo check; installs the
+# cross C compiler and the Rust target if missing), and the kernel tests with SIMD off.
+check-portable:
+    command -v aarch64-linux-gnu-gcc >/dev/null || ($(command -v sudo || true) apt-get update && $(command -v sudo || true) apt-get install -y gcc-aarch64-linux-gnu)
+    rustup target list --installed | grep -q aarch64-unknown-linux-gnu || rustup target add aarch64-unknown-linux-gnu
+    cargo check --workspace --target aarch64-unknown-linux-gnu
+    TESSERA_ISA=portable cargo test -p tessera-kernels
+
 # Criterion benches of the KV bookkeeping; prints a Markdown table at the end.
 bench:
     cargo bench --bench kv
@@ -31,6 +43,12 @@ bench-model: model
 bench-engine: model
     cargo build --release -p tessera
     for s in chat shared-prefix interleaved shift; do ./target/release/tessera bench --model models/SmolLM2-135M-Instruct.Q4_1.gguf --scenario $s --runs 3; done
+
+# 2,000 random requests with injected faults: leaks, errors, RSS (target/bench/soak.json).
+bench-soak requests="2000": model
+    cargo build --release -p tessera
+    mkdir -p target/bench
+    ./target/release/tessera bench --model models/SmolLM2-135M-Instruct.Q4_1.gguf --scenario soak --requests {{requests}} --kv-memory 24MiB --json | tee target/bench/soak.json
 
 # Tessera beside llama.cpp and candle on the default model (same file, same threads, same run):
 # a table, target/bench/vs-llamacpp.json, two charts, then the README's results section.

@@ -6,8 +6,8 @@
 use std::path::PathBuf;
 
 use tessera_engine::{
-    ContextShift, Engine, EngineConfig, EngineError, Event, FinishReason, GenerateRequest, Message,
-    Prompt, SamplingParams, TurnOptions,
+    ContextShift, Engine, EngineConfig, EngineError, Event, Fault, FaultHook, FinishReason,
+    GenerateRequest, Message, Prompt, SamplingParams, TurnOptions,
 };
 
 use super::engine;
@@ -177,6 +177,14 @@ fn forked_samples_equal_single_runs_and_release_every_block() {
 
 /// Six requests run at once through the scheduler.
 fn run_all(e: &Engine, prompts: &[String]) -> Vec<Vec<u32>> {
+    run_all_results(e, prompts)
+        .into_iter()
+        .map(|r| r.unwrap_or_else(|e| panic!("{e}")))
+        .collect()
+}
+
+/// Runs the prompts concurrently; the tokens of each, or its error.
+fn run_all_results(e: &Engine, prompts: &[String]) -> Vec<Result<Vec<u32>, String>> {
     let streams: Vec<_> = prompts
         .iter()
         .map(|p| {
@@ -192,17 +200,69 @@ fn run_all(e: &Engine, prompts: &[String]) -> Vec<Vec<u32>> {
     streams
         .into_iter()
         .map(|s| {
-            let mut out = None;
+            let mut out = Err("no end".to_string());
             for ev in s {
                 match ev {
-                    Event::Done(c) => out = Some(c.tokens),
-                    Event::Error(e) => panic!("{e}"),
+                    Event::Done(c) => out = Ok(c.tokens),
+                    Event::Error(e) => out = Err(e.to_string()),
                     Event::Token { .. } => {}
                 }
             }
-            out.unwrap()
+            out
         })
         .collect()
+}
+
+/// Faults injected into the steps of concurrent chats on the real model:
+/// the request whose every step past its prompt fails gets an error, the
+/// one whose first decode panics once is retried, and every other request
+/// gives exactly the tokens of a run without faults; nothing leaks, and
+/// afterwards the failed prompt runs normally from what the cache holds.
+#[test]
+fn injected_faults_fail_only_the_request_at_fault_on_the_real_model() {
+    let prompts: Vec<String> = USERS[..4].iter().map(|u| u.to_string()).collect();
+    let clean = engine(EngineConfig::default());
+    let want = run_all(&clean, &prompts);
+    let ids = |u: &str| {
+        clean
+            .tokenize_prompt(&Prompt::Chat(vec![Message::new("user", u)]))
+            .unwrap()
+    };
+    let (always, once) = (ids(USERS[1]), ids(USERS[2]));
+    let armed = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let fired = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (a, f) = (armed.clone(), fired.clone());
+    use std::sync::atomic::Ordering::SeqCst;
+    let hook = FaultHook::new(move |sites| {
+        if !a.load(SeqCst) {
+            return None;
+        }
+        if sites.iter().any(|s| s.prompt == always && s.start >= always.len()) {
+            return Some(Fault::Error);
+        }
+        if sites.iter().any(|s| s.prompt == once && s.start > once.len()) && !f.swap(true, SeqCst) {
+            return Some(Fault::Panic);
+        }
+        None
+    });
+    let faulty = engine(EngineConfig {
+        faults: Some(hook),
+        ..EngineConfig::default()
+    });
+    let got = run_all_results(&faulty, &prompts);
+    assert!(fired.load(SeqCst));
+    assert_eq!(got[1], Err("injected fault".to_string()));
+    for i in [0, 2, 3] {
+        assert_eq!(got[i].as_ref(), Ok(&want[i]), "prompt {i}");
+    }
+    let stats = faulty.stats();
+    assert!(stats.failed_steps >= 2 && stats.failed_requests == 1, "{stats:?}");
+    assert_eq!((stats.kv.used_blocks, stats.kv.sequences), (0, 0));
+    faulty.check_kv().unwrap();
+    armed.store(false, SeqCst);
+    let again = run_all(&faulty, &prompts);
+    assert_eq!(again, want);
+    assert!(faulty.stats().cached_tokens > 0);
 }
 
 #[test]
