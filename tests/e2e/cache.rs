@@ -237,10 +237,17 @@ fn injected_faults_fail_only_the_request_at_fault_on_the_real_model() {
         if !a.load(SeqCst) {
             return None;
         }
-        if sites.iter().any(|s| s.prompt == always && s.start >= always.len()) {
+        if sites
+            .iter()
+            .any(|s| s.prompt == always && s.start >= always.len())
+        {
             return Some(Fault::Error);
         }
-        if sites.iter().any(|s| s.prompt == once && s.start > once.len()) && !f.swap(true, SeqCst) {
+        if sites
+            .iter()
+            .any(|s| s.prompt == once && s.start > once.len())
+            && !f.swap(true, SeqCst)
+        {
             return Some(Fault::Panic);
         }
         None
@@ -256,7 +263,10 @@ fn injected_faults_fail_only_the_request_at_fault_on_the_real_model() {
         assert_eq!(got[i].as_ref(), Ok(&want[i]), "prompt {i}");
     }
     let stats = faulty.stats();
-    assert!(stats.failed_steps >= 2 && stats.failed_requests == 1, "{stats:?}");
+    assert!(
+        stats.failed_steps >= 2 && stats.failed_requests == 1,
+        "{stats:?}"
+    );
     assert_eq!((stats.kv.used_blocks, stats.kv.sequences), (0, 0));
     faulty.check_kv().unwrap();
     armed.store(false, SeqCst);

@@ -544,13 +544,22 @@ impl Scheduler {
         Ok(victim)
     }
 
-    /// Caches what `req` computed (when caching) and frees its sequence.
+    /// Caches what `req` computed (when caching) and frees its sequence. A
+    /// sequence holding tokens whose K/V was never written (a step planned
+    /// and not carried out) is freed without entering the tree.
     fn release(&mut self, req: ReqId) -> Result<(), SchedError> {
         if let State::Running { seq, .. } = self.get(req)?.state {
-            if self.cfg.prefix_cache {
-                self.kv.insert_sequence(seq)?;
-            }
+            let s = self.kv.sequence(seq)?;
+            let computed = s.num_computed() == s.len();
+            let cached = if self.cfg.prefix_cache && computed {
+                self.kv.insert_sequence(seq).map(drop)
+            } else {
+                Ok(())
+            };
+            // Freed whatever the insert said: a request never keeps blocks
+            // after it is released.
             self.kv.free_sequence(seq)?;
+            cached?;
         }
         Ok(())
     }
@@ -788,10 +797,15 @@ impl Scheduler {
     /// Ends a request: what it computed goes into the prefix tree (when
     /// caching), its blocks are freed. Also cancels a waiting request.
     pub fn finish(&mut self, req: ReqId) -> Result<Vec<TokenId>, SchedError> {
-        self.release(req)?;
+        let released = self.release(req);
         self.running.retain(|&r| r != req);
         self.waiting.retain(|&r| r != req);
-        Ok(self.reqs.remove(&req).expect("checked by release").tokens)
+        let r = self
+            .reqs
+            .remove(&req)
+            .ok_or(SchedError::UnknownRequest(req))?;
+        released?;
+        Ok(r.tokens)
     }
 }
 

@@ -747,3 +747,28 @@ fn kv_and_sched_depend_on_no_tensor_crate() {
         );
     }
 }
+
+/// Finishing requests whose planned step never ran (the engine failing
+/// everything after an error) frees them without caching what was not
+/// computed, and leaves nothing running.
+#[test]
+fn finishing_requests_with_unwritten_tokens_frees_them_uncached() {
+    let mut sim = Sim::new(64, 4, cfg(8, 8));
+    let a = sim.add(&prompt(1, 30), 4);
+    let b = sim.add(&prompt(2, 6), 4);
+    sim.step();
+    // Planned, never carried out.
+    let plan = sim.sched.schedule().unwrap();
+    assert!(!plan.items.is_empty());
+    for id in [a, b] {
+        sim.sched.finish(id).unwrap();
+        sim.out.remove(&id);
+    }
+    assert!(!sim.sched.has_work());
+    assert_no_leak(&sim);
+    assert_tree_written(&sim);
+    assert!(matches!(
+        sim.sched.finish(a),
+        Err(SchedError::UnknownRequest(r)) if r == a
+    ));
+}
