@@ -44,11 +44,12 @@ bench-engine: model
     cargo build --release -p tessera
     for s in chat shared-prefix interleaved shift; do ./target/release/tessera bench --model models/SmolLM2-135M-Instruct.Q4_1.gguf --scenario $s --runs 3; done
 
-# 2,000 random requests with injected faults: leaks, errors, RSS (target/bench/soak.json).
+# 2,000 random requests with injected faults: leaks, errors, RSS (target/bench/soak.json, then the README's soak table).
 bench-soak requests="2000": model
     cargo build --release -p tessera
     mkdir -p target/bench
     ./target/release/tessera bench --model models/SmolLM2-135M-Instruct.Q4_1.gguf --scenario soak --requests {{requests}} --kv-memory 24MiB --json | tee target/bench/soak.json
+    python3 scripts/readme_soak.py
 
 # Tessera beside llama.cpp and candle on the default model (same file, same threads, same run):
 # a table, target/bench/vs-llamacpp.json, two charts, then the README's results section.

@@ -65,7 +65,7 @@ fn fault_hook(error_every: u64, panic_every: u64) -> FaultHook {
     FaultHook::new(move |_| {
         let n = step.fetch_add(1, Ordering::Relaxed);
         let h = Rng(n ^ 0x5eed).next();
-        if h % panic_every == 0 {
+        if h.is_multiple_of(panic_every) {
             Some(Fault::Panic)
         } else if h % error_every == 1 {
             Some(Fault::Error)

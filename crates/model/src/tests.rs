@@ -470,7 +470,7 @@ fn fuzz_tokenizer_inputs_round_trip() {
         "ab",
         "12",
     ];
-    let mut r = Mutator::new(0x746f_6b);
+    let mut r = Mutator::new(0x0074_6f6b);
     for case in 0..fuzz_cases(300) {
         let mut s = String::new();
         for _ in 0..r.below(24) {
@@ -500,7 +500,7 @@ fn fuzz_chat_templates_render_or_are_refused() {
         Message::new("system", "be brief"),
         Message::new("user", "hi {{ 7 * 7 }} {% raw %}"),
     ];
-    let mut m = Mutator::new(0x6a69_6e6a_61);
+    let mut m = Mutator::new(0x006a_696e_6a61);
     for case in 0..fuzz_cases(300) {
         let src = [crate::template::CHATML, llama3][case % 2];
         let data = m.mutate(src.as_bytes(), src.len());
