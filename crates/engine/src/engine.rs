@@ -50,6 +50,11 @@ impl Drop for Inner {
     fn drop(&mut self) {
         let dir = self.persist.lock().ok().and_then(|mut d| d.take());
         if let Some(dir) = dir {
+            // Requests still in flight end first, so their work is saved.
+            let (tx, rx) = mpsc::channel();
+            if self.tx.send(Command::CancelAll(tx)).is_ok() {
+                let _ = rx.recv();
+            }
             let (tx, rx) = mpsc::channel();
             let snaps = self
                 .tx

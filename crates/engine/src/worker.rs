@@ -61,6 +61,9 @@ pub(crate) enum Command {
     Import(Vec<KvSnapshot>, mpsc::Sender<Result<usize>>),
     /// Verify the KV bookkeeping.
     Check(mpsc::Sender<Result<()>>),
+    /// End every request in flight (cancelled; what they computed stays
+    /// cached), before the cache is saved at shutdown.
+    CancelAll(mpsc::Sender<()>),
     Shutdown,
 }
 
@@ -228,6 +231,10 @@ impl Worker {
             }
             Command::Import(snaps, reply) => {
                 let _ = reply.send(self.import(&snaps));
+            }
+            Command::CancelAll(reply) => {
+                self.cancel_all();
+                let _ = reply.send(());
             }
             Command::Check(reply) => {
                 let _ = reply.send(self.sched.kv().check_invariants().map_err(Into::into));
@@ -699,10 +706,14 @@ impl Worker {
         Ok(total)
     }
 
-    fn shutdown(mut self) {
+    fn cancel_all(&mut self) {
         for id in self.active.keys().copied().collect::<Vec<_>>() {
             self.finish(id, FinishReason::Cancelled);
         }
+    }
+
+    fn shutdown(mut self) {
+        self.cancel_all();
     }
 }
 

@@ -3,10 +3,10 @@ use super::*;
 use crate::types::CacheDType;
 use tessera_model::testing::{write_tiny_model, TinySpec};
 
-fn tiny_core(dtype: CacheDType) -> (Worker, std::path::PathBuf) {
+fn tiny_worker(dtype: CacheDType) -> (Worker, std::path::PathBuf) {
     static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let n = N.fetch_add(1, Ordering::SeqCst);
-    let dir = std::env::temp_dir().join(format!("tessera-core-{}-{n}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("tessera-worker-{}-{n}", std::process::id()));
     write_tiny_model(&dir, TinySpec::default()).unwrap();
     let model = Arc::new(Model::load(&dir, &mut |_, _| {}).unwrap());
     let cfg = EngineConfig {
@@ -43,7 +43,7 @@ fn max_abs(a: &[u8], b: &[u8]) -> f32 {
 /// positions: layer 0 sees only the token and its position.
 #[test]
 fn shifted_layer_zero_kv_equals_a_fresh_computation() {
-    let (mut core, dir) = tiny_core(CacheDType::F32);
+    let (mut core, dir) = tiny_worker(CacheDType::F32);
     let ids: Vec<u32> = (0..23).map(|i| 5 + (i * 7) % 90).collect();
     let seq = computed(&mut core, &ids);
     let (keep, discard) = (5, 9);
@@ -79,8 +79,8 @@ fn shifted_layer_zero_kv_equals_a_fresh_computation() {
 #[test]
 fn snapshots_round_trip_between_pools() {
     for dtype in [CacheDType::F16, CacheDType::F32] {
-        let (mut a, d1) = tiny_core(dtype);
-        let (mut b, d2) = tiny_core(dtype);
+        let (mut a, d1) = tiny_worker(dtype);
+        let (mut b, d2) = tiny_worker(dtype);
         let ids: Vec<u32> = (0..19).map(|i| 3 + (i * 5) % 80).collect();
         let snap = a.export(&ids).unwrap();
         assert_eq!(snap.layers.len(), 2);
