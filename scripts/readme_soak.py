@@ -36,7 +36,8 @@ def main():
         f"Soak (`just bench-soak`), measured {datetime.date.today()} on {cpu()} "
         f"({os.cpu_count()} cores), commit `{commit}`, SmolLM2-135M-Instruct Q4_1, "
         "24 MiB of KV pool (so requests preempt each other), context 256: "
-        f"{r['requests']:,} requests in {r['seconds']:,.0f} s, up to four at a time, "
+        f"{r['requests']:,} requests, up to four at a time ({r['seconds']:,.0f} s of wall "
+        "time: this scenario counts failures and leaks, it is no speed measure), "
         "with about one step in 150 failing with an error and one in 300 panicking.",
         "",
         "| what | count |",
