@@ -215,7 +215,7 @@ fn run_all_results(e: &Engine, prompts: &[String]) -> Vec<Result<Vec<u32>, Strin
 
 /// Faults injected into the steps of concurrent chats on the real model:
 /// the request whose every step past its prompt fails gets an error, the
-/// one whose first decode panics once is retried, and every other request
+/// one whose decode panics once beside others is retried, and every other request
 /// gives exactly the tokens of a run without faults; nothing leaks, and
 /// afterwards the failed prompt runs normally from what the cache holds.
 #[test]
@@ -243,9 +243,12 @@ fn injected_faults_fail_only_the_request_at_fault_on_the_real_model() {
         {
             return Some(Fault::Error);
         }
-        if sites
-            .iter()
-            .any(|s| s.prompt == once && s.start > once.len())
+        // Once, in a step shared with other requests (alone in a failing
+        // step, a request fails by design).
+        if sites.len() > 1
+            && sites
+                .iter()
+                .any(|s| s.prompt == once && s.start > once.len())
             && !f.swap(true, SeqCst)
         {
             return Some(Fault::Panic);

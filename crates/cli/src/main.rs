@@ -418,7 +418,15 @@ fn main() -> ExitCode {
                 .map(str::trim)
                 .filter(|l| !l.is_empty())
                 .collect();
-            eprintln!("error: {}", line.join(" "));
+            // The flag that helps, where there is one.
+            let hint = match e.downcast_ref::<tessera_engine::EngineError>() {
+                Some(
+                    tessera_engine::EngineError::OutOfKvMemory { .. }
+                    | tessera_engine::EngineError::KvBudgetTooSmall { .. },
+                ) => " (raise --kv-memory)",
+                _ => "",
+            };
+            eprintln!("error: {}{hint}", line.join(" "));
             ExitCode::FAILURE
         }
     }

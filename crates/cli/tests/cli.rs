@@ -302,7 +302,7 @@ fn bad_input_gives_clear_errors() {
             ],
             None,
         ),
-        "holds less than one block",
+        "holds less than one block of 16 tokens (368640 bytes) (raise --kv-memory)",
     );
     fails_with(
         &tessera(

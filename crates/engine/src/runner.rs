@@ -153,10 +153,36 @@ impl Runner {
             .collect()
     }
 
-    /// Writes rows `skip..skip + slots.len()` of `layers` into `slots`.
-    /// Every layer must hold exactly `skip + slots.len()` rows of this
-    /// pool's dtype and geometry: anything else is refused before a byte is
-    /// written.
+    /// Checks that every layer holds exactly `tokens` K and V rows of this
+    /// pool's dtype and geometry.
+    pub(crate) fn check_rows(&self, layers: &[LayerBytes], tokens: usize) -> Result<()> {
+        if layers.len() != self.cache.len() {
+            return Err(EngineError::Invalid(format!(
+                "K/V for {} layers; the model has {}",
+                layers.len(),
+                self.cache.len()
+            )));
+        }
+        let want = tokens
+            .checked_mul(self.row_bytes())
+            .ok_or_else(|| EngineError::Invalid("K/V size overflows".into()))?;
+        if let Some((i, l)) = layers
+            .iter()
+            .enumerate()
+            .find(|(_, l)| l.k.len() != want || l.v.len() != want)
+        {
+            return Err(EngineError::Invalid(format!(
+                "layer {i} holds {} K and {} V bytes; {tokens} tokens need {want} each",
+                l.k.len(),
+                l.v.len(),
+            )));
+        }
+        Ok(())
+    }
+
+    /// Writes rows `skip..skip + slots.len()` of `layers` into `slots`,
+    /// after [`check_rows`](Self::check_rows) for `skip + slots.len()`
+    /// tokens: nothing is written unless every layer has its rows.
     pub(crate) fn write_rows(
         &self,
         slots: &[u32],
@@ -165,28 +191,7 @@ impl Runner {
     ) -> Result<()> {
         let row = self.row_bytes();
         let n = slots.len();
-        if layers.len() != self.cache.len() {
-            return Err(EngineError::Invalid(format!(
-                "K/V for {} layers; the model has {}",
-                layers.len(),
-                self.cache.len()
-            )));
-        }
-        let want = (skip + n)
-            .checked_mul(row)
-            .ok_or_else(|| EngineError::Invalid("K/V size overflows".into()))?;
-        if let Some((i, l)) = layers
-            .iter()
-            .enumerate()
-            .find(|(_, l)| l.k.len() != want || l.v.len() != want)
-        {
-            return Err(EngineError::Invalid(format!(
-                "layer {i} holds {} K and {} V bytes; {} tokens need {want} each",
-                l.k.len(),
-                l.v.len(),
-                skip + n
-            )));
-        }
+        self.check_rows(layers, skip + n)?;
         if n == 0 {
             return Ok(());
         }

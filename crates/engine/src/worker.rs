@@ -497,6 +497,7 @@ impl Worker {
                     block_size: *block_size,
                 },
                 EngineError::Injected => EngineError::Injected,
+                EngineError::Step(why) => EngineError::Step(why.clone()),
                 other => EngineError::Step(other.to_string()),
             };
             let _ = a.group.events.send(Event::Error(err));
@@ -685,9 +686,8 @@ impl Worker {
                     "saved token id {t} is outside the vocabulary of {vocab}"
                 )));
             }
-            // Checks the byte counts before touching the pool.
-            self.runner
-                .write_rows(&[], &snap.layers, snap.tokens.len())?;
+            // The byte counts, before the pool is touched.
+            self.runner.check_rows(&snap.layers, snap.tokens.len())?;
             let toks = token_ids(&snap.tokens);
             let (seq, cached) = self.sched.kv_mut().add_sequence(self.ns, &toks);
             let result = self.append_now(seq, &toks[cached..]).and_then(|plan| {
