@@ -33,16 +33,21 @@ bench:
     cargo bench --bench kv
     python3 scripts/criterion_table.py
 
-# Prefill and decode speed of Tessera beside candle's quantized_llama (same run).
+# Prefill and decode speed of Tessera beside candle's quantized_llama (same run), then the README's table.
 bench-model: model
     cargo build --release -p tessera
-    ./target/release/tessera bench --model models/SmolLM2-135M-Instruct.Q4_1.gguf --scenario prefill --runs 5
-    ./target/release/tessera bench --model models/SmolLM2-135M-Instruct.Q4_1.gguf --scenario decode --runs 3
+    mkdir -p target/bench
+    ./target/release/tessera bench --model models/SmolLM2-135M-Instruct.Q4_1.gguf --scenario prefill --runs 5 --json | tee target/bench/model.jsonl
+    ./target/release/tessera bench --model models/SmolLM2-135M-Instruct.Q4_1.gguf --scenario decode --runs 3 --json | tee -a target/bench/model.jsonl
+    python3 scripts/readme_tables.py model
 
-# The KV-cache scenarios: chat TTFT with and without reuse, shared prefix, interleaved conversations, context shift.
+# The KV-cache scenarios: chat TTFT with and without reuse, shared prefix, interleaved conversations, context shift; then the README's tables.
 bench-engine: model
     cargo build --release -p tessera
-    for s in chat shared-prefix interleaved shift; do ./target/release/tessera bench --model models/SmolLM2-135M-Instruct.Q4_1.gguf --scenario $s --runs 3; done
+    mkdir -p target/bench
+    rm -f target/bench/engine.jsonl
+    for s in chat shared-prefix interleaved shift; do ./target/release/tessera bench --model models/SmolLM2-135M-Instruct.Q4_1.gguf --scenario $s --runs 3 --json | tee -a target/bench/engine.jsonl; done
+    python3 scripts/readme_tables.py engine
 
 # 2,000 random requests with injected faults: leaks, errors, RSS (target/bench/soak.json, then the README's soak table).
 bench-soak requests="2000": model
