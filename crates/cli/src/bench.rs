@@ -26,6 +26,12 @@ pub enum Scenario {
     Interleaved,
     /// Greedy agreement after a context shift with a fresh prefill.
     Shift,
+    /// Generation deep in a context: 128 tokens after 2,048, beside the
+    /// short decode in the same run.
+    DecodeLong,
+    /// Several sequences decoding together (4 and 8): aggregate tok/s
+    /// beside one sequence alone in the same run.
+    DecodeBatch,
     /// A long random mix of requests (lengths, n > 1, cancellations,
     /// context shifts, sessions, defragment, shrink and grow, injected
     /// faults): errors, leaked blocks, RSS.
@@ -37,7 +43,7 @@ pub struct BenchArgs {
     #[arg(long)]
     model: String,
     #[arg(long, value_enum)]
-    scenario: Scenario,
+    pub(crate) scenario: Scenario,
     /// Timed runs per engine (the median is reported).
     #[arg(long, default_value_t = 3)]
     pub(crate) runs: usize,
@@ -70,6 +76,9 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         Scenario::Interleaved => return crate::scenarios::interleaved(model, &args),
         Scenario::Shift => return crate::scenarios::shift(model, &args),
         Scenario::Soak => return crate::soak::soak(model, &args),
+        Scenario::DecodeLong | Scenario::DecodeBatch => {
+            return crate::scenarios::decode_depth_and_width(model, &args)
+        }
     }
     let engine = Engine::from_model(model, args.kv.config(false))?;
     let mut candle = if is_gguf && !args.no_baseline {

@@ -329,3 +329,111 @@ pub fn shift(model: Model, args: &BenchArgs) -> Result<()> {
     emit(args, v, &lines);
     Ok(())
 }
+
+/// Decode tok/s of `prompts` decoding together (`DECODE_TOKENS` each after
+/// the prompt): all generated tokens after each one's first, over the time
+/// from the last first token to the last finish (from the completions'
+/// timings, all measured from their submission, which is the same moment).
+fn decode_together(engine: &Engine, prompts: &[Vec<u32>]) -> Result<f64> {
+    let streams: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            engine.generate(GenerateRequest {
+                max_tokens: tessera_bench::DECODE_TOKENS + 1,
+                sampling: SamplingParams::greedy(),
+                ignore_eos: true,
+                ..GenerateRequest::new(Prompt::Tokens(p.clone()))
+            })
+        })
+        .collect::<std::result::Result<_, _>>()?;
+    let (mut tokens, mut last_first, mut last_end) = (0usize, 0f64, 0f64);
+    for s in streams {
+        for ev in s {
+            match ev {
+                Event::Token { .. } => {}
+                Event::Done(c) => {
+                    tokens += c.usage.completion_tokens.saturating_sub(1);
+                    last_first = last_first.max(c.timings.ttft_ms / 1e3);
+                    last_end = last_end.max(c.timings.total_s);
+                }
+                Event::Error(e) => return Err(e.into()),
+            }
+        }
+    }
+    Ok(tokens as f64 / (last_end - last_first).max(1e-9))
+}
+
+/// `decode-long`: 128 tokens after 2,048 tokens of context; `decode-batch`:
+/// 4 and 8 sequences decoding together. Each beside one sequence decoding
+/// after a 16-token prompt, in the same run (medians over the runs).
+pub fn decode_depth_and_width(model: Model, args: &BenchArgs) -> Result<()> {
+    let short = tessera_bench::decode_prompt(&model)?;
+    let long_text = text(&model, 77, 2100)?;
+    let mut long = model.tokenizer.encode(&long_text, Special::AsText, true)?;
+    long.truncate(2048);
+    if long.len() < 2048 {
+        bail!("the long prompt has only {} tokens", long.len());
+    }
+    let batch_prompts = |n: usize| -> Result<Vec<Vec<u32>>> {
+        (0..n as u64)
+            .map(|i| {
+                let t = text(&model, 500 + i, 16)?;
+                let mut ids = model.tokenizer.encode(&t, Special::AsText, true)?;
+                ids.truncate(16);
+                Ok(ids)
+            })
+            .collect()
+    };
+    let (four, eight) = (batch_prompts(4)?, batch_prompts(8)?);
+    let engine = Engine::from_model(model, args.kv.config(false))?;
+    let long_scenario = args.scenario == crate::bench::Scenario::DecodeLong;
+    let (mut base, mut a, mut b) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..args.runs {
+        base.push(decode_together(&engine, std::slice::from_ref(&short))?);
+        if long_scenario {
+            a.push(decode_together(&engine, std::slice::from_ref(&long))?);
+        } else {
+            a.push(decode_together(&engine, &four)?);
+            b.push(decode_together(&engine, &eight)?);
+        }
+    }
+    let base = median(base);
+    let (v, lines) = if long_scenario {
+        let l = median(a);
+        (
+            serde_json::json!({
+                "scenario": "decode-long",
+                "context": long.len(),
+                "tessera": l,
+                "short_tessera": base,
+                "ratio_to_short": l / base,
+                "runs": args.runs,
+            }),
+            vec![format!(
+                "decode-long: 128 tokens after {} tokens: {l:.1} tok/s; after 16 tokens: {base:.1} tok/s ({:.0}%)",
+                long.len(),
+                100.0 * l / base
+            )],
+        )
+    } else {
+        let (x4, x8) = (median(a), median(b));
+        (
+            serde_json::json!({
+                "scenario": "decode-batch",
+                "single": base,
+                "batch4": x4,
+                "batch8": x8,
+                "ratio4": x4 / base,
+                "ratio8": x8 / base,
+                "runs": args.runs,
+            }),
+            vec![format!(
+                "decode-batch: aggregate tok/s, 1 sequence {base:.1} | 4 together {x4:.1} ({:.2}×) | 8 together {x8:.1} ({:.2}×)",
+                x4 / base,
+                x8 / base
+            )],
+        )
+    };
+    emit(args, v, &lines);
+    Ok(())
+}
