@@ -64,6 +64,23 @@ def model():
         out.append(
             f"| {label} | {x['tessera']:.1f} tok/s | {x['candle']:.1f} tok/s | {x['ratio']:.1f}× |"
         )
+    if "decode-long" in r and "decode-batch" in r:
+        lg, bt = r["decode-long"], r["decode-batch"]
+        out += [
+            "",
+            f"Decode deep in a context and several sequences at once (`--scenario decode-long|decode-batch`, "
+            f"median of {lg['runs']} runs), each beside one sequence decoding after a 16-token prompt in the "
+            "same run:",
+            "",
+            "| scenario | Tessera | one sequence, short context | ratio |",
+            "|---|---|---|---|",
+            f"| decode-long: 128 tokens after {lg['context']:,} tokens of context | {lg['tessera']:.1f} tok/s | "
+            f"{lg['short_tessera']:.1f} tok/s | {lg['ratio_to_short']:.2f}× |",
+            f"| decode-batch: 4 sequences decoding together, aggregate | {bt['batch4']:.1f} tok/s | "
+            f"{bt['single']:.1f} tok/s | {bt['ratio4']:.2f}× |",
+            f"| decode-batch: 8 sequences decoding together, aggregate | {bt['batch8']:.1f} tok/s | "
+            f"{bt['single']:.1f} tok/s | {bt['ratio8']:.2f}× |",
+        ]
     return out
 
 
