@@ -50,8 +50,9 @@ enum Cmd {
     Detokenize(ModelArg),
     /// Print a model's architecture, sizes, quantization and KV cost.
     Inspect(ModelArg),
-    /// Measure speed: prefill and decode beside candle's quantized_llama,
-    /// and the KV-cache scenarios (chat, shared-prefix, interleaved, shift).
+    /// Measure: prefill and decode beside candle's quantized_llama, decode
+    /// deep in a context and in batches, the KV-cache scenarios (chat,
+    /// shared-prefix, interleaved, shift), and the soak under faults.
     Bench(bench::BenchArgs),
 }
 
