@@ -519,7 +519,15 @@ fn files_survive_a_killed_writer_and_a_full_disk() {
         .filter_map(|e| e.ok())
         .filter(|e| e.file_name().to_string_lossy().ends_with(".tmp"))
         .collect();
-    // Killed writers leave their temporary files; the failed one removed its own.
+    // Killed writers leave their temporary files, the failed one removed
+    // its own, and the next successful write removes the dead writers'.
     assert!(leftovers.len() <= 4, "{leftovers:?}");
+    write_file(&path, "chat session", &g, &first, serde_json::Value::Null).unwrap();
+    let left: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name())
+        .collect();
+    assert_eq!(left, vec![std::ffi::OsString::from("session.tkv")]);
     std::fs::remove_dir_all(dir).unwrap();
 }
