@@ -27,14 +27,19 @@ def cpu():
     return "unknown CPU"
 
 
-def header():
-    commit = subprocess.run(
+def commit():
+    return subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
     ).stdout.strip()
-    return (
-        f"measured {datetime.date.today()} on {cpu()} ({os.cpu_count()} cores), "
-        f"commit `{commit}`, SmolLM2-135M-Instruct Q4_1, default (portable) release build"
-    )
+
+
+def measured():
+    """When, where and at which commit: the start of every generated text."""
+    return f"measured {datetime.date.today()} on {cpu()} ({os.cpu_count()} cores), commit `{commit()}`"
+
+
+def header():
+    return f"{measured()}, SmolLM2-135M-Instruct Q4_1, default (portable) release build"
 
 
 def rows(name):

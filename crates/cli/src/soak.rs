@@ -18,28 +18,11 @@ use std::time::Instant;
 use anyhow::{bail, Result};
 use tessera_engine::{
     ContextShift, Engine, EngineConfig, Event, Fault, FaultHook, GenerateRequest, Prompt,
-    SamplingParams, INJECTED_PANIC,
+    SamplingParams, SplitMix64, INJECTED_PANIC,
 };
 use tessera_model::Model;
 
 use crate::bench::BenchArgs;
-
-/// SplitMix64, seeded: the same mix on every run.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-}
 
 /// Resident and peak resident memory of this process, in bytes (Linux;
 /// zero elsewhere).
@@ -64,7 +47,7 @@ fn fault_hook(error_every: u64, panic_every: u64) -> FaultHook {
     let step = AtomicU64::new(0);
     FaultHook::new(move |_| {
         let n = step.fetch_add(1, Ordering::Relaxed);
-        let h = Rng(n ^ 0x5eed).next();
+        let h = SplitMix64(n ^ 0x5eed).next_u64();
         if h.is_multiple_of(panic_every) {
             Some(Fault::Panic)
         } else if h % error_every == 1 {
@@ -118,7 +101,8 @@ pub fn soak(model: Model, args: &BenchArgs) -> Result<()> {
     let engine = Engine::from_model(model, cfg)?;
     let full_bytes = engine.stats().kv.num_blocks * engine.block_bytes();
     let session = std::env::temp_dir().join(format!("tessera-soak-{}.tkv", std::process::id()));
-    let mut rng = Rng(42);
+    // Seeded: the same mix on every run.
+    let mut rng = SplitMix64(42);
     let mut t = Tally::default();
     let warm_up = n_requests / 10;
     let mut rss_warm = 0;
@@ -147,7 +131,7 @@ pub fn soak(model: Model, args: &BenchArgs) -> Result<()> {
                     1 + rng.below(32)
                 },
                 sampling: SamplingParams {
-                    seed: rng.next(),
+                    seed: rng.next_u64(),
                     ..SamplingParams::default()
                 },
                 ignore_eos: shift,

@@ -43,18 +43,28 @@ impl SamplingParams {
     }
 }
 
-/// SplitMix64: small, fast, and stable across platforms and versions.
+/// SplitMix64: small, fast, and stable across platforms and versions (the
+/// samplers' random state; also the seeded mixes of the benchmarks).
 #[derive(Debug, Clone)]
-struct Rng(u64);
+pub struct SplitMix64(pub u64);
 
-impl Rng {
-    fn next_f32(&mut self) -> f32 {
+impl SplitMix64 {
+    pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
-        (z >> 40) as f32 / (1u64 << 24) as f32
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `[0, 1)`, from the top 24 bits.
+    pub fn next_f32(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32
+    }
+
+    /// A number in `0..n` (`n > 0`).
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n.max(1) as u64) as usize
     }
 }
 
@@ -62,12 +72,12 @@ impl Rng {
 #[derive(Debug, Clone)]
 pub struct Sampler {
     params: SamplingParams,
-    rng: Rng,
+    rng: SplitMix64,
 }
 
 impl Sampler {
     pub fn new(params: SamplingParams) -> Sampler {
-        let rng = Rng(params.seed);
+        let rng = SplitMix64(params.seed);
         Sampler { params, rng }
     }
 
