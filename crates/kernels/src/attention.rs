@@ -406,17 +406,17 @@ fn attend_fixed<T: KvElem, const FMA: bool>(
     walk_tile(m, job, q, k, v, kbuf, vbuf, &mut kernel)
 }
 
-/// `e^x` for `x <= 0` (softmax weights), within 2 ulp of `f32::exp`, in
+/// `e^x` for `x <= 0` (softmax weights, sigmoids), within 2 ulp of `f32::exp`, in
 /// straight-line arithmetic the compiler vectorizes: `x = n·ln2 + r` with
 /// `|r| <= ln2/2`, a degree-6 polynomial for `e^r`, and `2^n` put into the
 /// exponent bits. Below -87 the result is 0.
 #[inline(always)]
-fn exp_nonpositive(x: f32) -> f32 {
+pub fn exp_nonpositive(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_145_75;
     const LN2_LO: f32 = 1.428_606_8e-6;
     let x = x.max(-87.0);
-    let n = (x * LOG2E).round();
+    let n = (x * LOG2E).round_ties_even();
     let r = x - n * LN2_HI - n * LN2_LO;
     let p = 1.0
         + r * (1.0

@@ -25,17 +25,22 @@
 //! Only the CPU backend exists so far; on another device every op returns an
 //! error that says so (candle's default for custom ops).
 
+mod attend;
 mod attention;
 mod copy;
 mod elem;
+mod matvec;
+pub mod pool;
 mod quant;
 mod rope;
 mod shift;
 mod simd;
 mod write;
 
-pub use attention::{dot, paged_attention, paged_attention_slow, PagedMeta};
+pub use attend::{attend_item, merge, AttnInput, AttnPlan, AttnScratch, AttnShape, KvRows, CHUNK};
+pub use attention::{dot, exp_nonpositive, paged_attention, paged_attention_slow, PagedMeta};
 pub use copy::{copy_blocks, copy_blocks_slow};
+pub use matvec::{f16_to_f32, matvec, matvec_slow, Isa, WeightFormat, Weights};
 pub use quant::{quantized_dots, RowFormat};
 pub use rope::{RopeStyle, Rotation};
 pub use shift::{shift_kv, shift_kv_slow};
@@ -77,5 +82,65 @@ pub mod testing {
         let a = a.to_dtype(DType::F32)?;
         let b = b.to_dtype(DType::F32)?;
         (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()
+    }
+}
+
+/// A KV cache tensor's storage, for the fast forward pass to write and
+/// read in place: `[num_slots · n_kv_heads · head_dim]` elements.
+#[derive(Debug, Clone, Copy)]
+pub enum CacheRaw {
+    F32(*mut f32, usize),
+    F16(*mut u16, usize),
+    Bf16(*mut u16, usize),
+}
+
+// SAFETY: a plain address; whoever dereferences it upholds `cache_raw`'s
+// contract.
+unsafe impl Send for CacheRaw {}
+unsafe impl Sync for CacheRaw {}
+
+struct Capture(std::cell::Cell<Option<CacheRaw>>);
+
+impl candle_core::InplaceOp1 for Capture {
+    fn name(&self) -> &'static str {
+        "cache_raw"
+    }
+    fn cpu_fwd(&self, s: &mut candle_core::CpuStorage, l: &candle_core::Layout) -> Result<()> {
+        use candle_core::CpuStorage as S;
+        let raw = match s {
+            S::F32(v) => {
+                let v = elem::contiguous_mut(v, l, "KV cache")?;
+                CacheRaw::F32(v.as_mut_ptr(), v.len())
+            }
+            S::F16(v) => {
+                let v = elem::contiguous_mut(v, l, "KV cache")?;
+                CacheRaw::F16(v.as_mut_ptr() as *mut u16, v.len())
+            }
+            S::BF16(v) => {
+                let v = elem::contiguous_mut(v, l, "KV cache")?;
+                CacheRaw::Bf16(v.as_mut_ptr() as *mut u16, v.len())
+            }
+            other => bail!(
+                "KV cache dtype {:?} is not supported (f32, f16, bf16)",
+                candle_core::backend::BackendStorage::dtype(other)
+            ),
+        };
+        self.0.set(Some(raw));
+        Ok(())
+    }
+}
+
+/// The address and length of a CPU cache tensor's elements.
+///
+/// The address stays valid while the tensor (and every clone sharing its
+/// storage) lives; the caller must not let anything else read or write the
+/// tensor while it uses the address.
+pub fn cache_raw(cache: &Tensor) -> Result<CacheRaw> {
+    cache_geometry(cache)?;
+    let c = Capture(std::cell::Cell::new(None));
+    cache.inplace_op1(&c)?;
+    match c.0.get() {
+        Some(r) => Ok(r),
+        None => bail!("KV cache is not on the CPU"),
     }
 }
