@@ -62,6 +62,78 @@ fn paged_cache_matches_a_dense_f32_cache() {
     }
 }
 
+/// The fast CPU forward against the candle reference on the real model
+/// (f32 cache, so that no f16 rounding of K/V amplifies the differences):
+/// the same greedy tokens, logits within rounding (different summation
+/// orders and SiLU's exponential).
+#[test]
+fn fast_forward_matches_the_candle_reference_on_the_real_model() {
+    let m = model();
+    let ids = m
+        .template
+        .encode(&m.tokenizer, &[Message::new("user", PROMPTS[1])], true)
+        .unwrap();
+    let n = ids.len();
+    let bs = 16;
+    let nb = n.div_ceil(bs) + 1;
+    let table: Vec<u32> = (0..nb as u32).rev().collect();
+    let positions: Vec<u32> = (0..n as u32).collect();
+    let slots: Vec<u32> = positions
+        .iter()
+        .map(|&p| table[p as usize / bs] * bs as u32 + p % bs as u32)
+        .collect();
+    let seq = vec![0; n];
+    let picks: Vec<u32> = (0..n as u32).collect();
+    let batch = tessera_model::Batch {
+        tokens: &ids,
+        positions: &positions,
+        slots: &slots,
+        token_seq: &seq,
+        block_tables: &table,
+        max_blocks: nb,
+        block_size: bs,
+        logits_for: &picks,
+    };
+    let cache = m.llama.new_cache(nb, bs, DType::F32).unwrap();
+    let fast = m.llama.forward_threads(&batch, &cache, 2).unwrap();
+    let reference = m.llama.forward_reference(&batch, &cache).unwrap();
+    let (f, r) = (
+        fast.to_vec2::<f32>().unwrap(),
+        reference.to_vec2::<f32>().unwrap(),
+    );
+    let d = max_diff(&f, &r);
+    assert!(d < 1e-2, "logits differ by {d}");
+    let argmax = |v: &[f32]| (0..v.len()).max_by(|&a, &b| v[a].total_cmp(&v[b])).unwrap();
+    let same = f
+        .iter()
+        .zip(&r)
+        .filter(|(a, b)| argmax(a) == argmax(b))
+        .count();
+    assert!(same + 1 >= n, "top-1 agrees at {same} of {n} positions");
+}
+
+/// Random prompts sharing prefixes, random chunk sizes, batch
+/// compositions and worker counts, with and without reusing cached prefix
+/// blocks: every logits row is the same bits as the sequence computed
+/// alone.
+#[test]
+fn real_model_logits_are_the_same_bits_in_any_batch() {
+    let m = model();
+    for seed in 0..4 {
+        for share in [false, true] {
+            let n = tessera_model::testing::batch_invariance_case(
+                &m.llama,
+                100 + seed,
+                m.tokenizer.vocab_size() as u32,
+                share,
+                DType::F16,
+            )
+            .unwrap();
+            assert!(n > 0);
+        }
+    }
+}
+
 #[test]
 fn chunked_and_token_by_token_prefill_continue_identically() {
     let m = model();

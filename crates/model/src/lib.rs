@@ -8,6 +8,7 @@
 
 mod config;
 mod error;
+mod fast;
 mod llama;
 mod loader;
 mod model;

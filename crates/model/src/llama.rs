@@ -7,38 +7,50 @@
 //! through block tables; [`DenseKv`] keeps a plain contiguous f32 cache and
 //! exists as the reference the paged path is tested against.
 
+use std::sync::{Mutex, OnceLock};
+
 use candle_core::{DType, Device, Tensor, D};
 use tessera_kernels::{paged_attention, write_kv, PagedMeta, RopeStyle};
 
 use crate::config::ModelConfig;
+use crate::fast::Fast;
 use crate::loader::{Source, W};
 use crate::qlinear::QLinear;
 use crate::Result;
 
-struct Layer {
-    attn_norm: Tensor,
-    q: QLinear,
-    k: QLinear,
-    v: QLinear,
-    q_bias: Option<Tensor>,
-    k_bias: Option<Tensor>,
-    v_bias: Option<Tensor>,
-    o: QLinear,
-    ffn_norm: Tensor,
-    gate: QLinear,
-    up: QLinear,
-    down: QLinear,
+pub(crate) struct Layer {
+    pub(crate) attn_norm: Tensor,
+    pub(crate) q: QLinear,
+    pub(crate) k: QLinear,
+    pub(crate) v: QLinear,
+    pub(crate) q_bias: Option<Tensor>,
+    pub(crate) k_bias: Option<Tensor>,
+    pub(crate) v_bias: Option<Tensor>,
+    pub(crate) o: QLinear,
+    pub(crate) ffn_norm: Tensor,
+    pub(crate) gate: QLinear,
+    pub(crate) up: QLinear,
+    pub(crate) down: QLinear,
 }
 
 /// The weights of a loaded model.
 pub struct Llama {
-    cfg: ModelConfig,
-    embed: Tensor,
-    layers: Vec<Layer>,
-    norm: Tensor,
-    lm_head: QLinear,
-    inv_freq: Vec<f32>,
-    device: Device,
+    pub(crate) cfg: ModelConfig,
+    pub(crate) embed: Tensor,
+    pub(crate) layers: Vec<Layer>,
+    pub(crate) norm: Tensor,
+    pub(crate) lm_head: QLinear,
+    pub(crate) inv_freq: Vec<f32>,
+    pub(crate) device: Device,
+    /// The CPU fast path's pool and buffers (built on first use).
+    fast: Mutex<Option<Fast>>,
+}
+
+/// `TESSERA_FORWARD=reference` (read once) sends every forward pass
+/// through the candle reference path.
+fn reference_forced() -> bool {
+    static FORCED: OnceLock<bool> = OnceLock::new();
+    *FORCED.get_or_init(|| std::env::var("TESSERA_FORWARD").is_ok_and(|v| v == "reference"))
 }
 
 /// The paged K and V cache tensors of one layer:
@@ -225,6 +237,7 @@ impl Llama {
             lm_head,
             inv_freq,
             device: device.clone(),
+            fast: Mutex::new(None),
         })
     }
 
@@ -269,8 +282,37 @@ impl Llama {
     }
 
     /// Logits `[logits_for.len(), vocab]` (f32) for a batch over the paged
-    /// cache; writes the batch's K/V into its slots.
+    /// cache; writes the batch's K/V into its slots. On the CPU this is the
+    /// fast path with as many workers as rayon has threads; elsewhere, or
+    /// with `TESSERA_FORWARD=reference`, the candle reference.
     pub fn forward(&self, batch: &Batch, cache: &[LayerKv]) -> Result<Tensor> {
+        if self.device.is_cpu() && !reference_forced() {
+            return self.forward_threads(batch, cache, rayon::current_num_threads());
+        }
+        self.forward_reference(batch, cache)
+    }
+
+    /// The CPU fast path with `threads` workers (the results are the same
+    /// bits for any number).
+    pub fn forward_threads(
+        &self,
+        batch: &Batch,
+        cache: &[LayerKv],
+        threads: usize,
+    ) -> Result<Tensor> {
+        let threads = threads.max(1);
+        let mut fast = self.fast.lock().unwrap_or_else(|e| e.into_inner());
+        if fast.as_ref().is_none_or(|f| f.threads() != threads) {
+            *fast = None;
+            *fast = Some(Fast::new(self, threads)?);
+        }
+        let fast = fast.as_mut().expect("just built");
+        self.forward_fast(fast, batch, cache)
+    }
+
+    /// The reference forward in candle ops (any device): what the fast
+    /// path is tested against.
+    pub fn forward_reference(&self, batch: &Batch, cache: &[LayerKv]) -> Result<Tensor> {
         let mut attn = PagedAttention {
             cache,
             batch,

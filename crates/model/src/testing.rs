@@ -590,3 +590,208 @@ pub mod alloc_track {
         }
     }
 }
+
+/// Logits of one sequence at one position.
+type LogitsAt = std::collections::BTreeMap<(usize, usize), Vec<f32>>;
+
+/// One case of the batch-invariance property on `model`: a few random
+/// sequences (some sharing prefixes) of `vocab`-bounded ids, each a prompt
+/// and `decode` further tokens. Reference: every sequence alone, its prompt
+/// in one forward, then one token per forward, with 1 worker. Then the same
+/// tokens again in a random schedule: random chunk sizes, random sets of
+/// sequences per forward, a random number of workers (1 or 2) per forward,
+/// and, when `share` is set, each sequence reusing the full cache blocks
+/// of an earlier sequence's equal prefix instead of computing them (as the
+/// prefix cache does). Every logits row wanted in both must be the same
+/// bits. Returns how many rows were compared.
+pub fn batch_invariance_case(
+    model: &crate::Llama,
+    seed: u64,
+    vocab: u32,
+    share: bool,
+    cache_dtype: DType,
+) -> Result<usize> {
+    let mut rng = Mutator::new(seed);
+    let bs = 4usize;
+    let decode = 2;
+    // Prompts: random suffixes on prefixes of two random roots.
+    let roots: Vec<Vec<u32>> = (0..2)
+        .map(|_| {
+            let n = 8 + rng.below(40);
+            (0..n).map(|_| rng.below(vocab as usize) as u32).collect()
+        })
+        .collect();
+    let n_seqs = 2 + rng.below(4);
+    let mut prompts: Vec<Vec<u32>> = (0..n_seqs)
+        .map(|_| {
+            let root = &roots[rng.below(2)];
+            let mut p = root[..1 + rng.below(root.len())].to_vec();
+            p.extend((0..1 + rng.below(12)).map(|_| rng.below(vocab as usize) as u32));
+            p
+        })
+        .collect();
+    let max_len = prompts.iter().map(Vec::len).max().unwrap_or(0) + decode;
+    let per_seq = max_len.div_ceil(bs) + 1;
+    let num_blocks = per_seq * n_seqs;
+    let max_blocks = per_seq;
+
+    let run = |cache: &[crate::LayerKv],
+               tables: &[Vec<u32>],
+               parts: &[(usize, usize, usize)],
+               toks: &[Vec<u32>],
+               plens: &[usize],
+               threads: usize,
+               out: &mut LogitsAt|
+     -> Result<()> {
+        // parts: (sequence, start, end) of positions computed now.
+        let (mut tokens, mut positions, mut slots, mut seq_ids, mut want, mut keys) =
+            (vec![], vec![], vec![], vec![], vec![], vec![]);
+        let mut flat = Vec::new();
+        for (row, &(s, a, b)) in parts.iter().enumerate() {
+            for p in a..b {
+                if p + 1 >= plens[s] {
+                    want.push(tokens.len() as u32);
+                    keys.push((s, p));
+                }
+                tokens.push(toks[s][p]);
+                positions.push(p as u32);
+                slots.push(tables[s][p / bs] * bs as u32 + (p % bs) as u32);
+                seq_ids.push(row as u32);
+            }
+            flat.extend(tables[s].iter().copied());
+            flat.extend(std::iter::repeat_n(0, max_blocks - tables[s].len()));
+        }
+        let batch = crate::Batch {
+            tokens: &tokens,
+            positions: &positions,
+            slots: &slots,
+            token_seq: &seq_ids,
+            block_tables: &flat,
+            max_blocks,
+            block_size: bs,
+            logits_for: &want,
+        };
+        let logits = model
+            .forward_threads(&batch, cache, threads)?
+            .to_vec2::<f32>()?;
+        for (k, l) in keys.into_iter().zip(logits) {
+            out.insert(k, l);
+        }
+        Ok(())
+    };
+
+    // Reference: alone, whole prompt, then greedy decode.
+    let cache = model.new_cache(num_blocks, bs, cache_dtype)?;
+    let own: Vec<Vec<u32>> = (0..n_seqs)
+        .map(|s| ((s * per_seq) as u32..((s + 1) * per_seq) as u32).collect())
+        .collect();
+    let plens: Vec<usize> = prompts.iter().map(Vec::len).collect();
+    let mut want = LogitsAt::new();
+    for s in 0..n_seqs {
+        let mut done = 0;
+        while prompts[s].len() < plens[s] + decode {
+            let end = prompts[s].len();
+            run(
+                &cache,
+                &own,
+                &[(s, done, end)],
+                &prompts,
+                &plens,
+                1,
+                &mut want,
+            )?;
+            let next = crate::Llama::argmax(&Tensor::new(&want[&(s, end - 1)][..], &Device::Cpu)?)?;
+            prompts[s].push(next);
+            done = end;
+        }
+        // The last token's logits too.
+        let end = prompts[s].len();
+        run(
+            &cache,
+            &own,
+            &[(s, done, end)],
+            &prompts,
+            &plens,
+            1,
+            &mut want,
+        )?;
+    }
+
+    // The random schedule.
+    let cache = model.new_cache(num_blocks, bs, cache_dtype)?;
+    let mut tables = own.clone();
+    let mut start = vec![0usize; n_seqs];
+    let mut after: Vec<Option<(usize, usize)>> = vec![None; n_seqs];
+    if share {
+        for j in 1..n_seqs {
+            let i = rng.below(j);
+            let common = prompts[i]
+                .iter()
+                .zip(&prompts[j])
+                .take_while(|(a, b)| a == b)
+                .count()
+                .min(plens[i])
+                .min(plens[j] - 1);
+            let blocks = common / bs;
+            if blocks > 0 {
+                let shared: Vec<u32> = tables[i][..blocks].to_vec();
+                tables[j][..blocks].copy_from_slice(&shared);
+                start[j] = blocks * bs;
+                after[j] = Some((i, blocks * bs));
+            }
+        }
+    }
+    let mut got = LogitsAt::new();
+    let mut done = start.clone();
+    loop {
+        let active: Vec<usize> = (0..n_seqs)
+            .filter(|&s| done[s] < prompts[s].len())
+            .filter(|&s| after[s].is_none_or(|(i, need)| done[i] >= need))
+            .collect();
+        if active.is_empty() {
+            break;
+        }
+        let mut parts = Vec::new();
+        for &s in &active {
+            if rng.below(3) == 0 && parts.len() + 1 < active.len() {
+                continue;
+            }
+            let left = prompts[s].len() - done[s];
+            let n = 1 + rng.below(left.min(9));
+            parts.push((s, done[s], done[s] + n));
+        }
+        if parts.is_empty() {
+            let s = active[0];
+            parts.push((s, done[s], done[s] + 1));
+        }
+        run(
+            &cache,
+            &tables,
+            &parts,
+            &prompts,
+            &plens,
+            1 + rng.below(2),
+            &mut got,
+        )?;
+        for &(s, _, e) in &parts {
+            done[s] = e;
+        }
+    }
+    let mut compared = 0;
+    for (k, w) in &want {
+        let g = got
+            .get(k)
+            .ok_or_else(|| ModelError::Config(format!("batch invariance: no logits for {k:?}")))?;
+        let same = g.len() == w.len() && g.iter().zip(w).all(|(a, b)| a.to_bits() == b.to_bits());
+        if !same {
+            return Err(ModelError::Config(format!(
+                "batch invariance (seed {seed}): logits of sequence {} at position {} differ by {}",
+                k.0,
+                k.1,
+                max_diff(std::slice::from_ref(g), std::slice::from_ref(w))
+            )));
+        }
+        compared += 1;
+    }
+    Ok(compared)
+}

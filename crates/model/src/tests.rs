@@ -511,3 +511,79 @@ fn fuzz_chat_templates_render_or_are_refused() {
         assert!(outcome.is_ok(), "case {case} panicked: {src:?}");
     }
 }
+
+/// The fast CPU path against the candle reference, on safetensors (f32
+/// rows) and GGUF files of every block format the kernels decode.
+#[test]
+fn fast_forward_matches_the_candle_reference() {
+    use crate::testing::max_diff;
+    let dir = tempdir::Dir::new();
+    write_tiny_model(dir.path(), TinySpec::default()).unwrap();
+    let mut models = vec![(
+        "safetensors".to_string(),
+        Model::load(dir.path(), &mut |_, _| {}).unwrap(),
+    )];
+    for dtype in [
+        GgmlDType::Q4_1,
+        GgmlDType::Q8_0,
+        GgmlDType::Q4_0,
+        GgmlDType::Q5_0,
+    ] {
+        let out = dir.path().join(format!("tiny-{dtype:?}.gguf"));
+        write_tiny_gguf(dir.path(), &out, dtype, "llama").unwrap();
+        models.push((
+            format!("{dtype:?}"),
+            Model::load(&out, &mut |_, _| {}).unwrap(),
+        ));
+    }
+    let ids: Vec<u32> = (0..40).map(|i| (i * 7 + 3) % 200).collect();
+    for (name, m) in &models {
+        let cache = m.llama.new_cache(16, 4, DType::F16).unwrap();
+        let table: Vec<u32> = (0..16).rev().collect();
+        let positions: Vec<u32> = (0..ids.len() as u32).collect();
+        let slots: Vec<u32> = positions
+            .iter()
+            .map(|&p| table[p as usize / 4] * 4 + p % 4)
+            .collect();
+        let seq = vec![0; ids.len()];
+        let picks: Vec<u32> = (0..ids.len() as u32).collect();
+        let batch = crate::Batch {
+            tokens: &ids,
+            positions: &positions,
+            slots: &slots,
+            token_seq: &seq,
+            block_tables: &table,
+            max_blocks: 16,
+            block_size: 4,
+            logits_for: &picks,
+        };
+        let fast = m
+            .llama
+            .forward_threads(&batch, &cache, 2)
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap();
+        let reference = m
+            .llama
+            .forward_reference(&batch, &cache)
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap();
+        let d = max_diff(&fast, &reference);
+        assert!(d < 2e-3, "{name}: fast and reference logits differ by {d}");
+    }
+}
+
+/// Batch, chunk, worker-count and prefix-reuse invariance on the tiny
+/// model (the real model runs the same property in the e2e tests).
+#[test]
+fn logits_are_the_same_bits_in_any_batch() {
+    let (_d, m) = tiny(TinySpec::default());
+    for seed in 0..12 {
+        for share in [false, true] {
+            let n = crate::testing::batch_invariance_case(&m.llama, seed, 200, share, DType::F16)
+                .unwrap();
+            assert!(n > 0);
+        }
+    }
+}

@@ -1,0 +1,668 @@
+//! The CPU forward pass: one parallel region of a persistent [`StepPool`]
+//! per batch, on buffers kept between steps, with the weights read in
+//! their GGML formats by `tessera_kernels::matvec`.
+//!
+//! ```text
+//! per layer (workers meet at 5 barriers):
+//!   every worker: h = rmsnorm(x)                      (each its own copy)
+//!   QKV: heads split among workers; epilogue: bias, RoPE, q → buffer,
+//!        k and v → their cache slots                                  | barrier
+//!   attention items (token run × KV head × 128-position chunk) from a
+//!        counter → partial softmax states                              | barrier
+//!   merge states per (token, head) → a                                 | barrier
+//!   O: rows split; x += a·Woᵀ                                          | barrier
+//!   every worker: h = rmsnorm(x)
+//!   gate/up: rows split; m = silu(h·Wgᵀ) · (h·Wuᵀ)                      | barrier
+//!   down: rows split; x += m·Wdᵀ                                       | barrier
+//! then the rows that want logits: norm, output head rows split.
+//! ```
+//!
+//! Every value is computed by the same arithmetic whichever worker computes
+//! it, however many workers there are, and whatever else is in the batch
+//! (see `matvec` and `attend`), so a sequence's logits are the same bits
+//! alone or batched, in one prefill or in chunks, with or without a cached
+//! prefix. The candle forward (`Llama::forward_reference`) stays as the
+//! reference this path is tested against.
+
+// Lane loops index several arrays in step.
+#![allow(clippy::needless_range_loop)]
+
+use std::borrow::Cow;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+use candle_core::{CpuStorage, Storage, Tensor};
+use tessera_kernels::pool::{Shared, StepPool, Team};
+use tessera_kernels::{
+    attend_item, cache_raw, exp_nonpositive, matvec, merge, AttnInput, AttnPlan, AttnScratch,
+    AttnShape, CacheRaw, Isa, KvRows, RopeStyle, WeightFormat, Weights,
+};
+
+use crate::llama::{Batch, LayerKv, Llama};
+use crate::qlinear::QLinear;
+use crate::{ModelError, Result};
+
+/// Rows of gate/up computed per pass (their products wait in a buffer).
+const FFN_ROWS: usize = 64;
+
+/// A weight's bytes as the kernels read them.
+enum Bytes {
+    /// Borrowed from the model's `QTensor` at each step.
+    Quantized(WeightFormat),
+    /// f32 rows copied from a dense (safetensors) weight.
+    Owned(Vec<u8>),
+}
+
+struct Lin {
+    bytes: Bytes,
+    n: usize,
+    k: usize,
+}
+
+impl Lin {
+    fn new(q: &QLinear) -> Result<Lin> {
+        Ok(match q {
+            QLinear::Quantized(w) => {
+                let (n, k) = w.shape().dims2()?;
+                Lin {
+                    bytes: Bytes::Quantized(WeightFormat::from_ggml(w.dtype())),
+                    n,
+                    k,
+                }
+            }
+            QLinear::Dense(t) => {
+                let (n, k) = t.dims2()?;
+                let v = t
+                    .to_dtype(candle_core::DType::F32)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()?;
+                Lin {
+                    bytes: Bytes::Owned(v.iter().flat_map(|x| x.to_le_bytes()).collect()),
+                    n,
+                    k,
+                }
+            }
+        })
+    }
+
+    fn data<'a>(&'a self, q: &'a QLinear) -> Result<Cow<'a, [u8]>> {
+        match (&self.bytes, q) {
+            (Bytes::Owned(v), _) => Ok(Cow::Borrowed(&v[..])),
+            (Bytes::Quantized(_), QLinear::Quantized(w)) => Ok(w.data()?),
+            _ => Err(ModelError::Config(
+                "fast forward: weight kinds changed".into(),
+            )),
+        }
+    }
+
+    fn format(&self) -> WeightFormat {
+        match self.bytes {
+            Bytes::Quantized(f) => f,
+            Bytes::Owned(_) => WeightFormat::F32,
+        }
+    }
+}
+
+struct LayerConsts {
+    attn_norm: Vec<f32>,
+    ffn_norm: Vec<f32>,
+    /// q, k, v biases (Qwen2), concatenated.
+    qkv_bias: Option<Vec<f32>>,
+    lins: [Lin; 7],
+}
+
+/// A worker's own buffers.
+#[derive(Default)]
+struct Local {
+    h: Vec<f32>,
+    tmp: Vec<f32>,
+    tmp2: Vec<f32>,
+    deq: Vec<f32>,
+    attn: AttnScratch,
+}
+
+/// What the fast path keeps between steps.
+pub(crate) struct Fast {
+    pool: StepPool,
+    isa: Isa,
+    layers: Vec<LayerConsts>,
+    norm: Vec<f32>,
+    head: Lin,
+    locals: Vec<Mutex<Local>>,
+    x: Vec<f32>,
+    q: Vec<f32>,
+    a: Vec<f32>,
+    m: Vec<f32>,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+    states: Vec<f32>,
+    logits: Vec<f32>,
+    plan: AttnPlan,
+}
+
+fn vec_of(t: &Tensor) -> Result<Vec<f32>> {
+    Ok(t.to_dtype(candle_core::DType::F32)?
+        .flatten_all()?
+        .to_vec1::<f32>()?)
+}
+
+impl Fast {
+    pub(crate) fn new(m: &Llama, threads: usize) -> Result<Fast> {
+        let mut layers = Vec::with_capacity(m.layers.len());
+        for l in &m.layers {
+            let qkv_bias = match (&l.q_bias, &l.k_bias, &l.v_bias) {
+                (Some(q), Some(k), Some(v)) => {
+                    let mut b = vec_of(q)?;
+                    b.extend(vec_of(k)?);
+                    b.extend(vec_of(v)?);
+                    Some(b)
+                }
+                _ => None,
+            };
+            layers.push(LayerConsts {
+                attn_norm: vec_of(&l.attn_norm)?,
+                ffn_norm: vec_of(&l.ffn_norm)?,
+                qkv_bias,
+                lins: [
+                    Lin::new(&l.q)?,
+                    Lin::new(&l.k)?,
+                    Lin::new(&l.v)?,
+                    Lin::new(&l.o)?,
+                    Lin::new(&l.gate)?,
+                    Lin::new(&l.up)?,
+                    Lin::new(&l.down)?,
+                ],
+            });
+        }
+        Ok(Fast {
+            pool: StepPool::new(threads),
+            isa: Isa::detect(),
+            layers,
+            norm: vec_of(&m.norm)?,
+            head: Lin::new(&m.lm_head)?,
+            locals: (0..threads).map(|_| Mutex::new(Local::default())).collect(),
+            x: Vec::new(),
+            q: Vec::new(),
+            a: Vec::new(),
+            m: Vec::new(),
+            cos: Vec::new(),
+            sin: Vec::new(),
+            states: Vec::new(),
+            logits: Vec::new(),
+            plan: AttnPlan::default(),
+        })
+    }
+
+    pub(crate) fn threads(&self) -> usize {
+        self.pool.threads()
+    }
+}
+
+fn bad(msg: String) -> ModelError {
+    ModelError::Config(format!("forward: {msg}"))
+}
+
+/// Checks every index of the batch against the cache before any is used.
+fn check_batch(b: &Batch, num_slots: usize, num_blocks: usize) -> Result<usize> {
+    let t = b.tokens.len();
+    if b.positions.len() != t || b.slots.len() != t || b.token_seq.len() != t {
+        return Err(bad(
+            "tokens, positions, slots and sequences differ in length".into(),
+        ));
+    }
+    if b.block_size == 0 || b.max_blocks == 0 && t > 0 {
+        return Err(bad("empty block tables".into()));
+    }
+    let seqs = b.block_tables.len().checked_div(b.max_blocks).unwrap_or(0);
+    if seqs * b.max_blocks != b.block_tables.len() {
+        return Err(bad("block tables are not a whole number of rows".into()));
+    }
+    if let Some(&s) = b.slots.iter().find(|&&s| s as usize >= num_slots) {
+        return Err(bad(format!(
+            "slot {s} outside the cache of {num_slots} slots"
+        )));
+    }
+    if let Some(&id) = b.block_tables.iter().find(|&&id| id as usize >= num_blocks) {
+        return Err(bad(format!(
+            "block {id} outside the cache of {num_blocks} blocks"
+        )));
+    }
+    for i in 0..t {
+        let s = b.token_seq[i] as usize;
+        if s >= seqs {
+            return Err(bad(format!("token {i} belongs to sequence {s} of {seqs}")));
+        }
+        if b.positions[i] as usize / b.block_size >= b.max_blocks {
+            return Err(bad(format!(
+                "position {} past the block table",
+                b.positions[i]
+            )));
+        }
+        if i > 0
+            && b.token_seq[i] != b.token_seq[i - 1]
+            && b.token_seq[..i].contains(&b.token_seq[i])
+        {
+            return Err(bad("tokens of a sequence must be consecutive".into()));
+        }
+    }
+    if let Some(&p) = b.logits_for.iter().find(|&&p| p as usize >= t) {
+        return Err(bad(format!("logits wanted for token {p} of {t}")));
+    }
+    Ok(seqs)
+}
+
+/// candle's `rms_norm`: `x / sqrt(mean(x²) + eps) · w`, the sum of
+/// squares in 16 lanes and a fixed tree.
+#[inline]
+fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let mut acc = [0f32; 16];
+    let c = x.chunks_exact(16);
+    let mut tail = 0f32;
+    for &v in c.remainder() {
+        tail += v * v;
+    }
+    for ch in c {
+        for j in 0..16 {
+            acc[j] += ch[j] * ch[j];
+        }
+    }
+    let mut v8 = [0f32; 8];
+    for j in 0..8 {
+        v8[j] = acc[j] + acc[j + 8];
+    }
+    let sum = (v8[0] + v8[4]) + (v8[1] + v8[5]) + ((v8[2] + v8[6]) + (v8[3] + v8[7])) + tail;
+    let m = (sum / x.len() as f32 + eps).sqrt();
+    for ((o, &v), &a) in out.iter_mut().zip(x).zip(w) {
+        *o = v / m * a;
+    }
+}
+
+/// `v · sigmoid(v)` with `e^(−|v|)` from the kernels' exponential.
+#[inline(always)]
+fn silu(v: f32) -> f32 {
+    let e = exp_nonpositive(-v.abs());
+    let s = if v >= 0.0 {
+        1.0 / (1.0 + e)
+    } else {
+        e / (1.0 + e)
+    };
+    v * s
+}
+
+/// Rotates one head in place (candle's `rope_i` / `rope` arithmetic).
+#[inline]
+fn rope(style: RopeStyle, x: &mut [f32], cos: &[f32], sin: &[f32]) {
+    let half = cos.len();
+    match style {
+        RopeStyle::Interleaved => {
+            for i in 0..half {
+                let (a, b) = (x[2 * i], x[2 * i + 1]);
+                x[2 * i] = a * cos[i] - b * sin[i];
+                x[2 * i + 1] = a * sin[i] + b * cos[i];
+            }
+        }
+        RopeStyle::Neox => {
+            for i in 0..half {
+                let (a, b) = (x[i], x[i + half]);
+                x[i] = a * cos[i] - b * sin[i];
+                x[i + half] = a * sin[i] + b * cos[i];
+            }
+        }
+    }
+}
+
+/// Stores one head row of K or V into the cache.
+///
+/// # Safety
+/// `at + src.len()` is within the cache, and no other worker touches that
+/// row until the next barrier.
+unsafe fn store_row(cache: CacheRaw, at: usize, src: &[f32]) {
+    match cache {
+        CacheRaw::F32(p, len) => {
+            assert!(at + src.len() <= len);
+            std::slice::from_raw_parts_mut(p.add(at), src.len()).copy_from_slice(src);
+        }
+        CacheRaw::F16(p, len) => {
+            assert!(at + src.len() <= len);
+            let dst = std::slice::from_raw_parts_mut(p.add(at) as *mut half::f16, src.len());
+            half::slice::HalfFloatSliceExt::convert_from_f32_slice(dst, src);
+        }
+        CacheRaw::Bf16(p, len) => {
+            assert!(at + src.len() <= len);
+            let dst = std::slice::from_raw_parts_mut(p.add(at) as *mut half::bf16, src.len());
+            half::slice::HalfFloatSliceExt::convert_from_f32_slice(dst, src);
+        }
+    }
+}
+
+/// # Safety
+/// No worker writes the cache until the next barrier.
+unsafe fn rows_of(cache: CacheRaw) -> KvRows<'static> {
+    match cache {
+        CacheRaw::F32(p, n) => KvRows::F32(std::slice::from_raw_parts(p, n)),
+        CacheRaw::F16(p, n) => KvRows::F16(std::slice::from_raw_parts(p, n)),
+        CacheRaw::Bf16(p, n) => KvRows::Bf16(std::slice::from_raw_parts(p, n)),
+    }
+}
+
+fn grow(v: &mut Vec<f32>, n: usize) {
+    if v.len() < n {
+        v.resize(n, 0.0);
+    }
+}
+
+impl Llama {
+    /// The fast forward; `fast` is this model's state.
+    pub(crate) fn forward_fast(
+        &self,
+        fast: &mut Fast,
+        batch: &Batch,
+        cache: &[LayerKv],
+    ) -> Result<Tensor> {
+        let cfg = &self.cfg;
+        let (nh, kvh, hd) = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim);
+        let (hidden, ffn, vocab) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
+        let t = batch.tokens.len();
+        let picks = batch.logits_for.len();
+        if cache.len() != self.layers.len() {
+            return Err(bad(format!(
+                "{} cache layers for {} model layers",
+                cache.len(),
+                self.layers.len()
+            )));
+        }
+        let mut raw = Vec::with_capacity(cache.len());
+        for l in cache {
+            raw.push((cache_raw(&l.k)?, cache_raw(&l.v)?));
+        }
+        let (nb, bs, ckvh, chd) = cache.first().map(|l| l.k.dims4()).transpose()?.unwrap_or((
+            0,
+            batch.block_size,
+            kvh,
+            hd,
+        ));
+        if (ckvh, chd) != (kvh, hd) || bs != batch.block_size {
+            return Err(bad("cache geometry does not match the model".into()));
+        }
+        check_batch(batch, nb * bs, nb)?;
+        if let Some(&tok) = batch.tokens.iter().find(|&&x| x as usize >= vocab) {
+            return Err(bad(format!(
+                "token id {tok} outside the vocabulary of {vocab}"
+            )));
+        }
+        if t == 0 {
+            return Ok(Tensor::zeros(
+                (0, vocab),
+                candle_core::DType::F32,
+                &self.device,
+            )?);
+        }
+
+        // Buffers of this step's size.
+        let half = self.inv_freq.len();
+        grow(&mut fast.x, t * hidden);
+        grow(&mut fast.q, t * nh * hd);
+        grow(&mut fast.a, t * nh * hd);
+        grow(&mut fast.m, t * ffn);
+        grow(&mut fast.cos, t * half);
+        grow(&mut fast.sin, t * half);
+        grow(&mut fast.logits, picks * vocab);
+        let shape = AttnShape {
+            n_heads: nh,
+            n_kv_heads: kvh,
+            head_dim: hd,
+            block_size: bs,
+            scale: 1.0 / (hd as f32).sqrt(),
+        };
+        fast.plan.build(&shape, batch.token_seq, batch.positions);
+        grow(&mut fast.states, fast.plan.states * shape.record());
+        for (i, &p) in batch.positions.iter().enumerate() {
+            for (j, &f) in self.inv_freq.iter().enumerate() {
+                let a = p as f32 * f;
+                fast.cos[i * half + j] = a.cos();
+                fast.sin[i * half + j] = a.sin();
+            }
+        }
+        {
+            let (st, layout) = self.embed.storage_and_layout();
+            let table = match &*st {
+                Storage::Cpu(CpuStorage::F32(v)) => match layout.contiguous_offsets() {
+                    Some((a, b)) => &v[a..b],
+                    None => return Err(bad("embedding table is not contiguous".into())),
+                },
+                _ => return Err(bad("embedding table is not f32 on the CPU".into())),
+            };
+            for (i, &tok) in batch.tokens.iter().enumerate() {
+                let tok = tok as usize;
+                fast.x[i * hidden..(i + 1) * hidden]
+                    .copy_from_slice(&table[tok * hidden..(tok + 1) * hidden]);
+            }
+        }
+
+        // Weight bytes for this step.
+        let mut datas: Vec<[Cow<[u8]>; 7]> = Vec::with_capacity(self.layers.len());
+        for (lc, l) in fast.layers.iter().zip(&self.layers) {
+            let qs = [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down];
+            datas.push([
+                lc.lins[0].data(qs[0])?,
+                lc.lins[1].data(qs[1])?,
+                lc.lins[2].data(qs[2])?,
+                lc.lins[3].data(qs[3])?,
+                lc.lins[4].data(qs[4])?,
+                lc.lins[5].data(qs[5])?,
+                lc.lins[6].data(qs[6])?,
+            ]);
+        }
+        let mut weights: Vec<[Weights; 7]> = Vec::with_capacity(datas.len());
+        for (lc, d) in fast.layers.iter().zip(&datas) {
+            let w = |i: usize| Weights::new(lc.lins[i].format(), &d[i], lc.lins[i].n, lc.lins[i].k);
+            weights.push([w(0)?, w(1)?, w(2)?, w(3)?, w(4)?, w(5)?, w(6)?]);
+        }
+        let head_data = fast.head.data(&self.lm_head)?;
+        let head = Weights::new(fast.head.format(), &head_data, fast.head.n, fast.head.k)?;
+        let want = [
+            (nh * hd, hidden),
+            (kvh * hd, hidden),
+            (kvh * hd, hidden),
+            (hidden, nh * hd),
+            (ffn, hidden),
+            (ffn, hidden),
+            (hidden, ffn),
+        ];
+        for w in &weights {
+            if w.iter().zip(&want).any(|(w, &(n, k))| (w.n, w.k) != (n, k)) {
+                return Err(bad("weight shapes do not match the configuration".into()));
+            }
+        }
+        if (head.n, head.k) != (vocab, hidden) {
+            return Err(bad(
+                "output head shape does not match the configuration".into()
+            ));
+        }
+
+        let isa = fast.isa;
+        let eps = cfg.rms_eps as f32;
+        let style = cfg.rope_style;
+        let x = Shared::new(&mut fast.x[..t * hidden]);
+        let q = Shared::new(&mut fast.q[..t * nh * hd]);
+        let a = Shared::new(&mut fast.a[..t * nh * hd]);
+        let m = Shared::new(&mut fast.m[..t * ffn]);
+        let states = Shared::new(&mut fast.states[..]);
+        let logits = Shared::new(&mut fast.logits[..picks * vocab]);
+        let (cos, sin) = (&fast.cos[..t * half], &fast.sin[..t * half]);
+        let plan = &fast.plan;
+        let layers = &fast.layers;
+        let locals = &fast.locals;
+        let norm = &fast.norm;
+        let rec = shape.record();
+        let next_item = AtomicUsize::new(0);
+        let units = nh + 2 * kvh;
+
+        let body = |team: &Team| {
+            let mut local = locals[team.id()].lock().unwrap_or_else(|e| e.into_inner());
+            let Local {
+                h,
+                tmp,
+                tmp2,
+                deq,
+                attn,
+            } = &mut *local;
+            grow(h, t * hidden);
+            grow(tmp, t * hd.max(FFN_ROWS));
+            grow(tmp2, t * FFN_ROWS);
+            for (l, (lc, w)) in layers.iter().zip(&weights).enumerate() {
+                let (ck, cv) = raw[l];
+                // SAFETY (all `Shared` accesses below): each phase writes
+                // disjoint ranges (split by worker or by item), and phases
+                // that read what another wrote are separated by barriers.
+                let xs = unsafe { x.all() };
+                for i in 0..t {
+                    rms_norm(
+                        &xs[i * hidden..(i + 1) * hidden],
+                        &lc.attn_norm,
+                        eps,
+                        &mut h[i * hidden..(i + 1) * hidden],
+                    );
+                }
+                let (u0, u1) = team.share(units);
+                for u in u0..u1 {
+                    let (which, head) = if u < nh {
+                        (0, u)
+                    } else if u < nh + kvh {
+                        (1, u - nh)
+                    } else {
+                        (2, u - nh - kvh)
+                    };
+                    let r0 = head * hd;
+                    matvec(isa, &w[which], h, t, r0, r0 + hd, deq, &mut |i, r, v| {
+                        tmp[i * hd + r - r0] = v
+                    });
+                    let bias_at = [0, nh * hd, (nh + kvh) * hd][which] + r0;
+                    for i in 0..t {
+                        let row = &mut tmp[i * hd..(i + 1) * hd];
+                        if let Some(b) = &lc.qkv_bias {
+                            for (v, &bb) in row.iter_mut().zip(&b[bias_at..bias_at + hd]) {
+                                *v += bb;
+                            }
+                        }
+                        if which < 2 {
+                            rope(
+                                style,
+                                row,
+                                &cos[i * half..(i + 1) * half],
+                                &sin[i * half..(i + 1) * half],
+                            );
+                        }
+                        let slot = batch.slots[i] as usize;
+                        match which {
+                            0 => unsafe {
+                                q.part((i * nh + head) * hd, (i * nh + head + 1) * hd)
+                                    .copy_from_slice(row)
+                            },
+                            1 => unsafe { store_row(ck, (slot * kvh + head) * hd, row) },
+                            _ => unsafe { store_row(cv, (slot * kvh + head) * hd, row) },
+                        }
+                    }
+                }
+                team.barrier();
+                if team.id() == 0 {
+                    next_item.store(0, Ordering::Relaxed);
+                }
+                team.barrier();
+                let input = AttnInput {
+                    shape,
+                    q: unsafe { q.all() },
+                    positions: batch.positions,
+                    token_seq: batch.token_seq,
+                    block_tables: batch.block_tables,
+                    max_blocks: batch.max_blocks,
+                    k: unsafe { rows_of(ck) },
+                    v: unsafe { rows_of(cv) },
+                };
+                loop {
+                    let i = next_item.fetch_add(1, Ordering::Relaxed);
+                    let Some(&item) = plan.items.get(i) else {
+                        break;
+                    };
+                    attend_item(isa, &input, item, attn, &mut |tok, idx, r| {
+                        let at = (plan.base[tok] + idx) * rec;
+                        unsafe { states.part(at, at + rec).copy_from_slice(r) };
+                    });
+                }
+                team.barrier();
+                let (p0, p1) = team.share(t * nh);
+                for p in p0..p1 {
+                    let (i, head) = (p / nh, p % nh);
+                    let chunks = batch.positions[i] as usize / tessera_kernels::CHUNK + 1;
+                    let st = unsafe { states.all() };
+                    let first = (plan.base[i] + head) * rec;
+                    let out = unsafe { a.part(p * hd, (p + 1) * hd) };
+                    merge(&st[first..], chunks, nh * rec, hd, out);
+                }
+                team.barrier();
+                let (r0, r1) = team.share(hidden);
+                let av = unsafe { a.all() };
+                matvec(isa, &w[3], av, t, r0, r1, deq, &mut |i, r, v| unsafe {
+                    let at = i * hidden + r;
+                    x.set(at, x.get(at) + v)
+                });
+                team.barrier();
+                let xs = unsafe { x.all() };
+                for i in 0..t {
+                    rms_norm(
+                        &xs[i * hidden..(i + 1) * hidden],
+                        &lc.ffn_norm,
+                        eps,
+                        &mut h[i * hidden..(i + 1) * hidden],
+                    );
+                }
+                let (f0, f1) = team.share(ffn);
+                let mut r = f0;
+                while r < f1 {
+                    let e = (r + FFN_ROWS).min(f1);
+                    let n = e - r;
+                    matvec(isa, &w[4], h, t, r, e, deq, &mut |i, rr, v| {
+                        tmp[i * n + rr - r] = v
+                    });
+                    matvec(isa, &w[5], h, t, r, e, deq, &mut |i, rr, v| {
+                        tmp2[i * n + rr - r] = v
+                    });
+                    for i in 0..t {
+                        let out = unsafe { m.part(i * ffn + r, i * ffn + e) };
+                        for j in 0..n {
+                            out[j] = silu(tmp[i * n + j]) * tmp2[i * n + j];
+                        }
+                    }
+                    r = e;
+                }
+                team.barrier();
+                let (r0, r1) = team.share(hidden);
+                let mv = unsafe { m.all() };
+                matvec(isa, &w[6], mv, t, r0, r1, deq, &mut |i, r, v| unsafe {
+                    let at = i * hidden + r;
+                    x.set(at, x.get(at) + v)
+                });
+                team.barrier();
+            }
+            if picks > 0 {
+                let xs = unsafe { x.all() };
+                for (j, &p) in batch.logits_for.iter().enumerate() {
+                    let p = p as usize;
+                    rms_norm(
+                        &xs[p * hidden..(p + 1) * hidden],
+                        norm,
+                        eps,
+                        &mut h[j * hidden..(j + 1) * hidden],
+                    );
+                }
+                let (r0, r1) = team.share(vocab);
+                matvec(isa, &head, h, picks, r0, r1, deq, &mut |i, r, v| unsafe {
+                    logits.set(i * vocab + r, v)
+                });
+            }
+        };
+        fast.pool.run(&body);
+        let out = fast.logits[..picks * vocab].to_vec();
+        Ok(Tensor::from_vec(out, (picks, vocab), &self.device)?)
+    }
+}
