@@ -29,6 +29,7 @@ mod attend;
 mod attention;
 mod copy;
 mod elem;
+mod lanes;
 mod matvec;
 pub mod pool;
 mod quant;

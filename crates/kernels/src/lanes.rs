@@ -1,0 +1,201 @@
+//! Sixteen f32 lanes for the kernels: an array in portable code, one
+//! AVX-512 register, or two AVX2 registers, with only lane-wise fused
+//! multiply-adds and one fixed reduction tree, so that every
+//! implementation gives the same bits.
+
+// Lane loops index several arrays in step.
+#![allow(clippy::needless_range_loop)]
+
+use crate::matvec::f16_to_f32;
+
+/// The fixed tree over 16 values (see [`Lanes::reduce`]).
+#[inline(always)]
+pub(crate) fn reduce16(v: &[f32; 16]) -> f32 {
+    let mut v8 = [0f32; 8];
+    for j in 0..8 {
+        v8[j] = v[j] + v[j + 8];
+    }
+    let mut v4 = [0f32; 4];
+    for j in 0..4 {
+        v4[j] = v8[j] + v8[j + 4];
+    }
+    (v4[0] + v4[2]) + (v4[1] + v4[3])
+}
+
+/// Sixteen f32 lanes: an array in portable code, one AVX-512 register,
+/// or two AVX2 registers. Only lane-wise fused multiply-adds, so every
+/// implementation gives the same bits.
+pub(crate) trait Lanes: Copy {
+    /// # Safety
+    /// The CPU has the instruction set of the implementation.
+    unsafe fn zero() -> Self;
+    /// # Safety
+    /// As [`Lanes::zero`].
+    unsafe fn load(p: &[f32; 16]) -> Self;
+    /// `a · b + c`, rounded once.
+    /// # Safety
+    /// As [`Lanes::zero`].
+    unsafe fn fma(a: Self, b: Self, c: Self) -> Self;
+    /// # Safety
+    /// As [`Lanes::zero`].
+    unsafe fn store(self, out: &mut [f32; 16]);
+    /// A hint to load the cache line at `p` (never faults).
+    /// # Safety
+    /// As [`Lanes::zero`].
+    #[inline(always)]
+    unsafe fn prefetch(_p: *const u8) {}
+    /// `x` in every lane.
+    /// # Safety
+    /// As [`Lanes::zero`].
+    unsafe fn splat(x: f32) -> Self;
+    /// The fixed reduction tree of [`crate::matvec`]: `v8[j] = v[j] +
+    /// v[j+8]`, `v4[j] = v8[j] + v8[j+4]`, `(v4[0] + v4[2]) + (v4[1] +
+    /// v4[3])`.
+    /// # Safety
+    /// As [`Lanes::zero`].
+    unsafe fn reduce(self) -> f32;
+    /// An f16 scale, exactly (hardware conversion where there is one).
+    /// # Safety
+    /// As [`Lanes::zero`].
+    unsafe fn f16(bits: u16) -> f32;
+}
+
+#[derive(Clone, Copy)]
+pub(crate) struct Portable([f32; 16]);
+
+impl Lanes for Portable {
+    #[inline(always)]
+    unsafe fn zero() -> Self {
+        Portable([0.0; 16])
+    }
+    #[inline(always)]
+    unsafe fn load(p: &[f32; 16]) -> Self {
+        Portable(*p)
+    }
+    #[inline(always)]
+    unsafe fn fma(a: Self, b: Self, c: Self) -> Self {
+        let mut o = [0f32; 16];
+        for j in 0..16 {
+            o[j] = a.0[j].mul_add(b.0[j], c.0[j]);
+        }
+        Portable(o)
+    }
+    #[inline(always)]
+    unsafe fn store(self, out: &mut [f32; 16]) {
+        *out = self.0;
+    }
+    #[inline(always)]
+    unsafe fn f16(bits: u16) -> f32 {
+        f16_to_f32(bits)
+    }
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> Self {
+        Portable([x; 16])
+    }
+    #[inline(always)]
+    unsafe fn reduce(self) -> f32 {
+        reduce16(&self.0)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::Lanes;
+
+    #[derive(Clone, Copy)]
+    pub(crate) struct Avx512(__m512);
+
+    impl Lanes for Avx512 {
+        #[inline(always)]
+        unsafe fn zero() -> Self {
+            Avx512(_mm512_setzero_ps())
+        }
+        #[inline(always)]
+        unsafe fn load(p: &[f32; 16]) -> Self {
+            Avx512(_mm512_loadu_ps(p.as_ptr()))
+        }
+        #[inline(always)]
+        unsafe fn fma(a: Self, b: Self, c: Self) -> Self {
+            Avx512(_mm512_fmadd_ps(a.0, b.0, c.0))
+        }
+        #[inline(always)]
+        unsafe fn store(self, out: &mut [f32; 16]) {
+            _mm512_storeu_ps(out.as_mut_ptr(), self.0)
+        }
+        #[inline(always)]
+        unsafe fn f16(bits: u16) -> f32 {
+            _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
+        }
+        #[inline(always)]
+        unsafe fn prefetch(p: *const u8) {
+            _mm_prefetch(p as *const i8, _MM_HINT_T0)
+        }
+        #[inline(always)]
+        unsafe fn splat(x: f32) -> Self {
+            Avx512(_mm512_set1_ps(x))
+        }
+        #[inline(always)]
+        unsafe fn reduce(self) -> f32 {
+            let v8 = _mm256_add_ps(
+                _mm512_castps512_ps256(self.0),
+                _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(self.0), 1)),
+            );
+            reduce8(v8)
+        }
+    }
+
+    /// `v4[j] = v8[j] + v8[j+4]`, then `(v4[0] + v4[2]) + (v4[1] + v4[3])`.
+    #[inline(always)]
+    unsafe fn reduce8(v8: __m256) -> f32 {
+        let v4 = _mm_add_ps(_mm256_castps256_ps128(v8), _mm256_extractf128_ps(v8, 1));
+        let v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
+        _mm_cvtss_f32(_mm_add_ss(v2, _mm_movehdup_ps(v2)))
+    }
+
+    #[derive(Clone, Copy)]
+    pub(crate) struct Avx2(__m256, __m256);
+
+    impl Lanes for Avx2 {
+        #[inline(always)]
+        unsafe fn zero() -> Self {
+            Avx2(_mm256_setzero_ps(), _mm256_setzero_ps())
+        }
+        #[inline(always)]
+        unsafe fn load(p: &[f32; 16]) -> Self {
+            Avx2(
+                _mm256_loadu_ps(p.as_ptr()),
+                _mm256_loadu_ps(p.as_ptr().add(8)),
+            )
+        }
+        #[inline(always)]
+        unsafe fn fma(a: Self, b: Self, c: Self) -> Self {
+            Avx2(
+                _mm256_fmadd_ps(a.0, b.0, c.0),
+                _mm256_fmadd_ps(a.1, b.1, c.1),
+            )
+        }
+        #[inline(always)]
+        unsafe fn store(self, out: &mut [f32; 16]) {
+            _mm256_storeu_ps(out.as_mut_ptr(), self.0);
+            _mm256_storeu_ps(out.as_mut_ptr().add(8), self.1);
+        }
+        #[inline(always)]
+        unsafe fn f16(bits: u16) -> f32 {
+            _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
+        }
+        #[inline(always)]
+        unsafe fn prefetch(p: *const u8) {
+            _mm_prefetch(p as *const i8, _MM_HINT_T0)
+        }
+        #[inline(always)]
+        unsafe fn splat(x: f32) -> Self {
+            Avx2(_mm256_set1_ps(x), _mm256_set1_ps(x))
+        }
+        #[inline(always)]
+        unsafe fn reduce(self) -> f32 {
+            reduce8(_mm256_add_ps(self.0, self.1))
+        }
+    }
+}
