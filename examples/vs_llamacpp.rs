@@ -1,13 +1,20 @@
 //! Tessera against llama.cpp (through the `llama-cpp-2` crate) on the same
-//! GGUF file, the same thread count, in the same process, the two engines
-//! alternating run by run: prefill, decode, the 12-turn chat (TTFT per
-//! turn), 8 requests sharing a prefix, and 4 interleaved conversations; and
-//! candle's `quantized_llama` for prefill and decode as the plain-Rust
-//! baseline. Workloads come from `tessera-bench`, the same as `tessera
-//! bench`'s.
+//! GGUF file, the same thread count, in the same process, both warmed up,
+//! the two engines alternating run by run: prefill, decode, decode deep in
+//! a context (128 tokens after 2,048) and in batches (4 and 8 sequences),
+//! the 12-turn chat (TTFT per turn), 8 requests sharing a prefix, and 4
+//! interleaved conversations; candle's `quantized_llama` for prefill and
+//! decode as the plain-Rust baseline. In the chat scenarios each engine
+//! carries its own replies, and llama.cpp gives each conversation its own
+//! sequence (as a llama-server slot would). The default Q4_1 file is then
+//! re-quantized by llama.cpp's own quantizer to Q4_0 and Q8_0 (the formats
+//! it repacks for its fastest kernels) and prefill, decode, decode-long and
+//! decode-batch run again on each. Workloads come from `tessera-bench`,
+//! the same as `tessera bench`'s.
 //!
-//! Writes `target/bench/vs-llamacpp.json` (an array of `{scenario, metric,
-//! unit, tessera, llamacpp, ratio}`, ratio > 1 when Tessera is better),
+//! Writes `target/bench/vs-llamacpp.json` (an array of `{model, scenario,
+//! metric, unit, tessera, llamacpp, ratio}`, each side's median, min, max
+//! and run count; ratio of medians > 1 when Tessera is better),
 //! `target/bench/vs-llamacpp-meta.json` (date, machine, commit, threads,
 //! agreement of the two engines, per-turn TTFT) and two charts,
 //! `target/bench/chat-ttft.png` and `target/bench/ratios.png`.
@@ -30,7 +37,8 @@ use llama_cpp_2::token::LlamaToken;
 use serde_json::json;
 use tessera_bench::{median, Candle, DECODE_TOKENS, PREFILL_TOKENS, REPLY_TOKENS};
 use tessera_engine::{
-    Engine, EngineConfig, Event, GenerateRequest, Model, Prompt, SamplingParams, TurnOptions,
+    Engine, EngineConfig, Event, GenerateRequest, Message, Model, Prompt, SamplingParams,
+    TurnOptions,
 };
 use tessera_model::Special;
 
@@ -41,12 +49,15 @@ const CHAT_RUNS: usize = 3;
 /// Tokens per llama.cpp decode call (and its context's batch size).
 const LLAMA_BATCH: usize = 512;
 
-/// llama.cpp with one context: sequence 0 is the "slot" whose KV is reused.
+/// llama.cpp with one context and one sequence id per conversation (as a
+/// llama-server with a slot per conversation), each keeping its own tokens.
 struct Llama<'a> {
     model: &'a LlamaModel,
     ctx: LlamaContext<'a>,
-    /// Tokens whose K/V sequence 0 holds, in order.
-    cached: Vec<u32>,
+    /// Tokens whose K/V each sequence holds, in order.
+    cached: Vec<Vec<u32>>,
+    /// The batch of one-sequence feeds, kept between calls.
+    batch: LlamaBatch<'a>,
 }
 
 fn argmax(logits: &[f32]) -> u32 {
@@ -62,22 +73,22 @@ fn argmax(logits: &[f32]) -> u32 {
 impl Llama<'_> {
     fn clear(&mut self) {
         self.ctx.clear_kv_cache();
-        self.cached.clear();
+        self.cached.iter_mut().for_each(Vec::clear);
     }
 
     /// Decodes `tokens` into sequence `seq` from position `start`, in
     /// batches; returns the greedy token after the last one.
-    fn feed(&mut self, seq: i32, start: usize, tokens: &[u32]) -> Result<u32> {
-        let mut batch = LlamaBatch::new(LLAMA_BATCH, 1);
+    fn feed(&mut self, seq: usize, start: usize, tokens: &[u32]) -> Result<u32> {
         let mut next = 0;
         for (c, chunk) in tokens.chunks(LLAMA_BATCH).enumerate() {
-            batch.clear();
+            self.batch.clear();
             let base = start + c * LLAMA_BATCH;
             for (i, &t) in chunk.iter().enumerate() {
                 let last = c * LLAMA_BATCH + i == tokens.len() - 1;
-                batch.add(LlamaToken(t as i32), (base + i) as i32, &[seq], last)?;
+                self.batch
+                    .add(LlamaToken(t as i32), (base + i) as i32, &[seq as i32], last)?;
             }
-            self.ctx.decode(&mut batch)?;
+            self.ctx.decode(&mut self.batch)?;
         }
         if let Some(last) = tokens.len().checked_sub(1) {
             next = argmax(self.ctx.get_logits_ith((last % LLAMA_BATCH) as i32));
@@ -85,84 +96,126 @@ impl Llama<'_> {
         Ok(next)
     }
 
-    /// llama.cpp's best case for a new prompt on a kept KV: keep the common
-    /// token prefix, remove the rest (`llama_memory_seq_rm`), decode only
-    /// the new tokens. Returns the first token and the seconds to it.
-    fn prompt(&mut self, ids: &[u32]) -> Result<(u32, f64)> {
+    /// llama.cpp's best case for a new prompt on a kept sequence: keep the
+    /// common token prefix, remove the rest (`llama_memory_seq_rm`), decode
+    /// only the new tokens. Returns the first token and the seconds to it.
+    fn prompt(&mut self, seq: usize, ids: &[u32]) -> Result<(u32, f64)> {
         let t = Instant::now();
-        let common = self
-            .cached
+        let common = self.cached[seq]
             .iter()
             .zip(ids)
             .take_while(|(a, b)| a == b)
             .count()
             .min(ids.len() - 1);
-        self.ctx.kv_cache_seq_rm(0, Some(common as u32), None)?;
-        self.cached.truncate(common);
-        let first = self.feed(0, common, &ids[common..])?;
-        self.cached.extend_from_slice(&ids[common..]);
+        self.ctx
+            .kv_cache_seq_rm(seq as i32, Some(common as u32), None)?;
+        self.cached[seq].truncate(common);
+        let first = self.feed(seq, common, &ids[common..])?;
+        self.cached[seq].extend_from_slice(&ids[common..]);
         Ok((first, t.elapsed().as_secs_f64()))
     }
 
-    /// Greedy continuation of sequence 0 from `first` (included), `n`
-    /// tokens at most, stopping at end of generation; the last token is not
-    /// decoded (as in Tessera).
-    fn reply(&mut self, first: u32, n: usize, stop_at_eog: bool) -> Result<Vec<u32>> {
+    /// Greedy continuation of `seq` from `first` (included), `n` tokens at
+    /// most, stopping at end of generation; the last token is not decoded
+    /// (as in Tessera).
+    fn reply(&mut self, seq: usize, first: u32, n: usize, stop_at_eog: bool) -> Result<Vec<u32>> {
+        let eog = |t: u32| self.model.vocab().is_eog(LlamaToken(t as i32));
         let mut out = vec![first];
         while out.len() < n {
             let last = *out.last().expect("non-empty");
-            if stop_at_eog && self.model.vocab().is_eog(LlamaToken(last as i32)) {
+            if stop_at_eog && eog(last) {
                 out.pop();
                 return Ok(out);
             }
-            let next = self.feed(0, self.cached.len(), &[last])?;
-            self.cached.push(last);
+            let next = self.feed(seq, self.cached[seq].len(), &[last])?;
+            self.cached[seq].push(last);
             out.push(next);
         }
-        if stop_at_eog
-            && self
-                .model
-                .vocab()
-                .is_eog(LlamaToken(*out.last().expect("non-empty") as i32))
-        {
+        if stop_at_eog && eog(*out.last().expect("non-empty")) {
             out.pop();
         }
         Ok(out)
     }
+
+    /// `prompts` prefilled into sequences `0..n`, then `steps` greedy
+    /// decode steps of one token per sequence in one batch each (the batch
+    /// reused); returns the aggregate decode tok/s.
+    fn decode_together(&mut self, prompts: &[Vec<u32>], steps: usize) -> Result<f64> {
+        self.clear();
+        let mut next = Vec::new();
+        for (s, p) in prompts.iter().enumerate() {
+            next.push(self.feed(s, 0, p)?);
+            self.cached[s] = p.clone();
+        }
+        let mut batch = LlamaBatch::new(prompts.len(), prompts.len() as i32);
+        let start = Instant::now();
+        for step in 0..steps {
+            batch.clear();
+            for (s, p) in prompts.iter().enumerate() {
+                batch.add(
+                    LlamaToken(next[s] as i32),
+                    (p.len() + step) as i32,
+                    &[s as i32],
+                    true,
+                )?;
+            }
+            self.ctx.decode(&mut batch)?;
+            for (s, n) in next.iter_mut().enumerate() {
+                *n = argmax(self.ctx.get_logits_ith(s as i32));
+            }
+        }
+        let secs = start.elapsed().as_secs_f64();
+        self.clear();
+        Ok((steps * prompts.len()) as f64 / secs)
+    }
 }
 
-/// One result row of the JSON.
+/// One result row of the JSON: every run's value for each engine.
 struct Row {
+    model: String,
     scenario: &'static str,
     metric: &'static str,
     unit: &'static str,
-    tessera: f64,
-    llamacpp: f64,
+    tessera: Vec<f64>,
+    llamacpp: Vec<f64>,
     /// Lower is better (times): ratio = llamacpp / tessera.
     lower_better: bool,
-    candle: Option<f64>,
+    candle: Option<Vec<f64>>,
+}
+
+fn spread(v: &[f64]) -> (f64, f64, f64) {
+    let min = v.iter().copied().fold(f64::INFINITY, f64::min);
+    let max = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    (median(v.to_vec()), min, max)
 }
 
 impl Row {
     fn ratio(&self) -> f64 {
+        let (t, l) = (median(self.tessera.clone()), median(self.llamacpp.clone()));
         if self.lower_better {
-            self.llamacpp / self.tessera
+            l / t
         } else {
-            self.tessera / self.llamacpp
+            t / l
         }
     }
 
     fn json(&self) -> serde_json::Value {
+        let side = |v: &[f64]| {
+            let (m, lo, hi) = spread(v);
+            json!({ "median": m, "min": lo, "max": hi, "runs": v.len() })
+        };
         let mut v = json!({
+            "model": self.model,
             "scenario": self.scenario,
             "metric": self.metric,
             "unit": self.unit,
-            "tessera": self.tessera,
-            "llamacpp": self.llamacpp,
+            "tessera": side(&self.tessera),
+            "llamacpp": side(&self.llamacpp),
             "ratio": self.ratio(),
+            "higher_is_better": !self.lower_better,
         });
-        if let Some(c) = self.candle {
-            v["candle"] = json!(c);
+        if let Some(c) = &self.candle {
+            v["candle"] = side(c);
         }
         v
     }
@@ -173,10 +226,10 @@ struct Agreement {
 }
 
 impl Agreement {
-    fn add(&mut self, what: &str, same: usize, of: usize) {
+    fn add(&mut self, model: &str, what: &str, same: usize, of: usize) {
         println!("  agreement: {what}: {same} of {of}");
         self.checks
-            .push(json!({ "what": what, "same": same, "of": of }));
+            .push(json!({ "model": model, "what": what, "same": same, "of": of }));
     }
 }
 
@@ -200,6 +253,36 @@ fn greedy(max_tokens: usize, prompt: Vec<u32>) -> GenerateRequest {
     }
 }
 
+/// Tessera's aggregate decode tok/s of `prompts` decoding together: every
+/// generated token after each one's first, over the time from the last
+/// first token to the last finish.
+fn tessera_together(engine: &Engine, prompts: &[Vec<u32>]) -> Result<f64> {
+    let streams: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            engine.generate(GenerateRequest {
+                ignore_eos: true,
+                ..greedy(DECODE_TOKENS + 1, p.clone())
+            })
+        })
+        .collect::<std::result::Result<_, _>>()?;
+    let (mut tokens, mut last_first, mut last_end) = (0usize, 0f64, 0f64);
+    for s in streams {
+        for ev in s {
+            match ev {
+                Event::Token { .. } => {}
+                Event::Done(c) => {
+                    tokens += c.usage.completion_tokens.saturating_sub(1);
+                    last_first = last_first.max(c.timings.ttft_ms / 1e3);
+                    last_end = last_end.max(c.timings.total_s);
+                }
+                Event::Error(e) => return Err(e.into()),
+            }
+        }
+    }
+    Ok(tokens as f64 / (last_end - last_first).max(1e-9))
+}
+
 fn machine() -> serde_json::Value {
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let cpu = cpuinfo
@@ -221,37 +304,55 @@ fn command_output(cmd: &str, args: &[&str]) -> String {
         .unwrap_or_else(|| "unknown".into())
 }
 
-fn main() -> Result<()> {
-    let mut args = std::env::args().skip(1);
-    let model_path = PathBuf::from(
-        args.next()
-            .unwrap_or_else(|| "models/SmolLM2-135M-Instruct.Q4_1.gguf".into()),
+/// `src` re-quantized by llama.cpp's own quantizer to `ftype` (every
+/// tensor, `pure`), written beside it once and reused.
+fn variant(src: &Path, name: &str, ftype: llama_cpp_sys_2::llama_ftype) -> Result<PathBuf> {
+    let out = src.with_file_name(
+        src.file_name()
+            .and_then(|f| f.to_str())
+            .unwrap_or("model.gguf")
+            .replace("Q4_1", name),
     );
-    let threads = std::env::var("TESSERA_BENCH_THREADS")
-        .ok()
-        .and_then(|t| t.parse().ok())
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    // Tessera's pools (rayon, used by candle and the kernels) get the same
-    // thread count as llama.cpp.
-    std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
-    let out_dir = PathBuf::from("target/bench");
-    std::fs::create_dir_all(&out_dir)?;
-    if !model_path.exists() {
-        bail!("{} is missing: run `just model`", model_path.display());
+    if out.exists() {
+        return Ok(out);
     }
+    let c = |p: &Path| std::ffi::CString::new(p.to_string_lossy().as_bytes()).expect("no NUL");
+    let (inp, outp) = (c(src), c(&out));
+    // SAFETY: plain C calls with valid NUL-terminated paths and a params
+    // struct from llama.cpp's own defaults.
+    let rc = unsafe {
+        let mut params = llama_cpp_sys_2::llama_model_quantize_default_params();
+        params.ftype = ftype;
+        params.allow_requantize = true;
+        params.pure_ = true;
+        llama_cpp_sys_2::llama_model_quantize(inp.as_ptr(), outp.as_ptr(), &params)
+    };
+    if rc != 0 {
+        let _ = std::fs::remove_file(&out);
+        bail!("llama.cpp could not quantize {} to {name}", src.display());
+    }
+    Ok(out)
+}
 
-    println!(
-        "Tessera vs llama.cpp on {} with {threads} threads",
-        model_path.display()
-    );
-    let reuse = tessera_engine(&model_path, true)?;
-    let plain = tessera_engine(&model_path, false)?;
+/// Everything one model file is measured on: prefill, decode, decode-long
+/// and decode-batch always; the KV-cache scenarios when `full`.
+#[allow(clippy::too_many_arguments)]
+fn bench_model(
+    backend: &LlamaBackend,
+    model_path: &Path,
+    label: &str,
+    threads: usize,
+    full: bool,
+    agree: &mut Agreement,
+    rows: &mut Vec<Row>,
+    ttft: &mut [Vec<f64>; 3],
+) -> Result<()> {
+    println!("== {label}: {}", model_path.display());
+    let reuse = tessera_engine(model_path, true)?;
+    let plain = tessera_engine(model_path, false)?;
     let model = reuse.model();
-    let mut candle = Candle::load(&model_path)?;
-
-    let mut backend = LlamaBackend::init()?;
-    backend.void_logs();
-    let lmodel = LlamaModel::load_from_file(&backend, &model_path, &LlamaModelParams::default())
+    let mut candle = Candle::load(model_path)?;
+    let lmodel = LlamaModel::load_from_file(backend, model_path, &LlamaModelParams::default())
         .with_context(|| format!("llama.cpp loading {}", model_path.display()))?;
     let cparams = LlamaContextParams::default()
         .with_n_ctx(NonZeroU32::new(8192))
@@ -261,15 +362,13 @@ fn main() -> Result<()> {
         .with_kv_unified(true)
         .with_n_threads(threads as i32)
         .with_n_threads_batch(threads as i32);
-    let ctx = lmodel.new_context(&backend, cparams)?;
+    let ctx = lmodel.new_context(backend, cparams)?;
     let mut llama = Llama {
         model: &lmodel,
         ctx,
-        cached: Vec::new(),
+        cached: vec![Vec::new(); 8],
+        batch: LlamaBatch::new(LLAMA_BATCH, 1),
     };
-    let mut agree = Agreement { checks: Vec::new() };
-    let mut rows = Vec::new();
-    // VS_ONLY=decode,chat-ttft runs some scenarios only (development).
     let only = std::env::var("VS_ONLY").ok();
     let enabled = |name: &str| {
         only.as_ref()
@@ -280,9 +379,154 @@ fn main() -> Result<()> {
         max_tokens: REPLY_TOKENS,
         ..TurnOptions::default()
     };
-    let (mut ttft_reuse, mut ttft_plain, mut ttft_llama) = (Vec::new(), Vec::new(), Vec::new());
+    let row = |scenario, metric, unit, t: Vec<f64>, l: Vec<f64>, lower_better, candle| Row {
+        model: label.to_string(),
+        scenario,
+        metric,
+        unit,
+        tessera: t,
+        llamacpp: l,
+        lower_better,
+        candle,
+    };
 
-    // Token ids: both tokenizers on every text of the workloads.
+    // Warm-up, untimed: both engines load their pages and spin up threads.
+    let short = tessera_bench::decode_prompt(model)?;
+    plain.complete(&greedy(16, short.clone()), &mut |_| {})?;
+    llama.clear();
+    let (first, _) = llama.prompt(0, &short)?;
+    llama.reply(0, first, 16, false)?;
+
+    if enabled("prefill") {
+        println!("prefill: {PREFILL_TOKENS}-token prompt, {PREFILL_RUNS} runs");
+        let ids = tessera_bench::prefill_prompt(model)?;
+        let (mut t, mut l, mut c) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut first_t, mut first_l) = (0, 0);
+        for _ in 0..PREFILL_RUNS {
+            let done = plain.complete(&greedy(1, ids.clone()), &mut |_| {})?;
+            first_t = done.tokens.first().copied().unwrap_or(u32::MAX);
+            t.push(PREFILL_TOKENS as f64 / (done.timings.ttft_ms / 1e3));
+            llama.clear();
+            let (first, s) = llama.prompt(0, &ids)?;
+            first_l = first;
+            l.push(PREFILL_TOKENS as f64 / s);
+            if full {
+                c.push(PREFILL_TOKENS as f64 / candle.prefill(&ids)?);
+            }
+        }
+        agree.add(
+            label,
+            "prefill: first greedy token",
+            usize::from(first_t == first_l),
+            1,
+        );
+        rows.push(row(
+            "prefill",
+            "prefill_tok_s",
+            "tok/s",
+            t,
+            l,
+            false,
+            full.then_some(c),
+        ));
+    }
+
+    if enabled("decode") {
+        println!("decode: {DECODE_TOKENS} tokens, {DECODE_RUNS} runs");
+        let (mut t, mut l, mut c) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut toks_t, mut toks_l, mut toks_c) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..DECODE_RUNS {
+            let req = GenerateRequest {
+                ignore_eos: true,
+                ..greedy(DECODE_TOKENS + 1, short.clone())
+            };
+            let done = plain.complete(&req, &mut |_| {})?;
+            t.push(done.timings.decode_tok_s);
+            toks_t = done.tokens;
+            llama.clear();
+            let (first, _) = llama.prompt(0, &short)?;
+            let s = Instant::now();
+            toks_l = llama.reply(0, first, DECODE_TOKENS + 1, false)?;
+            l.push(DECODE_TOKENS as f64 / s.elapsed().as_secs_f64());
+            if full {
+                let (secs, toks) = candle.decode(&short, DECODE_TOKENS)?;
+                toks_c = toks;
+                c.push(DECODE_TOKENS as f64 / secs);
+            }
+        }
+        let lead = |a: &[u32], b: &[u32]| a.iter().zip(b).take_while(|(x, y)| x == y).count();
+        agree.add(
+            label,
+            "decode: identical leading greedy tokens, Tessera and llama.cpp",
+            lead(&toks_t, &toks_l),
+            DECODE_TOKENS + 1,
+        );
+        if full {
+            agree.add(
+                label,
+                "decode: identical leading greedy tokens, Tessera and candle",
+                lead(&toks_t, &toks_c),
+                DECODE_TOKENS + 1,
+            );
+        }
+        rows.push(row(
+            "decode",
+            "decode_tok_s",
+            "tok/s",
+            t,
+            l,
+            false,
+            full.then_some(c),
+        ));
+    }
+
+    if enabled("decode-long") {
+        let long = tessera_bench::long_prompt(model)?;
+        println!(
+            "decode-long: {DECODE_TOKENS} tokens after {}, {DECODE_RUNS} runs",
+            long.len()
+        );
+        let (mut t, mut l) = (Vec::new(), Vec::new());
+        for _ in 0..DECODE_RUNS {
+            t.push(tessera_together(&plain, std::slice::from_ref(&long))?);
+            llama.clear();
+            let (first, _) = llama.prompt(0, &long)?;
+            let s = Instant::now();
+            llama.reply(0, first, DECODE_TOKENS + 1, false)?;
+            l.push(DECODE_TOKENS as f64 / s.elapsed().as_secs_f64());
+        }
+        rows.push(row(
+            "decode-long",
+            "decode_tok_s",
+            "tok/s",
+            t,
+            l,
+            false,
+            None,
+        ));
+    }
+
+    if enabled("decode-batch") {
+        for n in [4, 8] {
+            println!("decode-batch: {n} sequences × {DECODE_TOKENS} tokens, {DECODE_RUNS} runs");
+            let prompts = tessera_bench::batch_prompts(model, n)?;
+            let (mut t, mut l) = (Vec::new(), Vec::new());
+            for _ in 0..DECODE_RUNS {
+                t.push(tessera_together(&plain, &prompts)?);
+                l.push(llama.decode_together(&prompts, DECODE_TOKENS)?);
+            }
+            let metric = if n == 4 {
+                "batch4_tok_s"
+            } else {
+                "batch8_tok_s"
+            };
+            rows.push(row("decode-batch", metric, "tok/s", t, l, false, None));
+        }
+    }
+
+    if !full {
+        return Ok(());
+    }
     let chat = tessera_bench::chat(model)?;
     let convs = tessera_bench::interleaved(model)?;
     let mut texts: Vec<&str> = vec![chat.system.as_str()];
@@ -304,150 +548,93 @@ fn main() -> Result<()> {
             ours.as_deref() == Some(theirs.as_slice())
         })
         .count();
-    agree.add("token ids of the workload texts", same_ids, texts.len());
+    agree.add(
+        label,
+        "token ids of the workload texts",
+        same_ids,
+        texts.len(),
+    );
 
-    if enabled("prefill") {
-        println!("prefill: {PREFILL_TOKENS}-token prompt, median of {PREFILL_RUNS}");
-        let ids = tessera_bench::prefill_prompt(model)?;
-        let (mut t, mut l, mut c) = (Vec::new(), Vec::new(), Vec::new());
-        let (mut first_t, mut first_l) = (0, 0);
-        for _ in 0..PREFILL_RUNS {
-            let done = plain.complete(&greedy(1, ids.clone()), &mut |_| {})?;
-            first_t = done.tokens.first().copied().unwrap_or(u32::MAX);
-            t.push(PREFILL_TOKENS as f64 / (done.timings.ttft_ms / 1e3));
-            llama.clear();
-            let (first, s) = llama.prompt(&ids)?;
-            first_l = first;
-            l.push(PREFILL_TOKENS as f64 / s);
-            c.push(PREFILL_TOKENS as f64 / candle.prefill(&ids)?);
-        }
-        agree.add(
-            "prefill: first greedy token",
-            usize::from(first_t == first_l),
-            1,
-        );
-        rows.push(Row {
-            scenario: "prefill",
-            metric: "prefill_tok_s",
-            unit: "tok/s",
-            tessera: median(t),
-            llamacpp: median(l),
-            lower_better: false,
-            candle: Some(median(c)),
-        });
-    }
-
-    if enabled("decode") {
-        println!("decode: {DECODE_TOKENS} tokens, median of {DECODE_RUNS}");
-        let short = tessera_bench::decode_prompt(model)?;
-        let (mut t, mut l, mut c) = (Vec::new(), Vec::new(), Vec::new());
-        let (mut toks_t, mut toks_l, mut toks_c) = (Vec::new(), Vec::new(), Vec::new());
-        for _ in 0..DECODE_RUNS {
-            let req = GenerateRequest {
-                ignore_eos: true,
-                ..greedy(DECODE_TOKENS + 1, short.clone())
-            };
-            let done = plain.complete(&req, &mut |_| {})?;
-            t.push(done.timings.decode_tok_s);
-            toks_t = done.tokens;
-            llama.clear();
-            let (first, _) = llama.prompt(&short)?;
-            let s = Instant::now();
-            toks_l = llama.reply(first, DECODE_TOKENS + 1, false)?;
-            l.push(DECODE_TOKENS as f64 / s.elapsed().as_secs_f64());
-            let (secs, toks) = candle.decode(&short, DECODE_TOKENS)?;
-            toks_c = toks;
-            c.push(DECODE_TOKENS as f64 / secs);
-        }
-        let prefix = toks_t
-            .iter()
-            .zip(&toks_l)
-            .take_while(|(a, b)| a == b)
-            .count();
-        agree.add(
-            "decode: identical leading greedy tokens, Tessera and llama.cpp",
-            prefix,
-            DECODE_TOKENS + 1,
-        );
-        let with_candle = toks_t
-            .iter()
-            .zip(&toks_c)
-            .take_while(|(a, b)| a == b)
-            .count();
-        agree.add(
-            "decode: identical leading greedy tokens, Tessera and candle",
-            with_candle,
-            DECODE_TOKENS + 1,
-        );
-        rows.push(Row {
-            scenario: "decode",
-            metric: "decode_tok_s",
-            unit: "tok/s",
-            tessera: median(t),
-            llamacpp: median(l),
-            lower_better: false,
-            candle: Some(median(c)),
-        });
-    }
+    // llama.cpp's turn: its own history (its replies as text, the whole
+    // prompt re-tokenized as llama-server does), its own sequence.
+    let llama_turn = |llama: &mut Llama,
+                      seq: usize,
+                      msgs: &mut Vec<Message>,
+                      user: &str|
+     -> Result<(u32, f64)> {
+        msgs.push(Message::new("user", user));
+        let ids = model.template.encode(&model.tokenizer, msgs, true)?;
+        let (first, s) = llama.prompt(seq, &ids)?;
+        let reply = llama.reply(seq, first, REPLY_TOKENS, true)?;
+        msgs.push(Message::new("assistant", model.tokenizer.decode(&reply)?));
+        Ok((first, s))
+    };
 
     if enabled("chat-ttft") {
-        println!("chat-ttft: 12 turns, median of {CHAT_RUNS} runs per turn");
+        println!("chat-ttft: 12 turns, {CHAT_RUNS} runs");
         let turns = chat.users.len();
-        let (mut tr, mut tp, mut tl) = (
+        let mut per_turn = [
             vec![Vec::new(); turns],
             vec![Vec::new(); turns],
             vec![Vec::new(); turns],
-        );
+        ];
+        let (mut sums_t, mut sums_l) = (Vec::new(), Vec::new());
         let mut same_first = 0;
         for run in 0..CHAT_RUNS {
             reuse.clear_cache()?;
             llama.clear();
             let mut a = reuse.chat(Some(&chat.system));
             let mut b = plain.chat(Some(&chat.system));
+            let mut msgs = vec![Message::new("system", chat.system.as_str())];
+            let (mut st, mut sl) = (0.0, 0.0);
             for (i, u) in chat.users.iter().enumerate() {
                 let x = a.send(u, &opts, &mut |_| {})?;
                 let y = b.send(u, &opts, &mut |_| {})?;
-                let (first, s) = llama.prompt(&x.prompt_tokens)?;
-                llama.reply(first, REPLY_TOKENS, true)?;
+                let (first, s) = llama_turn(&mut llama, 0, &mut msgs, u)?;
                 if run == 0 {
                     same_first += usize::from(x.tokens.first() == Some(&first));
                 }
-                tr[i].push(x.timings.ttft_ms);
-                tp[i].push(y.timings.ttft_ms);
-                tl[i].push(s * 1e3);
+                per_turn[0][i].push(x.timings.ttft_ms);
+                per_turn[1][i].push(y.timings.ttft_ms);
+                per_turn[2][i].push(s * 1e3);
+                st += x.timings.ttft_ms;
+                sl += s * 1e3;
             }
+            sums_t.push(st);
+            sums_l.push(sl);
         }
-        ttft_reuse = tr.into_iter().map(median).collect();
-        ttft_plain = tp.into_iter().map(median).collect();
-        ttft_llama = tl.into_iter().map(median).collect();
+        for (out, turns) in ttft.iter_mut().zip(&per_turn) {
+            *out = turns.iter().map(|v| median(v.clone())).collect();
+        }
         agree.add(
-            "chat: first greedy token of each turn",
+            label,
+            "chat: first greedy token of each turn (each engine with its own history)",
             same_first,
-            chat.users.len(),
+            turns,
         );
-        let sum = |v: &[f64]| v.iter().sum::<f64>();
-        rows.push(Row {
-            scenario: "chat-ttft",
-            metric: "ttft_sum_ms",
-            unit: "ms",
-            tessera: sum(&ttft_reuse),
-            llamacpp: sum(&ttft_llama),
-            lower_better: true,
-            candle: None,
-        });
-        rows.push(Row {
-            scenario: "chat-ttft",
-            metric: "ttft_last_turn_ms",
-            unit: "ms",
-            tessera: *ttft_reuse.last().expect("12 turns"),
-            llamacpp: *ttft_llama.last().expect("12 turns"),
-            lower_better: true,
-            candle: None,
-        });
+        let last = |i: usize| per_turn[i].last().cloned().unwrap_or_default();
+        rows.push(row(
+            "chat-ttft",
+            "ttft_sum_ms",
+            "ms",
+            sums_t,
+            sums_l,
+            true,
+            None,
+        ));
+        rows.push(row(
+            "chat-ttft",
+            "ttft_last_turn_ms",
+            "ms",
+            last(0),
+            last(2),
+            true,
+            None,
+        ));
     }
 
     if enabled("shared-prefix") {
-        println!("shared-prefix: 8 requests, 1,000-token prefix, median of {SHARED_RUNS}");
+        println!("shared-prefix: 8 requests, 1,000-token prefix, {SHARED_RUNS} runs");
         let (prefix_ids, suffixes) = tessera_bench::shared_prefix(model)?;
         let prompts: Vec<Vec<u32>> = suffixes
             .iter()
@@ -455,6 +642,8 @@ fn main() -> Result<()> {
             .collect();
         let (mut t, mut l) = (Vec::new(), Vec::new());
         let (mut firsts_t, mut firsts_l) = (Vec::new(), Vec::new());
+        let total: usize = suffixes.iter().map(Vec::len).sum();
+        let mut batch = LlamaBatch::new(total, 8);
         for _ in 0..SHARED_RUNS {
             reuse.clear_cache()?;
             let start = Instant::now();
@@ -481,8 +670,7 @@ fn main() -> Result<()> {
             for seq in 1..8 {
                 llama.ctx.copy_kv_cache_seq(0, seq, None, None)?;
             }
-            let total: usize = suffixes.iter().map(Vec::len).sum();
-            let mut batch = LlamaBatch::new(total, 1);
+            batch.clear();
             let mut last_index = Vec::new();
             for (seq, s) in suffixes.iter().enumerate() {
                 for (i, &tok) in s.iter().enumerate() {
@@ -511,30 +699,37 @@ fn main() -> Result<()> {
             .zip(&firsts_l)
             .filter(|(a, b)| a == b)
             .count();
-        agree.add("shared-prefix: first greedy token of each request", same, 8);
-        rows.push(Row {
-            scenario: "shared-prefix",
-            metric: "total_ttft_ms",
-            unit: "ms",
-            tessera: median(t),
-            llamacpp: median(l),
-            lower_better: true,
-            candle: None,
-        });
+        agree.add(
+            label,
+            "shared-prefix: first greedy token of each request",
+            same,
+            8,
+        );
+        rows.push(row(
+            "shared-prefix",
+            "total_ttft_ms",
+            "ms",
+            t,
+            l,
+            true,
+            None,
+        ));
     }
 
     if enabled("interleaved") {
-        println!("interleaved: 4 conversations × 6 rounds");
+        println!("interleaved: 4 conversations × 6 rounds, llama.cpp with a sequence each");
         reuse.clear_cache()?;
         llama.clear();
         let mut sessions: Vec<_> = convs.iter().map(|c| reuse.chat(Some(&c.system))).collect();
+        let mut histories: Vec<Vec<Message>> = convs
+            .iter()
+            .map(|c| vec![Message::new("system", c.system.as_str())])
+            .collect();
         let (mut sum_t, mut sum_l, mut same_first, mut turns) = (0.0, 0.0, 0, 0);
         for round in 0..convs[0].users.len() {
             for (c, conv) in convs.iter().enumerate() {
                 let x = sessions[c].send(&conv.users[round], &opts, &mut |_| {})?;
-                // One llama.cpp slot: prefix reuse only against what it holds.
-                let (first, s) = llama.prompt(&x.prompt_tokens)?;
-                llama.reply(first, REPLY_TOKENS, true)?;
+                let (first, s) = llama_turn(&mut llama, c, &mut histories[c], &conv.users[round])?;
                 sum_t += x.timings.ttft_ms;
                 sum_l += s * 1e3;
                 same_first += usize::from(x.tokens.first() == Some(&first));
@@ -542,36 +737,92 @@ fn main() -> Result<()> {
             }
         }
         agree.add(
-            "interleaved: first greedy token of each turn",
+            label,
+            "interleaved: first greedy token of each turn (each engine with its own history)",
             same_first,
             turns,
         );
-        rows.push(Row {
-            scenario: "interleaved",
-            metric: "ttft_sum_ms",
-            unit: "ms",
-            tessera: sum_t,
-            llamacpp: sum_l,
-            lower_better: true,
-            candle: None,
-        });
+        rows.push(row(
+            "interleaved",
+            "ttft_sum_ms",
+            "ms",
+            vec![sum_t],
+            vec![sum_l],
+            true,
+            None,
+        ));
     }
+    Ok(())
+}
+
+fn main() -> Result<()> {
+    let mut args = std::env::args().skip(1);
+    let model_path = PathBuf::from(
+        args.next()
+            .unwrap_or_else(|| "models/SmolLM2-135M-Instruct.Q4_1.gguf".into()),
+    );
+    let threads = std::env::var("TESSERA_BENCH_THREADS")
+        .ok()
+        .and_then(|t| t.parse().ok())
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    // Tessera's pools (rayon, and the forward's step pool sized from it)
+    // get the same thread count as llama.cpp.
+    std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
+    let out_dir = PathBuf::from("target/bench");
+    std::fs::create_dir_all(&out_dir)?;
+    if !model_path.exists() {
+        bail!("{} is missing: run `just model`", model_path.display());
+    }
+    println!("Tessera vs llama.cpp with {threads} threads");
+    let mut backend = LlamaBackend::init()?;
+    backend.void_logs();
+    let mut agree = Agreement { checks: Vec::new() };
+    let mut rows = Vec::new();
+    let mut ttft = [Vec::new(), Vec::new(), Vec::new()];
+    bench_model(
+        &backend,
+        &model_path,
+        "Q4_1",
+        threads,
+        true,
+        &mut agree,
+        &mut rows,
+        &mut ttft,
+    )?;
+    // The same model in the formats llama.cpp repacks for its fastest
+    // kernels, made by llama.cpp's quantizer (VS_VARIANTS=0 skips them).
+    if std::env::var("VS_VARIANTS").as_deref() != Ok("0") {
+        for (name, ftype) in [
+            ("Q4_0", llama_cpp_sys_2::LLAMA_FTYPE_MOSTLY_Q4_0),
+            ("Q8_0", llama_cpp_sys_2::LLAMA_FTYPE_MOSTLY_Q8_0),
+        ] {
+            let path = variant(&model_path, name, ftype)?;
+            bench_model(
+                &backend, &path, name, threads, false, &mut agree, &mut rows, &mut ttft,
+            )?;
+        }
+    }
+    let [ttft_reuse, ttft_plain, ttft_llama] = ttft;
 
     // Report.
     println!();
     println!(
-        "{:<14} {:<18} {:>12} {:>12} {:>8} {:>12}",
-        "scenario", "metric", "tessera", "llama.cpp", "ratio", "candle"
+        "{:<6} {:<14} {:<20} {:>22} {:>22} {:>8}",
+        "model", "scenario", "metric", "tessera (min-max)", "llama.cpp (min-max)", "ratio"
     );
     for r in &rows {
+        let cell = |v: &[f64]| {
+            let (m, lo, hi) = spread(v);
+            format!("{m:.1} ({lo:.1}-{hi:.1})")
+        };
         println!(
-            "{:<14} {:<18} {:>12.1} {:>12.1} {:>7.2}x {:>12}",
+            "{:<6} {:<14} {:<20} {:>22} {:>22} {:>7.2}x",
+            r.model,
             r.scenario,
             format!("{} ({})", r.metric, r.unit),
-            r.tessera,
-            r.llamacpp,
+            cell(&r.tessera),
+            cell(&r.llamacpp),
             r.ratio(),
-            r.candle.map_or(String::new(), |c| format!("{c:.1}"))
         );
     }
     let json_rows: Vec<_> = rows.iter().map(Row::json).collect();
@@ -585,7 +836,8 @@ fn main() -> Result<()> {
         "commit": command_output("git", &["rev-parse", "--short", "HEAD"]),
         "threads": threads,
         "model": model_path.display().to_string(),
-        "llama_cpp": "llama.cpp as shipped by the llama-cpp-2 crate (version in Cargo.lock), built with GGML_NATIVE",
+        "llama_cpp": "llama.cpp as shipped by the llama-cpp-sys-2 crate (version in Cargo.lock), built with GGML_NATIVE",
+        "variants": "Q4_0 and Q8_0: the default file re-quantized by llama.cpp's llama_model_quantize (pure, allow_requantize)",
         "agreement": agree.checks,
         "chat_ttft_ms": {
             "tessera": ttft_reuse,
@@ -597,8 +849,9 @@ fn main() -> Result<()> {
         out_dir.join("vs-llamacpp-meta.json"),
         serde_json::to_string_pretty(&meta)?,
     )?;
+    let main_rows: Vec<&Row> = rows.iter().filter(|r| r.model == "Q4_1").collect();
     if !ttft_reuse.is_empty() {
-        charts::draw(&out_dir, &rows, &ttft_reuse, &ttft_plain, &ttft_llama)?;
+        charts::draw(&out_dir, &main_rows, &ttft_reuse, &ttft_plain, &ttft_llama)?;
     }
     println!(
         "\nwrote {0}/vs-llamacpp.json, {0}/vs-llamacpp-meta.json, {0}/chat-ttft.png, {0}/ratios.png",
@@ -619,10 +872,13 @@ mod charts {
     fn short_name(r: &Row) -> &'static str {
         match (r.scenario, r.metric) {
             ("chat-ttft", "ttft_sum_ms") => "chat: TTFT sum",
-            ("chat-ttft", _) => "chat: TTFT turn 12",
+            ("chat-ttft", _) => "chat: turn 12",
             ("shared-prefix", _) => "shared prefix",
             ("interleaved", _) => "interleaved",
             ("decode", _) => "decode",
+            ("decode-long", _) => "decode @2k",
+            ("decode-batch", "batch4_tok_s") => "batch 4",
+            ("decode-batch", _) => "batch 8",
             _ => "prefill",
         }
     }
@@ -642,7 +898,7 @@ mod charts {
 
     pub fn draw(
         dir: &Path,
-        rows: &[Row],
+        rows: &[&Row],
         reuse: &[f64],
         plain: &[f64],
         llama: &[f64],
@@ -709,8 +965,8 @@ mod charts {
         let path = dir.join("ratios.png");
         let root = BitMapBackend::new(&path, (900, 520)).into_drawing_area();
         root.fill(&WHITE).map_err(|e| err(&e))?;
-        let names: Vec<&str> = rows.iter().map(short_name).collect();
-        let top = rows.iter().map(Row::ratio).fold(1f64, f64::max) * 1.15;
+        let names: Vec<&str> = rows.iter().map(|r| short_name(r)).collect();
+        let top = rows.iter().map(|r| r.ratio()).fold(1f64, f64::max) * 1.15;
         let n = rows.len();
         let mut chart = ChartBuilder::on(&root)
             .caption(

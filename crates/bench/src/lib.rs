@@ -81,6 +81,32 @@ pub fn text(model: &Model, seed: u64, n: usize) -> Result<String> {
     Ok(model.tokenizer.decode(&ids[..n.min(ids.len())])?)
 }
 
+/// Context length of `decode-long`.
+pub const LONG_CONTEXT: usize = 2048;
+
+/// The `decode-long` prompt: `LONG_CONTEXT` tokens (BOS first).
+pub fn long_prompt(model: &Model) -> Result<Vec<u32>> {
+    let long_text = text(model, 77, LONG_CONTEXT + 52)?;
+    let mut long = model.tokenizer.encode(&long_text, Special::AsText, true)?;
+    long.truncate(LONG_CONTEXT);
+    if long.len() < LONG_CONTEXT {
+        bail!("the long prompt has only {} tokens", long.len());
+    }
+    Ok(long)
+}
+
+/// The `decode-batch` prompts: `n` different 16-token prompts.
+pub fn batch_prompts(model: &Model, n: usize) -> Result<Vec<Vec<u32>>> {
+    (0..n as u64)
+        .map(|i| {
+            let t = text(model, 500 + i, DECODE_PROMPT)?;
+            let mut ids = model.tokenizer.encode(&t, Special::AsText, true)?;
+            ids.truncate(DECODE_PROMPT);
+            Ok(ids)
+        })
+        .collect()
+}
+
 /// A conversation: its system prompt and user turns.
 #[derive(Debug, Clone)]
 pub struct Conversation {

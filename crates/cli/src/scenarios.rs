@@ -368,23 +368,11 @@ fn decode_together(engine: &Engine, prompts: &[Vec<u32>]) -> Result<f64> {
 /// after a 16-token prompt, in the same run (medians over the runs).
 pub fn decode_depth_and_width(model: Model, args: &BenchArgs) -> Result<()> {
     let short = tessera_bench::decode_prompt(&model)?;
-    let long_text = text(&model, 77, 2100)?;
-    let mut long = model.tokenizer.encode(&long_text, Special::AsText, true)?;
-    long.truncate(2048);
-    if long.len() < 2048 {
-        bail!("the long prompt has only {} tokens", long.len());
-    }
-    let batch_prompts = |n: usize| -> Result<Vec<Vec<u32>>> {
-        (0..n as u64)
-            .map(|i| {
-                let t = text(&model, 500 + i, 16)?;
-                let mut ids = model.tokenizer.encode(&t, Special::AsText, true)?;
-                ids.truncate(16);
-                Ok(ids)
-            })
-            .collect()
-    };
-    let (four, eight) = (batch_prompts(4)?, batch_prompts(8)?);
+    let long = tessera_bench::long_prompt(&model)?;
+    let (four, eight) = (
+        tessera_bench::batch_prompts(&model, 4)?,
+        tessera_bench::batch_prompts(&model, 8)?,
+    );
     let engine = Engine::from_model(model, args.kv.config(false))?;
     let long_scenario = args.scenario == crate::bench::Scenario::DecodeLong;
     let (mut base, mut a, mut b) = (Vec::new(), Vec::new(), Vec::new());
