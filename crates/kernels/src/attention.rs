@@ -416,7 +416,10 @@ pub fn exp_nonpositive(x: f32) -> f32 {
     const LN2_HI: f32 = 0.693_145_75;
     const LN2_LO: f32 = 1.428_606_8e-6;
     let x = x.max(-87.0);
-    let n = (x * LOG2E).round_ties_even();
+    // Round to nearest, ties to even, by the 1.5·2^23 trick (exact for
+    // |x·log2 e| < 2^22, here at most 126): no library call anywhere.
+    const MAGIC: f32 = 12_582_912.0;
+    let n = (x * LOG2E + MAGIC) - MAGIC;
     let r = x - n * LN2_HI - n * LN2_LO;
     let p = 1.0
         + r * (1.0
