@@ -28,10 +28,10 @@ check-portable:
     cargo check --workspace --target aarch64-unknown-linux-gnu
     TESSERA_ISA=portable cargo test -p tessera-kernels
 
-# Criterion benches of the KV bookkeeping; prints a Markdown table at the end.
+# Criterion benches of the KV bookkeeping, the attention kernel and the quantized linear layers (beside the read roofline); writes the README table.
 bench:
     cargo bench --bench kv
-    python3 scripts/criterion_table.py
+    python3 scripts/criterion_table.py --readme
 
 # Prefill and decode speed of Tessera beside candle's quantized_llama (same run), decode deep in a
 # context and with 4 and 8 sequences beside one (same run), then the README's tables.

@@ -4,7 +4,8 @@
 //! included), allocate/free, decode-style appends, and `plan_defrag` on a
 //! full pool of 65,536 blocks; and the paged-attention kernel on
 //! SmolLM2-135M's geometry (one layer), for a prefill chunk and a decode
-//! step over a 2,048-token context.
+//! step over a 2,048-token context; the quantized linear layers (GB/s of
+//! weights) beside the machine's read roofline.
 
 use std::hint::black_box;
 
@@ -225,9 +226,85 @@ fn bench_attention(c: &mut Criterion) {
     g.finish();
 }
 
+/// The roofline the kernels stream against: reading 96 MiB (about
+/// SmolLM2-135M's weights, far past the last-level cache) with 16-lane
+/// loads, on one thread.
+fn bench_roofline(c: &mut Criterion) {
+    let bytes = 96usize << 20;
+    let data: Vec<f32> = (0..bytes / 4).map(|i| i as f32).collect();
+    let mut g = c.benchmark_group("roofline");
+    g.throughput(Throughput::Bytes(bytes as u64));
+    g.bench_function("read_96MiB_one_thread", |b| {
+        b.iter(|| {
+            let mut acc = [0f32; 16];
+            for ch in data.chunks_exact(16) {
+                for j in 0..16 {
+                    acc[j] += ch[j];
+                }
+            }
+            black_box(acc)
+        })
+    });
+    g.finish();
+}
+
+/// The decode-time linear layers on SmolLM2-135M's shapes, one thread,
+/// one input row (GB/s of weights; the `_64` benches: 64 input rows, as in
+/// prefill, where arithmetic rather than memory bounds them).
+fn bench_matvec(c: &mut Criterion) {
+    use candle_core::quantized::{GgmlDType, QTensor};
+    use candle_core::DType;
+    use tessera_kernels::{matvec, Isa, WeightFormat, Weights};
+    let mut g = c.benchmark_group("matvec_smollm2");
+    for (name, dtype, n, k, t) in [
+        ("q4_1_ffn_1536x576", GgmlDType::Q4_1, 1536, 576, 1),
+        ("q4_0_ffn_1536x576", GgmlDType::Q4_0, 1536, 576, 1),
+        ("q8_0_ffn_1536x576", GgmlDType::Q8_0, 1536, 576, 1),
+        ("q8_0_head_49152x576", GgmlDType::Q8_0, 49152, 576, 1),
+        ("q4_1_ffn_1536x576_64", GgmlDType::Q4_1, 1536, 576, 64),
+    ] {
+        let w = tessera_kernels::testing::seeded(&[n, k], 5, DType::F32).unwrap();
+        let data = QTensor::quantize(&w, dtype)
+            .unwrap()
+            .data()
+            .unwrap()
+            .into_owned();
+        let weights = Weights::new(WeightFormat::from_ggml(dtype), &data, n, k).unwrap();
+        let x = tessera_kernels::testing::seeded(&[t, k], 6, DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let mut out = vec![0f32; n * t];
+        let mut scratch = Vec::new();
+        if t == 1 {
+            g.throughput(Throughput::Bytes(data.len() as u64));
+        } else {
+            g.throughput(Throughput::Elements((n * k * t) as u64));
+        }
+        g.bench_function(name, |b| {
+            b.iter(|| {
+                matvec(
+                    Isa::detect(),
+                    &weights,
+                    &x,
+                    t,
+                    0,
+                    n,
+                    &mut scratch,
+                    &mut |i, r, v| out[i * n + r] = v,
+                );
+                black_box(&out);
+            })
+        });
+    }
+    g.finish();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().sample_size(30).measurement_time(std::time::Duration::from_secs(3));
-    targets = bench_tree, bench_pool, bench_defrag, bench_attention
+    targets = bench_tree, bench_pool, bench_defrag, bench_attention, bench_roofline, bench_matvec
 }
 criterion_main!(benches);

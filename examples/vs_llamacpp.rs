@@ -253,36 +253,6 @@ fn greedy(max_tokens: usize, prompt: Vec<u32>) -> GenerateRequest {
     }
 }
 
-/// Tessera's aggregate decode tok/s of `prompts` decoding together: every
-/// generated token after each one's first, over the time from the last
-/// first token to the last finish.
-fn tessera_together(engine: &Engine, prompts: &[Vec<u32>]) -> Result<f64> {
-    let streams: Vec<_> = prompts
-        .iter()
-        .map(|p| {
-            engine.generate(GenerateRequest {
-                ignore_eos: true,
-                ..greedy(DECODE_TOKENS + 1, p.clone())
-            })
-        })
-        .collect::<std::result::Result<_, _>>()?;
-    let (mut tokens, mut last_first, mut last_end) = (0usize, 0f64, 0f64);
-    for s in streams {
-        for ev in s {
-            match ev {
-                Event::Token { .. } => {}
-                Event::Done(c) => {
-                    tokens += c.usage.completion_tokens.saturating_sub(1);
-                    last_first = last_first.max(c.timings.ttft_ms / 1e3);
-                    last_end = last_end.max(c.timings.total_s);
-                }
-                Event::Error(e) => return Err(e.into()),
-            }
-        }
-    }
-    Ok(tokens as f64 / (last_end - last_first).max(1e-9))
-}
-
 fn machine() -> serde_json::Value {
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let cpu = cpuinfo
@@ -488,7 +458,10 @@ fn bench_model(
         );
         let (mut t, mut l) = (Vec::new(), Vec::new());
         for _ in 0..DECODE_RUNS {
-            t.push(tessera_together(&plain, std::slice::from_ref(&long))?);
+            t.push(tessera_bench::decode_together(
+                &plain,
+                std::slice::from_ref(&long),
+            )?);
             llama.clear();
             let (first, _) = llama.prompt(0, &long)?;
             let s = Instant::now();
@@ -512,7 +485,7 @@ fn bench_model(
             let prompts = tessera_bench::batch_prompts(model, n)?;
             let (mut t, mut l) = (Vec::new(), Vec::new());
             for _ in 0..DECODE_RUNS {
-                t.push(tessera_together(&plain, &prompts)?);
+                t.push(tessera_bench::decode_together(&plain, &prompts)?);
                 l.push(llama.decode_together(&prompts, DECODE_TOKENS)?);
             }
             let metric = if n == 4 {

@@ -1,10 +1,14 @@
 #!/usr/bin/env python3
-"""Print a Markdown table of the latest criterion results in target/criterion
-(median per iteration, and per element where the bench sets a throughput)."""
+"""The latest criterion results in target/criterion as a Markdown table
+(median per iteration; per element, GB/s or GMAC/s where the bench sets a
+throughput). With --readme, replaces the README text between the
+bench-criterion markers instead of printing; nothing is typed by hand."""
 import json
 import pathlib
+import sys
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent / "target" / "criterion"
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+CRITERION = ROOT / "target" / "criterion"
 
 
 def fmt(ns: float) -> str:
@@ -14,18 +18,41 @@ def fmt(ns: float) -> str:
     return f"{ns:.3g} ns"
 
 
-rows = []
-for bench in sorted(ROOT.glob("*/*/new/benchmark.json")):
-    meta = json.loads(bench.read_text())
-    est = json.loads((bench.parent / "estimates.json").read_text())
-    median = est["median"]["point_estimate"]
-    per = ""
-    elements = (meta.get("throughput") or {}).get("Elements")
-    if elements:
-        per = f"{fmt(median / elements)} per element"
-    rows.append((meta["full_id"], fmt(median), per))
+def table():
+    rows = []
+    for bench in sorted(CRITERION.glob("*/*/new/benchmark.json")):
+        meta = json.loads(bench.read_text())
+        est = json.loads((bench.parent / "estimates.json").read_text())
+        median = est["median"]["point_estimate"]
+        per = ""
+        thr = meta.get("throughput") or {}
+        elements = thr.get("Elements")
+        if elements and meta["full_id"].startswith("matvec"):
+            per = f"{elements / median:.1f} GMAC/s"
+        elif elements:
+            per = f"{fmt(median / elements)} per element"
+        if thr.get("Bytes"):
+            per = f"{thr['Bytes'] / median:.1f} GB/s"
+        rows.append((meta["full_id"], fmt(median), per))
+    if not rows:
+        sys.exit("no criterion results in target/criterion: run `just bench`")
+    out = ["| bench | median | |", "|---|---|---|"]
+    out += [f"| `{name}` | {median} | {per} |" for name, median, per in rows]
+    return out
 
-print("| bench | median | |")
-print("|---|---|---|")
-for name, median, per in rows:
-    print(f"| `{name}` | {median} | {per} |")
+
+def main():
+    lines = table()
+    if "--readme" not in sys.argv:
+        print("\n".join(lines))
+        return
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from readme_tables import measured, splice
+
+    head = [f"Criterion medians, {measured()}, `cargo bench --bench kv`.", ""]
+    splice("criterion", "criterion_table.py", head + lines)
+    print("README.md: criterion table regenerated from target/criterion")
+
+
+if __name__ == "__main__":
+    main()

@@ -17,6 +17,7 @@ use anyhow::{bail, Result};
 use candle_core::quantized::gguf_file;
 use candle_core::{Device, Tensor};
 use candle_transformers::models::quantized_llama::ModelWeights;
+use tessera_engine::{Engine, Event, GenerateRequest, Prompt, SamplingParams};
 use tessera_model::{Model, Special};
 
 pub const PREFILL_TOKENS: usize = 512;
@@ -105,6 +106,40 @@ pub fn batch_prompts(model: &Model, n: usize) -> Result<Vec<Vec<u32>>> {
             Ok(ids)
         })
         .collect()
+}
+
+/// Aggregate decode tok/s of `prompts` decoding together on `engine`
+/// (`DECODE_TOKENS` each after the prompt, greedy): every generated token
+/// after each one's first, over the time from the last first token to the
+/// last finish (from the completions' timings, all measured from their
+/// submission, which is the same moment).
+pub fn decode_together(engine: &Engine, prompts: &[Vec<u32>]) -> Result<f64> {
+    let streams: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            engine.generate(GenerateRequest {
+                max_tokens: DECODE_TOKENS + 1,
+                sampling: SamplingParams::greedy(),
+                ignore_eos: true,
+                ..GenerateRequest::new(Prompt::Tokens(p.clone()))
+            })
+        })
+        .collect::<std::result::Result<_, _>>()?;
+    let (mut tokens, mut last_first, mut last_end) = (0usize, 0f64, 0f64);
+    for s in streams {
+        for ev in s {
+            match ev {
+                Event::Token { .. } => {}
+                Event::Done(c) => {
+                    tokens += c.usage.completion_tokens.saturating_sub(1);
+                    last_first = last_first.max(c.timings.ttft_ms / 1e3);
+                    last_end = last_end.max(c.timings.total_s);
+                }
+                Event::Error(e) => return Err(e.into()),
+            }
+        }
+    }
+    Ok(tokens as f64 / (last_end - last_first).max(1e-9))
 }
 
 /// A conversation: its system prompt and user turns.

@@ -330,39 +330,6 @@ pub fn shift(model: Model, args: &BenchArgs) -> Result<()> {
     Ok(())
 }
 
-/// Decode tok/s of `prompts` decoding together (`DECODE_TOKENS` each after
-/// the prompt): all generated tokens after each one's first, over the time
-/// from the last first token to the last finish (from the completions'
-/// timings, all measured from their submission, which is the same moment).
-fn decode_together(engine: &Engine, prompts: &[Vec<u32>]) -> Result<f64> {
-    let streams: Vec<_> = prompts
-        .iter()
-        .map(|p| {
-            engine.generate(GenerateRequest {
-                max_tokens: tessera_bench::DECODE_TOKENS + 1,
-                sampling: SamplingParams::greedy(),
-                ignore_eos: true,
-                ..GenerateRequest::new(Prompt::Tokens(p.clone()))
-            })
-        })
-        .collect::<std::result::Result<_, _>>()?;
-    let (mut tokens, mut last_first, mut last_end) = (0usize, 0f64, 0f64);
-    for s in streams {
-        for ev in s {
-            match ev {
-                Event::Token { .. } => {}
-                Event::Done(c) => {
-                    tokens += c.usage.completion_tokens.saturating_sub(1);
-                    last_first = last_first.max(c.timings.ttft_ms / 1e3);
-                    last_end = last_end.max(c.timings.total_s);
-                }
-                Event::Error(e) => return Err(e.into()),
-            }
-        }
-    }
-    Ok(tokens as f64 / (last_end - last_first).max(1e-9))
-}
-
 /// `decode-long`: 128 tokens after 2,048 tokens of context; `decode-batch`:
 /// 4 and 8 sequences decoding together. Each beside one sequence decoding
 /// after a 16-token prompt, in the same run (medians over the runs).
@@ -377,12 +344,18 @@ pub fn decode_depth_and_width(model: Model, args: &BenchArgs) -> Result<()> {
     let long_scenario = args.scenario == crate::bench::Scenario::DecodeLong;
     let (mut base, mut a, mut b) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..args.runs {
-        base.push(decode_together(&engine, std::slice::from_ref(&short))?);
+        base.push(tessera_bench::decode_together(
+            &engine,
+            std::slice::from_ref(&short),
+        )?);
         if long_scenario {
-            a.push(decode_together(&engine, std::slice::from_ref(&long))?);
+            a.push(tessera_bench::decode_together(
+                &engine,
+                std::slice::from_ref(&long),
+            )?);
         } else {
-            a.push(decode_together(&engine, &four)?);
-            b.push(decode_together(&engine, &eight)?);
+            a.push(tessera_bench::decode_together(&engine, &four)?);
+            b.push(tessera_bench::decode_together(&engine, &eight)?);
         }
     }
     let base = median(base);

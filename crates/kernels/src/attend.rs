@@ -74,6 +74,17 @@ pub struct AttnShape {
 }
 
 impl AttnShape {
+    /// The usual geometry, with the softmax scale `1 / sqrt(head_dim)`.
+    pub fn new(n_heads: usize, n_kv_heads: usize, head_dim: usize, block_size: usize) -> AttnShape {
+        AttnShape {
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            block_size,
+            scale: 1.0 / (head_dim as f32).sqrt(),
+        }
+    }
+
     /// Floats of one partial state: `head_dim` sums, the max, the total.
     pub fn record(&self) -> usize {
         self.head_dim + 2
@@ -477,13 +488,7 @@ mod tests {
                     .collect()
             };
             let (kb, vb) = (bits(&k), bits(&v));
-            let shape = AttnShape {
-                n_heads: nh,
-                n_kv_heads: kvh,
-                head_dim: hd,
-                block_size: bs,
-                scale: 1.0 / (hd as f32).sqrt(),
-            };
+            let shape = AttnShape::new(nh, kvh, hd, bs);
             let inp = AttnInput {
                 shape,
                 q: &qv,

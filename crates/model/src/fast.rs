@@ -407,13 +407,7 @@ impl Llama {
         grow(&mut fast.cos, t * half);
         grow(&mut fast.sin, t * half);
         grow(&mut fast.logits, picks * vocab);
-        let shape = AttnShape {
-            n_heads: nh,
-            n_kv_heads: kvh,
-            head_dim: hd,
-            block_size: bs,
-            scale: 1.0 / (hd as f32).sqrt(),
-        };
+        let shape = AttnShape::new(nh, kvh, hd, bs);
         fast.plan.build(&shape, batch.token_seq, batch.positions);
         grow(&mut fast.states, fast.plan.states * shape.record());
         for (i, &p) in batch.positions.iter().enumerate() {
