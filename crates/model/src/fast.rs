@@ -137,7 +137,8 @@ pub(crate) struct Fast {
     sin: Vec<f32>,
     states: Vec<f32>,
     logits: Vec<f32>,
-    plan: AttnPlan,
+    /// Attention plans of the batch's token groups: `(first, end, plan)`.
+    plans: Vec<(usize, usize, AttnPlan)>,
 }
 
 fn vec_of(t: &Tensor) -> Result<Vec<f32>> {
@@ -189,7 +190,7 @@ impl Fast {
             sin: Vec::new(),
             states: Vec::new(),
             logits: Vec::new(),
-            plan: AttnPlan::default(),
+            plans: Vec::new(),
         })
     }
 
@@ -408,8 +409,34 @@ impl Llama {
         grow(&mut fast.sin, t * half);
         grow(&mut fast.logits, picks * vocab);
         let shape = AttnShape::new(nh, kvh, hd, bs);
-        fast.plan.build(&shape, batch.token_seq, batch.positions);
-        grow(&mut fast.states, fast.plan.states * shape.record());
+        // Tokens in groups whose partial states fit the budget (a long
+        // prefill deep in a context would otherwise hold one state per
+        // token, head and 128 positions of context at once); the groups
+        // change only how many states live together, not the arithmetic.
+        let budget = self
+            .attention_budget
+            .load(std::sync::atomic::Ordering::Relaxed);
+        let per_token = |p: u32| (p as usize / tessera_kernels::CHUNK + 1) * nh * shape.record();
+        let mut groups = Vec::new();
+        let (mut a, mut used) = (0, 0);
+        for (i, &p) in batch.positions.iter().enumerate() {
+            if i > a && used + per_token(p) > budget {
+                groups.push((a, i));
+                (a, used) = (i, 0);
+            }
+            used += per_token(p);
+        }
+        groups.push((a, t));
+        fast.plans
+            .resize_with(groups.len(), || (0, 0, AttnPlan::default()));
+        let mut most = 0;
+        for (slot, &(a, b)) in fast.plans.iter_mut().zip(&groups) {
+            slot.2
+                .build(&shape, &batch.token_seq[a..b], &batch.positions[a..b]);
+            (slot.0, slot.1) = (a, b);
+            most = most.max(slot.2.states);
+        }
+        grow(&mut fast.states, most * shape.record());
         for (i, &p) in batch.positions.iter().enumerate() {
             for (j, &f) in self.inv_freq.iter().enumerate() {
                 let a = p as f32 * f;
@@ -484,7 +511,7 @@ impl Llama {
         let states = Shared::new(&mut fast.states[..]);
         let logits = Shared::new(&mut fast.logits[..picks * vocab]);
         let (cos, sin) = (&fast.cos[..t * half], &fast.sin[..t * half]);
-        let plan = &fast.plan;
+        let plans = &fast.plans[..groups.len()];
         let layers = &fast.layers;
         let locals = &fast.locals;
         let norm = &fast.norm;
@@ -559,41 +586,45 @@ impl Llama {
                     }
                 }
                 team.barrier();
-                if team.id() == 0 {
-                    next_item.store(0, Ordering::Relaxed);
-                }
-                team.barrier();
-                let input = AttnInput {
-                    shape,
-                    q: unsafe { q.all() },
-                    positions: batch.positions,
-                    token_seq: batch.token_seq,
-                    block_tables: batch.block_tables,
-                    max_blocks: batch.max_blocks,
-                    k: unsafe { rows_of(ck) },
-                    v: unsafe { rows_of(cv) },
-                };
-                loop {
-                    let i = next_item.fetch_add(1, Ordering::Relaxed);
-                    let Some(&item) = plan.items.get(i) else {
-                        break;
+                for (g0, g1, plan) in plans {
+                    let (g0, g1) = (*g0, *g1);
+                    if team.id() == 0 {
+                        next_item.store(0, Ordering::Relaxed);
+                    }
+                    team.barrier();
+                    let input = AttnInput {
+                        shape,
+                        q: unsafe { &q.all()[g0 * nh * hd..g1 * nh * hd] },
+                        positions: &batch.positions[g0..g1],
+                        token_seq: &batch.token_seq[g0..g1],
+                        block_tables: batch.block_tables,
+                        max_blocks: batch.max_blocks,
+                        k: unsafe { rows_of(ck) },
+                        v: unsafe { rows_of(cv) },
                     };
-                    attend_item(isa, &input, item, attn, &mut |tok, idx, r| {
-                        let at = (plan.base[tok] + idx) * rec;
-                        unsafe { states.part(at, at + rec).copy_from_slice(r) };
-                    });
+                    loop {
+                        let i = next_item.fetch_add(1, Ordering::Relaxed);
+                        let Some(&item) = plan.items.get(i) else {
+                            break;
+                        };
+                        attend_item(isa, &input, item, attn, &mut |tok, idx, r| {
+                            let at = (plan.base[tok] + idx) * rec;
+                            unsafe { states.part(at, at + rec).copy_from_slice(r) };
+                        });
+                    }
+                    team.barrier();
+                    let (p0, p1) = team.share((g1 - g0) * nh);
+                    for p in p0..p1 {
+                        let (i, head) = (p / nh, p % nh);
+                        let chunks = batch.positions[g0 + i] as usize / tessera_kernels::CHUNK + 1;
+                        let st = unsafe { states.all() };
+                        let first = (plan.base[i] + head) * rec;
+                        let at = (g0 * nh + p) * hd;
+                        let out = unsafe { a.part(at, at + hd) };
+                        merge(&st[first..], chunks, nh * rec, hd, out);
+                    }
+                    team.barrier();
                 }
-                team.barrier();
-                let (p0, p1) = team.share(t * nh);
-                for p in p0..p1 {
-                    let (i, head) = (p / nh, p % nh);
-                    let chunks = batch.positions[i] as usize / tessera_kernels::CHUNK + 1;
-                    let st = unsafe { states.all() };
-                    let first = (plan.base[i] + head) * rec;
-                    let out = unsafe { a.part(p * hd, (p + 1) * hd) };
-                    merge(&st[first..], chunks, nh * rec, hd, out);
-                }
-                team.barrier();
                 let (r0, r1) = team.share(hidden);
                 let av = unsafe { a.all() };
                 matvec(isa, &w[3], av, t, r0, r1, deq, &mut |i, r, v| unsafe {

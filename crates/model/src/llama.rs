@@ -7,6 +7,7 @@
 //! through block tables; [`DenseKv`] keeps a plain contiguous f32 cache and
 //! exists as the reference the paged path is tested against.
 
+use std::sync::atomic::AtomicUsize;
 use std::sync::{Mutex, OnceLock};
 
 use candle_core::{DType, Device, Tensor, D};
@@ -44,7 +45,12 @@ pub struct Llama {
     pub(crate) device: Device,
     /// The CPU fast path's pool and buffers (built on first use).
     fast: Mutex<Option<Fast>>,
+    /// Floats of partial attention states one forward keeps at once.
+    pub(crate) attention_budget: AtomicUsize,
 }
+
+/// Default of [`Llama::set_attention_budget`]: 32 MiB of states.
+const ATTENTION_BUDGET: usize = 8 << 20;
 
 /// `TESSERA_FORWARD=reference` (read once) sends every forward pass
 /// through the candle reference path.
@@ -238,6 +244,7 @@ impl Llama {
             inv_freq,
             device: device.clone(),
             fast: Mutex::new(None),
+            attention_budget: AtomicUsize::new(ATTENTION_BUDGET),
         })
     }
 
@@ -308,6 +315,14 @@ impl Llama {
         }
         let fast = fast.as_mut().expect("just built");
         self.forward_fast(fast, batch, cache)
+    }
+
+    /// How many floats of partial attention states the fast path keeps at
+    /// once (default 32 MiB): a batch whose queries need more runs its
+    /// attention in groups of tokens, with the same results.
+    pub fn set_attention_budget(&self, floats: usize) {
+        self.attention_budget
+            .store(floats.max(1), std::sync::atomic::Ordering::Relaxed);
     }
 
     /// The reference forward in candle ops (any device): what the fast

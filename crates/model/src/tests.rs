@@ -581,6 +581,10 @@ fn logits_are_the_same_bits_in_any_batch() {
     let (_d, m) = tiny(TinySpec::default());
     for seed in 0..12 {
         for share in [false, true] {
+            // Every third case keeps few attention states at once, so that
+            // batches run their attention in several token groups.
+            let budget = if seed % 3 == 0 { 1000 } else { usize::MAX };
+            m.llama.set_attention_budget(budget);
             let n = crate::testing::batch_invariance_case(&m.llama, seed, 200, share, DType::F16)
                 .unwrap();
             assert!(n > 0);
