@@ -430,12 +430,6 @@ pub fn exp_nonpositive(x: f32) -> f32 {
     p * scale
 }
 
-/// f32 dot product of two equal-length slices (AVX2/FMA when the CPU has
-/// them).
-pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    simd::dot_dispatch(a, b)
-}
-
 #[cfg(test)]
 #[test]
 fn fast_exp_matches_std_exp() {

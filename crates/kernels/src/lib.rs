@@ -40,17 +40,15 @@ mod elem;
 mod lanes;
 mod matvec;
 pub mod pool;
-mod quant;
 mod rope;
 mod shift;
 mod simd;
 mod write;
 
 pub use attend::{attend_item, merge, AttnInput, AttnPlan, AttnScratch, AttnShape, KvRows, CHUNK};
-pub use attention::{dot, exp_nonpositive, paged_attention, paged_attention_slow, PagedMeta};
+pub use attention::{exp_nonpositive, paged_attention, paged_attention_slow, PagedMeta};
 pub use copy::{copy_blocks, copy_blocks_slow};
 pub use matvec::{f16_to_f32, matvec, matvec_slow, Isa, WeightFormat, Weights};
-pub use quant::{quantized_dots, RowFormat};
 pub use rope::{RopeStyle, Rotation};
 pub use shift::{shift_kv, shift_kv_slow};
 pub use simd::portable_forced;

@@ -33,25 +33,6 @@ pub(crate) fn has_avx2_fma() -> bool {
     })
 }
 
-/// Whether this CPU converts f16 in hardware (F16C; checked once).
-#[inline]
-pub(crate) fn has_f16c() -> bool {
-    static HAS: OnceLock<bool> = OnceLock::new();
-    *HAS.get_or_init(|| {
-        if portable_forced() {
-            return false;
-        }
-        #[cfg(target_arch = "x86_64")]
-        {
-            std::arch::is_x86_feature_detected!("f16c")
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            false
-        }
-    })
-}
-
 #[inline(always)]
 pub(crate) fn madd<const FMA: bool>(acc: f32, x: f32, y: f32) -> f32 {
     if FMA {
@@ -90,21 +71,4 @@ pub(crate) fn axpy<const FMA: bool>(a: f32, x: &[f32], y: &mut [f32]) {
     for (y, &x) in y.iter_mut().zip(x) {
         *y = madd::<FMA>(*y, a, x);
     }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
-    dot::<true>(a, b)
-}
-
-/// [`dot`] in the best build this CPU runs.
-#[inline]
-pub(crate) fn dot_dispatch(a: &[f32], b: &[f32]) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    if has_avx2_fma() {
-        // SAFETY: the CPU supports AVX2 and FMA (checked).
-        return unsafe { dot_avx2(a, b) };
-    }
-    dot::<false>(a, b)
 }

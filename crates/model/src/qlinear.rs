@@ -1,27 +1,23 @@
-//! Linear layers whose weights stay quantized in memory and are computed in
-//! f32: a weight row is dequantized (candle's `GgmlType::to_float`, exact for
-//! every block type) and dotted with f32 activations.
+//! Linear layers of the candle reference forward: weights stay quantized in
+//! memory and are computed in f32 (the values of candle's exact
+//! `GgmlType::to_float`) with f32 activations.
 //!
 //! candle's own quantized matmul first quantizes the activations to 8 bits
 //! (Q8_1 for Q4_1 weights); on SmolLM2-135M Q4_1 that loses enough precision
 //! to change greedy answers. Here the only rounding is the weights' own.
 //!
-//! - few rows of input (decode): one pass over the weights; Q4_1 and Q8_0
-//!   rows are dotted in place (`tessera_kernels::quantized_dots`), other
-//!   formats dequantized row by row into a small buffer;
+//! - few rows of input (decode): one pass over the weights with
+//!   `tessera_kernels::matvec` (the fast path's kernel), rows split among
+//!   rayon tasks;
 //! - many rows (prefill): the weight is dequantized once into a dense f32
 //!   matrix and multiplied with candle's GEMM.
 
 use std::sync::Arc;
 
-use candle_core::quantized::k_quants::{
-    BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K,
-    BlockQ8_1, GgmlType,
-};
-use candle_core::quantized::{GgmlDType, QTensor};
-use candle_core::{bail, DType, Tensor};
+use candle_core::quantized::QTensor;
+use candle_core::{DType, Tensor};
 use rayon::prelude::*;
-use tessera_kernels::{dot, quantized_dots, RowFormat};
+use tessera_kernels::{matvec, Isa, WeightFormat, Weights};
 
 use crate::Result;
 
@@ -55,6 +51,9 @@ impl QLinear {
     }
 }
 
+/// Weight rows per task of the row path.
+const ROWS_PER_TASK: usize = 64;
+
 fn row_dots(w: &QTensor, x: &Tensor) -> Result<Tensor> {
     let (n, k) = w.shape().dims2()?;
     let (t, xk) = x.dims2()?;
@@ -67,69 +66,27 @@ fn row_dots(w: &QTensor, x: &Tensor) -> Result<Tensor> {
     let x = x.to_dtype(DType::F32)?.contiguous()?;
     let xs = x.flatten_all()?.to_vec1::<f32>()?;
     let data = w.data()?;
-    let out_t = match w.dtype() {
-        GgmlDType::Q4_1 => Ok(quantized_dots(RowFormat::Q4_1, &data, &xs, t, k, n)?),
-        GgmlDType::Q8_0 => Ok(quantized_dots(RowFormat::Q8_0, &data, &xs, t, k, n)?),
-        GgmlDType::F32 => dots::<f32>(&data, &xs, t, k, n),
-        GgmlDType::F16 => dots::<half::f16>(&data, &xs, t, k, n),
-        GgmlDType::BF16 => dots::<half::bf16>(&data, &xs, t, k, n),
-        GgmlDType::Q4_0 => dots::<BlockQ4_0>(&data, &xs, t, k, n),
-        GgmlDType::Q5_0 => dots::<BlockQ5_0>(&data, &xs, t, k, n),
-        GgmlDType::Q5_1 => dots::<BlockQ5_1>(&data, &xs, t, k, n),
-        GgmlDType::Q8_1 => dots::<BlockQ8_1>(&data, &xs, t, k, n),
-        GgmlDType::Q2K => dots::<BlockQ2K>(&data, &xs, t, k, n),
-        GgmlDType::Q3K => dots::<BlockQ3K>(&data, &xs, t, k, n),
-        GgmlDType::Q4K => dots::<BlockQ4K>(&data, &xs, t, k, n),
-        GgmlDType::Q5K => dots::<BlockQ5K>(&data, &xs, t, k, n),
-        GgmlDType::Q6K => dots::<BlockQ6K>(&data, &xs, t, k, n),
-        GgmlDType::Q8K => dots::<BlockQ8K>(&data, &xs, t, k, n),
-    }?;
+    let weights = Weights::new(WeightFormat::from_ggml(w.dtype()), &data, n, k)?;
+    let isa = Isa::detect();
     // Computed as [out, T]; T is small here.
-    let y = Tensor::from_vec(out_t, (n, t), x.device())?;
-    Ok(y.t()?.contiguous()?)
-}
-
-/// `[n, t]` dot products of every weight row with every input row.
-fn dots<B: GgmlType>(
-    data: &[u8],
-    x: &[f32],
-    t: usize,
-    k: usize,
-    n: usize,
-) -> candle_core::Result<Vec<f32>> {
-    let per_row = k / B::BLCK_SIZE;
-    let size = std::mem::size_of::<B>();
-    if !k.is_multiple_of(B::BLCK_SIZE) || data.len() != n * per_row * size {
-        bail!(
-            "linear: weight storage of {} bytes does not hold {n}x{k} {:?}",
-            data.len(),
-            B::DTYPE
-        )
-    }
-    if !(data.as_ptr() as usize).is_multiple_of(std::mem::align_of::<B>()) {
-        bail!("linear: weight storage is not aligned for {:?}", B::DTYPE)
-    }
-    // SAFETY: the length and alignment were checked above, `B` is a
-    // `#[repr(C)]` plain-data block type that candle itself stores in this
-    // buffer, and the slice borrows `data` for no longer than `data` lives.
-    let blocks: &[B] =
-        unsafe { std::slice::from_raw_parts(data.as_ptr() as *const B, n * per_row) };
     let mut out = vec![0f32; n * t];
-    out.par_chunks_mut(t).enumerate().for_each_init(
-        || vec![0f32; k],
-        |row, (j, o)| {
-            B::to_float(&blocks[j * per_row..(j + 1) * per_row], row);
-            for (i, y) in o.iter_mut().enumerate() {
-                *y = dot(row, &x[i * k..(i + 1) * k]);
-            }
-        },
-    );
-    Ok(out)
+    out.par_chunks_mut(ROWS_PER_TASK * t)
+        .enumerate()
+        .for_each_init(Vec::new, |scratch, (c, o)| {
+            let r0 = c * ROWS_PER_TASK;
+            let r1 = (r0 + ROWS_PER_TASK).min(n);
+            matvec(isa, &weights, &xs, t, r0, r1, scratch, &mut |i, r, v| {
+                o[(r - r0) * t + i] = v
+            });
+        });
+    let y = Tensor::from_vec(out, (n, t), x.device())?;
+    Ok(y.t()?.contiguous()?)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use candle_core::quantized::GgmlDType;
     use candle_core::{DType, Device};
     use tessera_kernels::testing::seeded;
 
