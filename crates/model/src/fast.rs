@@ -38,7 +38,7 @@ use tessera_kernels::{
     AttnShape, CacheRaw, Isa, KvRows, RopeStyle, WeightFormat, Weights,
 };
 
-use crate::llama::{Batch, LayerKv, Llama};
+use crate::llama::{rope_angles, Batch, LayerKv, Llama};
 use crate::qlinear::QLinear;
 use crate::{ModelError, Result};
 
@@ -175,12 +175,38 @@ impl Fast {
                 ],
             });
         }
+        let c = &m.cfg;
+        let (nh, kvh, hd) = (c.n_heads, c.n_kv_heads, c.head_dim);
+        let want = [
+            (nh * hd, c.hidden_size),
+            (kvh * hd, c.hidden_size),
+            (kvh * hd, c.hidden_size),
+            (c.hidden_size, nh * hd),
+            (c.intermediate_size, c.hidden_size),
+            (c.intermediate_size, c.hidden_size),
+            (c.hidden_size, c.intermediate_size),
+        ];
+        for l in &layers {
+            if l.lins
+                .iter()
+                .zip(&want)
+                .any(|(w, &(n, k))| (w.n, w.k) != (n, k))
+            {
+                return Err(bad("weight shapes do not match the configuration".into()));
+            }
+        }
+        let head = Lin::new(&m.lm_head)?;
+        if (head.n, head.k) != (c.vocab_size, c.hidden_size) {
+            return Err(bad(
+                "output head shape does not match the configuration".into()
+            ));
+        }
         Ok(Fast {
             pool: StepPool::new(threads),
             isa: Isa::detect(),
             layers,
             norm: vec_of(&m.norm)?,
-            head: Lin::new(&m.lm_head)?,
+            head,
             locals: (0..threads).map(|_| Mutex::new(Local::default())).collect(),
             x: Vec::new(),
             q: Vec::new(),
@@ -275,6 +301,19 @@ fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let m = (sum / x.len() as f32 + eps).sqrt();
     for ((o, &v), &a) in out.iter_mut().zip(x).zip(w) {
         *o = v / m * a;
+    }
+}
+
+/// `h[j] = rms_norm(x[row_j])` for the rows `rows` of `x` (`hidden` wide).
+fn norm_rows(x: &[f32], rows: impl Iterator<Item = usize>, w: &[f32], eps: f32, h: &mut [f32]) {
+    let hidden = w.len();
+    for (j, r) in rows.enumerate() {
+        rms_norm(
+            &x[r * hidden..(r + 1) * hidden],
+            w,
+            eps,
+            &mut h[j * hidden..(j + 1) * hidden],
+        );
     }
 }
 
@@ -437,13 +476,12 @@ impl Llama {
             most = most.max(slot.2.states);
         }
         grow(&mut fast.states, most * shape.record());
-        for (i, &p) in batch.positions.iter().enumerate() {
-            for (j, &f) in self.inv_freq.iter().enumerate() {
-                let a = p as f32 * f;
-                fast.cos[i * half + j] = a.cos();
-                fast.sin[i * half + j] = a.sin();
-            }
-        }
+        rope_angles(
+            &self.inv_freq,
+            batch.positions,
+            &mut fast.cos[..t * half],
+            &mut fast.sin[..t * half],
+        );
         {
             let (st, layout) = self.embed.storage_and_layout();
             let table = match &*st {
@@ -481,26 +519,6 @@ impl Llama {
         }
         let head_data = fast.head.data(&self.lm_head)?;
         let head = Weights::new(fast.head.format(), &head_data, fast.head.n, fast.head.k)?;
-        let want = [
-            (nh * hd, hidden),
-            (kvh * hd, hidden),
-            (kvh * hd, hidden),
-            (hidden, nh * hd),
-            (ffn, hidden),
-            (ffn, hidden),
-            (hidden, ffn),
-        ];
-        for w in &weights {
-            if w.iter().zip(&want).any(|(w, &(n, k))| (w.n, w.k) != (n, k)) {
-                return Err(bad("weight shapes do not match the configuration".into()));
-            }
-        }
-        if (head.n, head.k) != (vocab, hidden) {
-            return Err(bad(
-                "output head shape does not match the configuration".into()
-            ));
-        }
-
         let isa = fast.isa;
         let eps = cfg.rms_eps as f32;
         let style = cfg.rope_style;
@@ -536,15 +554,7 @@ impl Llama {
                 // SAFETY (all `Shared` accesses below): each phase writes
                 // disjoint ranges (split by worker or by item), and phases
                 // that read what another wrote are separated by barriers.
-                let xs = unsafe { x.all() };
-                for i in 0..t {
-                    rms_norm(
-                        &xs[i * hidden..(i + 1) * hidden],
-                        &lc.attn_norm,
-                        eps,
-                        &mut h[i * hidden..(i + 1) * hidden],
-                    );
-                }
+                norm_rows(unsafe { x.all() }, 0..t, &lc.attn_norm, eps, h);
                 let (u0, u1) = team.share(units);
                 for u in u0..u1 {
                     let (which, head) = if u < nh {
@@ -632,15 +642,7 @@ impl Llama {
                     x.set(at, x.get(at) + v)
                 });
                 team.barrier();
-                let xs = unsafe { x.all() };
-                for i in 0..t {
-                    rms_norm(
-                        &xs[i * hidden..(i + 1) * hidden],
-                        &lc.ffn_norm,
-                        eps,
-                        &mut h[i * hidden..(i + 1) * hidden],
-                    );
-                }
+                norm_rows(unsafe { x.all() }, 0..t, &lc.ffn_norm, eps, h);
                 let (f0, f1) = team.share(ffn);
                 let mut r = f0;
                 while r < f1 {
@@ -670,16 +672,8 @@ impl Llama {
                 team.barrier();
             }
             if picks > 0 {
-                let xs = unsafe { x.all() };
-                for (j, &p) in batch.logits_for.iter().enumerate() {
-                    let p = p as usize;
-                    rms_norm(
-                        &xs[p * hidden..(p + 1) * hidden],
-                        norm,
-                        eps,
-                        &mut h[j * hidden..(j + 1) * hidden],
-                    );
-                }
+                let rows = batch.logits_for.iter().map(|&p| p as usize);
+                norm_rows(unsafe { x.all() }, rows, norm, eps, h);
                 let (r0, r1) = team.share(vocab);
                 matvec(isa, &head, h, picks, r0, r1, deq, &mut |i, r, v| unsafe {
                     logits.set(i * vocab + r, v)

@@ -52,6 +52,19 @@ pub struct Llama {
 /// Default of [`Llama::set_attention_budget`]: 32 MiB of states.
 const ATTENTION_BUDGET: usize = 8 << 20;
 
+/// `cos`/`sin` of each position's RoPE angles, `[positions, inv_freq]`
+/// row-major (the reference and the fast path share them).
+pub(crate) fn rope_angles(inv_freq: &[f32], positions: &[u32], cos: &mut [f32], sin: &mut [f32]) {
+    let half = inv_freq.len();
+    for (i, &p) in positions.iter().enumerate() {
+        for (j, &f) in inv_freq.iter().enumerate() {
+            let a = p as f32 * f;
+            cos[i * half + j] = a.cos();
+            sin[i * half + j] = a.sin();
+        }
+    }
+}
+
 /// `TESSERA_FORWARD=reference` (read once) sends every forward pass
 /// through the candle reference path.
 fn reference_forced() -> bool {
@@ -358,15 +371,9 @@ impl Llama {
     /// `cos`/`sin` of each token's angles: `[T, 1, head_dim / 2]`.
     fn rope_tables(&self, positions: &[u32]) -> Result<(Tensor, Tensor)> {
         let half = self.inv_freq.len();
-        let mut cos = Vec::with_capacity(positions.len() * half);
-        let mut sin = Vec::with_capacity(positions.len() * half);
-        for &p in positions {
-            for &f in &self.inv_freq {
-                let a = p as f32 * f;
-                cos.push(a.cos());
-                sin.push(a.sin());
-            }
-        }
+        let mut cos = vec![0f32; positions.len() * half];
+        let mut sin = vec![0f32; positions.len() * half];
+        rope_angles(&self.inv_freq, positions, &mut cos, &mut sin);
         let shape = (positions.len(), 1, half);
         Ok((
             Tensor::from_vec(cos, shape, &self.device)?,
