@@ -254,7 +254,10 @@ fn bench_roofline(c: &mut Criterion) {
 fn bench_matvec(c: &mut Criterion) {
     use candle_core::quantized::{GgmlDType, QTensor};
     use candle_core::DType;
-    use tessera_kernels::{matvec, Isa, WeightFormat, Weights};
+    use tessera_kernels::{
+        matvec, qmatvec, quantize_row, ActBlock, Activations, Isa, Packed, QIsa, WeightFormat,
+        Weights,
+    };
     let mut g = c.benchmark_group("matvec_smollm2");
     for (name, dtype, n, k, t) in [
         ("q4_1_ffn_1536x576", GgmlDType::Q4_1, 1536, 576, 1),
@@ -283,7 +286,7 @@ fn bench_matvec(c: &mut Criterion) {
         } else {
             g.throughput(Throughput::Elements((n * k * t) as u64));
         }
-        g.bench_function(name, |b| {
+        g.bench_function(format!("{name}_f32"), |b| {
             b.iter(|| {
                 matvec(
                     Isa::detect(),
@@ -298,6 +301,31 @@ fn bench_matvec(c: &mut Criterion) {
                 black_box(&out);
             })
         });
+        // The integer path: activations quantized per call, as the
+        // forward does.
+        let packed = Packed::pack(&weights).expect("a format with an integer path");
+        let mut acts = vec![ActBlock::default(); t * k / 32];
+        for act in [Activations::Int8x2, Activations::Int8] {
+            let levels = act.levels();
+            g.bench_function(format!("{name}_{}", act.name()), |b| {
+                b.iter(|| {
+                    for i in 0..t {
+                        quantize_row(&x[i * k..(i + 1) * k], levels, &mut acts[i * k / 32..]);
+                    }
+                    qmatvec(
+                        QIsa::detect(),
+                        &packed,
+                        &acts,
+                        t,
+                        levels,
+                        0,
+                        n,
+                        &mut |i, r, v| out[i * n + r] = v,
+                    );
+                    black_box(&out);
+                })
+            });
+        }
     }
     g.finish();
 }

@@ -40,6 +40,7 @@ mod elem;
 mod lanes;
 mod matvec;
 pub mod pool;
+mod qdot;
 mod rope;
 mod shift;
 mod simd;
@@ -49,6 +50,7 @@ pub use attend::{attend_item, merge, AttnInput, AttnPlan, AttnScratch, AttnShape
 pub use attention::{exp_nonpositive, paged_attention, paged_attention_slow, PagedMeta};
 pub use copy::{copy_blocks, copy_blocks_slow};
 pub use matvec::{f16_to_f32, matvec, matvec_slow, Isa, WeightFormat, Weights};
+pub use qdot::{qmatvec, qmatvec_slow, quantize_row, ActBlock, Activations, Packed, QIsa, GROUP};
 pub use rope::{RopeStyle, Rotation};
 pub use shift::{shift_kv, shift_kv_slow};
 pub use simd::portable_forced;

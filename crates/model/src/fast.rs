@@ -34,8 +34,9 @@ use std::sync::Mutex;
 use candle_core::{CpuStorage, Storage, Tensor};
 use tessera_kernels::pool::{Shared, StepPool, Team};
 use tessera_kernels::{
-    attend_item, cache_raw, exp_nonpositive, matvec, merge, AttnInput, AttnPlan, AttnScratch,
-    AttnShape, CacheRaw, Isa, KvRows, RopeStyle, WeightFormat, Weights,
+    attend_item, cache_raw, exp_nonpositive, matvec, merge, qmatvec, quantize_row, ActBlock,
+    Activations, AttnInput, AttnPlan, AttnScratch, AttnShape, CacheRaw, Isa, KvRows, Packed, QIsa,
+    RopeStyle, WeightFormat, Weights, GROUP,
 };
 
 use crate::llama::{rope_angles, Batch, LayerKv, Llama};
@@ -57,17 +58,28 @@ struct Lin {
     bytes: Bytes,
     n: usize,
     k: usize,
+    /// Tiles for the integer path (quantized activations), when the format
+    /// has one and the model runs with integer activations.
+    packed: Option<Packed>,
 }
 
 impl Lin {
-    fn new(q: &QLinear) -> Result<Lin> {
+    fn new(q: &QLinear, acts: Activations) -> Result<Lin> {
         Ok(match q {
             QLinear::Quantized(w) => {
                 let (n, k) = w.shape().dims2()?;
+                let format = WeightFormat::from_ggml(w.dtype());
+                let packed = if acts == Activations::F32 {
+                    None
+                } else {
+                    let data = w.data()?;
+                    Packed::pack(&Weights::new(format, &data, n, k)?)
+                };
                 Lin {
-                    bytes: Bytes::Quantized(WeightFormat::from_ggml(w.dtype())),
+                    bytes: Bytes::Quantized(format),
                     n,
                     k,
+                    packed,
                 }
             }
             QLinear::Dense(t) => {
@@ -80,6 +92,7 @@ impl Lin {
                     bytes: Bytes::Owned(v.iter().flat_map(|x| x.to_le_bytes()).collect()),
                     n,
                     k,
+                    packed: None,
                 }
             }
         })
@@ -101,6 +114,27 @@ impl Lin {
             Bytes::Owned(_) => WeightFormat::F32,
         }
     }
+
+    /// Rows `[r0, r1)` of this layer for the `t` inputs: on the tiles with
+    /// the quantized inputs `q` when packed, else on `w` with the f32
+    /// inputs `x`.
+    #[allow(clippy::too_many_arguments)]
+    fn apply<E: FnMut(usize, usize, f32)>(
+        &self,
+        isa: (Isa, QIsa, usize),
+        w: &Weights,
+        x: &[f32],
+        q: &[ActBlock],
+        t: usize,
+        (r0, r1): (usize, usize),
+        deq: &mut Vec<f32>,
+        emit: &mut E,
+    ) {
+        match &self.packed {
+            Some(p) => qmatvec(isa.1, p, q, t, isa.2, r0, r1, emit),
+            None => matvec(isa.0, w, x, t, r0, r1, deq, emit),
+        }
+    }
 }
 
 struct LayerConsts {
@@ -115,6 +149,8 @@ struct LayerConsts {
 #[derive(Default)]
 struct Local {
     h: Vec<f32>,
+    /// Quantized inputs of a small batch (each worker quantizes them all).
+    qown: Vec<ActBlock>,
     tmp: Vec<f32>,
     tmp2: Vec<f32>,
     deq: Vec<f32>,
@@ -125,6 +161,10 @@ struct Local {
 pub(crate) struct Fast {
     pool: StepPool,
     isa: Isa,
+    qisa: QIsa,
+    acts: Activations,
+    /// Quantized inputs of a large batch (workers quantize shares).
+    qx: Vec<ActBlock>,
     layers: Vec<LayerConsts>,
     norm: Vec<f32>,
     head: Lin,
@@ -148,7 +188,7 @@ fn vec_of(t: &Tensor) -> Result<Vec<f32>> {
 }
 
 impl Fast {
-    pub(crate) fn new(m: &Llama, threads: usize) -> Result<Fast> {
+    pub(crate) fn new(m: &Llama, threads: usize, acts: Activations) -> Result<Fast> {
         let mut layers = Vec::with_capacity(m.layers.len());
         for l in &m.layers {
             let qkv_bias = match (&l.q_bias, &l.k_bias, &l.v_bias) {
@@ -165,13 +205,13 @@ impl Fast {
                 ffn_norm: vec_of(&l.ffn_norm)?,
                 qkv_bias,
                 lins: [
-                    Lin::new(&l.q)?,
-                    Lin::new(&l.k)?,
-                    Lin::new(&l.v)?,
-                    Lin::new(&l.o)?,
-                    Lin::new(&l.gate)?,
-                    Lin::new(&l.up)?,
-                    Lin::new(&l.down)?,
+                    Lin::new(&l.q, acts)?,
+                    Lin::new(&l.k, acts)?,
+                    Lin::new(&l.v, acts)?,
+                    Lin::new(&l.o, acts)?,
+                    Lin::new(&l.gate, acts)?,
+                    Lin::new(&l.up, acts)?,
+                    Lin::new(&l.down, acts)?,
                 ],
             });
         }
@@ -195,7 +235,7 @@ impl Fast {
                 return Err(bad("weight shapes do not match the configuration".into()));
             }
         }
-        let head = Lin::new(&m.lm_head)?;
+        let head = Lin::new(&m.lm_head, acts)?;
         if (head.n, head.k) != (c.vocab_size, c.hidden_size) {
             return Err(bad(
                 "output head shape does not match the configuration".into()
@@ -204,6 +244,9 @@ impl Fast {
         Ok(Fast {
             pool: StepPool::new(threads),
             isa: Isa::detect(),
+            qisa: QIsa::detect(),
+            acts,
+            qx: Vec::new(),
             layers,
             norm: vec_of(&m.norm)?,
             head,
@@ -223,6 +266,65 @@ impl Fast {
     pub(crate) fn threads(&self) -> usize {
         self.pool.threads()
     }
+
+    pub(crate) fn activations(&self) -> Activations {
+        self.acts
+    }
+}
+
+/// Inputs of at most this many values are quantized by every worker for
+/// itself; larger ones in shares, behind a barrier.
+const QUANTIZE_ALONE: usize = 4096;
+
+/// The rows `rows` of `src` (each `k` wide) quantized for the integer
+/// path, if `wanted`: a small batch into the worker's own buffer, a large
+/// one in shares into `shared` (then a barrier). Every worker gets the
+/// same values either way.
+#[allow(clippy::too_many_arguments)]
+fn quantize<'a>(
+    team: &Team,
+    wanted: bool,
+    levels: usize,
+    src: &[f32],
+    rows: &[usize],
+    k: usize,
+    own: &'a mut Vec<ActBlock>,
+    shared: &'a Shared<ActBlock>,
+) -> &'a [ActBlock] {
+    let nb = k / 32;
+    let t = rows.len();
+    if !wanted {
+        return &[];
+    }
+    if t * k <= QUANTIZE_ALONE {
+        own.resize(t * nb, ActBlock::default());
+        for (j, &r) in rows.iter().enumerate() {
+            quantize_row(
+                &src[r * k..(r + 1) * k],
+                levels,
+                &mut own[j * nb..(j + 1) * nb],
+            );
+        }
+        return &own[..t * nb];
+    }
+    let (i0, i1) = team.share(t);
+    for j in i0..i1 {
+        let r = rows[j];
+        // SAFETY: each worker writes its own rows; read after the barrier.
+        let dst = unsafe { shared.part(j * nb, (j + 1) * nb) };
+        quantize_row(&src[r * k..(r + 1) * k], levels, dst);
+    }
+    team.barrier();
+    // SAFETY: written before the barrier, not written again until the
+    // next quantization, which every worker reaches after its last read
+    // (each phase ends in a barrier).
+    unsafe { &shared.all()[..t * nb] }
+}
+
+/// This worker's share of `n` rows, in whole tiles.
+fn share_rows(team: &Team, n: usize) -> (usize, usize) {
+    let (a, b) = team.share(n.div_ceil(GROUP));
+    ((a * GROUP).min(n), (b * GROUP).min(n))
 }
 
 fn bad(msg: String) -> ModelError {
@@ -447,6 +549,12 @@ impl Llama {
         grow(&mut fast.cos, t * half);
         grow(&mut fast.sin, t * half);
         grow(&mut fast.logits, picks * vocab);
+        let levels = fast.acts.levels();
+        if levels > 0 {
+            let widest = hidden.max(ffn).max(nh * hd);
+            fast.qx
+                .resize(t.max(picks) * widest / 32, ActBlock::default());
+        }
         let shape = AttnShape::new(nh, kvh, hd, bs);
         // Tokens in groups whose partial states fit the budget (a long
         // prefill deep in a context would otherwise hold one state per
@@ -519,7 +627,7 @@ impl Llama {
         }
         let head_data = fast.head.data(&self.lm_head)?;
         let head = Weights::new(fast.head.format(), &head_data, fast.head.n, fast.head.k)?;
-        let isa = fast.isa;
+        let isa = (fast.isa, fast.qisa, levels);
         let eps = cfg.rms_eps as f32;
         let style = cfg.rope_style;
         let x = Shared::new(&mut fast.x[..t * hidden]);
@@ -528,11 +636,17 @@ impl Llama {
         let m = Shared::new(&mut fast.m[..t * ffn]);
         let states = Shared::new(&mut fast.states[..]);
         let logits = Shared::new(&mut fast.logits[..picks * vocab]);
+        let qx = Shared::new(&mut fast.qx[..]);
+        let all_rows: Vec<usize> = (0..t).collect();
+        let pick_rows: Vec<usize> = batch.logits_for.iter().map(|&p| p as usize).collect();
+        let picked: Vec<usize> = (0..picks).collect();
+        let packed = |l: &LayerConsts, i: &[usize]| i.iter().any(|&i| l.lins[i].packed.is_some());
         let (cos, sin) = (&fast.cos[..t * half], &fast.sin[..t * half]);
         let plans = &fast.plans[..groups.len()];
         let layers = &fast.layers;
         let locals = &fast.locals;
         let norm = &fast.norm;
+        let head_lin = &fast.head;
         let rec = shape.record();
         let next_item = AtomicUsize::new(0);
         let units = nh + 2 * kvh;
@@ -541,6 +655,7 @@ impl Llama {
             let mut local = locals[team.id()].lock().unwrap_or_else(|e| e.into_inner());
             let Local {
                 h,
+                qown,
                 tmp,
                 tmp2,
                 deq,
@@ -555,6 +670,16 @@ impl Llama {
                 // disjoint ranges (split by worker or by item), and phases
                 // that read what another wrote are separated by barriers.
                 norm_rows(unsafe { x.all() }, 0..t, &lc.attn_norm, eps, h);
+                let qh = quantize(
+                    team,
+                    packed(lc, &[0, 1, 2]),
+                    levels,
+                    h,
+                    &all_rows,
+                    hidden,
+                    qown,
+                    &qx,
+                );
                 let (u0, u1) = team.share(units);
                 for u in u0..u1 {
                     let (which, head) = if u < nh {
@@ -565,9 +690,17 @@ impl Llama {
                         (2, u - nh - kvh)
                     };
                     let r0 = head * hd;
-                    matvec(isa, &w[which], h, t, r0, r0 + hd, deq, &mut |i, r, v| {
-                        tmp[i * hd + r - r0] = v
-                    });
+                    let lin = &lc.lins[which];
+                    lin.apply(
+                        isa,
+                        &w[which],
+                        h,
+                        qh,
+                        t,
+                        (r0, r0 + hd),
+                        deq,
+                        &mut |i, r, v| tmp[i * hd + r - r0] = v,
+                    );
                     let bias_at = [0, nh * hd, (nh + kvh) * hd][which] + r0;
                     for i in 0..t {
                         let row = &mut tmp[i * hd..(i + 1) * hd];
@@ -617,7 +750,7 @@ impl Llama {
                         let Some(&item) = plan.items.get(i) else {
                             break;
                         };
-                        attend_item(isa, &input, item, attn, &mut |tok, idx, r| {
+                        attend_item(isa.0, &input, item, attn, &mut |tok, idx, r| {
                             let at = (plan.base[tok] + idx) * rec;
                             unsafe { states.part(at, at + rec).copy_from_slice(r) };
                         });
@@ -635,23 +768,43 @@ impl Llama {
                     }
                     team.barrier();
                 }
-                let (r0, r1) = team.share(hidden);
                 let av = unsafe { a.all() };
-                matvec(isa, &w[3], av, t, r0, r1, deq, &mut |i, r, v| unsafe {
+                let qa = quantize(
+                    team,
+                    packed(lc, &[3]),
+                    levels,
+                    av,
+                    &all_rows,
+                    nh * hd,
+                    qown,
+                    &qx,
+                );
+                let rows = share_rows(team, hidden);
+                lc.lins[3].apply(isa, &w[3], av, qa, t, rows, deq, &mut |i, r, v| unsafe {
                     let at = i * hidden + r;
                     x.set(at, x.get(at) + v)
                 });
                 team.barrier();
                 norm_rows(unsafe { x.all() }, 0..t, &lc.ffn_norm, eps, h);
-                let (f0, f1) = team.share(ffn);
+                let qh = quantize(
+                    team,
+                    packed(lc, &[4, 5]),
+                    levels,
+                    h,
+                    &all_rows,
+                    hidden,
+                    qown,
+                    &qx,
+                );
+                let (f0, f1) = share_rows(team, ffn);
                 let mut r = f0;
                 while r < f1 {
                     let e = (r + FFN_ROWS).min(f1);
                     let n = e - r;
-                    matvec(isa, &w[4], h, t, r, e, deq, &mut |i, rr, v| {
+                    lc.lins[4].apply(isa, &w[4], h, qh, t, (r, e), deq, &mut |i, rr, v| {
                         tmp[i * n + rr - r] = v
                     });
-                    matvec(isa, &w[5], h, t, r, e, deq, &mut |i, rr, v| {
+                    lc.lins[5].apply(isa, &w[5], h, qh, t, (r, e), deq, &mut |i, rr, v| {
                         tmp2[i * n + rr - r] = v
                     });
                     for i in 0..t {
@@ -663,19 +816,31 @@ impl Llama {
                     r = e;
                 }
                 team.barrier();
-                let (r0, r1) = team.share(hidden);
                 let mv = unsafe { m.all() };
-                matvec(isa, &w[6], mv, t, r0, r1, deq, &mut |i, r, v| unsafe {
+                let qm = quantize(
+                    team,
+                    packed(lc, &[6]),
+                    levels,
+                    mv,
+                    &all_rows,
+                    ffn,
+                    qown,
+                    &qx,
+                );
+                let rows = share_rows(team, hidden);
+                lc.lins[6].apply(isa, &w[6], mv, qm, t, rows, deq, &mut |i, r, v| unsafe {
                     let at = i * hidden + r;
                     x.set(at, x.get(at) + v)
                 });
                 team.barrier();
             }
             if picks > 0 {
-                let rows = batch.logits_for.iter().map(|&p| p as usize);
+                let rows = pick_rows.iter().copied();
                 norm_rows(unsafe { x.all() }, rows, norm, eps, h);
-                let (r0, r1) = team.share(vocab);
-                matvec(isa, &head, h, picks, r0, r1, deq, &mut |i, r, v| unsafe {
+                let wanted = head_lin.packed.is_some();
+                let qh = quantize(team, wanted, levels, h, &picked, hidden, qown, &qx);
+                let rows = share_rows(team, vocab);
+                head_lin.apply(isa, &head, h, qh, picks, rows, deq, &mut |i, r, v| unsafe {
                     logits.set(i * vocab + r, v)
                 });
             }

@@ -11,7 +11,7 @@ use std::sync::atomic::AtomicUsize;
 use std::sync::{Mutex, OnceLock};
 
 use candle_core::{DType, Device, Tensor, D};
-use tessera_kernels::{paged_attention, write_kv, PagedMeta, RopeStyle};
+use tessera_kernels::{paged_attention, write_kv, Activations, PagedMeta, RopeStyle};
 
 use crate::config::ModelConfig;
 use crate::fast::Fast;
@@ -47,6 +47,7 @@ pub struct Llama {
     fast: Mutex<Option<Fast>>,
     /// Floats of partial attention states one forward keeps at once.
     pub(crate) attention_budget: AtomicUsize,
+    activations: Mutex<Activations>,
 }
 
 /// Default of [`Llama::set_attention_budget`]: 32 MiB of states.
@@ -258,6 +259,7 @@ impl Llama {
             device: device.clone(),
             fast: Mutex::new(None),
             attention_budget: AtomicUsize::new(ATTENTION_BUDGET),
+            activations: Mutex::new(Activations::from_env()),
         })
     }
 
@@ -322,12 +324,27 @@ impl Llama {
     ) -> Result<Tensor> {
         let threads = threads.max(1);
         let mut fast = self.fast.lock().unwrap_or_else(|e| e.into_inner());
-        if fast.as_ref().is_none_or(|f| f.threads() != threads) {
+        let acts = self.activations();
+        if fast
+            .as_ref()
+            .is_none_or(|f| f.threads() != threads || f.activations() != acts)
+        {
             *fast = None;
-            *fast = Some(Fast::new(self, threads)?);
+            *fast = Some(Fast::new(self, threads, acts)?);
         }
         let fast = fast.as_mut().expect("just built");
         self.forward_fast(fast, batch, cache)
+    }
+
+    /// How the fast path's quantized linear layers meet their inputs:
+    /// two int8 levels per block (the default, or `TESSERA_ACTIVATIONS`),
+    /// f32, or one int8 level (see `tessera_kernels::Activations`).
+    pub fn set_activations(&self, acts: Activations) {
+        *self.activations.lock().unwrap_or_else(|e| e.into_inner()) = acts;
+    }
+
+    pub fn activations(&self) -> Activations {
+        *self.activations.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// How many floats of partial attention states the fast path keeps at

@@ -1,0 +1,958 @@
+//! Linear layers as integer dot products: GGML weight blocks (Q4_0, Q4_1,
+//! Q8_0) repacked at load into tiles of 16 interleaved rows, against
+//! activations quantized per 32-value block to **two int8 levels**
+//! (`x ≈ d₁·q₁ + d₂·q₂`, the second level quantizing what the first left
+//! over), or to one level as an explicit opt-in ([`Activations`]).
+//!
+//! Two levels keep the activations within `max|x| / (4·127²) ≈ 1.6·10⁻⁵`
+//! of each block's largest value (a thirtieth of an f16 rounding step),
+//! while the products run on the CPU's int8 dot instructions (AVX-512
+//! VNNI, AVX-VNNI, AVX2's `maddubs`): one instruction multiplies 64 weight
+//! bytes by 64 activation bytes, where the f32 path ([`crate::matvec`])
+//! multiplies 16 pairs.
+//!
+//! **One arithmetic for every row, whatever the batch.** Per (row, input)
+//! and block `b`, with `w` the block's integer weights (Q4_0: `n − 8`,
+//! Q4_1: `n`, Q8_0: the signed bytes), `d`/`m` its scale and minimum:
+//!
+//! ```text
+//! a₁ = Σ w·q₁,  a₂ = Σ w·q₂                 (exact in i32)
+//! s  = f32(a₁)·d₁;  s = fma(f32(a₂), d₂, s)  (second level only)
+//! y  = fma(d, s, y);  y = fma(m, Σx, y)      (Q4_1 only; Σx summed in f32)
+//! ```
+//!
+//! Integer sums are exact, so each instruction set may form them its own
+//! way (VNNI with unsigned weights and an offset, `maddubs` with a sign
+//! trick); the float steps are the same on all, one lane per row. So
+//! results are the same bits across instruction sets, thread counts,
+//! row splits and batch compositions (tested against [`qmatvec_slow`],
+//! which reads the original GGML blocks).
+//!
+//! Tile layout ([`Packed`]), per group of 16 rows and per block: the 16
+//! f16 scales, the 16 f16 minimums (Q4_1), then the values with four
+//! consecutive values of a row in each 32-bit lane: chunk `c` holds, at
+//! byte `4r + e`, the GGML byte `4c + e` of row `r` (for 4-bit blocks that
+//! byte's low nibble is value `4c + e` and its high nibble value
+//! `16 + 4c + e`; Q8_0 has eight chunks of one value each). The same bytes
+//! as the GGML file, moved: [`Packed::unpack`] restores them exactly.
+
+// Lane loops index several arrays in step.
+#![allow(clippy::needless_range_loop)]
+
+use std::sync::OnceLock;
+
+use crate::matvec::{f16_to_f32, WeightFormat, Weights};
+use crate::simd::portable_forced;
+
+/// Rows per tile.
+pub const GROUP: usize = 16;
+
+/// How the activations of a quantized linear layer are represented.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activations {
+    /// f32, multiplied with the dequantized weights ([`crate::matvec`]).
+    F32,
+    /// Two int8 levels per 32-value block (the default).
+    Int8x2,
+    /// One int8 level per block, as llama.cpp does (opt-in: faster, less
+    /// exact).
+    Int8,
+}
+
+impl Activations {
+    pub fn parse(s: &str) -> Option<Activations> {
+        match s {
+            "f32" => Some(Activations::F32),
+            "int8x2" => Some(Activations::Int8x2),
+            "int8" => Some(Activations::Int8),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Activations::F32 => "f32",
+            Activations::Int8x2 => "int8x2",
+            Activations::Int8 => "int8",
+        }
+    }
+
+    /// Integer levels per block (0 for f32).
+    pub fn levels(self) -> usize {
+        match self {
+            Activations::F32 => 0,
+            Activations::Int8x2 => 2,
+            Activations::Int8 => 1,
+        }
+    }
+
+    /// `TESSERA_ACTIVATIONS` when it names a mode, else the default
+    /// (two levels).
+    pub fn from_env() -> Activations {
+        std::env::var("TESSERA_ACTIVATIONS")
+            .ok()
+            .and_then(|v| Activations::parse(&v))
+            .unwrap_or(Activations::Int8x2)
+    }
+}
+
+/// Instruction sets of the integer kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum QIsa {
+    Portable,
+    /// `maddubs` + `madd` (8 rows per register).
+    Avx2,
+    /// AVX-VNNI's 256-bit `dpbusd`.
+    AvxVnni,
+    /// AVX-512 VNNI (16 rows per register).
+    Avx512Vnni,
+}
+
+impl QIsa {
+    /// The best this CPU runs, capped by `TESSERA_ISA` (`portable`,
+    /// `avx2`, `avxvnni`, `avx512`).
+    pub fn detect() -> QIsa {
+        static ISA: OnceLock<QIsa> = OnceLock::new();
+        *ISA.get_or_init(|| {
+            let best = QIsa::best();
+            if portable_forced() {
+                return QIsa::Portable;
+            }
+            match std::env::var("TESSERA_ISA").as_deref() {
+                Ok("avx2") => best.min(QIsa::Avx2),
+                Ok("avxvnni") => best.min(QIsa::AvxVnni),
+                _ => best,
+            }
+        })
+    }
+
+    /// Every integer kernel this CPU runs.
+    pub fn available() -> Vec<QIsa> {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::is_x86_feature_detected as has;
+            let mut v = vec![QIsa::Portable];
+            let avx2 = has!("avx2") && has!("fma") && has!("f16c");
+            if avx2 {
+                v.push(QIsa::Avx2);
+                if has!("avxvnni") {
+                    v.push(QIsa::AvxVnni);
+                }
+                if has!("avx512f") && has!("avx512bw") && has!("avx512vl") && has!("avx512vnni") {
+                    v.push(QIsa::Avx512Vnni);
+                }
+            }
+            v
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            vec![QIsa::Portable]
+        }
+    }
+
+    fn best() -> QIsa {
+        *QIsa::available().last().expect("portable is always there")
+    }
+}
+
+/// The weight formats with an integer path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Q4_0,
+    Q4_1,
+    Q8_0,
+}
+
+impl Kind {
+    fn of(f: WeightFormat) -> Option<Kind> {
+        match f {
+            WeightFormat::Q4_0 => Some(Kind::Q4_0),
+            WeightFormat::Q4_1 => Some(Kind::Q4_1),
+            WeightFormat::Q8_0 => Some(Kind::Q8_0),
+            _ => None,
+        }
+    }
+
+    /// GGML block: bytes, header bytes (scales), value bytes.
+    fn ggml(self) -> (usize, usize, usize) {
+        match self {
+            Kind::Q4_0 => (18, 2, 16),
+            Kind::Q4_1 => (20, 4, 16),
+            Kind::Q8_0 => (34, 2, 32),
+        }
+    }
+
+    /// Bytes of one tile block: 16 rows' headers, then their values.
+    fn record(self) -> usize {
+        let (_, h, v) = self.ggml();
+        GROUP * (h + v)
+    }
+}
+
+/// A weight repacked into tiles of [`GROUP`] rows (see the module docs).
+#[derive(Debug, Clone)]
+pub struct Packed {
+    kind: Kind,
+    format: WeightFormat,
+    n: usize,
+    k: usize,
+    nb: usize,
+    data: Vec<u8>,
+}
+
+impl Packed {
+    /// The tiles of `w`, or `None` for a format without an integer path.
+    pub fn pack(w: &Weights) -> Option<Packed> {
+        let kind = Kind::of(w.format)?;
+        let (bb, h, v) = kind.ggml();
+        let nb = w.k / 32;
+        let groups = w.n.div_ceil(GROUP);
+        let rec = kind.record();
+        let mut data = vec![0u8; groups * nb * rec];
+        let rb = w.row_bytes();
+        for row in 0..w.n {
+            let (g, r) = (row / GROUP, row % GROUP);
+            for b in 0..nb {
+                let blk = &w.data[row * rb + b * bb..row * rb + (b + 1) * bb];
+                let out = &mut data[(g * nb + b) * rec..(g * nb + b + 1) * rec];
+                for (j, pair) in blk[..h].chunks_exact(2).enumerate() {
+                    out[j * 2 * GROUP + 2 * r..j * 2 * GROUP + 2 * r + 2].copy_from_slice(pair);
+                }
+                let vals = &mut out[GROUP * h..];
+                for c in 0..v / 4 {
+                    vals[64 * c + 4 * r..64 * c + 4 * r + 4]
+                        .copy_from_slice(&blk[h + 4 * c..h + 4 * c + 4]);
+                }
+            }
+        }
+        Some(Packed {
+            kind,
+            format: w.format,
+            n: w.n,
+            k: w.k,
+            nb,
+            data,
+        })
+    }
+
+    /// The GGML bytes the tiles were made from.
+    pub fn unpack(&self) -> Vec<u8> {
+        let (bb, h, v) = self.kind.ggml();
+        let rec = self.kind.record();
+        let mut out = vec![0u8; self.n * self.nb * bb];
+        for row in 0..self.n {
+            let (g, r) = (row / GROUP, row % GROUP);
+            for b in 0..self.nb {
+                let blk = &mut out[(row * self.nb + b) * bb..(row * self.nb + b + 1) * bb];
+                let tile = &self.data[(g * self.nb + b) * rec..(g * self.nb + b + 1) * rec];
+                for j in 0..h / 2 {
+                    blk[2 * j..2 * j + 2]
+                        .copy_from_slice(&tile[j * 2 * GROUP + 2 * r..j * 2 * GROUP + 2 * r + 2]);
+                }
+                let vals = &tile[GROUP * h..];
+                for c in 0..v / 4 {
+                    blk[h + 4 * c..h + 4 * c + 4]
+                        .copy_from_slice(&vals[64 * c + 4 * r..64 * c + 4 * r + 4]);
+                }
+            }
+        }
+        out
+    }
+
+    pub fn format(&self) -> WeightFormat {
+        self.format
+    }
+
+    pub fn rows(&self) -> usize {
+        self.n
+    }
+
+    pub fn cols(&self) -> usize {
+        self.k
+    }
+
+    /// Bytes of the tiles (the GGML bytes, plus padding rows of the last
+    /// tile).
+    pub fn bytes(&self) -> usize {
+        self.data.len()
+    }
+
+    fn tile(&self, g: usize) -> &[u8] {
+        let rec = self.kind.record();
+        &self.data[g * self.nb * rec..(g + 1) * self.nb * rec]
+    }
+}
+
+/// One 32-value block of a quantized activation row.
+#[derive(Debug, Clone, Copy, Default)]
+#[repr(C, align(16))]
+pub struct ActBlock {
+    /// `q₁` then `q₂` (zero with one level).
+    q: [[i8; 32]; 2],
+    /// `d₁`, `d₂`.
+    d: [f32; 2],
+    /// `Σq₁`, `Σq₂`.
+    s: [i32; 2],
+    /// `Σx` in f32, in order.
+    xsum: f32,
+}
+
+impl ActBlock {
+    /// The values this block stands for: `d₁·q₁ + d₂·q₂`.
+    pub fn values(&self) -> [f32; 32] {
+        std::array::from_fn(|j| {
+            self.d[0] * f32::from(self.q[0][j]) + self.d[1] * f32::from(self.q[1][j])
+        })
+    }
+}
+
+/// Round to nearest, ties to even, for `|v| < 2²²` (the same on every
+/// target: plain IEEE additions).
+#[inline(always)]
+fn round(v: f32) -> f32 {
+    (v + 12_582_912.0) - 12_582_912.0
+}
+
+/// One int8 level of `v`: the scale and the values.
+#[inline(always)]
+fn level(v: &[f32; 32]) -> (f32, [i8; 32]) {
+    let mut amax = 0f32;
+    let mut finite = true;
+    for &x in v {
+        amax = amax.max(x.abs());
+        finite &= x.is_finite();
+    }
+    if !finite {
+        // Non-finite inputs make non-finite outputs, as in f32.
+        return (f32::NAN, [0; 32]);
+    }
+    if amax == 0.0 {
+        return (0.0, [0; 32]);
+    }
+    let id = 127.0 / amax;
+    let mut q = [0i8; 32];
+    for j in 0..32 {
+        q[j] = round(v[j] * id).clamp(-127.0, 127.0) as i8;
+    }
+    (amax / 127.0, q)
+}
+
+/// Quantizes one activation row (`x.len()` a multiple of 32) to `levels`
+/// (1 or 2) int8 levels per block.
+pub fn quantize_row(x: &[f32], levels: usize, out: &mut [ActBlock]) {
+    assert!(x.len().is_multiple_of(32) && out.len() >= x.len() / 32 && (1..=2).contains(&levels));
+    for (xb, o) in x.chunks_exact(32).zip(out.iter_mut()) {
+        let xb: &[f32; 32] = xb.try_into().expect("32 values");
+        let (d1, q1) = level(xb);
+        let mut xsum = 0f32;
+        for &v in xb {
+            xsum += v;
+        }
+        let (d2, q2) = if levels == 2 && d1.is_finite() {
+            let r: [f32; 32] = std::array::from_fn(|j| xb[j] - d1 * f32::from(q1[j]));
+            level(&r)
+        } else {
+            (0.0, [0; 32])
+        };
+        let sum = |q: &[i8; 32]| q.iter().map(|&v| i32::from(v)).sum::<i32>();
+        *o = ActBlock {
+            q: [q1, q2],
+            d: [d1, d2],
+            s: [sum(&q1), sum(&q2)],
+            xsum,
+        };
+    }
+}
+
+/// The integer weights of one GGML block (reference decoding).
+fn block_ints(kind: Kind, blk: &[u8]) -> (f32, f32, [i32; 32]) {
+    let d = f16_to_f32(u16::from_le_bytes([blk[0], blk[1]]));
+    let mut w = [0i32; 32];
+    match kind {
+        Kind::Q4_0 | Kind::Q4_1 => {
+            let (h, off) = if kind == Kind::Q4_0 { (2, 8) } else { (4, 0) };
+            for j in 0..16 {
+                w[j] = i32::from(blk[h + j] & 0x0F) - off;
+                w[j + 16] = i32::from(blk[h + j] >> 4) - off;
+            }
+        }
+        Kind::Q8_0 => {
+            for j in 0..32 {
+                w[j] = i32::from(blk[2 + j] as i8);
+            }
+        }
+    }
+    let m = if kind == Kind::Q4_1 {
+        f16_to_f32(u16::from_le_bytes([blk[2], blk[3]]))
+    } else {
+        0.0
+    };
+    (d, m, w)
+}
+
+/// The float steps of one block (the module docs' formula).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn combine(kind: Kind, two: bool, a1: i32, a2: i32, a: &ActBlock, d: f32, m: f32, y: f32) -> f32 {
+    let mut s = a1 as f32 * a.d[0];
+    if two {
+        s = (a2 as f32).mul_add(a.d[1], s);
+    }
+    let mut y = d.mul_add(s, y);
+    if kind == Kind::Q4_1 {
+        y = m.mul_add(a.xsum, y);
+    }
+    y
+}
+
+/// The reference: the original GGML rows of `w` against `t` quantized
+/// inputs (`acts`: `t` rows of `k / 32` blocks), in plain scalar code.
+/// `out[i * n + r]`.
+pub fn qmatvec_slow(w: &Weights, acts: &[ActBlock], t: usize, levels: usize) -> Vec<f32> {
+    let kind = Kind::of(w.format).expect("a format with an integer path");
+    let (bb, _, _) = kind.ggml();
+    let nb = w.k / 32;
+    let rb = w.row_bytes();
+    let mut out = vec![0f32; t * w.n];
+    for r in 0..w.n {
+        for i in 0..t {
+            let mut y = 0f32;
+            for b in 0..nb {
+                let (d, m, wi) = block_ints(kind, &w.data[r * rb + b * bb..r * rb + (b + 1) * bb]);
+                let a = &acts[i * nb + b];
+                let (mut a1, mut a2) = (0i32, 0i32);
+                for j in 0..32 {
+                    a1 += wi[j] * i32::from(a.q[0][j]);
+                    a2 += wi[j] * i32::from(a.q[1][j]);
+                }
+                y = combine(kind, levels == 2, a1, a2, a, d, m, y);
+            }
+            out[i * w.n + r] = y;
+        }
+    }
+    out
+}
+
+/// Inputs per panel of a many-input product (kept in L2 across tiles).
+const PANEL: usize = 64;
+
+/// Rows `[r0, r1)` of `w` times each of the `t` quantized inputs in `acts`
+/// (`t` rows of `k / 32` blocks, quantized with `levels` levels):
+/// `emit(input, row, value)` once per pair.
+#[allow(clippy::too_many_arguments)]
+pub fn qmatvec<E: FnMut(usize, usize, f32)>(
+    isa: QIsa,
+    w: &Packed,
+    acts: &[ActBlock],
+    t: usize,
+    levels: usize,
+    r0: usize,
+    r1: usize,
+    emit: &mut E,
+) {
+    assert!(
+        acts.len() >= t * w.nb && r0 <= r1 && r1 <= w.n && (1..=2).contains(&levels),
+        "qmatvec: bad shapes"
+    );
+    let nb = w.nb;
+    let mut out = [[0f32; GROUP]; 4];
+    let tiles = |g: usize, i0: usize, ni: usize, out: &mut [[f32; GROUP]; 4]| {
+        let ins: [&[ActBlock]; 4] = std::array::from_fn(|j| {
+            &acts[(i0 + j.min(ni - 1)) * nb..(i0 + j.min(ni - 1) + 1) * nb]
+        });
+        run_tile(isa, w, g, &ins, ni, levels == 2, out);
+    };
+    let (g0, g1) = (r0 / GROUP, r1.div_ceil(GROUP));
+    for p0 in (0..t).step_by(PANEL) {
+        let p1 = (p0 + PANEL).min(t);
+        for g in g0..g1 {
+            let mut i = p0;
+            while i < p1 {
+                let ni = if p1 - i >= 4 { 4 } else { 1 };
+                tiles(g, i, ni, &mut out);
+                for (di, o) in out[..ni].iter().enumerate() {
+                    for (r, &v) in o.iter().enumerate() {
+                        let row = g * GROUP + r;
+                        if row >= r0 && row < r1 {
+                            emit(i + di, row, v);
+                        }
+                    }
+                }
+                i += ni;
+            }
+        }
+    }
+}
+
+/// One tile (16 rows of group `g`) against `ni` (1 or 4) inputs.
+fn run_tile(
+    isa: QIsa,
+    w: &Packed,
+    g: usize,
+    ins: &[&[ActBlock]; 4],
+    ni: usize,
+    two: bool,
+    out: &mut [[f32; GROUP]; 4],
+) {
+    macro_rules! go {
+        ($f:ident) => {
+            match (w.kind, two, ni) {
+                (Kind::Q4_0, false, 1) => $f::<0, false, 1>(w, g, ins, out),
+                (Kind::Q4_0, false, _) => $f::<0, false, 4>(w, g, ins, out),
+                (Kind::Q4_0, true, 1) => $f::<0, true, 1>(w, g, ins, out),
+                (Kind::Q4_0, true, _) => $f::<0, true, 4>(w, g, ins, out),
+                (Kind::Q4_1, false, 1) => $f::<1, false, 1>(w, g, ins, out),
+                (Kind::Q4_1, false, _) => $f::<1, false, 4>(w, g, ins, out),
+                (Kind::Q4_1, true, 1) => $f::<1, true, 1>(w, g, ins, out),
+                (Kind::Q4_1, true, _) => $f::<1, true, 4>(w, g, ins, out),
+                (Kind::Q8_0, false, 1) => $f::<2, false, 1>(w, g, ins, out),
+                (Kind::Q8_0, false, _) => $f::<2, false, 4>(w, g, ins, out),
+                (Kind::Q8_0, true, 1) => $f::<2, true, 1>(w, g, ins, out),
+                (Kind::Q8_0, true, _) => $f::<2, true, 4>(w, g, ins, out),
+            }
+        };
+    }
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `QIsa` values above Portable come from CPU detection.
+        QIsa::Avx512Vnni => unsafe { go!(tile_avx512) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        QIsa::AvxVnni => unsafe { go!(tile_avxvnni) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        QIsa::Avx2 => unsafe { go!(tile_avx2) },
+        _ => go!(tile_portable),
+    }
+}
+
+const fn kind_of(k: u8) -> Kind {
+    match k {
+        0 => Kind::Q4_0,
+        1 => Kind::Q4_1,
+        _ => Kind::Q8_0,
+    }
+}
+
+/// Scalar tiles: the same integer sums and float steps as the reference,
+/// read from the tile layout.
+fn tile_portable<const K: u8, const TWO: bool, const NI: usize>(
+    w: &Packed,
+    g: usize,
+    ins: &[&[ActBlock]; 4],
+    out: &mut [[f32; GROUP]; 4],
+) {
+    let kind = kind_of(K);
+    let (_, h, v) = kind.ggml();
+    let rec = kind.record();
+    let tile = w.tile(g);
+    let mut y = [[0f32; GROUP]; NI];
+    for b in 0..w.nb {
+        let t = &tile[b * rec..(b + 1) * rec];
+        let vals = &t[GROUP * h..];
+        let mut wi = [[0i32; 32]; GROUP];
+        let mut d = [0f32; GROUP];
+        let mut m = [0f32; GROUP];
+        for r in 0..GROUP {
+            d[r] = f16_to_f32(u16::from_le_bytes([t[2 * r], t[2 * r + 1]]));
+            if kind == Kind::Q4_1 {
+                m[r] = f16_to_f32(u16::from_le_bytes([t[32 + 2 * r], t[33 + 2 * r]]));
+            }
+            for c in 0..v / 4 {
+                for e in 0..4 {
+                    let byte = vals[64 * c + 4 * r + e];
+                    match kind {
+                        Kind::Q8_0 => wi[r][4 * c + e] = i32::from(byte as i8),
+                        _ => {
+                            let off = if kind == Kind::Q4_0 { 8 } else { 0 };
+                            wi[r][4 * c + e] = i32::from(byte & 0x0F) - off;
+                            wi[r][16 + 4 * c + e] = i32::from(byte >> 4) - off;
+                        }
+                    }
+                }
+            }
+        }
+        for i in 0..NI {
+            let a = &ins[i][b];
+            for r in 0..GROUP {
+                let (mut a1, mut a2) = (0i32, 0i32);
+                for j in 0..32 {
+                    a1 += wi[r][j] * i32::from(a.q[0][j]);
+                }
+                if TWO {
+                    for j in 0..32 {
+                        a2 += wi[r][j] * i32::from(a.q[1][j]);
+                    }
+                }
+                y[i][r] = combine(kind, TWO, a1, a2, a, d[r], m[r], y[i][r]);
+            }
+        }
+    }
+    out[..NI].copy_from_slice(&y);
+}
+
+#[cfg(target_arch = "x86_64")]
+use x86::{tile_avx2, tile_avx512, tile_avxvnni};
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::{kind_of, ActBlock, Kind, Packed, GROUP};
+
+    /// The i32 at `q[4j..4j + 4]` in every lane.
+    #[inline(always)]
+    unsafe fn quad(q: &[i8; 32], j: usize) -> i32 {
+        (q.as_ptr() as *const i32).add(j).read_unaligned()
+    }
+
+    /// Integer offset that turns the sum over unsigned weight bytes into
+    /// the sum over the block's signed weights: `−off · Σq`.
+    const fn offset(kind: Kind) -> i32 {
+        match kind {
+            Kind::Q4_0 => -8,
+            Kind::Q4_1 => 0,
+            Kind::Q8_0 => -128,
+        }
+    }
+
+    /// # Safety
+    /// The CPU has AVX-512 F/BW/VL and VNNI.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub(super) unsafe fn tile_avx512<const K: u8, const TWO: bool, const NI: usize>(
+        w: &Packed,
+        g: usize,
+        ins: &[&[ActBlock]; 4],
+        out: &mut [[f32; GROUP]; 4],
+    ) {
+        let kind = kind_of(K);
+        let (_, h, _) = kind.ggml();
+        let rec = kind.record();
+        let tile = w.tile(g);
+        let p = tile.as_ptr();
+        let nibble = _mm512_set1_epi8(0x0F);
+        let flip = _mm512_set1_epi8(-128);
+        let mut y = [_mm512_setzero_ps(); NI];
+        for b in 0..w.nb {
+            let t = p.add(b * rec);
+            // The tile block four ahead (tiles follow each other in memory).
+            let ahead = t.wrapping_add(4 * rec);
+            for l in (0..rec).step_by(64) {
+                _mm_prefetch(ahead.wrapping_add(l) as *const i8, _MM_HINT_T0);
+            }
+            let d = _mm512_cvtph_ps(_mm256_loadu_si256(t as *const __m256i));
+            let m = if kind == Kind::Q4_1 {
+                _mm512_cvtph_ps(_mm256_loadu_si256(t.add(32) as *const __m256i))
+            } else {
+                _mm512_setzero_ps()
+            };
+            let vals = t.add(GROUP * h);
+            let mut wv = [_mm512_setzero_si512(); 8];
+            if kind == Kind::Q8_0 {
+                for j in 0..8 {
+                    let raw = _mm512_loadu_si512(vals.add(64 * j) as *const _);
+                    wv[j] = _mm512_xor_si512(raw, flip);
+                }
+            } else {
+                for c in 0..4 {
+                    let raw = _mm512_loadu_si512(vals.add(64 * c) as *const _);
+                    wv[c] = _mm512_and_si512(raw, nibble);
+                    wv[c + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+                }
+            }
+            for i in 0..NI {
+                let a: &ActBlock = &ins[i][b];
+                let mut a1 = _mm512_set1_epi32(offset(kind) * a.s[0]);
+                for j in 0..8 {
+                    a1 = _mm512_dpbusd_epi32(a1, wv[j], _mm512_set1_epi32(quad(&a.q[0], j)));
+                }
+                let mut s = _mm512_mul_ps(_mm512_cvtepi32_ps(a1), _mm512_set1_ps(a.d[0]));
+                if TWO {
+                    let mut a2 = _mm512_set1_epi32(offset(kind) * a.s[1]);
+                    for j in 0..8 {
+                        a2 = _mm512_dpbusd_epi32(a2, wv[j], _mm512_set1_epi32(quad(&a.q[1], j)));
+                    }
+                    s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a2), _mm512_set1_ps(a.d[1]), s);
+                }
+                y[i] = _mm512_fmadd_ps(d, s, y[i]);
+                if kind == Kind::Q4_1 {
+                    y[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.xsum), y[i]);
+                }
+            }
+        }
+        for i in 0..NI {
+            _mm512_storeu_ps(out[i].as_mut_ptr(), y[i]);
+        }
+    }
+
+    /// How an 8-row register of weight bytes meets four activation bytes.
+    trait Dot8 {
+        /// Unsigned weight bytes (4-bit values, or Q8_0's flipped bytes)
+        /// `w` times signed `q`, added to `acc` per 32-bit lane.
+        unsafe fn dot(acc: __m256i, w: __m256i, q: __m256i) -> __m256i;
+        /// Whether Q8_0 runs on flipped (unsigned) bytes with an offset.
+        const FLIP: bool;
+    }
+
+    struct Maddubs;
+    struct Vnni256;
+
+    impl Dot8 for Maddubs {
+        #[inline(always)]
+        unsafe fn dot(acc: __m256i, w: __m256i, q: __m256i) -> __m256i {
+            // Pairs of products fit i16: 4-bit weights (≤ 15·127·2) and
+            // Q8_0 through the sign trick (≤ 128·127·2).
+            let pairs = _mm256_maddubs_epi16(w, q);
+            _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+        }
+        const FLIP: bool = false;
+    }
+
+    impl Dot8 for Vnni256 {
+        #[inline(always)]
+        unsafe fn dot(acc: __m256i, w: __m256i, q: __m256i) -> __m256i {
+            _mm256_dpbusd_avx_epi32(acc, w, q)
+        }
+        const FLIP: bool = true;
+    }
+
+    /// # Safety
+    /// The CPU has AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn tile_avx2<const K: u8, const TWO: bool, const NI: usize>(
+        w: &Packed,
+        g: usize,
+        ins: &[&[ActBlock]; 4],
+        out: &mut [[f32; GROUP]; 4],
+    ) {
+        tile_256::<Maddubs, K, TWO, NI>(w, g, ins, out)
+    }
+
+    /// # Safety
+    /// The CPU has AVX-VNNI, AVX2, FMA and F16C.
+    #[target_feature(enable = "avxvnni,avx2,fma,f16c")]
+    pub(super) unsafe fn tile_avxvnni<const K: u8, const TWO: bool, const NI: usize>(
+        w: &Packed,
+        g: usize,
+        ins: &[&[ActBlock]; 4],
+        out: &mut [[f32; GROUP]; 4],
+    ) {
+        tile_256::<Vnni256, K, TWO, NI>(w, g, ins, out)
+    }
+
+    /// One level's integer sums for 8 rows.
+    #[inline(always)]
+    unsafe fn level<D: Dot8>(
+        a: &ActBlock,
+        l: usize,
+        off: i32,
+        signed: bool,
+        wv: &[__m256i; 8],
+        abs: &[__m256i; 8],
+    ) -> __m256i {
+        let mut acc = _mm256_set1_epi32(off * a.s[l]);
+        for j in 0..8 {
+            let q = _mm256_set1_epi32(quad(&a.q[l], j));
+            acc = if signed {
+                D::dot(acc, abs[j], _mm256_sign_epi8(q, wv[j]))
+            } else {
+                D::dot(acc, wv[j], q)
+            };
+        }
+        acc
+    }
+
+    /// Two passes of 8 rows.
+    #[inline(always)]
+    unsafe fn tile_256<D: Dot8, const K: u8, const TWO: bool, const NI: usize>(
+        w: &Packed,
+        g: usize,
+        ins: &[&[ActBlock]; 4],
+        out: &mut [[f32; GROUP]; 4],
+    ) {
+        let kind = kind_of(K);
+        let (_, h, _) = kind.ggml();
+        let rec = kind.record();
+        let tile = w.tile(g);
+        let p = tile.as_ptr();
+        let nibble = _mm256_set1_epi8(0x0F);
+        let flip = _mm256_set1_epi8(-128);
+        let off = if kind == Kind::Q8_0 && !D::FLIP {
+            0
+        } else {
+            offset(kind)
+        };
+        for half in 0..2 {
+            let mut y = [_mm256_setzero_ps(); NI];
+            for b in 0..w.nb {
+                let t = p.add(b * rec);
+                let d = _mm256_cvtph_ps(_mm_loadu_si128(t.add(16 * half) as *const __m128i));
+                let m = if kind == Kind::Q4_1 {
+                    _mm256_cvtph_ps(_mm_loadu_si128(t.add(32 + 16 * half) as *const __m128i))
+                } else {
+                    _mm256_setzero_ps()
+                };
+                let vals = t.add(GROUP * h + 32 * half);
+                let mut wv = [_mm256_setzero_si256(); 8];
+                if kind == Kind::Q8_0 {
+                    for j in 0..8 {
+                        let raw = _mm256_loadu_si256(vals.add(64 * j) as *const __m256i);
+                        wv[j] = if D::FLIP {
+                            _mm256_xor_si256(raw, flip)
+                        } else {
+                            raw
+                        };
+                    }
+                } else {
+                    for c in 0..4 {
+                        let raw = _mm256_loadu_si256(vals.add(64 * c) as *const __m256i);
+                        wv[c] = _mm256_and_si256(raw, nibble);
+                        wv[c + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+                    }
+                }
+                // Q8_0 without VNNI: |w| unsigned, the sign moved to q.
+                let signed = kind == Kind::Q8_0 && !D::FLIP;
+                let mut abs = [_mm256_setzero_si256(); 8];
+                if signed {
+                    for j in 0..8 {
+                        abs[j] = _mm256_abs_epi8(wv[j]);
+                    }
+                }
+                for i in 0..NI {
+                    let a: &ActBlock = &ins[i][b];
+                    let a1 = level::<D>(a, 0, off, signed, &wv, &abs);
+                    let mut s = _mm256_mul_ps(_mm256_cvtepi32_ps(a1), _mm256_set1_ps(a.d[0]));
+                    if TWO {
+                        let a2 = level::<D>(a, 1, off, signed, &wv, &abs);
+                        s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a2), _mm256_set1_ps(a.d[1]), s);
+                    }
+                    y[i] = _mm256_fmadd_ps(d, s, y[i]);
+                    if kind == Kind::Q4_1 {
+                        y[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.xsum), y[i]);
+                    }
+                }
+            }
+            for i in 0..NI {
+                _mm256_storeu_ps(out[i].as_mut_ptr().add(8 * half), y[i]);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::quantized::{GgmlDType, QTensor};
+    use candle_core::DType;
+
+    use crate::testing::seeded;
+
+    fn quantized(n: usize, k: usize, d: GgmlDType, seed: u64) -> Vec<u8> {
+        let w = seeded(&[n, k], seed, DType::F32).unwrap();
+        QTensor::quantize(&w, d)
+            .unwrap()
+            .data()
+            .unwrap()
+            .into_owned()
+    }
+
+    fn acts_of(x: &[f32], t: usize, k: usize, levels: usize) -> Vec<ActBlock> {
+        let mut a = vec![ActBlock::default(); t * k / 32];
+        for i in 0..t {
+            quantize_row(
+                &x[i * k..(i + 1) * k],
+                levels,
+                &mut a[i * k / 32..(i + 1) * k / 32],
+            );
+        }
+        a
+    }
+
+    #[test]
+    fn packing_is_lossless() {
+        for d in [GgmlDType::Q4_0, GgmlDType::Q4_1, GgmlDType::Q8_0] {
+            for n in [1, 16, 21, 48] {
+                let data = quantized(n, 96, d, n as u64);
+                let w = Weights::new(WeightFormat::from_ggml(d), &data, n, 96).unwrap();
+                let p = Packed::pack(&w).unwrap();
+                assert_eq!(p.unpack(), data, "{d:?} n={n}");
+            }
+        }
+        let f = vec![0u8; 4 * 32];
+        let w = Weights::new(WeightFormat::F32, &f, 1, 32).unwrap();
+        assert!(Packed::pack(&w).is_none());
+    }
+
+    /// Every format, level count, instruction set of this CPU, batch size
+    /// and row split: the same bits as the scalar reference on the GGML
+    /// blocks; and close to the f32 product.
+    #[test]
+    fn every_path_equals_the_reference_bit_for_bit() {
+        let (n, k) = (37, 160);
+        for d in [GgmlDType::Q4_0, GgmlDType::Q4_1, GgmlDType::Q8_0] {
+            let data = quantized(n, k, d, 3);
+            let w = Weights::new(WeightFormat::from_ggml(d), &data, n, k).unwrap();
+            let p = Packed::pack(&w).unwrap();
+            for t in [1, 3, 4, 9, 70] {
+                let x = seeded(&[t, k], 20 + t as u64, DType::F32).unwrap();
+                let x = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                let exact = crate::matvec_slow(&w, &x, t);
+                for levels in [1, 2] {
+                    let acts = acts_of(&x, t, k, levels);
+                    let want = qmatvec_slow(&w, &acts, t, levels);
+                    for isa in QIsa::available() {
+                        for splits in [&[][..], &[5][..], &[16, 17, 32][..]] {
+                            let mut got = vec![f32::NAN; t * n];
+                            let mut bounds = vec![0];
+                            bounds.extend(splits);
+                            bounds.push(n);
+                            for pr in bounds.windows(2) {
+                                qmatvec(isa, &p, &acts, t, levels, pr[0], pr[1], &mut |i, r, v| {
+                                    got[i * n + r] = v
+                                });
+                            }
+                            for (a, b) in got.iter().zip(&want) {
+                                assert_eq!(
+                                    a.to_bits(),
+                                    b.to_bits(),
+                                    "{d:?} t={t} levels={levels} {isa:?} {splits:?}"
+                                );
+                            }
+                        }
+                    }
+                    // The sums here add 160 terms of magnitude ~0.25 (about
+                    // 40 in absolute value): two levels stay within 2e-3 of
+                    // the f32 product (5e-5 of that), one level only 3e-1.
+                    let tol = if levels == 2 { 2e-3 } else { 3e-1 };
+                    for (a, b) in want.iter().zip(&exact) {
+                        assert!((a - b).abs() < tol, "{d:?} {levels}: {a} vs {b}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn two_levels_stand_for_the_activations_closely() {
+        let x = seeded(&[1, 256], 9, DType::F32).unwrap();
+        let mut x = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        x[5] = 40.0; // an outlier in the first block
+        let a = acts_of(&x, 1, 256, 2);
+        for (b, blk) in a.iter().enumerate() {
+            let xb = &x[32 * b..32 * (b + 1)];
+            let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+            for (v, &want) in blk.values().iter().zip(xb) {
+                assert!((v - want).abs() <= amax / (4.0 * 127.0 * 127.0) * 1.01);
+            }
+            assert_eq!(
+                blk.s[0],
+                blk.q[0].iter().map(|&q| i32::from(q)).sum::<i32>()
+            );
+        }
+        let z = acts_of(&[0.0; 32], 1, 32, 2);
+        assert_eq!(z[0].values(), [0.0; 32]);
+        let mut nan = [0.5f32; 32];
+        nan[3] = f32::INFINITY;
+        assert!(acts_of(&nan, 1, 32, 2)[0].d[0].is_nan());
+    }
+}
