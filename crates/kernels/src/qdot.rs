@@ -18,7 +18,7 @@
 //! ```text
 //! a₁ = Σ w·q₁,  a₂ = Σ w·q₂                 (exact in i32)
 //! s  = f32(a₁)·d₁;  s = fma(f32(a₂), d₂, s)  (second level only)
-//! y  = fma(d, s, y);  y = fma(m, Σx, y)      (Q4_1 only; Σx summed in f32)
+//! y  = fma(d, s, y);  y = fma(m, Σx, y)      (Q4_1 only; Σx of the f32 inputs)
 //! ```
 //!
 //! Integer sums are exact, so each instruction set may form them its own
@@ -313,18 +313,24 @@ fn round(v: f32) -> f32 {
     (v + 12_582_912.0) - 12_582_912.0
 }
 
-/// One int8 level of `v`: the scale and the values.
+/// One int8 level of `v`: the scale and the values. Written as lane
+/// loops over 16 so that it vectorizes; every step is exact or one IEEE
+/// operation per value, so every target gives the same bits.
 #[inline(always)]
 fn level(v: &[f32; 32]) -> (f32, [i8; 32]) {
-    let mut amax = 0f32;
-    let mut finite = true;
-    for &x in v {
-        amax = amax.max(x.abs());
-        finite &= x.is_finite();
+    let mut m = [0f32; 16];
+    let mut bad = 0u32;
+    for j in 0..16 {
+        m[j] = v[j].abs().max(v[j + 16].abs());
+        bad |= u32::from(!v[j].is_finite()) | u32::from(!v[j + 16].is_finite());
     }
-    if !finite {
+    if bad != 0 {
         // Non-finite inputs make non-finite outputs, as in f32.
         return (f32::NAN, [0; 32]);
+    }
+    let mut amax = 0f32;
+    for &x in &m {
+        amax = amax.max(x);
     }
     if amax == 0.0 {
         return (0.0, [0; 32]);
@@ -332,35 +338,65 @@ fn level(v: &[f32; 32]) -> (f32, [i8; 32]) {
     let id = 127.0 / amax;
     let mut q = [0i8; 32];
     for j in 0..32 {
-        q[j] = round(v[j] * id).clamp(-127.0, 127.0) as i8;
+        q[j] = round(v[j] * id).clamp(-127.0, 127.0) as i32 as i8;
     }
     (amax / 127.0, q)
+}
+
+/// One block of `x` (see [`quantize_row`]).
+#[inline(always)]
+fn quantize_block(xb: &[f32; 32], levels: usize) -> ActBlock {
+    let (d1, q1) = level(xb);
+    // Σx by a fixed tree: pairs 16 apart, then the kernels' tree.
+    let pairs: [f32; 16] = std::array::from_fn(|j| xb[j] + xb[j + 16]);
+    let xsum = crate::lanes::reduce16(&pairs);
+    let (d2, q2) = if levels == 2 && d1.is_finite() {
+        let mut r = [0f32; 32];
+        for j in 0..32 {
+            r[j] = xb[j] - d1 * f32::from(q1[j]);
+        }
+        level(&r)
+    } else {
+        (0.0, [0; 32])
+    };
+    let sum = |q: &[i8; 32]| q.iter().map(|&v| i32::from(v)).sum::<i32>();
+    ActBlock {
+        q: [q1, q2],
+        d: [d1, d2],
+        s: [sum(&q1), sum(&q2)],
+        xsum,
+    }
+}
+
+#[inline(always)]
+fn quantize_blocks(x: &[f32], levels: usize, out: &mut [ActBlock]) {
+    for (xb, o) in x.chunks_exact(32).zip(out.iter_mut()) {
+        *o = quantize_block(xb.try_into().expect("32 values"), levels);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn quantize_avx2(x: &[f32], levels: usize, out: &mut [ActBlock]) {
+    quantize_blocks(x, levels, out)
 }
 
 /// Quantizes one activation row (`x.len()` a multiple of 32) to `levels`
 /// (1 or 2) int8 levels per block.
 pub fn quantize_row(x: &[f32], levels: usize, out: &mut [ActBlock]) {
+    quantize_row_on(QIsa::detect(), x, levels, out)
+}
+
+fn quantize_row_on(isa: QIsa, x: &[f32], levels: usize, out: &mut [ActBlock]) {
     assert!(x.len().is_multiple_of(32) && out.len() >= x.len() / 32 && (1..=2).contains(&levels));
-    for (xb, o) in x.chunks_exact(32).zip(out.iter_mut()) {
-        let xb: &[f32; 32] = xb.try_into().expect("32 values");
-        let (d1, q1) = level(xb);
-        let mut xsum = 0f32;
-        for &v in xb {
-            xsum += v;
-        }
-        let (d2, q2) = if levels == 2 && d1.is_finite() {
-            let r: [f32; 32] = std::array::from_fn(|j| xb[j] - d1 * f32::from(q1[j]));
-            level(&r)
-        } else {
-            (0.0, [0; 32])
-        };
-        let sum = |q: &[i8; 32]| q.iter().map(|&v| i32::from(v)).sum::<i32>();
-        *o = ActBlock {
-            q: [q1, q2],
-            d: [d1, d2],
-            s: [sum(&q1), sum(&q2)],
-            xsum,
-        };
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `QIsa` values above Portable come from CPU detection.
+        QIsa::Avx512Vnni => unsafe { quantize_avx512(x, levels, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        QIsa::Avx2 | QIsa::AvxVnni => unsafe { quantize_avx2(x, levels, out) },
+        _ => quantize_blocks(x, levels, out),
     }
 }
 
@@ -592,13 +628,84 @@ fn tile_portable<const K: u8, const TWO: bool, const NI: usize>(
 }
 
 #[cfg(target_arch = "x86_64")]
-use x86::{tile_avx2, tile_avx512, tile_avxvnni};
+use x86::{quantize_avx512, tile_avx2, tile_avx512, tile_avxvnni};
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
 
     use super::{kind_of, ActBlock, Kind, Packed, GROUP};
+
+    /// One level of 32 values in two registers (the steps of
+    /// `super::level`, vectorized): the scale and the i32 values, or
+    /// `None` when a value is not finite.
+    #[inline(always)]
+    unsafe fn level512(lo: __m512, hi: __m512) -> Option<(f32, __m512i, __m512i)> {
+        let zero = _mm512_setzero_ps();
+        // x − x is 0 exactly when x is finite.
+        let finite = _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(_mm512_sub_ps(lo, lo), zero)
+            & _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(_mm512_sub_ps(hi, hi), zero);
+        if finite != 0xFFFF {
+            return None;
+        }
+        let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+        if amax == 0.0 {
+            let z = _mm512_setzero_si512();
+            return Some((0.0, z, z));
+        }
+        let id = _mm512_set1_ps(127.0 / amax);
+        let magic = _mm512_set1_ps(12_582_912.0);
+        let (top, bottom) = (_mm512_set1_epi32(127), _mm512_set1_epi32(-127));
+        let q = |v: __m512| {
+            let r = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(v, id), magic), magic);
+            _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(r), top), bottom)
+        };
+        Some((amax / 127.0, q(lo), q(hi)))
+    }
+
+    /// `super::quantize_blocks` in AVX-512: the same operations, so the
+    /// same bits.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F/BW/VL.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+    pub(super) unsafe fn quantize_avx512(x: &[f32], levels: usize, out: &mut [ActBlock]) {
+        for (xb, o) in x.chunks_exact(32).zip(out.iter_mut()) {
+            let lo = _mm512_loadu_ps(xb.as_ptr());
+            let hi = _mm512_loadu_ps(xb.as_ptr().add(16));
+            let mut pairs = [0f32; 16];
+            _mm512_storeu_ps(pairs.as_mut_ptr(), _mm512_add_ps(lo, hi));
+            let xsum = crate::lanes::reduce16(&pairs);
+            let mut blk = ActBlock {
+                xsum,
+                ..ActBlock::default()
+            };
+            let Some((d1, q1l, q1h)) = level512(lo, hi) else {
+                blk.d = [f32::NAN, 0.0];
+                *o = blk;
+                continue;
+            };
+            let store = |q: &mut [i8; 32], l: __m512i, h: __m512i| {
+                _mm_storeu_si128(q.as_mut_ptr() as *mut __m128i, _mm512_cvtepi32_epi8(l));
+                _mm_storeu_si128(
+                    q.as_mut_ptr().add(16) as *mut __m128i,
+                    _mm512_cvtepi32_epi8(h),
+                );
+                _mm512_reduce_add_epi32(_mm512_add_epi32(l, h))
+            };
+            blk.d[0] = d1;
+            blk.s[0] = store(&mut blk.q[0], q1l, q1h);
+            if levels == 2 {
+                let d = _mm512_set1_ps(d1);
+                let rl = _mm512_sub_ps(lo, _mm512_mul_ps(d, _mm512_cvtepi32_ps(q1l)));
+                let rh = _mm512_sub_ps(hi, _mm512_mul_ps(d, _mm512_cvtepi32_ps(q1h)));
+                let (d2, q2l, q2h) = level512(rl, rh).expect("finite residuals of finite values");
+                blk.d[1] = d2;
+                blk.s[1] = store(&mut blk.q[1], q2l, q2h);
+            }
+            *o = blk;
+        }
+    }
 
     /// The i32 at `q[4j..4j + 4]` in every lane.
     #[inline(always)]
@@ -859,7 +966,8 @@ mod tests {
     fn acts_of(x: &[f32], t: usize, k: usize, levels: usize) -> Vec<ActBlock> {
         let mut a = vec![ActBlock::default(); t * k / 32];
         for i in 0..t {
-            quantize_row(
+            quantize_row_on(
+                QIsa::Portable,
                 &x[i * k..(i + 1) * k],
                 levels,
                 &mut a[i * k / 32..(i + 1) * k / 32],
@@ -948,6 +1056,23 @@ mod tests {
                 blk.s[0],
                 blk.q[0].iter().map(|&q| i32::from(q)).sum::<i32>()
             );
+        }
+        let mut with_inf = x.clone();
+        with_inf[70] = f32::NEG_INFINITY;
+        for (isa, x) in QIsa::available()
+            .into_iter()
+            .flat_map(|i| [(i, &x), (i, &with_inf)])
+        {
+            for levels in [1, 2] {
+                let mut got = vec![ActBlock::default(); 8];
+                quantize_row_on(isa, x, levels, &mut got);
+                let want = acts_of(x, 1, 256, levels);
+                for (g, w) in got.iter().zip(&want) {
+                    assert_eq!((g.q, g.s), (w.q, w.s), "{isa:?}");
+                    assert_eq!(g.d.map(f32::to_bits), w.d.map(f32::to_bits), "{isa:?}");
+                    assert_eq!(g.xsum.to_bits(), w.xsum.to_bits(), "{isa:?}");
+                }
+            }
         }
         let z = acts_of(&[0.0; 32], 1, 32, 2);
         assert_eq!(z[0].values(), [0.0; 32]);
