@@ -34,7 +34,8 @@ bench:
     python3 scripts/criterion_table.py --readme
 
 # Prefill and decode speed of Tessera beside candle's quantized_llama (same run), decode deep in a
-# context and with 4 and 8 sequences beside one (same run), then the README's tables.
+# context and with 4 and 8 sequences beside one (same run), the integer activation modes' agreement
+# with f32 activations, then the README's tables.
 bench-model: model
     cargo build --release -p tessera
     mkdir -p target/bench
@@ -42,6 +43,7 @@ bench-model: model
     ./target/release/tessera bench --model models/SmolLM2-135M-Instruct.Q4_1.gguf --scenario decode --runs 3 --json | tee -a target/bench/model.jsonl
     ./target/release/tessera bench --model models/SmolLM2-135M-Instruct.Q4_1.gguf --scenario decode-long --runs 3 --json | tee -a target/bench/model.jsonl
     ./target/release/tessera bench --model models/SmolLM2-135M-Instruct.Q4_1.gguf --scenario decode-batch --runs 3 --json | tee -a target/bench/model.jsonl
+    ./target/release/tessera bench --model models/SmolLM2-135M-Instruct.Q4_1.gguf --scenario fidelity --json | tee -a target/bench/model.jsonl
     python3 scripts/readme_tables.py model
 
 # The KV-cache scenarios: chat TTFT with and without reuse, shared prefix, interleaved conversations, context shift; then the README's tables.

@@ -42,11 +42,41 @@ def header():
     return f"{measured()}, SmolLM2-135M-Instruct Q4_1, default (portable) release build"
 
 
-def rows(name):
+def lines(name):
     path = BENCH / name
     if not path.exists():
         sys.exit(f"{path} is missing: run the recipe that writes it")
-    return {r["scenario"]: r for r in map(json.loads, path.read_text().splitlines())}
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def rows(name):
+    return {r["scenario"]: r for r in lines(name)}
+
+
+def fidelity(name):
+    """The `fidelity` rows (one per integer activation mode)."""
+    f = [r for r in lines(name) if r["scenario"] == "fidelity"]
+    if not f:
+        return []
+    out = [
+        "",
+        f"Agreement with f32 activations (`--scenario fidelity`): {f[0]['replies']} chat prompts, each "
+        f"followed by the reply f32 activations give greedily ({f[0]['positions']} reply positions in all), "
+        "read by each mode as prefills (f16 KV cache); KL(f32 ‖ mode) of the next-token distributions, and "
+        "each mode's own greedy replies against f32's:",
+        "",
+        "| activations | top-1 agreement | KL mean | KL p99 | KL max | greedy replies identical | "
+        "reply tokens before the first difference |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    names = {"int8x2": "two int8 levels per block (default)", "int8": "one int8 level (`--activations int8`)"}
+    for r in f:
+        out.append(
+            f"| {names.get(r['activations'], r['activations'])} | {r['top1'] * 100:.2f}% | {r['kl_mean']:.1e} | "
+            f"{r['kl_p99']:.1e} | {r['kl_max']:.1e} | {r['identical_replies']}/{r['replies']} | "
+            f"{r['tokens_before_divergence']}/{r['reply_tokens']} |"
+        )
+    return out
 
 
 def model():
@@ -86,7 +116,7 @@ def model():
             f"| decode-batch: 8 sequences decoding together, aggregate | {bt['batch8']:.1f} tok/s | "
             f"{bt['single']:.1f} tok/s | {bt['ratio8']:.2f}× |",
         ]
-    return out
+    return out + fidelity("model.jsonl")
 
 
 def engine():

@@ -32,6 +32,9 @@ pub enum Scenario {
     /// Several sequences decoding together (4 and 8): aggregate tok/s
     /// beside one sequence alone in the same run.
     DecodeBatch,
+    /// Agreement of the integer activation modes with f32 activations:
+    /// top-1 and KL over a fixed corpus, and greedy replies.
+    Fidelity,
     /// A long random mix of requests (lengths, n > 1, cancellations,
     /// context shifts, sessions, defragment, shrink and grow, injected
     /// faults): errors, leaked blocks, RSS.
@@ -76,6 +79,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         Scenario::Interleaved => return crate::scenarios::interleaved(model, &args),
         Scenario::Shift => return crate::scenarios::shift(model, &args),
         Scenario::Soak => return crate::soak::soak(model, &args),
+        Scenario::Fidelity => return crate::fidelity::fidelity(model, &args),
         Scenario::DecodeLong | Scenario::DecodeBatch => {
             return crate::scenarios::decode_depth_and_width(model, &args)
         }

@@ -6,6 +6,7 @@
 
 mod bench;
 mod chat;
+mod fidelity;
 mod scenarios;
 mod soak;
 
@@ -18,7 +19,7 @@ use tessera_engine::{
     CacheDType, Completion, Engine, EngineConfig, GenerateRequest, Message, ModelSource, Prompt,
     SamplingParams,
 };
-use tessera_model::{Model, Special};
+use tessera_model::{Activations, Model, Special};
 
 #[derive(Parser)]
 #[command(
@@ -77,6 +78,14 @@ pub(crate) struct KvArgs {
     /// Tokens per KV block.
     #[arg(long, default_value_t = 16)]
     block_size: usize,
+    /// Activations of quantized layers: int8x2 (two int8 levels per block,
+    /// the default), f32, or int8 (one level: faster, less exact).
+    #[arg(long, value_parser = parse_activations)]
+    activations: Option<Activations>,
+}
+
+fn parse_activations(s: &str) -> Result<Activations, String> {
+    Activations::parse(s).ok_or_else(|| format!("`{s}`: expected int8x2, f32 or int8"))
 }
 
 impl KvArgs {
@@ -88,6 +97,7 @@ impl KvArgs {
             cache_dtype: self.cache_dtype,
             prefix_cache,
             context_length: self.ctx,
+            activations: self.activations,
             ..EngineConfig::default()
         }
     }

@@ -99,6 +99,9 @@ impl Engine {
                 .num_threads(n.max(1))
                 .build_global();
         }
+        if let Some(a) = cfg.activations {
+            model.llama.set_activations(a);
+        }
         let mc = model.config();
         let per_block = cfg.block_size * mc.kv_bytes_per_token(cfg.cache_dtype.bytes());
         let ctx = cfg.context_length.unwrap_or(mc.context_length);

@@ -45,6 +45,7 @@ pub use sampler::{Sampler, SamplingParams, SplitMix64};
 pub use snapshot::{Geometry, KvSnapshot, LayerBytes, CACHE_FILE, FORMAT_VERSION};
 pub use source::ModelSource;
 pub use stream::{Event, RequestStream};
+pub use tessera_model::Activations;
 pub use tessera_model::{Message, Model};
 pub use types::{
     CacheDType, Completion, ContextShift, EngineConfig, EngineStats, Fault, FaultHook, FaultSite,

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use candle_core::DType;
 use tessera_kv::KvStats;
-use tessera_model::Message;
+use tessera_model::{Activations, Message};
 
 use crate::sampler::SamplingParams;
 
@@ -66,6 +66,10 @@ pub struct EngineConfig {
     /// Compute threads (default: all cores). The pool is process-wide: the
     /// first engine (or `RAYON_NUM_THREADS`) sets it.
     pub threads: Option<usize>,
+    /// How quantized weights meet activations on the CPU: two int8
+    /// levels per block (default), f32, or one int8 level (faster, less
+    /// exact). `None`: the model's setting (`TESSERA_ACTIVATIONS`).
+    pub activations: Option<Activations>,
     /// Faults injected into chosen steps (tests and the soak benchmark).
     pub faults: Option<FaultHook>,
 }
@@ -83,6 +87,7 @@ impl Default for EngineConfig {
             cache_dir: None,
             defrag_threshold: 0.25,
             threads: None,
+            activations: None,
             faults: None,
         }
     }

@@ -26,4 +26,5 @@ pub use loader::{GgufFile, HfDir};
 pub use model::{Model, ModelFormat};
 pub use qlinear::QLinear;
 pub use template::{ChatTemplate, Message};
+pub use tessera_kernels::Activations;
 pub use tokenizer::{Special, StreamDecoder, Tokenizer};

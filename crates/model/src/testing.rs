@@ -414,6 +414,32 @@ pub fn paged_greedy(
     Ok((out, all))
 }
 
+/// The logits of every position of `tokens`, computed as one prefill on
+/// a fresh paged cache of `cache_dtype` (`model.forward`).
+pub fn prefill_logits(
+    model: &crate::Llama,
+    tokens: &[u32],
+    cache_dtype: DType,
+) -> Result<Vec<Vec<f32>>> {
+    let bs = 16;
+    let nb = tokens.len().div_ceil(bs) + 1;
+    let cache = model.new_cache(nb, bs, cache_dtype)?;
+    let table: Vec<u32> = (0..nb as u32).collect();
+    let positions: Vec<u32> = (0..tokens.len() as u32).collect();
+    let seq = vec![0; tokens.len()];
+    let batch = crate::Batch {
+        tokens,
+        positions: &positions,
+        slots: &positions,
+        token_seq: &seq,
+        block_tables: &table,
+        max_blocks: nb,
+        block_size: bs,
+        logits_for: &positions,
+    };
+    Ok(model.forward(&batch, &cache)?.to_vec2::<f32>()?)
+}
+
 /// The same through the plain contiguous f32 cache ([`crate::DenseKv`]).
 pub fn dense_greedy(
     model: &crate::Llama,
