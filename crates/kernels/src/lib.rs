@@ -24,11 +24,13 @@
 //!
 //! The CPU forward pass (`tessera-model`'s fast path) also runs on this
 //! crate: [`pool::StepPool`] (a persistent team of workers with barriers),
-//! [`matvec`] (linear layers on GGML blocks with f32 activations, one fixed
-//! order of fused sums per row) and [`attend_item`]/[`merge`] (attention
-//! cut into 128-position chunks merged by log-sum-exp). Each is compiled
-//! for AVX-512, AVX2 and the baseline target, chosen at run time ([`Isa`]),
-//! and all three give the same bits.
+//! [`qmatvec`] (linear layers as integer dot products on repacked GGML
+//! tiles, activations in two int8 levels per block), [`matvec`] (linear
+//! layers on GGML blocks with f32 activations, one fixed order of fused
+//! sums per row) and [`attend_item`]/[`merge`] (attention cut into
+//! 128-position chunks merged by log-sum-exp). Each is compiled for
+//! several instruction sets, chosen at run time ([`Isa`], [`QIsa`]), and
+//! all give the same bits.
 //!
 //! Only the CPU backend exists so far; on another device every op returns an
 //! error that says so (candle's default for custom ops).

@@ -1,5 +1,5 @@
 //! Linear layers as integer dot products: GGML weight blocks (Q4_0, Q4_1,
-//! Q8_0) repacked at load into tiles of 16 interleaved rows, against
+//! Q5_0, Q5_1, Q8_0) repacked at load into tiles of 16 interleaved rows, against
 //! activations quantized per 32-value block to **two int8 levels**
 //! (`x ≈ d₁·q₁ + d₂·q₂`, the second level quantizing what the first left
 //! over), or to one level as an explicit opt-in ([`Activations`]).
@@ -13,12 +13,13 @@
 //!
 //! **One arithmetic for every row, whatever the batch.** Per (row, input)
 //! and block `b`, with `w` the block's integer weights (Q4_0: `n − 8`,
-//! Q4_1: `n`, Q8_0: the signed bytes), `d`/`m` its scale and minimum:
+//! Q5_0: `n − 16`, Q4_1 and Q5_1: `n`, Q8_0: the signed bytes), `d`/`m`
+//! its scale and minimum:
 //!
 //! ```text
 //! a₁ = Σ w·q₁,  a₂ = Σ w·q₂                 (exact in i32)
 //! s  = f32(a₁)·d₁;  s = fma(f32(a₂), d₂, s)  (second level only)
-//! y  = fma(d, s, y);  y = fma(m, Σx, y)      (Q4_1 only; Σx of the f32 inputs)
+//! y  = fma(d, s, y);  y = fma(m, Σx, y)      (Q4_1, Q5_1; Σx of the f32 inputs)
 //! ```
 //!
 //! Integer sums are exact, so each instruction set may form them its own
@@ -29,12 +30,15 @@
 //! which reads the original GGML blocks).
 //!
 //! Tile layout ([`Packed`]), per group of 16 rows and per block: the 16
-//! f16 scales, the 16 f16 minimums (Q4_1), then the values with four
-//! consecutive values of a row in each 32-bit lane: chunk `c` holds, at
-//! byte `4r + e`, the GGML byte `4c + e` of row `r` (for 4-bit blocks that
-//! byte's low nibble is value `4c + e` and its high nibble value
-//! `16 + 4c + e`; Q8_0 has eight chunks of one value each). The same bytes
-//! as the GGML file, moved: [`Packed::unpack`] restores them exactly.
+//! f16 scales, the 16 f16 minimums (Q4_1, Q5_1), for Q5 the fifth bits as
+//! eight 64-bit masks (mask `j`, bit `4r + e`: value `4j + e` of row `r`,
+//! which becomes a byte mask in one instruction), then the values with
+//! four consecutive values of a row in each 32-bit lane: chunk `c` holds,
+//! at byte `4r + e`, the GGML byte `4c + e` of row `r` (for 4- and 5-bit
+//! blocks that byte's low nibble is value `4c + e` and its high nibble
+//! value `16 + 4c + e`; Q8_0 has eight chunks of one value each). The
+//! same bytes as the GGML file, moved: [`Packed::unpack`] restores them
+//! exactly.
 
 // Lane loops index several arrays in step.
 #![allow(clippy::needless_range_loop)]
@@ -160,6 +164,8 @@ impl QIsa {
 enum Kind {
     Q4_0,
     Q4_1,
+    Q5_0,
+    Q5_1,
     Q8_0,
 }
 
@@ -168,24 +174,67 @@ impl Kind {
         match f {
             WeightFormat::Q4_0 => Some(Kind::Q4_0),
             WeightFormat::Q4_1 => Some(Kind::Q4_1),
+            WeightFormat::Q5_0 => Some(Kind::Q5_0),
+            WeightFormat::Q5_1 => Some(Kind::Q5_1),
             WeightFormat::Q8_0 => Some(Kind::Q8_0),
             _ => None,
         }
     }
 
-    /// GGML block: bytes, header bytes (scales), value bytes.
-    fn ggml(self) -> (usize, usize, usize) {
+    /// f16 planes at the start of a block: the scale, and the minimum.
+    fn planes(self) -> usize {
         match self {
-            Kind::Q4_0 => (18, 2, 16),
-            Kind::Q4_1 => (20, 4, 16),
-            Kind::Q8_0 => (34, 2, 32),
+            Kind::Q4_1 | Kind::Q5_1 => 2,
+            _ => 1,
         }
     }
 
-    /// Bytes of one tile block: 16 rows' headers, then their values.
+    fn has_min(self) -> bool {
+        self.planes() == 2
+    }
+
+    /// A fifth bit per value (`qh`, 4 bytes after the f16s).
+    fn high(self) -> bool {
+        matches!(self, Kind::Q5_0 | Kind::Q5_1)
+    }
+
+    /// Bytes of values (`qs`) per block.
+    fn qs(self) -> usize {
+        if self == Kind::Q8_0 {
+            32
+        } else {
+            16
+        }
+    }
+
+    /// Bytes of one GGML block.
+    fn block(self) -> usize {
+        2 * self.planes() + 4 * usize::from(self.high()) + self.qs()
+    }
+
+    /// Offset of the high-bit masks in a tile block.
+    fn masks_at(self) -> usize {
+        GROUP * 2 * self.planes()
+    }
+
+    /// Offset of the values in a tile block.
+    fn values_at(self) -> usize {
+        self.masks_at() + 64 * usize::from(self.high())
+    }
+
+    /// Bytes of one tile block (16 GGML blocks' bytes).
     fn record(self) -> usize {
-        let (_, h, v) = self.ggml();
-        GROUP * (h + v)
+        GROUP * self.block()
+    }
+
+    /// What the integer weights the kernels multiply (`n`, unsigned)
+    /// lack from the block's signed weights: `w = n + bias`.
+    fn bias(self) -> i32 {
+        match self {
+            Kind::Q4_0 => -8,
+            Kind::Q5_0 => -16,
+            Kind::Q4_1 | Kind::Q5_1 | Kind::Q8_0 => 0,
+        }
     }
 }
 
@@ -204,24 +253,39 @@ impl Packed {
     /// The tiles of `w`, or `None` for a format without an integer path.
     pub fn pack(w: &Weights) -> Option<Packed> {
         let kind = Kind::of(w.format)?;
-        let (bb, h, v) = kind.ggml();
+        let bb = kind.block();
         let nb = w.k / 32;
         let groups = w.n.div_ceil(GROUP);
         let rec = kind.record();
         let mut data = vec![0u8; groups * nb * rec];
         let rb = w.row_bytes();
+        let (h, planes) = (2 * kind.planes(), kind.planes());
+        let qs_at = h + 4 * usize::from(kind.high());
         for row in 0..w.n {
             let (g, r) = (row / GROUP, row % GROUP);
             for b in 0..nb {
                 let blk = &w.data[row * rb + b * bb..row * rb + (b + 1) * bb];
                 let out = &mut data[(g * nb + b) * rec..(g * nb + b + 1) * rec];
-                for (j, pair) in blk[..h].chunks_exact(2).enumerate() {
-                    out[j * 2 * GROUP + 2 * r..j * 2 * GROUP + 2 * r + 2].copy_from_slice(pair);
+                for j in 0..planes {
+                    out[j * 2 * GROUP + 2 * r..j * 2 * GROUP + 2 * r + 2]
+                        .copy_from_slice(&blk[2 * j..2 * j + 2]);
                 }
-                let vals = &mut out[GROUP * h..];
-                for c in 0..v / 4 {
+                if kind.high() {
+                    let qh = u32::from_le_bytes([blk[h], blk[h + 1], blk[h + 2], blk[h + 3]]);
+                    let masks = &mut out[kind.masks_at()..kind.values_at()];
+                    for j in 0..8 {
+                        for e in 0..4 {
+                            if qh >> (4 * j + e) & 1 == 1 {
+                                let bit = 4 * r + e;
+                                masks[8 * j + bit / 8] |= 1 << (bit % 8);
+                            }
+                        }
+                    }
+                }
+                let vals = &mut out[kind.values_at()..];
+                for c in 0..kind.qs() / 4 {
                     vals[64 * c + 4 * r..64 * c + 4 * r + 4]
-                        .copy_from_slice(&blk[h + 4 * c..h + 4 * c + 4]);
+                        .copy_from_slice(&blk[qs_at + 4 * c..qs_at + 4 * c + 4]);
                 }
             }
         }
@@ -237,21 +301,35 @@ impl Packed {
 
     /// The GGML bytes the tiles were made from.
     pub fn unpack(&self) -> Vec<u8> {
-        let (bb, h, v) = self.kind.ggml();
-        let rec = self.kind.record();
+        let kind = self.kind;
+        let bb = kind.block();
+        let rec = kind.record();
+        let (h, planes) = (2 * kind.planes(), kind.planes());
+        let qs_at = h + 4 * usize::from(kind.high());
         let mut out = vec![0u8; self.n * self.nb * bb];
         for row in 0..self.n {
             let (g, r) = (row / GROUP, row % GROUP);
             for b in 0..self.nb {
                 let blk = &mut out[(row * self.nb + b) * bb..(row * self.nb + b + 1) * bb];
                 let tile = &self.data[(g * self.nb + b) * rec..(g * self.nb + b + 1) * rec];
-                for j in 0..h / 2 {
+                for j in 0..planes {
                     blk[2 * j..2 * j + 2]
                         .copy_from_slice(&tile[j * 2 * GROUP + 2 * r..j * 2 * GROUP + 2 * r + 2]);
                 }
-                let vals = &tile[GROUP * h..];
-                for c in 0..v / 4 {
-                    blk[h + 4 * c..h + 4 * c + 4]
+                if kind.high() {
+                    let masks = &tile[kind.masks_at()..kind.values_at()];
+                    let mut qh = 0u32;
+                    for j in 0..8 {
+                        for e in 0..4 {
+                            let bit = 4 * r + e;
+                            qh |= u32::from(masks[8 * j + bit / 8] >> (bit % 8) & 1) << (4 * j + e);
+                        }
+                    }
+                    blk[h..h + 4].copy_from_slice(&qh.to_le_bytes());
+                }
+                let vals = &tile[kind.values_at()..];
+                for c in 0..kind.qs() / 4 {
+                    blk[qs_at + 4 * c..qs_at + 4 * c + 4]
                         .copy_from_slice(&vals[64 * c + 4 * r..64 * c + 4 * r + 4]);
                 }
             }
@@ -400,29 +478,34 @@ fn quantize_row_on(isa: QIsa, x: &[f32], levels: usize, out: &mut [ActBlock]) {
     }
 }
 
-/// The integer weights of one GGML block (reference decoding).
+/// The signed integer weights of one GGML block, its scale and minimum
+/// (reference decoding, straight from the GGML layout).
 fn block_ints(kind: Kind, blk: &[u8]) -> (f32, f32, [i32; 32]) {
-    let d = f16_to_f32(u16::from_le_bytes([blk[0], blk[1]]));
+    let f16 = |at: usize| f16_to_f32(u16::from_le_bytes([blk[at], blk[at + 1]]));
+    let d = f16(0);
+    let m = if kind.has_min() { f16(2) } else { 0.0 };
     let mut w = [0i32; 32];
+    let h = 2 * kind.planes();
     match kind {
-        Kind::Q4_0 | Kind::Q4_1 => {
-            let (h, off) = if kind == Kind::Q4_0 { (2, 8) } else { (4, 0) };
-            for j in 0..16 {
-                w[j] = i32::from(blk[h + j] & 0x0F) - off;
-                w[j + 16] = i32::from(blk[h + j] >> 4) - off;
-            }
-        }
         Kind::Q8_0 => {
             for j in 0..32 {
                 w[j] = i32::from(blk[2 + j] as i8);
             }
         }
+        _ => {
+            let (qh, qs) = if kind.high() {
+                let qh = u32::from_le_bytes([blk[h], blk[h + 1], blk[h + 2], blk[h + 3]]);
+                (qh, h + 4)
+            } else {
+                (0, h)
+            };
+            for j in 0..16 {
+                let hi = |v: usize| ((qh >> v & 1) << 4) as i32;
+                w[j] = i32::from(blk[qs + j] & 0x0F) + hi(j) + kind.bias();
+                w[j + 16] = i32::from(blk[qs + j] >> 4) + hi(j + 16) + kind.bias();
+            }
+        }
     }
-    let m = if kind == Kind::Q4_1 {
-        f16_to_f32(u16::from_le_bytes([blk[2], blk[3]]))
-    } else {
-        0.0
-    };
     (d, m, w)
 }
 
@@ -435,7 +518,7 @@ fn combine(kind: Kind, two: bool, a1: i32, a2: i32, a: &ActBlock, d: f32, m: f32
         s = (a2 as f32).mul_add(a.d[1], s);
     }
     let mut y = d.mul_add(s, y);
-    if kind == Kind::Q4_1 {
+    if kind.has_min() {
         y = m.mul_add(a.xsum, y);
     }
     y
@@ -446,7 +529,7 @@ fn combine(kind: Kind, two: bool, a1: i32, a2: i32, a: &ActBlock, d: f32, m: f32
 /// `out[i * n + r]`.
 pub fn qmatvec_slow(w: &Weights, acts: &[ActBlock], t: usize, levels: usize) -> Vec<f32> {
     let kind = Kind::of(w.format).expect("a format with an integer path");
-    let (bb, _, _) = kind.ggml();
+    let bb = kind.block();
     let nb = w.k / 32;
     let rb = w.row_bytes();
     let mut out = vec![0f32; t * w.n];
@@ -532,19 +615,16 @@ fn run_tile(
 ) {
     macro_rules! go {
         ($f:ident) => {
+            go!($f, [Q4_0 0, Q4_1 1, Q8_0 2, Q5_0 3, Q5_1 4])
+        };
+        ($f:ident, [$($k:ident $n:literal),*]) => {
             match (w.kind, two, ni) {
-                (Kind::Q4_0, false, 1) => $f::<0, false, 1>(w, g, ins, out),
-                (Kind::Q4_0, false, _) => $f::<0, false, 4>(w, g, ins, out),
-                (Kind::Q4_0, true, 1) => $f::<0, true, 1>(w, g, ins, out),
-                (Kind::Q4_0, true, _) => $f::<0, true, 4>(w, g, ins, out),
-                (Kind::Q4_1, false, 1) => $f::<1, false, 1>(w, g, ins, out),
-                (Kind::Q4_1, false, _) => $f::<1, false, 4>(w, g, ins, out),
-                (Kind::Q4_1, true, 1) => $f::<1, true, 1>(w, g, ins, out),
-                (Kind::Q4_1, true, _) => $f::<1, true, 4>(w, g, ins, out),
-                (Kind::Q8_0, false, 1) => $f::<2, false, 1>(w, g, ins, out),
-                (Kind::Q8_0, false, _) => $f::<2, false, 4>(w, g, ins, out),
-                (Kind::Q8_0, true, 1) => $f::<2, true, 1>(w, g, ins, out),
-                (Kind::Q8_0, true, _) => $f::<2, true, 4>(w, g, ins, out),
+                $(
+                    (Kind::$k, false, 1) => $f::<$n, false, 1>(w, g, ins, out),
+                    (Kind::$k, false, _) => $f::<$n, false, 4>(w, g, ins, out),
+                    (Kind::$k, true, 1) => $f::<$n, true, 1>(w, g, ins, out),
+                    (Kind::$k, true, _) => $f::<$n, true, 4>(w, g, ins, out),
+                )*
             }
         };
     }
@@ -566,7 +646,9 @@ const fn kind_of(k: u8) -> Kind {
     match k {
         0 => Kind::Q4_0,
         1 => Kind::Q4_1,
-        _ => Kind::Q8_0,
+        2 => Kind::Q8_0,
+        3 => Kind::Q5_0,
+        _ => Kind::Q5_1,
     }
 }
 
@@ -579,30 +661,39 @@ fn tile_portable<const K: u8, const TWO: bool, const NI: usize>(
     out: &mut [[f32; GROUP]; 4],
 ) {
     let kind = kind_of(K);
-    let (_, h, v) = kind.ggml();
     let rec = kind.record();
     let tile = w.tile(g);
     let mut y = [[0f32; GROUP]; NI];
     for b in 0..w.nb {
         let t = &tile[b * rec..(b + 1) * rec];
-        let vals = &t[GROUP * h..];
+        let masks = &t[kind.masks_at()..kind.values_at()];
+        let vals = &t[kind.values_at()..];
+        // The fifth bit of value `4j + e` of row `r` (0 without one).
+        let hi = |r: usize, j: usize, e: usize| -> i32 {
+            if kind.high() {
+                let bit = 4 * r + e;
+                i32::from(masks[8 * j + bit / 8] >> (bit % 8) & 1) << 4
+            } else {
+                0
+            }
+        };
         let mut wi = [[0i32; 32]; GROUP];
         let mut d = [0f32; GROUP];
         let mut m = [0f32; GROUP];
         for r in 0..GROUP {
             d[r] = f16_to_f32(u16::from_le_bytes([t[2 * r], t[2 * r + 1]]));
-            if kind == Kind::Q4_1 {
+            if kind.has_min() {
                 m[r] = f16_to_f32(u16::from_le_bytes([t[32 + 2 * r], t[33 + 2 * r]]));
             }
-            for c in 0..v / 4 {
+            for c in 0..kind.qs() / 4 {
                 for e in 0..4 {
                     let byte = vals[64 * c + 4 * r + e];
                     match kind {
                         Kind::Q8_0 => wi[r][4 * c + e] = i32::from(byte as i8),
                         _ => {
-                            let off = if kind == Kind::Q4_0 { 8 } else { 0 };
-                            wi[r][4 * c + e] = i32::from(byte & 0x0F) - off;
-                            wi[r][16 + 4 * c + e] = i32::from(byte >> 4) - off;
+                            let bias = kind.bias();
+                            wi[r][4 * c + e] = i32::from(byte & 0x0F) + hi(r, c, e) + bias;
+                            wi[r][16 + 4 * c + e] = i32::from(byte >> 4) + hi(r, c + 4, e) + bias;
                         }
                     }
                 }
@@ -715,11 +806,10 @@ mod x86 {
 
     /// Integer offset that turns the sum over unsigned weight bytes into
     /// the sum over the block's signed weights: `−off · Σq`.
-    const fn offset(kind: Kind) -> i32 {
+    fn offset(kind: Kind) -> i32 {
         match kind {
-            Kind::Q4_0 => -8,
-            Kind::Q4_1 => 0,
             Kind::Q8_0 => -128,
+            k => k.bias(),
         }
     }
 
@@ -733,12 +823,12 @@ mod x86 {
         out: &mut [[f32; GROUP]; 4],
     ) {
         let kind = kind_of(K);
-        let (_, h, _) = kind.ggml();
         let rec = kind.record();
         let tile = w.tile(g);
         let p = tile.as_ptr();
         let nibble = _mm512_set1_epi8(0x0F);
         let flip = _mm512_set1_epi8(-128);
+        let fifth = _mm512_set1_epi8(0x10);
         let mut y = [_mm512_setzero_ps(); NI];
         for b in 0..w.nb {
             let t = p.add(b * rec);
@@ -748,12 +838,12 @@ mod x86 {
                 _mm_prefetch(ahead.wrapping_add(l) as *const i8, _MM_HINT_T0);
             }
             let d = _mm512_cvtph_ps(_mm256_loadu_si256(t as *const __m256i));
-            let m = if kind == Kind::Q4_1 {
+            let m = if kind.has_min() {
                 _mm512_cvtph_ps(_mm256_loadu_si256(t.add(32) as *const __m256i))
             } else {
                 _mm512_setzero_ps()
             };
-            let vals = t.add(GROUP * h);
+            let vals = t.add(kind.values_at());
             let mut wv = [_mm512_setzero_si512(); 8];
             if kind == Kind::Q8_0 {
                 for j in 0..8 {
@@ -765,6 +855,14 @@ mod x86 {
                     let raw = _mm512_loadu_si512(vals.add(64 * c) as *const _);
                     wv[c] = _mm512_and_si512(raw, nibble);
                     wv[c + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+                }
+                if kind.high() {
+                    // One mask bit per byte of each register: its fifth bit.
+                    let masks = t.add(kind.masks_at()) as *const u64;
+                    for j in 0..8 {
+                        let k: __mmask64 = masks.add(j).read_unaligned();
+                        wv[j] = _mm512_mask_add_epi8(wv[j], k, wv[j], fifth);
+                    }
                 }
             }
             for i in 0..NI {
@@ -782,7 +880,7 @@ mod x86 {
                     s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a2), _mm512_set1_ps(a.d[1]), s);
                 }
                 y[i] = _mm512_fmadd_ps(d, s, y[i]);
-                if kind == Kind::Q4_1 {
+                if kind.has_min() {
                     y[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.xsum), y[i]);
                 }
             }
@@ -878,12 +976,19 @@ mod x86 {
         out: &mut [[f32; GROUP]; 4],
     ) {
         let kind = kind_of(K);
-        let (_, h, _) = kind.ggml();
         let rec = kind.record();
         let tile = w.tile(g);
         let p = tile.as_ptr();
         let nibble = _mm256_set1_epi8(0x0F);
         let flip = _mm256_set1_epi8(-128);
+        let fifth = _mm256_set1_epi8(0x10);
+        // Byte i of a register takes mask bit i: byte i/8 of the mask's
+        // 32 bits, then bit i%8.
+        let spread = _mm256_setr_epi8(
+            0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3,
+            3, 3, 3,
+        );
+        let bits = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
         let off = if kind == Kind::Q8_0 && !D::FLIP {
             0
         } else {
@@ -894,12 +999,12 @@ mod x86 {
             for b in 0..w.nb {
                 let t = p.add(b * rec);
                 let d = _mm256_cvtph_ps(_mm_loadu_si128(t.add(16 * half) as *const __m128i));
-                let m = if kind == Kind::Q4_1 {
+                let m = if kind.has_min() {
                     _mm256_cvtph_ps(_mm_loadu_si128(t.add(32 + 16 * half) as *const __m128i))
                 } else {
                     _mm256_setzero_ps()
                 };
-                let vals = t.add(GROUP * h + 32 * half);
+                let vals = t.add(kind.values_at() + 32 * half);
                 let mut wv = [_mm256_setzero_si256(); 8];
                 if kind == Kind::Q8_0 {
                     for j in 0..8 {
@@ -915,6 +1020,15 @@ mod x86 {
                         let raw = _mm256_loadu_si256(vals.add(64 * c) as *const __m256i);
                         wv[c] = _mm256_and_si256(raw, nibble);
                         wv[c + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+                    }
+                    if kind.high() {
+                        let masks = t.add(kind.masks_at()) as *const u64;
+                        for j in 0..8 {
+                            let k = (masks.add(j).read_unaligned() >> (32 * half)) as u32;
+                            let v = _mm256_shuffle_epi8(_mm256_set1_epi32(k as i32), spread);
+                            let set = _mm256_cmpeq_epi8(_mm256_and_si256(v, bits), bits);
+                            wv[j] = _mm256_or_si256(wv[j], _mm256_and_si256(set, fifth));
+                        }
                     }
                 }
                 // Q8_0 without VNNI: |w| unsigned, the sign moved to q.
@@ -934,7 +1048,7 @@ mod x86 {
                         s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a2), _mm256_set1_ps(a.d[1]), s);
                     }
                     y[i] = _mm256_fmadd_ps(d, s, y[i]);
-                    if kind == Kind::Q4_1 {
+                    if kind.has_min() {
                         y[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.xsum), y[i]);
                     }
                 }
@@ -978,7 +1092,13 @@ mod tests {
 
     #[test]
     fn packing_is_lossless() {
-        for d in [GgmlDType::Q4_0, GgmlDType::Q4_1, GgmlDType::Q8_0] {
+        for d in [
+            GgmlDType::Q4_0,
+            GgmlDType::Q4_1,
+            GgmlDType::Q5_0,
+            GgmlDType::Q5_1,
+            GgmlDType::Q8_0,
+        ] {
             for n in [1, 16, 21, 48] {
                 let data = quantized(n, 96, d, n as u64);
                 let w = Weights::new(WeightFormat::from_ggml(d), &data, n, 96).unwrap();
@@ -997,7 +1117,13 @@ mod tests {
     #[test]
     fn every_path_equals_the_reference_bit_for_bit() {
         let (n, k) = (37, 160);
-        for d in [GgmlDType::Q4_0, GgmlDType::Q4_1, GgmlDType::Q8_0] {
+        for d in [
+            GgmlDType::Q4_0,
+            GgmlDType::Q4_1,
+            GgmlDType::Q5_0,
+            GgmlDType::Q5_1,
+            GgmlDType::Q8_0,
+        ] {
             let data = quantized(n, k, d, 3);
             let w = Weights::new(WeightFormat::from_ggml(d), &data, n, k).unwrap();
             let p = Packed::pack(&w).unwrap();
