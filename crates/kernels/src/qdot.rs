@@ -238,65 +238,141 @@ impl Kind {
     }
 }
 
+/// Zeroed memory for tiles: one allocation, 2 MiB-aligned and advised for
+/// transparent huge pages when it is large. Decode streams every weight
+/// from DRAM once per step; huge pages spare it TLB misses and let the
+/// hardware prefetchers run on past 4 KiB page boundaries.
+struct Arena {
+    ptr: std::ptr::NonNull<u8>,
+    layout: std::alloc::Layout,
+}
+
+// SAFETY: the arena is plain bytes, written only before it is shared.
+unsafe impl Send for Arena {}
+unsafe impl Sync for Arena {}
+
+const HUGE: usize = 2 << 20;
+
+impl Arena {
+    fn new(len: usize) -> Arena {
+        // `TESSERA_HUGE_PAGES=0` leaves the pages to the system's default.
+        let huge = len >= HUGE && std::env::var("TESSERA_HUGE_PAGES").as_deref() != Ok("0");
+        let (size, align) = if huge {
+            (len.div_ceil(HUGE) * HUGE, HUGE)
+        } else {
+            (len.max(1), 64)
+        };
+        let layout = std::alloc::Layout::from_size_align(size, align).expect("tile arena layout");
+        // SAFETY: the layout has a non-zero size.
+        let raw = unsafe { std::alloc::alloc(layout) };
+        let Some(ptr) = std::ptr::NonNull::new(raw) else {
+            std::alloc::handle_alloc_error(layout)
+        };
+        #[cfg(target_os = "linux")]
+        if huge {
+            // A hint only: without transparent huge pages nothing changes.
+            // Given before the first write, so that the first touch of
+            // each 2 MiB maps a huge page.
+            // SAFETY: the range is this allocation, 2 MiB-aligned.
+            unsafe { libc::madvise(raw as *mut libc::c_void, size, libc::MADV_HUGEPAGE) };
+        }
+        // SAFETY: the allocation holds `size` bytes.
+        unsafe { std::ptr::write_bytes(raw, 0, size) };
+        Arena { ptr, layout }
+    }
+
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: the allocation holds `layout.size()` initialized bytes.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.layout.size()) }
+    }
+}
+
+impl Drop for Arena {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this layout.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) }
+    }
+}
+
 /// A weight repacked into tiles of [`GROUP`] rows (see the module docs).
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Packed {
     kind: Kind,
     format: WeightFormat,
     n: usize,
     k: usize,
     nb: usize,
-    data: Vec<u8>,
+    arena: std::sync::Arc<Arena>,
+    /// This weight's bytes in the arena.
+    at: usize,
+    len: usize,
+}
+
+impl std::fmt::Debug for Packed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Packed")
+            .field("format", &self.format)
+            .field("n", &self.n)
+            .field("k", &self.k)
+            .finish()
+    }
 }
 
 impl Packed {
     /// The tiles of `w`, or `None` for a format without an integer path.
     pub fn pack(w: &Weights) -> Option<Packed> {
-        let kind = Kind::of(w.format)?;
-        let bb = kind.block();
-        let nb = w.k / 32;
-        let groups = w.n.div_ceil(GROUP);
-        let rec = kind.record();
-        let mut data = vec![0u8; groups * nb * rec];
-        let rb = w.row_bytes();
-        let (h, planes) = (2 * kind.planes(), kind.planes());
-        let qs_at = h + 4 * usize::from(kind.high());
-        for row in 0..w.n {
-            let (g, r) = (row / GROUP, row % GROUP);
-            for b in 0..nb {
-                let blk = &w.data[row * rb + b * bb..row * rb + (b + 1) * bb];
-                let out = &mut data[(g * nb + b) * rec..(g * nb + b + 1) * rec];
-                for j in 0..planes {
-                    out[j * 2 * GROUP + 2 * r..j * 2 * GROUP + 2 * r + 2]
-                        .copy_from_slice(&blk[2 * j..2 * j + 2]);
+        Packed::pack_all(&[*w]).pop().flatten()
+    }
+
+    /// The tiles of every weight that has an integer path, in one arena
+    /// (so that huge pages cover them all).
+    pub fn pack_all(ws: &[Weights]) -> Vec<Option<Packed>> {
+        let size =
+            |w: &Weights| Kind::of(w.format).map(|k| w.n.div_ceil(GROUP) * (w.k / 32) * k.record());
+        // Each weight starts on a cache line.
+        let total: usize = ws
+            .iter()
+            .filter_map(size)
+            .map(|s| s.div_ceil(64) * 64)
+            .sum();
+        let arena = Arena::new(total);
+        let mut at = 0;
+        let mut placed = Vec::with_capacity(ws.len());
+        for w in ws {
+            match (Kind::of(w.format), size(w)) {
+                (Some(kind), Some(len)) => {
+                    // SAFETY: the arena is not shared yet, and the weights'
+                    // ranges do not overlap.
+                    let dst =
+                        unsafe { std::slice::from_raw_parts_mut(arena.ptr.as_ptr().add(at), len) };
+                    pack_into(kind, w, dst);
+                    placed.push(Some((kind, at, len)));
+                    at += len.div_ceil(64) * 64;
                 }
-                if kind.high() {
-                    let qh = u32::from_le_bytes([blk[h], blk[h + 1], blk[h + 2], blk[h + 3]]);
-                    let masks = &mut out[kind.masks_at()..kind.values_at()];
-                    for j in 0..8 {
-                        for e in 0..4 {
-                            if qh >> (4 * j + e) & 1 == 1 {
-                                let bit = 4 * r + e;
-                                masks[8 * j + bit / 8] |= 1 << (bit % 8);
-                            }
-                        }
-                    }
-                }
-                let vals = &mut out[kind.values_at()..];
-                for c in 0..kind.qs() / 4 {
-                    vals[64 * c + 4 * r..64 * c + 4 * r + 4]
-                        .copy_from_slice(&blk[qs_at + 4 * c..qs_at + 4 * c + 4]);
-                }
+                _ => placed.push(None),
             }
         }
-        Some(Packed {
-            kind,
-            format: w.format,
-            n: w.n,
-            k: w.k,
-            nb,
-            data,
-        })
+        let arena = std::sync::Arc::new(arena);
+        ws.iter()
+            .zip(placed)
+            .map(|(w, p)| {
+                let (kind, at, len) = p?;
+                Some(Packed {
+                    kind,
+                    format: w.format,
+                    n: w.n,
+                    k: w.k,
+                    nb: w.k / 32,
+                    arena: arena.clone(),
+                    at,
+                    len,
+                })
+            })
+            .collect()
+    }
+
+    fn data(&self) -> &[u8] {
+        &self.arena.bytes()[self.at..self.at + self.len]
     }
 
     /// The GGML bytes the tiles were made from.
@@ -311,7 +387,7 @@ impl Packed {
             let (g, r) = (row / GROUP, row % GROUP);
             for b in 0..self.nb {
                 let blk = &mut out[(row * self.nb + b) * bb..(row * self.nb + b + 1) * bb];
-                let tile = &self.data[(g * self.nb + b) * rec..(g * self.nb + b + 1) * rec];
+                let tile = &self.data()[(g * self.nb + b) * rec..(g * self.nb + b + 1) * rec];
                 for j in 0..planes {
                     blk[2 * j..2 * j + 2]
                         .copy_from_slice(&tile[j * 2 * GROUP + 2 * r..j * 2 * GROUP + 2 * r + 2]);
@@ -352,12 +428,52 @@ impl Packed {
     /// Bytes of the tiles (the GGML bytes, plus padding rows of the last
     /// tile).
     pub fn bytes(&self) -> usize {
-        self.data.len()
+        self.len
     }
 
     fn tile(&self, g: usize) -> &[u8] {
         let rec = self.kind.record();
-        &self.data[g * self.nb * rec..(g + 1) * self.nb * rec]
+        &self.data()[g * self.nb * rec..(g + 1) * self.nb * rec]
+    }
+}
+
+/// Writes `w`'s tiles into `data` (zeroed, exactly their size).
+fn pack_into(kind: Kind, w: &Weights, data: &mut [u8]) {
+    let bb = kind.block();
+    let nb = w.k / 32;
+    let groups = w.n.div_ceil(GROUP);
+    let rec = kind.record();
+    assert_eq!(data.len(), groups * nb * rec);
+    let rb = w.row_bytes();
+    let (h, planes) = (2 * kind.planes(), kind.planes());
+    let qs_at = h + 4 * usize::from(kind.high());
+    for row in 0..w.n {
+        let (g, r) = (row / GROUP, row % GROUP);
+        for b in 0..nb {
+            let blk = &w.data[row * rb + b * bb..row * rb + (b + 1) * bb];
+            let out = &mut data[(g * nb + b) * rec..(g * nb + b + 1) * rec];
+            for j in 0..planes {
+                out[j * 2 * GROUP + 2 * r..j * 2 * GROUP + 2 * r + 2]
+                    .copy_from_slice(&blk[2 * j..2 * j + 2]);
+            }
+            if kind.high() {
+                let qh = u32::from_le_bytes([blk[h], blk[h + 1], blk[h + 2], blk[h + 3]]);
+                let masks = &mut out[kind.masks_at()..kind.values_at()];
+                for j in 0..8 {
+                    for e in 0..4 {
+                        if qh >> (4 * j + e) & 1 == 1 {
+                            let bit = 4 * r + e;
+                            masks[8 * j + bit / 8] |= 1 << (bit % 8);
+                        }
+                    }
+                }
+            }
+            let vals = &mut out[kind.values_at()..];
+            for c in 0..kind.qs() / 4 {
+                vals[64 * c + 4 * r..64 * c + 4 * r + 4]
+                    .copy_from_slice(&blk[qs_at + 4 * c..qs_at + 4 * c + 4]);
+            }
+        }
     }
 }
 

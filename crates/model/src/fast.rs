@@ -64,22 +64,16 @@ struct Lin {
 }
 
 impl Lin {
-    fn new(q: &QLinear, acts: Activations) -> Result<Lin> {
+    /// The layer; its tiles come later ([`pack`]).
+    fn new(q: &QLinear) -> Result<Lin> {
         Ok(match q {
             QLinear::Quantized(w) => {
                 let (n, k) = w.shape().dims2()?;
-                let format = WeightFormat::from_ggml(w.dtype());
-                let packed = if acts == Activations::F32 {
-                    None
-                } else {
-                    let data = w.data()?;
-                    Packed::pack(&Weights::new(format, &data, n, k)?)
-                };
                 Lin {
-                    bytes: Bytes::Quantized(format),
+                    bytes: Bytes::Quantized(WeightFormat::from_ggml(w.dtype())),
                     n,
                     k,
-                    packed,
+                    packed: None,
                 }
             }
             QLinear::Dense(t) => {
@@ -205,13 +199,13 @@ impl Fast {
                 ffn_norm: vec_of(&l.ffn_norm)?,
                 qkv_bias,
                 lins: [
-                    Lin::new(&l.q, acts)?,
-                    Lin::new(&l.k, acts)?,
-                    Lin::new(&l.v, acts)?,
-                    Lin::new(&l.o, acts)?,
-                    Lin::new(&l.gate, acts)?,
-                    Lin::new(&l.up, acts)?,
-                    Lin::new(&l.down, acts)?,
+                    Lin::new(&l.q)?,
+                    Lin::new(&l.k)?,
+                    Lin::new(&l.v)?,
+                    Lin::new(&l.o)?,
+                    Lin::new(&l.gate)?,
+                    Lin::new(&l.up)?,
+                    Lin::new(&l.down)?,
                 ],
             });
         }
@@ -235,11 +229,20 @@ impl Fast {
                 return Err(bad("weight shapes do not match the configuration".into()));
             }
         }
-        let head = Lin::new(&m.lm_head, acts)?;
+        let mut head = Lin::new(&m.lm_head)?;
         if (head.n, head.k) != (c.vocab_size, c.hidden_size) {
             return Err(bad(
                 "output head shape does not match the configuration".into()
             ));
+        }
+        if acts != Activations::F32 {
+            let mut lins: Vec<(&mut Lin, &QLinear)> = Vec::new();
+            for (lc, l) in layers.iter_mut().zip(&m.layers) {
+                let qs = [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down];
+                lins.extend(lc.lins.iter_mut().zip(qs));
+            }
+            lins.push((&mut head, &m.lm_head));
+            pack(&mut lins)?;
         }
         Ok(Fast {
             pool: StepPool::new(threads),
@@ -270,6 +273,24 @@ impl Fast {
     pub(crate) fn activations(&self) -> Activations {
         self.acts
     }
+}
+
+/// The integer path's tiles of every layer whose format has one, in one
+/// arena (`Packed::pack_all`).
+fn pack(lins: &mut [(&mut Lin, &QLinear)]) -> Result<()> {
+    let mut datas = Vec::with_capacity(lins.len());
+    for (lin, q) in lins.iter() {
+        datas.push(lin.data(q)?);
+    }
+    let mut ws = Vec::with_capacity(lins.len());
+    for ((lin, _), d) in lins.iter().zip(&datas) {
+        ws.push(Weights::new(lin.format(), d, lin.n, lin.k)?);
+    }
+    let packed = Packed::pack_all(&ws);
+    for ((lin, _), p) in lins.iter_mut().zip(packed) {
+        lin.packed = p;
+    }
+    Ok(())
 }
 
 /// Inputs of at most this many values are quantized by every worker for
