@@ -43,6 +43,33 @@ pub enum KvRows<'a> {
 }
 
 impl KvRows<'_> {
+    /// Hints the cache lines of `n` values at `at` (never faults).
+    #[inline(always)]
+    unsafe fn prefetch<L: Lanes>(&self, at: usize, n: usize) {
+        let (p, bytes) = match self {
+            KvRows::F32(v) => (v.as_ptr().wrapping_add(at) as *const u8, 4 * n),
+            KvRows::F16(v) | KvRows::Bf16(v) => (v.as_ptr().wrapping_add(at) as *const u8, 2 * n),
+        };
+        for l in (0..bytes).step_by(64) {
+            L::prefetch(p.wrapping_add(l));
+        }
+    }
+
+    /// [`KvRows::load`], f16 sixteen values at a time by `L`'s conversion
+    /// (exact: the same values).
+    #[inline(always)]
+    unsafe fn load_lanes<L: Lanes>(&self, at: usize, out: &mut [f32]) {
+        match self {
+            KvRows::F16(v) if out.len().is_multiple_of(16) => {
+                let src = &v[at..at + out.len()];
+                for (s, d) in src.chunks_exact(16).zip(out.chunks_exact_mut(16)) {
+                    L::f16x16(s.try_into().expect("16"), d.try_into().expect("16"));
+                }
+            }
+            _ => self.load(at, out),
+        }
+    }
+
     #[inline(always)]
     fn load(&self, at: usize, out: &mut [f32]) {
         match self {
@@ -199,30 +226,34 @@ fn sum16(a: &[f32]) -> f32 {
     reduce16(&acc) + rest
 }
 
+/// The 16 values at `p`.
+///
+/// # Safety
+/// `p..p + 16` is readable.
+#[inline(always)]
+unsafe fn at16<'a>(p: *const f32) -> &'a [f32; 16] {
+    &*(p as *const [f32; 16])
+}
+
 /// `s[i] = dot16(q, k_i) · scale` for the keys in `k` (`hd` apart), four
 /// keys at a time.
 #[inline(always)]
 unsafe fn scores_lanes<L: Lanes>(q: &[f32], k: &[f32], hd: usize, scale: f32, s: &mut [f32]) {
     let nc = hd / 16;
-    let chunk =
-        |x: &[f32], c: usize| -> [f32; 16] { x[c * 16..(c + 1) * 16].try_into().expect("16") };
+    let n = s.len();
+    assert!(q.len() >= nc * 16 && k.len() >= n * hd && nc <= 16);
+    let (qp, kp) = (q.as_ptr(), k.as_ptr());
     let mut qv = [L::zero(); 16];
     for (c, v) in qv.iter_mut().enumerate().take(nc) {
-        *v = L::load(&chunk(q, c));
+        *v = L::load(at16(qp.add(c * 16)));
     }
-    let n = s.len();
     let mut i = 0;
     while i + 4 <= n {
-        let ks = [
-            &k[i * hd..],
-            &k[(i + 1) * hd..],
-            &k[(i + 2) * hd..],
-            &k[(i + 3) * hd..],
-        ];
         let mut acc = [L::zero(); 4];
         for c in 0..nc {
             for j in 0..4 {
-                acc[j] = L::fma(qv[c], L::load(&chunk(ks[j], c)), acc[j]);
+                let kv = L::load(at16(kp.add((i + j) * hd + c * 16)));
+                acc[j] = L::fma(qv[c], kv, acc[j]);
             }
         }
         for j in 0..4 {
@@ -233,7 +264,7 @@ unsafe fn scores_lanes<L: Lanes>(q: &[f32], k: &[f32], hd: usize, scale: f32, s:
     for (i, si) in s.iter_mut().enumerate().skip(i) {
         let mut acc = L::zero();
         for c in 0..nc {
-            acc = L::fma(qv[c], L::load(&chunk(&k[i * hd..], c)), acc);
+            acc = L::fma(qv[c], L::load(at16(kp.add(i * hd + c * 16))), acc);
         }
         *si = acc.reduce() * scale;
     }
@@ -244,23 +275,23 @@ unsafe fn scores_lanes<L: Lanes>(q: &[f32], k: &[f32], hd: usize, scale: f32, s:
 #[inline(always)]
 unsafe fn values_lanes<L: Lanes>(p: &[f32], v: &[f32], hd: usize, acc: &mut [f32]) {
     let nc = hd / 16;
-    let chunk =
-        |x: &[f32], c: usize| -> [f32; 16] { x[c * 16..(c + 1) * 16].try_into().expect("16") };
+    assert!(v.len() >= p.len() * hd && acc.len() >= nc * 16);
+    let vp = v.as_ptr();
     let mut g = 0;
     while g < nc {
         let m = (nc - g).min(4);
         let mut a = [L::zero(); 4];
         for (i, &pi) in p.iter().enumerate() {
             let pv = L::splat(pi);
-            let row = &v[i * hd + g * 16..];
+            let row = vp.add(i * hd + g * 16);
             if m == 4 {
-                a[0] = L::fma(pv, L::load(&chunk(row, 0)), a[0]);
-                a[1] = L::fma(pv, L::load(&chunk(row, 1)), a[1]);
-                a[2] = L::fma(pv, L::load(&chunk(row, 2)), a[2]);
-                a[3] = L::fma(pv, L::load(&chunk(row, 3)), a[3]);
+                a[0] = L::fma(pv, L::load(at16(row)), a[0]);
+                a[1] = L::fma(pv, L::load(at16(row.add(16))), a[1]);
+                a[2] = L::fma(pv, L::load(at16(row.add(32))), a[2]);
+                a[3] = L::fma(pv, L::load(at16(row.add(48))), a[3]);
             } else {
                 for c in 0..m {
-                    a[c] = L::fma(pv, L::load(&chunk(row, c)), a[c]);
+                    a[c] = L::fma(pv, L::load(at16(row.add(16 * c))), a[c]);
                 }
             }
         }
@@ -309,8 +340,16 @@ unsafe fn item_body<L: Lanes>(
         let p = start + i;
         let slot = table[p / bs] as usize * bs + p % bs;
         let at = (slot * kvh + g) * hd;
-        inp.k.load(at, &mut sc.k[i * hd..(i + 1) * hd]);
-        inp.v.load(at, &mut sc.v[i * hd..(i + 1) * hd]);
+        // The same row a block further on: blocks lie anywhere in the
+        // pool, so the hardware prefetchers lose the stream at each one.
+        if i + bs < n_max {
+            let q = p + bs;
+            let ahead = (table[q / bs] as usize * bs + q % bs) * kvh + g;
+            inp.k.prefetch::<L>(ahead * hd, hd);
+            inp.v.prefetch::<L>(ahead * hd, hd);
+        }
+        inp.k.load_lanes::<L>(at, &mut sc.k[i * hd..(i + 1) * hd]);
+        inp.v.load_lanes::<L>(at, &mut sc.v[i * hd..(i + 1) * hd]);
     }
     sc.rec.resize(hd + 2, 0.0);
     let rec = &mut sc.rec;

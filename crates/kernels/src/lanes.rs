@@ -58,6 +58,15 @@ pub(crate) trait Lanes: Copy {
     /// # Safety
     /// As [`Lanes::zero`].
     unsafe fn f16(bits: u16) -> f32;
+    /// Sixteen f16 values to f32, exactly.
+    /// # Safety
+    /// As [`Lanes::zero`].
+    #[inline(always)]
+    unsafe fn f16x16(src: &[u16; 16], dst: &mut [f32; 16]) {
+        for j in 0..16 {
+            dst[j] = f16_to_f32(src[j]);
+        }
+    }
 }
 
 #[derive(Clone, Copy)]
@@ -129,6 +138,11 @@ pub(crate) mod x86 {
             _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
         }
         #[inline(always)]
+        unsafe fn f16x16(src: &[u16; 16], dst: &mut [f32; 16]) {
+            let h = _mm256_loadu_si256(src.as_ptr() as *const __m256i);
+            _mm512_storeu_ps(dst.as_mut_ptr(), _mm512_cvtph_ps(h))
+        }
+        #[inline(always)]
         unsafe fn prefetch(p: *const u8) {
             _mm_prefetch(p as *const i8, _MM_HINT_T0)
         }
@@ -184,6 +198,13 @@ pub(crate) mod x86 {
         #[inline(always)]
         unsafe fn f16(bits: u16) -> f32 {
             _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
+        }
+        #[inline(always)]
+        unsafe fn f16x16(src: &[u16; 16], dst: &mut [f32; 16]) {
+            let lo = _mm_loadu_si128(src.as_ptr() as *const __m128i);
+            let hi = _mm_loadu_si128(src.as_ptr().add(8) as *const __m128i);
+            _mm256_storeu_ps(dst.as_mut_ptr(), _mm256_cvtph_ps(lo));
+            _mm256_storeu_ps(dst.as_mut_ptr().add(8), _mm256_cvtph_ps(hi));
         }
         #[inline(always)]
         unsafe fn prefetch(p: *const u8) {
