@@ -102,6 +102,7 @@ impl Engine {
         if let Some(a) = cfg.activations {
             model.llama.set_activations(a);
         }
+        model.llama.prepare()?;
         let mc = model.config();
         let per_block = cfg.block_size * mc.kv_bytes_per_token(cfg.cache_dtype.bytes());
         let ctx = cfg.context_length.unwrap_or(mc.context_length);

@@ -44,7 +44,7 @@ use candle_core::{bail, Result};
 #[cfg(target_arch = "x86_64")]
 use crate::lanes::x86;
 use crate::lanes::{reduce16, Lanes, Portable};
-use crate::simd::portable_forced;
+use crate::simd::capped;
 
 /// Instruction sets the kernels are compiled for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -60,15 +60,12 @@ impl Isa {
     pub fn detect() -> Isa {
         static ISA: OnceLock<Isa> = OnceLock::new();
         *ISA.get_or_init(|| {
-            let best = Isa::best();
-            if portable_forced() {
-                return Isa::Portable;
-            }
-            match std::env::var("TESSERA_ISA").as_deref() {
-                Ok("avx2") => best.min(Isa::Avx2),
-                Ok("avx512") => best.min(Isa::Avx512),
-                _ => best,
-            }
+            let names = [
+                ("portable", Isa::Portable),
+                ("avx2", Isa::Avx2),
+                ("avx512", Isa::Avx512),
+            ];
+            capped(Isa::best(), &names)
         })
     }
 

@@ -46,7 +46,7 @@
 use std::sync::OnceLock;
 
 use crate::matvec::{f16_to_f32, WeightFormat, Weights};
-use crate::simd::portable_forced;
+use crate::simd::capped;
 
 /// Rows per tile.
 pub const GROUP: usize = 16;
@@ -118,15 +118,12 @@ impl QIsa {
     pub fn detect() -> QIsa {
         static ISA: OnceLock<QIsa> = OnceLock::new();
         *ISA.get_or_init(|| {
-            let best = QIsa::best();
-            if portable_forced() {
-                return QIsa::Portable;
-            }
-            match std::env::var("TESSERA_ISA").as_deref() {
-                Ok("avx2") => best.min(QIsa::Avx2),
-                Ok("avxvnni") => best.min(QIsa::AvxVnni),
-                _ => best,
-            }
+            let names = [
+                ("portable", QIsa::Portable),
+                ("avx2", QIsa::Avx2),
+                ("avxvnni", QIsa::AvxVnni),
+            ];
+            capped(QIsa::best(), &names)
         })
     }
 

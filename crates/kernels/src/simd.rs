@@ -13,6 +13,16 @@ pub fn portable_forced() -> bool {
     *FORCED.get_or_init(|| std::env::var("TESSERA_ISA").is_ok_and(|v| v == "portable"))
 }
 
+/// `best`, capped by the instruction set `TESSERA_ISA` names among
+/// `names` (lowest first): how every kernel family picks its path.
+pub(crate) fn capped<T: Ord + Copy>(best: T, names: &[(&str, T)]) -> T {
+    let want = std::env::var("TESSERA_ISA").ok();
+    match want.and_then(|w| names.iter().find(|(n, _)| *n == w)) {
+        Some(&(_, cap)) => best.min(cap),
+        None => best,
+    }
+}
+
 /// Whether this CPU has AVX2 and FMA (checked once).
 #[inline]
 pub(crate) fn has_avx2_fma() -> bool {

@@ -322,6 +322,14 @@ impl Llama {
         cache: &[LayerKv],
         threads: usize,
     ) -> Result<Tensor> {
+        let mut fast = self.fast_path(threads)?;
+        let fast = fast.as_mut().expect("just built");
+        self.forward_fast(fast, batch, cache)
+    }
+
+    /// The fast path's state for `threads` workers and the current
+    /// activations, built (the weights' tiles packed) when missing.
+    fn fast_path(&self, threads: usize) -> Result<std::sync::MutexGuard<'_, Option<Fast>>> {
         let threads = threads.max(1);
         let mut fast = self.fast.lock().unwrap_or_else(|e| e.into_inner());
         let acts = self.activations();
@@ -332,8 +340,17 @@ impl Llama {
             *fast = None;
             *fast = Some(Fast::new(self, threads, acts)?);
         }
-        let fast = fast.as_mut().expect("just built");
-        self.forward_fast(fast, batch, cache)
+        Ok(fast)
+    }
+
+    /// Builds what [`Llama::forward`] needs before the first call (on the
+    /// CPU: the step pool, and the weights repacked for the integer path),
+    /// so that the first request does not wait for it.
+    pub fn prepare(&self) -> Result<()> {
+        if self.device.is_cpu() && !reference_forced() {
+            drop(self.fast_path(rayon::current_num_threads())?);
+        }
+        Ok(())
     }
 
     /// How the fast path's quantized linear layers meet their inputs:
