@@ -297,7 +297,7 @@ fn pack(lins: &mut [(&mut Lin, &QLinear)]) -> Result<()> {
 /// itself; larger ones in shares, behind a barrier.
 const QUANTIZE_ALONE: usize = 4096;
 
-/// The rows `rows` of `src` (each `k` wide) quantized for the integer
+/// The first `t` rows of `src` (each `k` wide) quantized for the integer
 /// path, if `wanted`: a small batch into the worker's own buffer, a large
 /// one in shares into `shared` (then a barrier). Every worker gets the
 /// same values either way.
@@ -307,32 +307,30 @@ fn quantize<'a>(
     wanted: bool,
     levels: usize,
     src: &[f32],
-    rows: &[usize],
+    t: usize,
     k: usize,
     own: &'a mut Vec<ActBlock>,
     shared: &'a Shared<ActBlock>,
 ) -> &'a [ActBlock] {
     let nb = k / 32;
-    let t = rows.len();
     if !wanted {
         return &[];
     }
     if t * k <= QUANTIZE_ALONE {
-        own.resize(t * nb, ActBlock::default());
-        for (j, &r) in rows.iter().enumerate() {
+        grow(own, t * nb);
+        for r in 0..t {
             quantize_row(
                 &src[r * k..(r + 1) * k],
                 levels,
-                &mut own[j * nb..(j + 1) * nb],
+                &mut own[r * nb..(r + 1) * nb],
             );
         }
         return &own[..t * nb];
     }
     let (i0, i1) = team.share(t);
-    for j in i0..i1 {
-        let r = rows[j];
+    for r in i0..i1 {
         // SAFETY: each worker writes its own rows; read after the barrier.
-        let dst = unsafe { shared.part(j * nb, (j + 1) * nb) };
+        let dst = unsafe { shared.part(r * nb, (r + 1) * nb) };
         quantize_row(&src[r * k..(r + 1) * k], levels, dst);
     }
     team.barrier();
@@ -538,9 +536,9 @@ unsafe fn rows_of(cache: CacheRaw) -> KvRows<'static> {
     }
 }
 
-fn grow(v: &mut Vec<f32>, n: usize) {
+fn grow<T: Clone + Default>(v: &mut Vec<T>, n: usize) {
     if v.len() < n {
-        v.resize(n, 0.0);
+        v.resize(n, T::default());
     }
 }
 
@@ -603,8 +601,7 @@ impl Llama {
         let levels = fast.acts.levels();
         if levels > 0 {
             let widest = hidden.max(ffn).max(nh * hd);
-            fast.qx
-                .resize(t.max(picks) * widest / 32, ActBlock::default());
+            grow(&mut fast.qx, t.max(picks) * widest / 32);
         }
         let shape = AttnShape::new(nh, kvh, hd, bs);
         // Tokens in groups whose partial states fit the budget (a long
@@ -688,9 +685,6 @@ impl Llama {
         let states = Shared::new(&mut fast.states[..]);
         let logits = Shared::new(&mut fast.logits[..picks * vocab]);
         let qx = Shared::new(&mut fast.qx[..]);
-        let all_rows: Vec<usize> = (0..t).collect();
-        let pick_rows: Vec<usize> = batch.logits_for.iter().map(|&p| p as usize).collect();
-        let picked: Vec<usize> = (0..picks).collect();
         let packed = |l: &LayerConsts, i: &[usize]| i.iter().any(|&i| l.lins[i].packed.is_some());
         let (cos, sin) = (&fast.cos[..t * half], &fast.sin[..t * half]);
         let plans = &fast.plans[..groups.len()];
@@ -726,7 +720,7 @@ impl Llama {
                     packed(lc, &[0, 1, 2]),
                     levels,
                     h,
-                    &all_rows,
+                    t,
                     hidden,
                     qown,
                     &qx,
@@ -820,16 +814,7 @@ impl Llama {
                     team.barrier();
                 }
                 let av = unsafe { a.all() };
-                let qa = quantize(
-                    team,
-                    packed(lc, &[3]),
-                    levels,
-                    av,
-                    &all_rows,
-                    nh * hd,
-                    qown,
-                    &qx,
-                );
+                let qa = quantize(team, packed(lc, &[3]), levels, av, t, nh * hd, qown, &qx);
                 let rows = share_rows(team, hidden);
                 lc.lins[3].apply(isa, &w[3], av, qa, t, rows, deq, &mut |i, r, v| unsafe {
                     let at = i * hidden + r;
@@ -837,16 +822,7 @@ impl Llama {
                 });
                 team.barrier();
                 norm_rows(unsafe { x.all() }, 0..t, &lc.ffn_norm, eps, h);
-                let qh = quantize(
-                    team,
-                    packed(lc, &[4, 5]),
-                    levels,
-                    h,
-                    &all_rows,
-                    hidden,
-                    qown,
-                    &qx,
-                );
+                let qh = quantize(team, packed(lc, &[4, 5]), levels, h, t, hidden, qown, &qx);
                 let (f0, f1) = share_rows(team, ffn);
                 let mut r = f0;
                 while r < f1 {
@@ -867,16 +843,7 @@ impl Llama {
                 }
                 team.barrier();
                 let mv = unsafe { m.all() };
-                let qm = quantize(
-                    team,
-                    packed(lc, &[6]),
-                    levels,
-                    mv,
-                    &all_rows,
-                    ffn,
-                    qown,
-                    &qx,
-                );
+                let qm = quantize(team, packed(lc, &[6]), levels, mv, t, ffn, qown, &qx);
                 let rows = share_rows(team, hidden);
                 lc.lins[6].apply(isa, &w[6], mv, qm, t, rows, deq, &mut |i, r, v| unsafe {
                     let at = i * hidden + r;
@@ -885,10 +852,10 @@ impl Llama {
                 team.barrier();
             }
             if picks > 0 {
-                let rows = pick_rows.iter().copied();
+                let rows = batch.logits_for.iter().map(|&p| p as usize);
                 norm_rows(unsafe { x.all() }, rows, norm, eps, h);
                 let wanted = head_lin.packed.is_some();
-                let qh = quantize(team, wanted, levels, h, &picked, hidden, qown, &qx);
+                let qh = quantize(team, wanted, levels, h, picks, hidden, qown, &qx);
                 let rows = share_rows(team, vocab);
                 head_lin.apply(isa, &head, h, qh, picks, rows, deq, &mut |i, r, v| unsafe {
                     logits.set(i * vocab + r, v)
