@@ -78,7 +78,8 @@ impl Isa {
             .collect()
     }
 
-    fn best() -> Isa {
+    /// The best this CPU runs, whatever `TESSERA_ISA` says.
+    pub(crate) fn best() -> Isa {
         #[cfg(target_arch = "x86_64")]
         {
             use std::arch::is_x86_feature_detected as has;

@@ -127,28 +127,27 @@ impl QIsa {
         })
     }
 
-    /// Every integer kernel this CPU runs.
+    /// Every integer kernel this CPU runs: those of the f32 kernels'
+    /// instruction set ([`Isa`]) and its dot-product extensions.
     pub fn available() -> Vec<QIsa> {
+        #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
+        let mut v = vec![QIsa::Portable];
         #[cfg(target_arch = "x86_64")]
         {
+            use crate::matvec::Isa;
             use std::arch::is_x86_feature_detected as has;
-            let mut v = vec![QIsa::Portable];
-            let avx2 = has!("avx2") && has!("fma") && has!("f16c");
-            if avx2 {
+            let base = Isa::best();
+            if base >= Isa::Avx2 {
                 v.push(QIsa::Avx2);
                 if has!("avxvnni") {
                     v.push(QIsa::AvxVnni);
                 }
-                if has!("avx512f") && has!("avx512bw") && has!("avx512vl") && has!("avx512vnni") {
+                if base == Isa::Avx512 && has!("avx512vnni") {
                     v.push(QIsa::Avx512Vnni);
                 }
             }
-            v
         }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            vec![QIsa::Portable]
-        }
+        v
     }
 
     fn best() -> QIsa {
@@ -295,7 +294,6 @@ impl Drop for Arena {
 #[derive(Clone)]
 pub struct Packed {
     kind: Kind,
-    format: WeightFormat,
     n: usize,
     k: usize,
     nb: usize,
@@ -308,7 +306,7 @@ pub struct Packed {
 impl std::fmt::Debug for Packed {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Packed")
-            .field("format", &self.format)
+            .field("kind", &self.kind)
             .field("n", &self.n)
             .field("k", &self.k)
             .finish()
@@ -356,7 +354,6 @@ impl Packed {
                 let (kind, at, len) = p?;
                 Some(Packed {
                     kind,
-                    format: w.format,
                     n: w.n,
                     k: w.k,
                     nb: w.k / 32,
@@ -408,24 +405,6 @@ impl Packed {
             }
         }
         out
-    }
-
-    pub fn format(&self) -> WeightFormat {
-        self.format
-    }
-
-    pub fn rows(&self) -> usize {
-        self.n
-    }
-
-    pub fn cols(&self) -> usize {
-        self.k
-    }
-
-    /// Bytes of the tiles (the GGML bytes, plus padding rows of the last
-    /// tile).
-    pub fn bytes(&self) -> usize {
-        self.len
     }
 
     fn tile(&self, g: usize) -> &[u8] {

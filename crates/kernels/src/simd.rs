@@ -23,23 +23,16 @@ pub(crate) fn capped<T: Ord + Copy>(best: T, names: &[(&str, T)]) -> T {
     }
 }
 
-/// Whether this CPU has AVX2 and FMA (checked once).
+/// Whether this CPU has AVX2 and FMA (checked once; x86-64 only, its
+/// one caller's AVX2 attention paths are).
+#[cfg(target_arch = "x86_64")]
 #[inline]
 pub(crate) fn has_avx2_fma() -> bool {
     static HAS: OnceLock<bool> = OnceLock::new();
     *HAS.get_or_init(|| {
-        if portable_forced() {
-            return false;
-        }
-        #[cfg(target_arch = "x86_64")]
-        {
-            std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            false
-        }
+        !portable_forced()
+            && std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
     })
 }
 
