@@ -1,5 +1,6 @@
 //! Linear layers as integer dot products: GGML weight blocks (Q4_0, Q4_1,
-//! Q5_0, Q5_1, Q8_0) repacked at load into tiles of 16 interleaved rows, against
+//! Q5_0, Q5_1, Q8_0, and the K-quants Q4_K, Q5_K, Q6_K: see [`kquant`])
+//! repacked at load into tiles of 16 interleaved rows, against
 //! activations quantized per 32-value block to **two int8 levels**
 //! (`x ≈ d₁·q₁ + d₂·q₂`, the second level quantizing what the first left
 //! over), or to one level as an explicit opt-in ([`Activations`]).
@@ -45,8 +46,12 @@
 
 use std::sync::OnceLock;
 
+use candle_core::quantized::GgmlDType;
+
 use crate::matvec::{f16_to_f32, WeightFormat, Weights};
 use crate::simd::capped;
+
+mod kquant;
 
 /// Rows per tile.
 pub const GROUP: usize = 16;
@@ -163,6 +168,9 @@ enum Kind {
     Q5_0,
     Q5_1,
     Q8_0,
+    Q4K,
+    Q5K,
+    Q6K,
 }
 
 impl Kind {
@@ -173,6 +181,9 @@ impl Kind {
             WeightFormat::Q5_0 => Some(Kind::Q5_0),
             WeightFormat::Q5_1 => Some(Kind::Q5_1),
             WeightFormat::Q8_0 => Some(Kind::Q8_0),
+            WeightFormat::Ggml(GgmlDType::Q4K) => Some(Kind::Q4K),
+            WeightFormat::Ggml(GgmlDType::Q5K) => Some(Kind::Q5K),
+            WeightFormat::Ggml(GgmlDType::Q6K) => Some(Kind::Q6K),
             _ => None,
         }
     }
@@ -185,8 +196,32 @@ impl Kind {
         }
     }
 
+    /// A minimum term (`m·Σx`).
     fn has_min(self) -> bool {
-        self.planes() == 2
+        matches!(self, Kind::Q4_1 | Kind::Q5_1 | Kind::Q4K | Kind::Q5K)
+    }
+
+    /// A K-quant (super-blocks of 256 values, see [`kquant`]).
+    fn super_block(self) -> bool {
+        matches!(self, Kind::Q4K | Kind::Q5K | Kind::Q6K)
+    }
+
+    /// Values per tile record: a block, or a K-quant super-block.
+    fn span(self) -> usize {
+        if self.super_block() {
+            kquant::QK
+        } else {
+            32
+        }
+    }
+
+    /// Bytes of one GGML K-quant super-block.
+    fn k_block(self) -> usize {
+        match self {
+            Kind::Q4K => 144,
+            Kind::Q5K => 176,
+            _ => 210,
+        }
     }
 
     /// A fifth bit per value (`qh`, 4 bytes after the f16s).
@@ -218,9 +253,14 @@ impl Kind {
         self.masks_at() + 64 * usize::from(self.high())
     }
 
-    /// Bytes of one tile block (16 GGML blocks' bytes).
+    /// Bytes of one tile record (16 GGML blocks' bytes for the 32-value
+    /// formats).
     fn record(self) -> usize {
-        GROUP * self.block()
+        if self.super_block() {
+            self.k_record()
+        } else {
+            GROUP * self.block()
+        }
     }
 
     /// What the integer weights the kernels multiply (`n`, unsigned)
@@ -229,7 +269,7 @@ impl Kind {
         match self {
             Kind::Q4_0 => -8,
             Kind::Q5_0 => -16,
-            Kind::Q4_1 | Kind::Q5_1 | Kind::Q8_0 => 0,
+            _ => 0,
         }
     }
 }
@@ -322,8 +362,9 @@ impl Packed {
     /// The tiles of every weight that has an integer path, in one arena
     /// (so that huge pages cover them all).
     pub fn pack_all(ws: &[Weights]) -> Vec<Option<Packed>> {
-        let size =
-            |w: &Weights| Kind::of(w.format).map(|k| w.n.div_ceil(GROUP) * (w.k / 32) * k.record());
+        let size = |w: &Weights| {
+            Kind::of(w.format).map(|k| w.n.div_ceil(GROUP) * (w.k / k.span()) * k.record())
+        };
         // Each weight starts on a cache line.
         let total: usize = ws
             .iter()
@@ -340,7 +381,11 @@ impl Packed {
                     // ranges do not overlap.
                     let dst =
                         unsafe { std::slice::from_raw_parts_mut(arena.ptr.as_ptr().add(at), len) };
-                    pack_into(kind, w, dst);
+                    if kind.super_block() {
+                        kquant::pack_into(kind, w.data, w.n, w.k / kquant::QK, dst);
+                    } else {
+                        pack_into(kind, w, dst);
+                    }
                     placed.push(Some((kind, at, len)));
                     at += len.div_ceil(64) * 64;
                 }
@@ -372,6 +417,9 @@ impl Packed {
     /// The GGML bytes the tiles were made from.
     pub fn unpack(&self) -> Vec<u8> {
         let kind = self.kind;
+        if kind.super_block() {
+            return kquant::unpack(kind, self.data(), self.n, self.k / kquant::QK);
+        }
         let bb = kind.block();
         let rec = kind.record();
         let (h, planes) = (2 * kind.planes(), kind.planes());
@@ -407,9 +455,10 @@ impl Packed {
         out
     }
 
+    /// The tile records of group `g`.
     fn tile(&self, g: usize) -> &[u8] {
-        let rec = self.kind.record();
-        &self.data()[g * self.nb * rec..(g + 1) * self.nb * rec]
+        let len = self.k / self.kind.span() * self.kind.record();
+        &self.data()[g * len..(g + 1) * len]
     }
 }
 
@@ -463,6 +512,8 @@ pub struct ActBlock {
     d: [f32; 2],
     /// `Σq₁`, `Σq₂`.
     s: [i32; 2],
+    /// The same sums over the first 16 values (Q6_K scales halves).
+    h: [i32; 2],
     /// `Σx` in f32, in order.
     xsum: f32,
 }
@@ -529,11 +580,12 @@ fn quantize_block(xb: &[f32; 32], levels: usize) -> ActBlock {
     } else {
         (0.0, [0; 32])
     };
-    let sum = |q: &[i8; 32]| q.iter().map(|&v| i32::from(v)).sum::<i32>();
+    let sum = |q: &[i8]| q.iter().map(|&v| i32::from(v)).sum::<i32>();
     ActBlock {
         q: [q1, q2],
         d: [d1, d2],
         s: [sum(&q1), sum(&q2)],
+        h: [sum(&q1[..16]), sum(&q2[..16])],
         xsum,
     }
 }
@@ -604,13 +656,13 @@ fn block_ints(kind: Kind, blk: &[u8]) -> (f32, f32, [i32; 32]) {
 /// The float steps of one block (the module docs' formula).
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn combine(kind: Kind, two: bool, a1: i32, a2: i32, a: &ActBlock, d: f32, m: f32, y: f32) -> f32 {
+fn combine(min: bool, two: bool, a1: i32, a2: i32, a: &ActBlock, d: f32, m: f32, y: f32) -> f32 {
     let mut s = a1 as f32 * a.d[0];
     if two {
         s = (a2 as f32).mul_add(a.d[1], s);
     }
     let mut y = d.mul_add(s, y);
-    if kind.has_min() {
+    if min {
         y = m.mul_add(a.xsum, y);
     }
     y
@@ -627,6 +679,12 @@ pub fn qmatvec_slow(w: &Weights, acts: &[ActBlock], t: usize, levels: usize) -> 
     let mut out = vec![0f32; t * w.n];
     for r in 0..w.n {
         for i in 0..t {
+            if kind.super_block() {
+                let row = &w.data[r * rb..(r + 1) * rb];
+                let a = &acts[i * nb..(i + 1) * nb];
+                out[i * w.n + r] = kquant::row_slow(kind, row, a, levels == 2);
+                continue;
+            }
             let mut y = 0f32;
             for b in 0..nb {
                 let (d, m, wi) = block_ints(kind, &w.data[r * rb + b * bb..r * rb + (b + 1) * bb]);
@@ -636,7 +694,7 @@ pub fn qmatvec_slow(w: &Weights, acts: &[ActBlock], t: usize, levels: usize) -> 
                     a1 += wi[j] * i32::from(a.q[0][j]);
                     a2 += wi[j] * i32::from(a.q[1][j]);
                 }
-                y = combine(kind, levels == 2, a1, a2, a, d, m, y);
+                y = combine(kind.has_min(), levels == 2, a1, a2, a, d, m, y);
             }
             out[i * w.n + r] = y;
         }
@@ -705,6 +763,9 @@ fn run_tile(
     two: bool,
     out: &mut [[f32; GROUP]; 4],
 ) {
+    if w.kind.super_block() {
+        return kquant::run_ktile(isa, w, g, ins, ni, two, out);
+    }
     macro_rules! go {
         ($f:ident) => {
             go!($f, [Q4_0 0, Q4_1 1, Q8_0 2, Q5_0 3, Q5_1 4])
@@ -717,6 +778,7 @@ fn run_tile(
                     (Kind::$k, true, 1) => $f::<$n, true, 1>(w, g, ins, out),
                     (Kind::$k, true, _) => $f::<$n, true, 4>(w, g, ins, out),
                 )*
+                _ => unreachable!("a 32-value block format"),
             }
         };
     }
@@ -740,7 +802,10 @@ const fn kind_of(k: u8) -> Kind {
         1 => Kind::Q4_1,
         2 => Kind::Q8_0,
         3 => Kind::Q5_0,
-        _ => Kind::Q5_1,
+        4 => Kind::Q5_1,
+        5 => Kind::Q4K,
+        6 => Kind::Q5K,
+        _ => Kind::Q6K,
     }
 }
 
@@ -803,7 +868,7 @@ fn tile_portable<const K: u8, const TWO: bool, const NI: usize>(
                         a2 += wi[r][j] * i32::from(a.q[1][j]);
                     }
                 }
-                y[i][r] = combine(kind, TWO, a1, a2, a, d[r], m[r], y[i][r]);
+                y[i][r] = combine(kind.has_min(), TWO, a1, a2, a, d[r], m[r], y[i][r]);
             }
         }
     }
@@ -874,17 +939,18 @@ mod x86 {
                     q.as_mut_ptr().add(16) as *mut __m128i,
                     _mm512_cvtepi32_epi8(h),
                 );
-                _mm512_reduce_add_epi32(_mm512_add_epi32(l, h))
+                let first = _mm512_reduce_add_epi32(l);
+                (first + _mm512_reduce_add_epi32(h), first)
             };
             blk.d[0] = d1;
-            blk.s[0] = store(&mut blk.q[0], q1l, q1h);
+            (blk.s[0], blk.h[0]) = store(&mut blk.q[0], q1l, q1h);
             if levels == 2 {
                 let d = _mm512_set1_ps(d1);
                 let rl = _mm512_sub_ps(lo, _mm512_mul_ps(d, _mm512_cvtepi32_ps(q1l)));
                 let rh = _mm512_sub_ps(hi, _mm512_mul_ps(d, _mm512_cvtepi32_ps(q1h)));
                 let (d2, q2l, q2h) = level512(rl, rh).expect("finite residuals of finite values");
                 blk.d[1] = d2;
-                blk.s[1] = store(&mut blk.q[1], q2l, q2h);
+                (blk.s[1], blk.h[1]) = store(&mut blk.q[1], q2l, q2h);
             }
             *o = blk;
         }
@@ -892,7 +958,7 @@ mod x86 {
 
     /// The i32 at `q[4j..4j + 4]` in every lane.
     #[inline(always)]
-    unsafe fn quad(q: &[i8; 32], j: usize) -> i32 {
+    pub(super) unsafe fn quad(q: &[i8; 32], j: usize) -> i32 {
         (q.as_ptr() as *const i32).add(j).read_unaligned()
     }
 
@@ -983,7 +1049,7 @@ mod x86 {
     }
 
     /// How an 8-row register of weight bytes meets four activation bytes.
-    trait Dot8 {
+    pub(super) trait Dot8 {
         /// Unsigned weight bytes (4-bit values, or Q8_0's flipped bytes)
         /// `w` times signed `q`, added to `acc` per 32-bit lane.
         unsafe fn dot(acc: __m256i, w: __m256i, q: __m256i) -> __m256i;
@@ -991,8 +1057,8 @@ mod x86 {
         const FLIP: bool;
     }
 
-    struct Maddubs;
-    struct Vnni256;
+    pub(super) struct Maddubs;
+    pub(super) struct Vnni256;
 
     impl Dot8 for Maddubs {
         #[inline(always)]
@@ -1059,6 +1125,21 @@ mod x86 {
         acc
     }
 
+    /// `0x10` in byte `i` of the register where bit `i` of `k` is set.
+    #[inline(always)]
+    pub(super) unsafe fn fifth_bits_256(k: u32) -> __m256i {
+        // Byte i takes mask bit i: byte i/8 of the mask's 32 bits, then
+        // bit i%8.
+        let spread = _mm256_setr_epi8(
+            0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3,
+            3, 3, 3,
+        );
+        let bits = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+        let v = _mm256_shuffle_epi8(_mm256_set1_epi32(k as i32), spread);
+        let set = _mm256_cmpeq_epi8(_mm256_and_si256(v, bits), bits);
+        _mm256_and_si256(set, _mm256_set1_epi8(0x10))
+    }
+
     /// Two passes of 8 rows.
     #[inline(always)]
     unsafe fn tile_256<D: Dot8, const K: u8, const TWO: bool, const NI: usize>(
@@ -1073,14 +1154,6 @@ mod x86 {
         let p = tile.as_ptr();
         let nibble = _mm256_set1_epi8(0x0F);
         let flip = _mm256_set1_epi8(-128);
-        let fifth = _mm256_set1_epi8(0x10);
-        // Byte i of a register takes mask bit i: byte i/8 of the mask's
-        // 32 bits, then bit i%8.
-        let spread = _mm256_setr_epi8(
-            0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3,
-            3, 3, 3,
-        );
-        let bits = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
         let off = if kind == Kind::Q8_0 && !D::FLIP {
             0
         } else {
@@ -1117,9 +1190,7 @@ mod x86 {
                         let masks = t.add(kind.masks_at()) as *const u64;
                         for j in 0..8 {
                             let k = (masks.add(j).read_unaligned() >> (32 * half)) as u32;
-                            let v = _mm256_shuffle_epi8(_mm256_set1_epi32(k as i32), spread);
-                            let set = _mm256_cmpeq_epi8(_mm256_and_si256(v, bits), bits);
-                            wv[j] = _mm256_or_si256(wv[j], _mm256_and_si256(set, fifth));
+                            wv[j] = _mm256_or_si256(wv[j], fifth_bits_256(k));
                         }
                     }
                 }
@@ -1182,18 +1253,24 @@ mod tests {
         a
     }
 
+    /// Every format with an integer path, and a row length for it.
+    const FORMATS: [(GgmlDType, usize); 8] = [
+        (GgmlDType::Q4_0, 160),
+        (GgmlDType::Q4_1, 160),
+        (GgmlDType::Q5_0, 160),
+        (GgmlDType::Q5_1, 160),
+        (GgmlDType::Q8_0, 160),
+        (GgmlDType::Q4K, 512),
+        (GgmlDType::Q5K, 512),
+        (GgmlDType::Q6K, 512),
+    ];
+
     #[test]
     fn packing_is_lossless() {
-        for d in [
-            GgmlDType::Q4_0,
-            GgmlDType::Q4_1,
-            GgmlDType::Q5_0,
-            GgmlDType::Q5_1,
-            GgmlDType::Q8_0,
-        ] {
+        for (d, k) in FORMATS {
             for n in [1, 16, 21, 48] {
-                let data = quantized(n, 96, d, n as u64);
-                let w = Weights::new(WeightFormat::from_ggml(d), &data, n, 96).unwrap();
+                let data = quantized(n, k, d, n as u64);
+                let w = Weights::new(WeightFormat::from_ggml(d), &data, n, k).unwrap();
                 let p = Packed::pack(&w).unwrap();
                 assert_eq!(p.unpack(), data, "{d:?} n={n}");
             }
@@ -1208,14 +1285,8 @@ mod tests {
     /// blocks; and close to the f32 product.
     #[test]
     fn every_path_equals_the_reference_bit_for_bit() {
-        let (n, k) = (37, 160);
-        for d in [
-            GgmlDType::Q4_0,
-            GgmlDType::Q4_1,
-            GgmlDType::Q5_0,
-            GgmlDType::Q5_1,
-            GgmlDType::Q8_0,
-        ] {
+        let n = 37;
+        for (d, k) in FORMATS {
             let data = quantized(n, k, d, 3);
             let w = Weights::new(WeightFormat::from_ggml(d), &data, n, k).unwrap();
             let p = Packed::pack(&w).unwrap();
@@ -1246,10 +1317,11 @@ mod tests {
                             }
                         }
                     }
-                    // The sums here add 160 terms of magnitude ~0.25 (about
-                    // 40 in absolute value): two levels stay within 2e-3 of
-                    // the f32 product (5e-5 of that), one level only 3e-1.
-                    let tol = if levels == 2 { 2e-3 } else { 3e-1 };
+                    // The sums here add 160 (512) terms of magnitude ~0.25
+                    // (about 40 (80) in absolute value): two levels stay
+                    // within 2e-3 of the f32 product (5e-5 of that), one
+                    // level only 3e-1.
+                    let tol = if levels == 2 { 2e-3 } else { 3e-1 } * (k as f32 / 160.0);
                     for (a, b) in want.iter().zip(&exact) {
                         assert!((a - b).abs() < tol, "{d:?} {levels}: {a} vs {b}");
                     }
@@ -1270,10 +1342,9 @@ mod tests {
             for (v, &want) in blk.values().iter().zip(xb) {
                 assert!((v - want).abs() <= amax / (4.0 * 127.0 * 127.0) * 1.01);
             }
-            assert_eq!(
-                blk.s[0],
-                blk.q[0].iter().map(|&q| i32::from(q)).sum::<i32>()
-            );
+            let sum = |q: &[i8]| q.iter().map(|&q| i32::from(q)).sum::<i32>();
+            assert_eq!(blk.s, [sum(&blk.q[0]), sum(&blk.q[1])]);
+            assert_eq!(blk.h, [sum(&blk.q[0][..16]), sum(&blk.q[1][..16])]);
         }
         let mut with_inf = x.clone();
         with_inf[70] = f32::NEG_INFINITY;
@@ -1286,7 +1357,7 @@ mod tests {
                 quantize_row_on(isa, x, levels, &mut got);
                 let want = acts_of(x, 1, 256, levels);
                 for (g, w) in got.iter().zip(&want) {
-                    assert_eq!((g.q, g.s), (w.q, w.s), "{isa:?}");
+                    assert_eq!((g.q, g.s, g.h), (w.q, w.s, w.h), "{isa:?}");
                     assert_eq!(g.d.map(f32::to_bits), w.d.map(f32::to_bits), "{isa:?}");
                     assert_eq!(g.xsum.to_bits(), w.xsum.to_bits(), "{isa:?}");
                 }

@@ -1,0 +1,752 @@
+//! K-quant super-blocks (Q4_K, Q5_K, Q6_K) in tiles of 16 rows.
+//!
+//! A GGML super-block holds 256 values of a row: eight sub-blocks of 32
+//! with 6-bit scales and minimums under an f16 scale and minimum (Q4_K,
+//! Q5_K: `x = d·sc·n − dmin·m`), or sixteen groups of 16 with signed 8-bit
+//! scales under an f16 scale (Q6_K: `x = d·sc·(n − 32)`). The activations
+//! stay in blocks of 32 with their own scales, so each sub-block is one
+//! term of the sum, with the same float steps as the 32-value formats:
+//!
+//! ```text
+//! Q4_K, Q5_K:  D = f32(d)·sc,  M = −f32(dmin)·m         (exact in f32)
+//!              a = Σ n·q;  s = f32(a₁)·d₁ (+ f32(a₂)·d₂);  y = fma(D, s, y);  y = fma(M, Σx, y)
+//! Q6_K:        a = sc_lo·Σ_lo (n − 32)·q + sc_hi·Σ_hi (n − 32)·q    (exact in i32)
+//!              s as above;  y = fma(f32(d), s, y)
+//! ```
+//!
+//! Tile record per 16 rows and super-block: the 16 f16 scales; Q4_K and
+//! Q5_K then the 16 f16 minimums, the scales `sc` as bytes (`16·j + r`
+//! for sub-block `j`, row `r`) and the minimums `m` likewise; Q6_K then
+//! its 16 signed scales (`16·h + r` for group `h`). Then each sub-block:
+//! Q5_K's fifth bits as eight 64-bit masks (as Q5_0's), the low four bits
+//! in the 32-value formats' layout, and Q6_K's top two bits in two
+//! 64-byte registers (register `c / 2`, byte `4r + e`, bits
+//! `4·(c % 2)..`: two bits for value `4c + e`, then two for `16 + 4c + e`).
+//! Every field of the GGML block is kept, so [`super::Packed::unpack`]
+//! restores its bytes exactly.
+
+use super::{combine, ActBlock, Kind, Packed, QIsa, GROUP};
+use crate::matvec::f16_to_f32;
+
+/// Values per super-block.
+pub(super) const QK: usize = 256;
+
+/// One GGML super-block, its fields unpacked.
+pub(super) struct Super {
+    d: u16,
+    dmin: u16,
+    /// Q4_K, Q5_K: eight 6-bit scales; Q6_K: sixteen signed ones.
+    sc: [i32; 16],
+    m: [u8; 8],
+    /// The unsigned values (Q4_K: 4 bits, Q5_K: 5, Q6_K: 6).
+    n: [u8; QK],
+}
+
+impl Kind {
+    /// Bytes before the first sub-block of a tile record.
+    fn header(self) -> usize {
+        if self == Kind::Q6K {
+            32 + 16 * GROUP
+        } else {
+            64 + 16 * GROUP
+        }
+    }
+
+    /// Bytes of one sub-block in a tile record.
+    fn sub_bytes(self) -> usize {
+        match self {
+            Kind::Q4K => 256,
+            Kind::Q5K => 320,
+            _ => 384,
+        }
+    }
+
+    fn sub_at(self, j: usize) -> usize {
+        self.header() + j * self.sub_bytes()
+    }
+
+    /// Bytes of one tile record (16 rows, one super-block).
+    pub(super) fn k_record(self) -> usize {
+        self.sub_at(8)
+    }
+}
+
+fn le16(b: &[u8], at: usize) -> u16 {
+    u16::from_le_bytes([b[at], b[at + 1]])
+}
+
+/// The fields of the GGML super-block `blk`, as GGML's dequantization
+/// reads them.
+pub(super) fn decode(kind: Kind, blk: &[u8]) -> Super {
+    let mut s = Super {
+        d: 0,
+        dmin: 0,
+        sc: [0; 16],
+        m: [0; 8],
+        n: [0; QK],
+    };
+    if kind == Kind::Q6K {
+        let (ql, qh) = (&blk[..128], &blk[128..192]);
+        for h in 0..16 {
+            s.sc[h] = i32::from(blk[192 + h] as i8);
+        }
+        s.d = le16(blk, 208);
+        for half in 0..2 {
+            let n = &mut s.n[128 * half..128 * (half + 1)];
+            for l in 0..32 {
+                let (a, b, q) = (ql[64 * half + l], ql[64 * half + l + 32], qh[32 * half + l]);
+                n[l] = a & 0xF | (q & 3) << 4;
+                n[l + 32] = b & 0xF | (q >> 2 & 3) << 4;
+                n[l + 64] = a >> 4 | (q >> 4 & 3) << 4;
+                n[l + 96] = b >> 4 | (q >> 6 & 3) << 4;
+            }
+        }
+        return s;
+    }
+    s.d = le16(blk, 0);
+    s.dmin = le16(blk, 2);
+    let q = &blk[4..16];
+    for j in 0..8 {
+        let (sc, m) = if j < 4 {
+            (q[j] & 63, q[j + 4] & 63)
+        } else {
+            (
+                q[j + 4] & 0xF | (q[j - 4] >> 6) << 4,
+                q[j + 4] >> 4 | (q[j] >> 6) << 4,
+            )
+        };
+        s.sc[j] = i32::from(sc);
+        s.m[j] = m;
+    }
+    let (qh, qs) = if kind == Kind::Q5K {
+        (Some(&blk[16..48]), &blk[48..176])
+    } else {
+        (None, &blk[16..144])
+    };
+    for p in 0..4 {
+        for l in 0..32 {
+            let (mut lo, mut hi) = (qs[32 * p + l] & 0xF, qs[32 * p + l] >> 4);
+            if let Some(qh) = qh {
+                lo |= (qh[l] >> (2 * p) & 1) << 4;
+                hi |= (qh[l] >> (2 * p + 1) & 1) << 4;
+            }
+            s.n[64 * p + l] = lo;
+            s.n[64 * p + 32 + l] = hi;
+        }
+    }
+    s
+}
+
+/// The GGML bytes of `s` (the inverse of [`decode`]).
+fn encode(kind: Kind, s: &Super, blk: &mut [u8]) {
+    blk.fill(0);
+    if kind == Kind::Q6K {
+        for half in 0..2 {
+            let n = &s.n[128 * half..128 * (half + 1)];
+            for l in 0..32 {
+                blk[64 * half + l] = n[l] & 0xF | (n[l + 64] & 0xF) << 4;
+                blk[64 * half + l + 32] = n[l + 32] & 0xF | (n[l + 96] & 0xF) << 4;
+                blk[128 + 32 * half + l] = n[l] >> 4
+                    | (n[l + 32] >> 4) << 2
+                    | (n[l + 64] >> 4) << 4
+                    | (n[l + 96] >> 4) << 6;
+            }
+        }
+        for h in 0..16 {
+            blk[192 + h] = s.sc[h] as i8 as u8;
+        }
+        blk[208..210].copy_from_slice(&s.d.to_le_bytes());
+        return;
+    }
+    blk[0..2].copy_from_slice(&s.d.to_le_bytes());
+    blk[2..4].copy_from_slice(&s.dmin.to_le_bytes());
+    let sc = |j: usize| s.sc[j] as u8;
+    for j in 0..4 {
+        blk[4 + j] = sc(j) | (sc(j + 4) >> 4) << 6;
+        blk[8 + j] = s.m[j] | (s.m[j + 4] >> 4) << 6;
+        blk[12 + j] = sc(j + 4) & 0xF | (s.m[j + 4] & 0xF) << 4;
+    }
+    let qs_at = if kind == Kind::Q5K { 48 } else { 16 };
+    for p in 0..4 {
+        for l in 0..32 {
+            let (lo, hi) = (s.n[64 * p + l], s.n[64 * p + 32 + l]);
+            blk[qs_at + 32 * p + l] = lo & 0xF | (hi & 0xF) << 4;
+            if kind == Kind::Q5K {
+                blk[16 + l] |= (lo >> 4) << (2 * p) | (hi >> 4) << (2 * p + 1);
+            }
+        }
+    }
+}
+
+/// Row `r`'s fields in the tile record `rec`.
+fn read(kind: Kind, rec: &[u8], r: usize) -> Super {
+    let mut s = Super {
+        d: le16(rec, 2 * r),
+        dmin: 0,
+        sc: [0; 16],
+        m: [0; 8],
+        n: [0; QK],
+    };
+    if kind == Kind::Q6K {
+        for h in 0..16 {
+            s.sc[h] = i32::from(rec[32 + 16 * h + r] as i8);
+        }
+    } else {
+        s.dmin = le16(rec, 32 + 2 * r);
+        for j in 0..8 {
+            s.sc[j] = i32::from(rec[64 + 16 * j + r]);
+            s.m[j] = rec[64 + 16 * GROUP / 2 + 16 * j + r];
+        }
+    }
+    for j in 0..8 {
+        let sub = &rec[kind.sub_at(j)..kind.sub_at(j + 1)];
+        let vals = if kind == Kind::Q5K { &sub[64..] } else { sub };
+        let n = &mut s.n[32 * j..32 * (j + 1)];
+        for c in 0..4 {
+            for e in 0..4 {
+                let bit = 4 * r + e;
+                let byte = vals[64 * c + bit];
+                let (mut lo, mut hi) = (byte & 0xF, byte >> 4);
+                match kind {
+                    Kind::Q5K => {
+                        lo |= (sub[8 * c + bit / 8] >> (bit % 8) & 1) << 4;
+                        hi |= (sub[8 * (c + 4) + bit / 8] >> (bit % 8) & 1) << 4;
+                    }
+                    Kind::Q6K => {
+                        let two = sub[256 + 64 * (c / 2) + bit] >> (4 * (c % 2));
+                        lo |= (two & 3) << 4;
+                        hi |= (two >> 2 & 3) << 4;
+                    }
+                    _ => {}
+                }
+                n[4 * c + e] = lo;
+                n[16 + 4 * c + e] = hi;
+            }
+        }
+    }
+    s
+}
+
+/// Writes row `r`'s fields into the (zeroed) tile record `rec`.
+fn write(kind: Kind, s: &Super, rec: &mut [u8], r: usize) {
+    rec[2 * r..2 * r + 2].copy_from_slice(&s.d.to_le_bytes());
+    if kind == Kind::Q6K {
+        for h in 0..16 {
+            rec[32 + 16 * h + r] = s.sc[h] as i8 as u8;
+        }
+    } else {
+        rec[32 + 2 * r..34 + 2 * r].copy_from_slice(&s.dmin.to_le_bytes());
+        for j in 0..8 {
+            rec[64 + 16 * j + r] = s.sc[j] as u8;
+            rec[64 + 16 * GROUP / 2 + 16 * j + r] = s.m[j];
+        }
+    }
+    for j in 0..8 {
+        let (a, b) = (kind.sub_at(j), kind.sub_at(j + 1));
+        let sub = &mut rec[a..b];
+        let n = &s.n[32 * j..32 * (j + 1)];
+        for c in 0..4 {
+            for e in 0..4 {
+                let bit = 4 * r + e;
+                let (lo, hi) = (n[4 * c + e], n[16 + 4 * c + e]);
+                let vals_at = if kind == Kind::Q5K { 64 } else { 0 };
+                sub[vals_at + 64 * c + bit] = lo & 0xF | (hi & 0xF) << 4;
+                match kind {
+                    Kind::Q5K => {
+                        sub[8 * c + bit / 8] |= (lo >> 4 & 1) << (bit % 8);
+                        sub[8 * (c + 4) + bit / 8] |= (hi >> 4 & 1) << (bit % 8);
+                    }
+                    Kind::Q6K => {
+                        let two = (lo >> 4) | (hi >> 4) << 2;
+                        sub[256 + 64 * (c / 2) + bit] |= two << (4 * (c % 2));
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+}
+
+/// Writes `w`'s tiles (GGML rows `data` of `nsb` super-blocks each) into
+/// `out`.
+pub(super) fn pack_into(kind: Kind, data: &[u8], n: usize, nsb: usize, out: &mut [u8]) {
+    let (bb, rec) = (kind.k_block(), kind.k_record());
+    for row in 0..n {
+        let (g, r) = (row / GROUP, row % GROUP);
+        for sb in 0..nsb {
+            let blk = &data[(row * nsb + sb) * bb..(row * nsb + sb + 1) * bb];
+            let at = (g * nsb + sb) * rec;
+            write(kind, &decode(kind, blk), &mut out[at..at + rec], r);
+        }
+    }
+}
+
+/// The GGML bytes of the tiles `tiles` (`n` rows of `nsb` super-blocks).
+pub(super) fn unpack(kind: Kind, tiles: &[u8], n: usize, nsb: usize) -> Vec<u8> {
+    let (bb, rec) = (kind.k_block(), kind.k_record());
+    let mut out = vec![0u8; n * nsb * bb];
+    for row in 0..n {
+        let (g, r) = (row / GROUP, row % GROUP);
+        for sb in 0..nsb {
+            let at = (g * nsb + sb) * rec;
+            let blk = &mut out[(row * nsb + sb) * bb..(row * nsb + sb + 1) * bb];
+            encode(kind, &read(kind, &tiles[at..at + rec], r), blk);
+        }
+    }
+    out
+}
+
+/// One 32-value term of a super-block: its float scale and minimum, its
+/// signed integer weights, and the integer scales of its two halves
+/// (Q6_K; 1 and 1 otherwise).
+struct Sub {
+    d: f32,
+    m: f32,
+    w: [i32; 32],
+    sc: [i32; 2],
+}
+
+fn subs(kind: Kind, s: &Super) -> [Sub; 8] {
+    let d = f16_to_f32(s.d);
+    let dmin = -f16_to_f32(s.dmin);
+    std::array::from_fn(|j| {
+        let n = &s.n[32 * j..32 * (j + 1)];
+        if kind == Kind::Q6K {
+            Sub {
+                d,
+                m: 0.0,
+                w: std::array::from_fn(|v| i32::from(n[v]) - 32),
+                sc: [s.sc[2 * j], s.sc[2 * j + 1]],
+            }
+        } else {
+            Sub {
+                d: d * s.sc[j] as f32,
+                m: dmin * f32::from(s.m[j]),
+                w: std::array::from_fn(|v| i32::from(n[v])),
+                sc: [1, 1],
+            }
+        }
+    })
+}
+
+/// `y` plus one sub-block against one activation block (the module docs'
+/// steps, in scalar code).
+fn sub_dot(kind: Kind, sub: &Sub, a: &ActBlock, two: bool, y: f32) -> f32 {
+    let level = |l: usize| {
+        let (mut lo, mut hi) = (0i32, 0i32);
+        for v in 0..16 {
+            lo += sub.w[v] * i32::from(a.q[l][v]);
+            hi += sub.w[16 + v] * i32::from(a.q[l][16 + v]);
+        }
+        sub.sc[0] * lo + sub.sc[1] * hi
+    };
+    let a2 = if two { level(1) } else { 0 };
+    combine(kind.has_min(), two, level(0), a2, a, sub.d, sub.m, y)
+}
+
+/// The reference for one row: GGML super-blocks `row` against one input's
+/// activation blocks.
+pub(super) fn row_slow(kind: Kind, row: &[u8], acts: &[ActBlock], two: bool) -> f32 {
+    let mut y = 0f32;
+    for (sb, blk) in row.chunks_exact(kind.k_block()).enumerate() {
+        for (j, sub) in subs(kind, &decode(kind, blk)).iter().enumerate() {
+            y = sub_dot(kind, sub, &acts[8 * sb + j], two, y);
+        }
+    }
+    y
+}
+
+/// Scalar tiles: every row's fields read back from the tile, then the
+/// reference's steps.
+fn ktile_portable<const K: u8, const TWO: bool, const NI: usize>(
+    w: &Packed,
+    g: usize,
+    ins: &[&[ActBlock]; 4],
+    out: &mut [[f32; GROUP]; 4],
+) {
+    let kind = super::kind_of(K);
+    let rec = kind.k_record();
+    let tile = w.tile(g);
+    let mut y = [[0f32; GROUP]; NI];
+    for sb in 0..w.k / QK {
+        let t = &tile[sb * rec..(sb + 1) * rec];
+        for r in 0..GROUP {
+            let subs = subs(kind, &read(kind, t, r));
+            for (j, sub) in subs.iter().enumerate() {
+                for i in 0..NI {
+                    y[i][r] = sub_dot(kind, sub, &ins[i][8 * sb + j], TWO, y[i][r]);
+                }
+            }
+        }
+    }
+    out[..NI].copy_from_slice(&y);
+}
+
+/// One tile of a K-quant weight (see `super::run_tile`).
+pub(super) fn run_ktile(
+    isa: QIsa,
+    w: &Packed,
+    g: usize,
+    ins: &[&[ActBlock]; 4],
+    ni: usize,
+    two: bool,
+    out: &mut [[f32; GROUP]; 4],
+) {
+    macro_rules! go {
+        ($f:ident) => {
+            go!($f, [Q4K 5, Q5K 6, Q6K 7])
+        };
+        ($f:ident, [$($k:ident $n:literal),*]) => {
+            match (w.kind, two, ni) {
+                $(
+                    (Kind::$k, false, 1) => $f::<$n, false, 1>(w, g, ins, out),
+                    (Kind::$k, false, _) => $f::<$n, false, 4>(w, g, ins, out),
+                    (Kind::$k, true, 1) => $f::<$n, true, 1>(w, g, ins, out),
+                    (Kind::$k, true, _) => $f::<$n, true, 4>(w, g, ins, out),
+                )*
+                _ => unreachable!("a K-quant tile"),
+            }
+        };
+    }
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `QIsa` values above Portable come from CPU detection.
+        QIsa::Avx512Vnni => unsafe { go!(ktile_avx512) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        QIsa::AvxVnni => unsafe { go!(ktile_avxvnni) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        QIsa::Avx2 => unsafe { go!(ktile_avx2) },
+        _ => go!(ktile_portable),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+use x86::{ktile_avx2, ktile_avx512, ktile_avxvnni};
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::super::x86::{fifth_bits_256, quad, Dot8, Maddubs, Vnni256};
+    use super::super::{kind_of, ActBlock, Kind, Packed, GROUP};
+    use super::QK;
+
+    /// Flips the sign of every lane (exact, like the scalar negation).
+    #[inline(always)]
+    unsafe fn neg512(v: __m512) -> __m512 {
+        _mm512_castsi512_ps(_mm512_xor_si512(
+            _mm512_castps_si512(v),
+            _mm512_set1_epi32(i32::MIN),
+        ))
+    }
+
+    /// One level's sum for a sub-block: plain (Q4_K, Q5_K) or with Q6_K's
+    /// half scales and offset.
+    #[inline(always)]
+    unsafe fn level512(
+        q6: bool,
+        a: &ActBlock,
+        l: usize,
+        wv: &[__m512i; 8],
+        sc: (__m512i, __m512i),
+    ) -> __m512i {
+        if !q6 {
+            let mut acc = _mm512_setzero_si512();
+            for j in 0..8 {
+                acc = _mm512_dpbusd_epi32(acc, wv[j], _mm512_set1_epi32(quad(&a.q[l], j)));
+            }
+            return acc;
+        }
+        let mut lo = _mm512_set1_epi32(-32 * a.h[l]);
+        let mut hi = _mm512_set1_epi32(-32 * (a.s[l] - a.h[l]));
+        for j in 0..4 {
+            lo = _mm512_dpbusd_epi32(lo, wv[j], _mm512_set1_epi32(quad(&a.q[l], j)));
+            hi = _mm512_dpbusd_epi32(hi, wv[j + 4], _mm512_set1_epi32(quad(&a.q[l], j + 4)));
+        }
+        _mm512_add_epi32(_mm512_mullo_epi32(lo, sc.0), _mm512_mullo_epi32(hi, sc.1))
+    }
+
+    /// # Safety
+    /// The CPU has AVX-512 F/BW/VL and VNNI.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub(super) unsafe fn ktile_avx512<const K: u8, const TWO: bool, const NI: usize>(
+        w: &Packed,
+        g: usize,
+        ins: &[&[ActBlock]; 4],
+        out: &mut [[f32; GROUP]; 4],
+    ) {
+        let kind = kind_of(K);
+        let q6 = kind == Kind::Q6K;
+        let rec = kind.k_record();
+        let p = w.tile(g).as_ptr();
+        let nibble = _mm512_set1_epi8(0x0F);
+        let two_bits = _mm512_set1_epi8(3);
+        let fifth = _mm512_set1_epi8(0x10);
+        let mut y = [_mm512_setzero_ps(); NI];
+        for sb in 0..w.k / QK {
+            let t = p.add(sb * rec);
+            // The next record (tiles follow each other in memory).
+            let next = t.wrapping_add(rec);
+            for l in (0..kind.header()).step_by(64) {
+                _mm_prefetch(next.wrapping_add(l) as *const i8, _MM_HINT_T0);
+            }
+            let d = _mm512_cvtph_ps(_mm256_loadu_si256(t as *const __m256i));
+            let dmin = neg512(_mm512_cvtph_ps(_mm256_loadu_si256(
+                t.add(32) as *const __m256i
+            )));
+            let bytes = |at: usize| _mm_loadu_si128(t.add(at) as *const __m128i);
+            for j in 0..8 {
+                let sub = t.add(kind.sub_at(j));
+                for l in (0..kind.sub_bytes()).step_by(64) {
+                    _mm_prefetch(
+                        next.wrapping_add(kind.sub_at(j) + l) as *const i8,
+                        _MM_HINT_T0,
+                    );
+                }
+                let vals = if kind == Kind::Q5K { sub.add(64) } else { sub };
+                let mut wv = [_mm512_setzero_si512(); 8];
+                for c in 0..4 {
+                    let raw = _mm512_loadu_si512(vals.add(64 * c) as *const _);
+                    wv[c] = _mm512_and_si512(raw, nibble);
+                    wv[c + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+                }
+                if kind == Kind::Q5K {
+                    let masks = sub as *const u64;
+                    for v in 0..8 {
+                        let k: __mmask64 = masks.add(v).read_unaligned();
+                        wv[v] = _mm512_mask_add_epi8(wv[v], k, wv[v], fifth);
+                    }
+                }
+                if q6 {
+                    for c in 0..4 {
+                        let mut h = _mm512_loadu_si512(sub.add(256 + 64 * (c / 2)) as *const _);
+                        if c % 2 == 1 {
+                            h = _mm512_srli_epi16(h, 4);
+                        }
+                        let lo = _mm512_and_si512(h, two_bits);
+                        let hi = _mm512_and_si512(_mm512_srli_epi16(h, 2), two_bits);
+                        wv[c] = _mm512_or_si512(wv[c], _mm512_slli_epi16(lo, 4));
+                        wv[c + 4] = _mm512_or_si512(wv[c + 4], _mm512_slli_epi16(hi, 4));
+                    }
+                }
+                let (scale, min, sc) = if q6 {
+                    let sc = (
+                        _mm512_cvtepi8_epi32(bytes(32 + 16 * 2 * j)),
+                        _mm512_cvtepi8_epi32(bytes(32 + 16 * (2 * j + 1))),
+                    );
+                    (d, _mm512_setzero_ps(), sc)
+                } else {
+                    let f = |at: usize| _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes(at)));
+                    let z = _mm512_setzero_si512();
+                    (
+                        _mm512_mul_ps(d, f(64 + 16 * j)),
+                        _mm512_mul_ps(dmin, f(64 + 16 * GROUP / 2 + 16 * j)),
+                        (z, z),
+                    )
+                };
+                for i in 0..NI {
+                    let a: &ActBlock = &ins[i][8 * sb + j];
+                    let a1 = level512(q6, a, 0, &wv, sc);
+                    let mut s = _mm512_mul_ps(_mm512_cvtepi32_ps(a1), _mm512_set1_ps(a.d[0]));
+                    if TWO {
+                        let a2 = level512(q6, a, 1, &wv, sc);
+                        s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a2), _mm512_set1_ps(a.d[1]), s);
+                    }
+                    y[i] = _mm512_fmadd_ps(scale, s, y[i]);
+                    if !q6 {
+                        y[i] = _mm512_fmadd_ps(min, _mm512_set1_ps(a.xsum), y[i]);
+                    }
+                }
+            }
+        }
+        for i in 0..NI {
+            _mm512_storeu_ps(out[i].as_mut_ptr(), y[i]);
+        }
+    }
+
+    /// # Safety
+    /// The CPU has AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn ktile_avx2<const K: u8, const TWO: bool, const NI: usize>(
+        w: &Packed,
+        g: usize,
+        ins: &[&[ActBlock]; 4],
+        out: &mut [[f32; GROUP]; 4],
+    ) {
+        ktile_256::<Maddubs, K, TWO, NI>(w, g, ins, out)
+    }
+
+    /// # Safety
+    /// The CPU has AVX-VNNI, AVX2, FMA and F16C.
+    #[target_feature(enable = "avxvnni,avx2,fma,f16c")]
+    pub(super) unsafe fn ktile_avxvnni<const K: u8, const TWO: bool, const NI: usize>(
+        w: &Packed,
+        g: usize,
+        ins: &[&[ActBlock]; 4],
+        out: &mut [[f32; GROUP]; 4],
+    ) {
+        ktile_256::<Vnni256, K, TWO, NI>(w, g, ins, out)
+    }
+
+    /// [`level512`] for 8 rows.
+    #[inline(always)]
+    unsafe fn level256<D: Dot8>(
+        q6: bool,
+        a: &ActBlock,
+        l: usize,
+        wv: &[__m256i; 8],
+        sc: (__m256i, __m256i),
+    ) -> __m256i {
+        if !q6 {
+            let mut acc = _mm256_setzero_si256();
+            for j in 0..8 {
+                acc = D::dot(acc, wv[j], _mm256_set1_epi32(quad(&a.q[l], j)));
+            }
+            return acc;
+        }
+        let mut lo = _mm256_set1_epi32(-32 * a.h[l]);
+        let mut hi = _mm256_set1_epi32(-32 * (a.s[l] - a.h[l]));
+        for j in 0..4 {
+            lo = D::dot(lo, wv[j], _mm256_set1_epi32(quad(&a.q[l], j)));
+            hi = D::dot(hi, wv[j + 4], _mm256_set1_epi32(quad(&a.q[l], j + 4)));
+        }
+        _mm256_add_epi32(_mm256_mullo_epi32(lo, sc.0), _mm256_mullo_epi32(hi, sc.1))
+    }
+
+    /// Two passes of 8 rows.
+    #[inline(always)]
+    unsafe fn ktile_256<D: Dot8, const K: u8, const TWO: bool, const NI: usize>(
+        w: &Packed,
+        g: usize,
+        ins: &[&[ActBlock]; 4],
+        out: &mut [[f32; GROUP]; 4],
+    ) {
+        let kind = kind_of(K);
+        let q6 = kind == Kind::Q6K;
+        let rec = kind.k_record();
+        let p = w.tile(g).as_ptr();
+        let nibble = _mm256_set1_epi8(0x0F);
+        let two_bits = _mm256_set1_epi8(3);
+        let sign = _mm256_set1_epi32(i32::MIN);
+        for half in 0..2 {
+            let mut y = [_mm256_setzero_ps(); NI];
+            for sb in 0..w.k / QK {
+                let t = p.add(sb * rec);
+                let eight = |at: usize| _mm_loadl_epi64(t.add(at + 8 * half) as *const __m128i);
+                let f16s = |at: usize| {
+                    _mm256_cvtph_ps(_mm_loadu_si128(t.add(at + 16 * half) as *const __m128i))
+                };
+                let d = f16s(0);
+                let dmin =
+                    _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(f16s(32)), sign));
+                for j in 0..8 {
+                    let sub = t.add(kind.sub_at(j));
+                    let vals = if kind == Kind::Q5K { sub.add(64) } else { sub };
+                    let mut wv = [_mm256_setzero_si256(); 8];
+                    for c in 0..4 {
+                        let raw = _mm256_loadu_si256(vals.add(64 * c + 32 * half) as *const _);
+                        wv[c] = _mm256_and_si256(raw, nibble);
+                        wv[c + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+                    }
+                    if kind == Kind::Q5K {
+                        let masks = sub as *const u64;
+                        for v in 0..8 {
+                            let k = (masks.add(v).read_unaligned() >> (32 * half)) as u32;
+                            wv[v] = _mm256_or_si256(wv[v], fifth_bits_256(k));
+                        }
+                    }
+                    if q6 {
+                        for c in 0..4 {
+                            let at = 256 + 64 * (c / 2) + 32 * half;
+                            let mut h = _mm256_loadu_si256(sub.add(at) as *const _);
+                            if c % 2 == 1 {
+                                h = _mm256_srli_epi16(h, 4);
+                            }
+                            let lo = _mm256_and_si256(h, two_bits);
+                            let hi = _mm256_and_si256(_mm256_srli_epi16(h, 2), two_bits);
+                            wv[c] = _mm256_or_si256(wv[c], _mm256_slli_epi16(lo, 4));
+                            wv[c + 4] = _mm256_or_si256(wv[c + 4], _mm256_slli_epi16(hi, 4));
+                        }
+                    }
+                    let (scale, min, sc) = if q6 {
+                        let sc = (
+                            _mm256_cvtepi8_epi32(eight(32 + 16 * 2 * j)),
+                            _mm256_cvtepi8_epi32(eight(32 + 16 * (2 * j + 1))),
+                        );
+                        (d, _mm256_setzero_ps(), sc)
+                    } else {
+                        let f = |at: usize| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eight(at)));
+                        let z = _mm256_setzero_si256();
+                        (
+                            _mm256_mul_ps(d, f(64 + 16 * j)),
+                            _mm256_mul_ps(dmin, f(64 + 16 * GROUP / 2 + 16 * j)),
+                            (z, z),
+                        )
+                    };
+                    for i in 0..NI {
+                        let a: &ActBlock = &ins[i][8 * sb + j];
+                        let a1 = level256::<D>(q6, a, 0, &wv, sc);
+                        let mut s = _mm256_mul_ps(_mm256_cvtepi32_ps(a1), _mm256_set1_ps(a.d[0]));
+                        if TWO {
+                            let a2 = level256::<D>(q6, a, 1, &wv, sc);
+                            s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a2), _mm256_set1_ps(a.d[1]), s);
+                        }
+                        y[i] = _mm256_fmadd_ps(scale, s, y[i]);
+                        if !q6 {
+                            y[i] = _mm256_fmadd_ps(min, _mm256_set1_ps(a.xsum), y[i]);
+                        }
+                    }
+                }
+            }
+            for i in 0..NI {
+                _mm256_storeu_ps(out[i].as_mut_ptr().add(8 * half), y[i]);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::matvec::{WeightFormat, Weights};
+    use candle_core::quantized::{GgmlDType, QTensor};
+
+    /// The fields [`decode`] reads are GGML's: they give back the values
+    /// candle's dequantization computes from the same bytes.
+    #[test]
+    fn decoded_fields_give_ggml_values() {
+        for (d, kind) in [
+            (GgmlDType::Q4K, Kind::Q4K),
+            (GgmlDType::Q5K, Kind::Q5K),
+            (GgmlDType::Q6K, Kind::Q6K),
+        ] {
+            let (n, k) = (5, 768);
+            let x = crate::testing::seeded(&[n, k], 11, candle_core::DType::F32).unwrap();
+            let q = QTensor::quantize(&x, d).unwrap();
+            let data = q.data().unwrap().into_owned();
+            let w = Weights::new(WeightFormat::from_ggml(d), &data, n, k).unwrap();
+            let mut want = vec![0f32; k];
+            for r in 0..n {
+                w.dequantize_row(r, &mut want);
+                let row = &data[r * w.row_bytes()..(r + 1) * w.row_bytes()];
+                for (sb, blk) in row.chunks_exact(kind.k_block()).enumerate() {
+                    let mut again = vec![0u8; blk.len()];
+                    let fields = decode(kind, blk);
+                    encode(kind, &fields, &mut again);
+                    assert_eq!(again, blk, "{d:?}");
+                    for (j, sub) in subs(kind, &fields).iter().enumerate() {
+                        for v in 0..32 {
+                            let sc = f64::from(sub.sc[v / 16]);
+                            let got =
+                                f64::from(sub.d) * sc * f64::from(sub.w[v]) + f64::from(sub.m);
+                            let want = f64::from(want[QK * sb + 32 * j + v]);
+                            assert!((got - want).abs() <= 1e-6 * want.abs().max(1e-3), "{d:?}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
