@@ -21,11 +21,14 @@ fuzz cases="20000":
     TESSERA_FUZZ_CASES={{cases}} cargo test -p tessera-model -p tessera-engine -- fuzz
 
 # Other targets and the portable kernel paths: aarch64 builds (cargo check; installs the
-# cross C compiler and the Rust target if missing), and the kernel tests with SIMD off.
+# cross C compiler, qemu's user-mode emulator and the Rust target if missing), the kernel
+# tests on aarch64 under qemu (a CPU with NEON's dot product: the ARM kernels against the
+# scalar references), and the kernel tests with SIMD off.
 check-portable:
-    command -v aarch64-linux-gnu-gcc >/dev/null || ($(command -v sudo || true) apt-get update && $(command -v sudo || true) apt-get install -y gcc-aarch64-linux-gnu)
+    command -v aarch64-linux-gnu-gcc >/dev/null && command -v qemu-aarch64 >/dev/null || ($(command -v sudo || true) apt-get update && $(command -v sudo || true) apt-get install -y gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user)
     rustup target list --installed | grep -q aarch64-unknown-linux-gnu || rustup target add aarch64-unknown-linux-gnu
     cargo check --workspace --target aarch64-unknown-linux-gnu
+    CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="qemu-aarch64 -L /usr/aarch64-linux-gnu -cpu max" cargo test -p tessera-kernels --target aarch64-unknown-linux-gnu
     TESSERA_ISA=portable cargo test -p tessera-kernels
 
 # Criterion benches of the KV bookkeeping, the attention kernel and the quantized linear layers (beside the read roofline); writes the README table.

@@ -8,9 +8,9 @@
 //! Two levels keep the activations within `max|x| / (4·127²) ≈ 1.6·10⁻⁵`
 //! of each block's largest value (a thirtieth of an f16 rounding step),
 //! while the products run on the CPU's int8 dot instructions (AVX-512
-//! VNNI, AVX-VNNI, AVX2's `maddubs`): one instruction multiplies 64 weight
-//! bytes by 64 activation bytes, where the f32 path ([`crate::matvec`])
-//! multiplies 16 pairs.
+//! VNNI, AVX-VNNI, AVX2's `maddubs`, NEON's `sdot`): one AVX-512
+//! instruction multiplies 64 weight bytes by 64 activation bytes, where
+//! the f32 path ([`crate::matvec`]) multiplies 16 pairs.
 //!
 //! **One arithmetic for every row, whatever the batch.** Per (row, input)
 //! and block `b`, with `w` the block's integer weights (Q4_0: `n − 8`,
@@ -109,6 +109,8 @@ impl Activations {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum QIsa {
     Portable,
+    /// NEON with the dot-product extension (`sdot`, 4 rows per register).
+    NeonDot,
     /// `maddubs` + `madd` (8 rows per register).
     Avx2,
     /// AVX-VNNI's 256-bit `dpbusd`.
@@ -119,7 +121,7 @@ pub enum QIsa {
 
 impl QIsa {
     /// The best this CPU runs, capped by `TESSERA_ISA` (`portable`,
-    /// `avx2`, `avxvnni`, `avx512`).
+    /// `avx2`, `avxvnni`, `avx512`; on ARM only `portable` caps).
     pub fn detect() -> QIsa {
         static ISA: OnceLock<QIsa> = OnceLock::new();
         *ISA.get_or_init(|| {
@@ -135,8 +137,15 @@ impl QIsa {
     /// Every integer kernel this CPU runs: those of the f32 kernels'
     /// instruction set ([`Isa`]) and its dot-product extensions.
     pub fn available() -> Vec<QIsa> {
-        #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
+        #[cfg_attr(
+            not(any(target_arch = "x86_64", target_arch = "aarch64")),
+            allow(unused_mut)
+        )]
         let mut v = vec![QIsa::Portable];
+        #[cfg(target_arch = "aarch64")]
+        if std::arch::is_aarch64_feature_detected!("dotprod") {
+            v.push(QIsa::NeonDot);
+        }
         #[cfg(target_arch = "x86_64")]
         {
             use crate::matvec::Isa;
@@ -792,6 +801,9 @@ fn run_tile(
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
         QIsa::Avx2 => unsafe { go!(tile_avx2) },
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: `NeonDot` comes from CPU detection.
+        QIsa::NeonDot => unsafe { go!(tile_neon) },
         _ => go!(tile_portable),
     }
 }
@@ -877,6 +889,157 @@ fn tile_portable<const K: u8, const TWO: bool, const NI: usize>(
 
 #[cfg(target_arch = "x86_64")]
 use x86::{quantize_avx512, tile_avx2, tile_avx512, tile_avxvnni};
+
+#[cfg(target_arch = "aarch64")]
+use arm::tile_neon;
+
+#[cfg(target_arch = "aarch64")]
+mod arm {
+    use std::arch::aarch64::*;
+    use std::arch::asm;
+
+    use super::{kind_of, ActBlock, Kind, Packed, GROUP};
+
+    /// `acc` plus, per 32-bit lane, the dot product of four signed bytes
+    /// of `w` and `q` (`sdot`; its intrinsic is not stable yet).
+    #[inline(always)]
+    pub(super) unsafe fn sdot(acc: int32x4_t, w: int8x16_t, q: int8x16_t) -> int32x4_t {
+        let mut acc = acc;
+        asm!(
+            "sdot {0:v}.4s, {1:v}.16b, {2:v}.16b",
+            inout(vreg) acc,
+            in(vreg) w,
+            in(vreg) q,
+            options(pure, nomem, nostack, preserves_flags)
+        );
+        acc
+    }
+
+    /// Four f16 at `p` as f32 (`fcvtl`, exact).
+    #[inline(always)]
+    pub(super) unsafe fn f16x4(p: *const u8) -> float32x4_t {
+        let h = vld1_u16(p as *const u16);
+        let out: float32x4_t;
+        asm!(
+            "fcvtl {0:v}.4s, {1:v}.4h",
+            out(vreg) out,
+            in(vreg) h,
+            options(pure, nomem, nostack, preserves_flags)
+        );
+        out
+    }
+
+    /// `q[4j..4j + 4]` in every lane.
+    #[inline(always)]
+    pub(super) unsafe fn quad(q: &[i8; 32], j: usize) -> int8x16_t {
+        let v = (q.as_ptr() as *const i32).add(j).read_unaligned();
+        vreinterpretq_s8_s32(vdupq_n_s32(v))
+    }
+
+    /// `0x10` in byte `i` where bit `i` of `k` is set.
+    #[inline(always)]
+    pub(super) unsafe fn fifth_bits(k: u16) -> int8x16_t {
+        const SPREAD: [u8; 16] = [0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1];
+        const BITS: [u8; 16] = [1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128];
+        let v = vqtbl1q_u8(
+            vreinterpretq_u8_u16(vdupq_n_u16(k)),
+            vld1q_u8(SPREAD.as_ptr()),
+        );
+        let set = vtstq_u8(v, vld1q_u8(BITS.as_ptr()));
+        vreinterpretq_s8_u8(vandq_u8(set, vdupq_n_u8(0x10)))
+    }
+
+    /// The low nibbles (values `4c + e`) and high nibbles (`16 + 4c + e`)
+    /// of 16 bytes.
+    #[inline(always)]
+    pub(super) unsafe fn nibbles(p: *const u8) -> (int8x16_t, int8x16_t) {
+        let raw = vld1q_u8(p);
+        (
+            vreinterpretq_s8_u8(vandq_u8(raw, vdupq_n_u8(0x0F))),
+            vreinterpretq_s8_u8(vshrq_n_u8::<4>(raw)),
+        )
+    }
+
+    /// The float steps of one block for 4 rows.
+    #[inline(always)]
+    pub(super) unsafe fn steps<const TWO: bool>(
+        a: &ActBlock,
+        a1: int32x4_t,
+        a2: int32x4_t,
+        d: float32x4_t,
+        m: Option<float32x4_t>,
+        y: float32x4_t,
+    ) -> float32x4_t {
+        let mut s = vmulq_n_f32(vcvtq_f32_s32(a1), a.d[0]);
+        if TWO {
+            s = vfmaq_n_f32(s, vcvtq_f32_s32(a2), a.d[1]);
+        }
+        let mut y = vfmaq_f32(y, d, s);
+        if let Some(m) = m {
+            y = vfmaq_f32(y, m, vdupq_n_f32(a.xsum));
+        }
+        y
+    }
+
+    /// Four passes of 4 rows. The weights are signed bytes to `sdot`
+    /// (4- and 5-bit values fit), so only Q4_0 and Q5_0 need an offset.
+    ///
+    /// # Safety
+    /// The CPU has NEON and the dot-product extension.
+    #[target_feature(enable = "neon,dotprod")]
+    pub(super) unsafe fn tile_neon<const K: u8, const TWO: bool, const NI: usize>(
+        w: &Packed,
+        g: usize,
+        ins: &[&[ActBlock]; 4],
+        out: &mut [[f32; GROUP]; 4],
+    ) {
+        let kind = kind_of(K);
+        let rec = kind.record();
+        let p = w.tile(g).as_ptr();
+        for quarter in 0..4 {
+            let mut y = [vdupq_n_f32(0.0); NI];
+            for b in 0..w.nb {
+                let t = p.add(b * rec);
+                let d = f16x4(t.add(8 * quarter));
+                let m = kind.has_min().then(|| f16x4(t.add(32 + 8 * quarter)));
+                let vals = t.add(kind.values_at() + 16 * quarter);
+                let mut wv = [vdupq_n_s8(0); 8];
+                if kind == Kind::Q8_0 {
+                    for j in 0..8 {
+                        wv[j] = vld1q_s8(vals.add(64 * j) as *const i8);
+                    }
+                } else {
+                    for c in 0..4 {
+                        (wv[c], wv[c + 4]) = nibbles(vals.add(64 * c));
+                    }
+                    if kind.high() {
+                        let masks = t.add(kind.masks_at()) as *const u64;
+                        for j in 0..8 {
+                            let k = (masks.add(j).read_unaligned() >> (16 * quarter)) as u16;
+                            wv[j] = vorrq_s8(wv[j], fifth_bits(k));
+                        }
+                    }
+                }
+                for i in 0..NI {
+                    let a: &ActBlock = &ins[i][b];
+                    let level = |l: usize| {
+                        let mut acc = vdupq_n_s32(kind.bias() * a.s[l]);
+                        for j in 0..8 {
+                            acc = sdot(acc, wv[j], quad(&a.q[l], j));
+                        }
+                        acc
+                    };
+                    let a1 = level(0);
+                    let a2 = if TWO { level(1) } else { a1 };
+                    y[i] = steps::<TWO>(a, a1, a2, d, m, y[i]);
+                }
+            }
+            for i in 0..NI {
+                vst1q_f32(out[i].as_mut_ptr().add(4 * quarter), y[i]);
+            }
+        }
+    }
+}
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {

@@ -418,12 +418,134 @@ pub(super) fn run_ktile(
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
         QIsa::Avx2 => unsafe { go!(ktile_avx2) },
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: `NeonDot` comes from CPU detection.
+        QIsa::NeonDot => unsafe { go!(ktile_neon) },
         _ => go!(ktile_portable),
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 use x86::{ktile_avx2, ktile_avx512, ktile_avxvnni};
+
+#[cfg(target_arch = "aarch64")]
+use arm::ktile_neon;
+
+#[cfg(target_arch = "aarch64")]
+mod arm {
+    use std::arch::aarch64::*;
+
+    use super::super::arm::{f16x4, fifth_bits, nibbles, quad, sdot, steps};
+    use super::super::{kind_of, ActBlock, Kind, Packed, GROUP};
+    use super::QK;
+
+    /// Four bytes at `p` as f32 (unsigned) or i32 (signed) lanes.
+    #[inline(always)]
+    unsafe fn four_u8(p: *const u8) -> float32x4_t {
+        let b: [f32; 4] = std::array::from_fn(|i| f32::from(*p.add(i)));
+        vld1q_f32(b.as_ptr())
+    }
+
+    #[inline(always)]
+    unsafe fn four_i8(p: *const u8) -> int32x4_t {
+        let b: [i32; 4] = std::array::from_fn(|i| i32::from(*p.add(i) as i8));
+        vld1q_s32(b.as_ptr())
+    }
+
+    /// Four passes of 4 rows (see `super::super::arm::tile_neon`).
+    ///
+    /// # Safety
+    /// The CPU has NEON and the dot-product extension.
+    #[target_feature(enable = "neon,dotprod")]
+    pub(super) unsafe fn ktile_neon<const K: u8, const TWO: bool, const NI: usize>(
+        w: &Packed,
+        g: usize,
+        ins: &[&[ActBlock]; 4],
+        out: &mut [[f32; GROUP]; 4],
+    ) {
+        let kind = kind_of(K);
+        let q6 = kind == Kind::Q6K;
+        let rec = kind.k_record();
+        let p = w.tile(g).as_ptr();
+        let three = vdupq_n_u8(3);
+        for quarter in 0..4 {
+            let rows = 4 * quarter;
+            let mut y = [vdupq_n_f32(0.0); NI];
+            for sb in 0..w.k / QK {
+                let t = p.add(sb * rec);
+                let d = f16x4(t.add(2 * rows));
+                let dmin = vnegq_f32(f16x4(t.add(32 + 2 * rows)));
+                for j in 0..8 {
+                    let sub = t.add(kind.sub_at(j));
+                    let vals = if kind == Kind::Q5K { sub.add(64) } else { sub };
+                    let mut wv = [vdupq_n_s8(0); 8];
+                    for c in 0..4 {
+                        (wv[c], wv[c + 4]) = nibbles(vals.add(64 * c + 4 * rows));
+                    }
+                    if kind == Kind::Q5K {
+                        let masks = sub as *const u64;
+                        for v in 0..8 {
+                            let k = (masks.add(v).read_unaligned() >> (4 * rows)) as u16;
+                            wv[v] = vorrq_s8(wv[v], fifth_bits(k));
+                        }
+                    }
+                    if q6 {
+                        for c in 0..4 {
+                            let mut h = vld1q_u8(sub.add(256 + 64 * (c / 2) + 4 * rows));
+                            if c % 2 == 1 {
+                                h = vshrq_n_u8::<4>(h);
+                            }
+                            let lo = vshlq_n_u8::<4>(vandq_u8(h, three));
+                            let hi = vshlq_n_u8::<4>(vandq_u8(vshrq_n_u8::<2>(h), three));
+                            wv[c] = vorrq_s8(wv[c], vreinterpretq_s8_u8(lo));
+                            wv[c + 4] = vorrq_s8(wv[c + 4], vreinterpretq_s8_u8(hi));
+                        }
+                    }
+                    let (scale, min) = if q6 {
+                        (d, None)
+                    } else {
+                        (
+                            vmulq_f32(d, four_u8(t.add(64 + 16 * j + rows))),
+                            Some(vmulq_f32(
+                                dmin,
+                                four_u8(t.add(64 + 16 * GROUP / 2 + 16 * j + rows)),
+                            )),
+                        )
+                    };
+                    let sc = (
+                        four_i8(t.add(32 + 16 * 2 * j + rows)),
+                        four_i8(t.add(32 + 16 * (2 * j + 1) + rows)),
+                    );
+                    for i in 0..NI {
+                        let a: &ActBlock = &ins[i][8 * sb + j];
+                        let level = |l: usize| {
+                            if !q6 {
+                                let mut acc = vdupq_n_s32(0);
+                                for v in 0..8 {
+                                    acc = sdot(acc, wv[v], quad(&a.q[l], v));
+                                }
+                                return acc;
+                            }
+                            let mut lo = vdupq_n_s32(-32 * a.h[l]);
+                            let mut hi = vdupq_n_s32(-32 * (a.s[l] - a.h[l]));
+                            for v in 0..4 {
+                                lo = sdot(lo, wv[v], quad(&a.q[l], v));
+                                hi = sdot(hi, wv[v + 4], quad(&a.q[l], v + 4));
+                            }
+                            vmlaq_s32(vmulq_s32(lo, sc.0), hi, sc.1)
+                        };
+                        let a1 = level(0);
+                        let a2 = if TWO { level(1) } else { a1 };
+                        y[i] = steps::<TWO>(a, a1, a2, scale, min, y[i]);
+                    }
+                }
+            }
+            for i in 0..NI {
+                vst1q_f32(out[i].as_mut_ptr().add(rows), y[i]);
+            }
+        }
+    }
+}
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
