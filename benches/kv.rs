@@ -224,6 +224,68 @@ fn bench_attention(c: &mut Criterion) {
         });
     }
     g.finish();
+
+    // The fast forward's attention (items over chunks, then the merge), one
+    // thread, one decoding query: GB/s of the f16 K and V it reads.
+    use tessera_kernels::{attend_item, merge, AttnInput, AttnPlan, AttnScratch, AttnShape, Isa};
+    use tessera_kernels::{KvRows, CHUNK};
+    let bits = |x: &candle_core::Tensor| -> Vec<u16> {
+        let v = x.flatten_all().unwrap().to_vec1::<half::f16>().unwrap();
+        v.iter().map(|h| h.to_bits()).collect()
+    };
+    let (kb, vb) = (bits(&k), bits(&v));
+    let mut g = c.benchmark_group("attend_smollm2_layer");
+    for (name, new) in [("decode_1_at_2048", 1usize), ("prefill_128_at_2048", 128)] {
+        let q = seeded(&[new, nh, hd], 3, DType::F32)
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let pos: Vec<u32> = (ctx - new..ctx).map(|p| p as u32).collect();
+        let seq = vec![0u32; new];
+        let shape = AttnShape::new(nh, kvh, hd, bs);
+        let inp = AttnInput {
+            shape,
+            q: &q,
+            positions: &pos,
+            token_seq: &seq,
+            block_tables: &table,
+            max_blocks: blocks,
+            k: KvRows::F16(&kb),
+            v: KvRows::F16(&vb),
+        };
+        let mut plan = AttnPlan::default();
+        plan.build(&shape, &seq, &pos);
+        let rec = shape.record();
+        let mut states = vec![0f32; plan.states * rec];
+        let mut out = vec![0f32; new * nh * hd];
+        let mut sc = AttnScratch::default();
+        if new == 1 {
+            g.throughput(Throughput::Bytes((ctx * kvh * hd * 2 * 2) as u64));
+        } else {
+            g.throughput(Throughput::Elements(new as u64));
+        }
+        g.bench_function(name, |b| {
+            b.iter(|| {
+                for &item in &plan.items {
+                    attend_item(Isa::detect(), &inp, item, &mut sc, &mut |t, idx, r| {
+                        let at = (plan.base[t] + idx) * rec;
+                        states[at..at + rec].copy_from_slice(r);
+                    });
+                }
+                for t in 0..new {
+                    let chunks = pos[t] as usize / CHUNK + 1;
+                    for h in 0..nh {
+                        let first = (plan.base[t] + h) * rec;
+                        let o = &mut out[(t * nh + h) * hd..(t * nh + h + 1) * hd];
+                        merge(&states[first..], chunks, nh * rec, hd, o);
+                    }
+                }
+                black_box(&out);
+            })
+        });
+    }
+    g.finish();
 }
 
 /// The roofline the kernels stream against: reading 96 MiB (about

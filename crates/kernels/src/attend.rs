@@ -6,7 +6,13 @@
 //! sequence, one KV head, one chunk): it converts the chunk's K/V rows to
 //! f32 once (f16 and bf16 inline) for all those tokens and all query heads
 //! of the group, and leaves one partial softmax state per (token, head,
-//! chunk): `(Σ p·v, max, Σ p)`. [`merge`] combines a query's chunks in
+//! chunk): `(Σ p·v, max, Σ p)`. An item of a single token (a decoding
+//! sequence) makes no copy of the chunk: it converts sixteen K rows at a
+//! time into L1 and each V row in registers, once for all the query heads
+//! of the group. Scores are formed sixteen keys at a time and their
+//! sixteen-lane sums reduced together (the same tree per key, by
+//! shuffles); values two query heads at a time (eight chains of fused
+//! sums). [`merge`] combines a query's chunks in
 //! chunk order by their log-sum-exp weights. A long context thus gives a
 //! single decoding sequence many items (one per KV head and chunk), and
 //! the arithmetic of a query depends only on its position and its keys:
@@ -178,6 +184,8 @@ pub struct AttnScratch {
     v: Vec<f32>,
     s: Vec<f32>,
     rec: Vec<f32>,
+    /// A single query's K/V row offsets.
+    rows: Vec<usize>,
 }
 
 /// Everything an item reads.
@@ -193,6 +201,16 @@ pub struct AttnInput<'a> {
     pub max_blocks: usize,
     pub k: KvRows<'a>,
     pub v: KvRows<'a>,
+}
+
+/// Turns scores into softmax weights `e^(s − max)` in place: `(max, Σ)`.
+#[inline(always)]
+fn softmax(s: &mut [f32]) -> (f32, f32) {
+    let mx = s.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+    for si in s.iter_mut() {
+        *si = exp_nonpositive(*si - mx);
+    }
+    (mx, sum16(s))
 }
 
 /// `Σ a·b`: 16 lanes of fused sums, the fixed tree, then the rest in order.
@@ -235,11 +253,28 @@ unsafe fn at16<'a>(p: *const f32) -> &'a [f32; 16] {
     &*(p as *const [f32; 16])
 }
 
-/// `s[i] = dot16(q, k_i) · scale` for the keys in `k` (`hd` apart), four
-/// keys at a time.
+/// `s[i] = dot16(q, k_i) · scale` for the keys in `k` (`hd` apart),
+/// sixteen or four keys at a time.
 #[inline(always)]
 unsafe fn scores_lanes<L: Lanes>(q: &[f32], k: &[f32], hd: usize, scale: f32, s: &mut [f32]) {
-    let nc = hd / 16;
+    // The usual head sizes with their loops' lengths known.
+    match hd {
+        64 => scores_nc::<L, 4>(q, k, hd, scale, s),
+        128 => scores_nc::<L, 8>(q, k, hd, scale, s),
+        _ => scores_nc::<L, 0>(q, k, hd, scale, s),
+    }
+}
+
+/// [`scores_lanes`] with `NC` chunks of 16 per head (0: `hd / 16`).
+#[inline(always)]
+unsafe fn scores_nc<L: Lanes, const NC: usize>(
+    q: &[f32],
+    k: &[f32],
+    hd: usize,
+    scale: f32,
+    s: &mut [f32],
+) {
+    let nc = if NC == 0 { hd / 16 } else { NC };
     let n = s.len();
     assert!(q.len() >= nc * 16 && k.len() >= n * hd && nc <= 16);
     let (qp, kp) = (q.as_ptr(), k.as_ptr());
@@ -248,6 +283,23 @@ unsafe fn scores_lanes<L: Lanes>(q: &[f32], k: &[f32], hd: usize, scale: f32, s:
         *v = L::load(at16(qp.add(c * 16)));
     }
     let mut i = 0;
+    // Sixteen keys at a time, their sums reduced together.
+    while i + 16 <= n {
+        let mut acc = [L::zero(); 16];
+        for c in 0..nc {
+            for j in 0..16 {
+                let kv = L::load(at16(kp.add((i + j) * hd + c * 16)));
+                acc[j] = L::fma(qv[c], kv, acc[j]);
+            }
+        }
+        let mut sums = [0f32; 16];
+        L::reduce_rows(&acc, &mut sums);
+        let dst: &mut [f32; 16] = (&mut s[i..i + 16]).try_into().expect("16");
+        for j in 0..16 {
+            dst[j] = sums[j] * scale;
+        }
+        i += 16;
+    }
     while i + 4 <= n {
         let mut acc = [L::zero(); 4];
         for c in 0..nc {
@@ -304,6 +356,202 @@ unsafe fn values_lanes<L: Lanes>(p: &[f32], v: &[f32], hd: usize, acc: &mut [f32
     }
 }
 
+impl KvRows<'_> {
+    /// Values `16c..16c + 16` of the row at `at` as lanes (exact).
+    #[inline(always)]
+    unsafe fn lanes<L: Lanes>(&self, at: usize, c: usize) -> L {
+        let p = at + 16 * c;
+        match self {
+            KvRows::F32(v) => L::load(at16(v.as_ptr().add(p))),
+            KvRows::F16(v) => L::load_f16(&*(v.as_ptr().add(p) as *const [u16; 16])),
+            KvRows::Bf16(_) => {
+                let mut x = [0f32; 16];
+                self.load(p, &mut x);
+                L::load(&x)
+            }
+        }
+    }
+}
+
+/// `GH` query heads of one token against one chunk of `n` rows (offsets
+/// `rows`), each K and V row converted in registers once for all of them:
+/// the arithmetic of [`scores_lanes`], the softmax and [`values_lanes`],
+/// in the same order, so the same bits.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn heads_one<L: Lanes, const NC: usize, const GH: usize>(
+    inp: &AttnInput,
+    t: usize,
+    head0: usize,
+    chunk: usize,
+    rows: &[usize],
+    s: &mut [f32],
+    kf: &mut [f32],
+    rec: &mut [f32],
+    write: &mut dyn FnMut(usize, usize, &[f32]),
+) {
+    let sh = inp.shape;
+    let (nh, hd, bs) = (sh.n_heads, sh.head_dim, sh.block_size);
+    let n = rows.len();
+    let mut qv = [[L::zero(); NC]; GH];
+    for h in 0..GH {
+        let q = inp.q.as_ptr().add((t * nh + head0 + h) * hd);
+        for c in 0..NC {
+            qv[h][c] = L::load(at16(q.add(16 * c)));
+        }
+    }
+    // Sixteen keys at a time, converted once into `kf` (in L1) for all
+    // the heads.
+    let kf = &mut kf[..16 * hd];
+    for i in (0..n).step_by(16) {
+        let m = (n - i).min(16);
+        for r in 0..m {
+            // The same row a block further on (blocks lie anywhere in the
+            // pool).
+            if i + r + bs < n {
+                inp.k.prefetch::<L>(rows[i + r + bs], hd);
+                inp.v.prefetch::<L>(rows[i + r + bs], hd);
+            }
+            for c in 0..NC {
+                let dst = &mut *(kf.as_mut_ptr().add(r * hd + c * 16) as *mut [f32; 16]);
+                inp.k.lanes::<L>(rows[i + r], c).store(dst);
+            }
+        }
+        for h in 0..GH {
+            let s = &mut s[h * CHUNK + i..h * CHUNK + i + m];
+            if m < 16 {
+                let q = &inp.q[(t * nh + head0 + h) * hd..][..hd];
+                scores_lanes::<L>(q, kf, hd, sh.scale, s);
+                continue;
+            }
+            // As scores_lanes, with the query in registers across groups.
+            let mut acc = [L::zero(); 16];
+            for r in 0..16 {
+                for c in 0..NC {
+                    let k = L::load(at16(kf.as_ptr().add(r * hd + c * 16)));
+                    acc[r] = L::fma(qv[h][c], k, acc[r]);
+                }
+            }
+            let mut sums = [0f32; 16];
+            L::reduce_rows(&acc, &mut sums);
+            let dst: &mut [f32; 16] = s.try_into().expect("16");
+            for r in 0..16 {
+                dst[r] = sums[r] * sh.scale;
+            }
+        }
+    }
+    let mut stats = [(0f32, 0f32); GH];
+    for h in 0..GH {
+        stats[h] = softmax(&mut s[h * CHUNK..h * CHUNK + n]);
+    }
+    let mut acc = [[L::zero(); NC]; GH];
+    for i in 0..n {
+        let mut v = [L::zero(); NC];
+        for c in 0..NC {
+            v[c] = inp.v.lanes::<L>(rows[i], c);
+        }
+        for h in 0..GH {
+            let p = L::splat(s[h * CHUNK + i]);
+            for c in 0..NC {
+                acc[h][c] = L::fma(p, v[c], acc[h][c]);
+            }
+        }
+    }
+    for h in 0..GH {
+        for c in 0..NC {
+            acc[h][c].store(&mut *(rec.as_mut_ptr().add(16 * c) as *mut [f32; 16]));
+        }
+        (rec[hd], rec[hd + 1]) = stats[h];
+        write(t, chunk * nh + head0 + h, rec);
+    }
+}
+
+/// An item of one query token (a decoding sequence) with `NC · 16`
+/// dimensions per head: no f32 copy of the chunk, each K/V row read once
+/// for the query heads of its group (up to 64 lanes of queries at a time).
+#[inline(always)]
+unsafe fn item_one<L: Lanes, const NC: usize>(
+    inp: &AttnInput,
+    item: Item,
+    sc: &mut AttnScratch,
+    write: &mut dyn FnMut(usize, usize, &[f32]),
+) {
+    let sh = inp.shape;
+    let (nh, kvh, hd, bs) = (sh.n_heads, sh.n_kv_heads, sh.head_dim, sh.block_size);
+    let group = nh / kvh;
+    let (t, g, c) = (item.t0 as usize, item.g as usize, item.chunk as usize);
+    let pos = inp.positions[t] as usize;
+    let start = c * CHUNK;
+    if pos < start {
+        return;
+    }
+    let seq = inp.token_seq[t] as usize;
+    let table = &inp.block_tables[seq * inp.max_blocks..(seq + 1) * inp.max_blocks];
+    let n = (pos + 1).min(start + CHUNK) - start;
+    sc.rows.clear();
+    let mut p = start;
+    while p < start + n {
+        let b = p / bs;
+        let end = ((b + 1) * bs).min(start + n);
+        let slot = table[b] as usize * bs;
+        for q in p..end {
+            sc.rows.push(((slot + q - b * bs) * kvh + g) * hd);
+        }
+        p = end;
+    }
+    sc.s.resize(sc.s.len().max(4 * CHUNK), 0.0);
+    sc.k.resize(sc.k.len().max(16 * hd), 0.0);
+    sc.rec.resize(sc.rec.len().max(hd + 2), 0.0);
+    let most = (16 / NC).clamp(1, 4);
+    let mut h = 0;
+    while h < group {
+        let head0 = g * group + h;
+        let (rows, s, rec) = (&sc.rows[..], &mut sc.s[..], &mut sc.rec[..hd + 2]);
+        let kf = &mut sc.k[..];
+        let gh = (group - h).min(most);
+        match gh {
+            1 => heads_one::<L, NC, 1>(inp, t, head0, c, rows, s, kf, rec, write),
+            2 => heads_one::<L, NC, 2>(inp, t, head0, c, rows, s, kf, rec, write),
+            3 => heads_one::<L, NC, 3>(inp, t, head0, c, rows, s, kf, rec, write),
+            _ => heads_one::<L, NC, 4>(inp, t, head0, c, rows, s, kf, rec, write),
+        }
+        h += gh;
+    }
+}
+
+/// [`values_lanes`] for two queries over the same values: eight chains of
+/// fused sums instead of four, each query's in its own order as there.
+#[inline(always)]
+unsafe fn values_lanes2<L: Lanes>(p: [&[f32]; 2], v: &[f32], hd: usize, mut acc: [&mut [f32]; 2]) {
+    let nc = hd / 16;
+    let n = p[0].len();
+    assert!(p[1].len() == n && v.len() >= n * hd && acc[0].len() >= hd && acc[1].len() >= hd);
+    let vp = v.as_ptr();
+    let mut g = 0;
+    while g < nc {
+        let m = (nc - g).min(4);
+        let mut a = [[L::zero(); 4]; 2];
+        for i in 0..n {
+            let pv = [L::splat(p[0][i]), L::splat(p[1][i])];
+            let row = vp.add(i * hd + g * 16);
+            for c in 0..m {
+                let x = L::load(at16(row.add(16 * c)));
+                a[0][c] = L::fma(pv[0], x, a[0][c]);
+                a[1][c] = L::fma(pv[1], x, a[1][c]);
+            }
+        }
+        for (a, out) in a.iter().zip(acc.iter_mut()) {
+            for c in 0..m {
+                let dst: &mut [f32; 16] = (&mut out[(g + c) * 16..(g + c + 1) * 16])
+                    .try_into()
+                    .expect("16");
+                a[c].store(dst);
+            }
+        }
+        g += m;
+    }
+}
+
 /// One item with lanes `L`.
 ///
 /// # Safety
@@ -316,6 +564,14 @@ unsafe fn item_body<L: Lanes>(
     write: &mut dyn FnMut(usize, usize, &[f32]),
 ) {
     let sh = inp.shape;
+    if item.nt == 1 {
+        match sh.head_dim {
+            64 => return item_one::<L, 4>(inp, item, sc, write),
+            128 => return item_one::<L, 8>(inp, item, sc, write),
+            256 => return item_one::<L, 16>(inp, item, sc, write),
+            _ => {}
+        }
+    }
     let (nh, kvh, hd, bs) = (sh.n_heads, sh.n_kv_heads, sh.head_dim, sh.block_size);
     let group = nh / kvh;
     let (t0, nt, g, c) = (
@@ -333,9 +589,8 @@ unsafe fn item_body<L: Lanes>(
         .copied()
         .unwrap_or(0) as usize;
     let n_max = (last + 1).min(start + CHUNK) - start;
-    sc.k.resize(CHUNK * hd, 0.0);
-    sc.v.resize(CHUNK * hd, 0.0);
-    sc.s.resize(CHUNK, 0.0);
+    sc.k.resize(sc.k.len().max(CHUNK * hd), 0.0);
+    sc.v.resize(sc.v.len().max(CHUNK * hd), 0.0);
     for i in 0..n_max {
         let p = start + i;
         let slot = table[p / bs] as usize * bs + p % bs;
@@ -351,8 +606,8 @@ unsafe fn item_body<L: Lanes>(
         inp.k.load_lanes::<L>(at, &mut sc.k[i * hd..(i + 1) * hd]);
         inp.v.load_lanes::<L>(at, &mut sc.v[i * hd..(i + 1) * hd]);
     }
-    sc.rec.resize(hd + 2, 0.0);
-    let rec = &mut sc.rec;
+    sc.rec.resize(sc.rec.len().max(2 * (hd + 2)), 0.0);
+    sc.s.resize(sc.s.len().max(2 * CHUNK), 0.0);
     let lanes = hd.is_multiple_of(16) && hd <= 256;
     for ti in 0..nt {
         let t = t0 + ti;
@@ -361,7 +616,27 @@ unsafe fn item_body<L: Lanes>(
             continue;
         }
         let n = (pos + 1).min(start + CHUNK) - start;
-        for h in 0..group {
+        let mut h = 0;
+        // Two heads at a time share the value rows.
+        while lanes && h + 2 <= group {
+            let (s0, s1) = sc.s.split_at_mut(CHUNK);
+            let (s0, s1) = (&mut s0[..n], &mut s1[..n]);
+            let (r0, r1) = sc.rec.split_at_mut(hd + 2);
+            for (j, s) in [&mut *s0, &mut *s1].into_iter().enumerate() {
+                let head = g * group + h + j;
+                let q = &inp.q[(t * nh + head) * hd..(t * nh + head + 1) * hd];
+                scores_lanes::<L>(q, &sc.k, hd, sh.scale, s);
+            }
+            let stats = [softmax(s0), softmax(s1)];
+            values_lanes2::<L>([s0, s1], &sc.v, hd, [&mut r0[..hd], &mut r1[..hd]]);
+            for (j, r) in [r0, r1].into_iter().enumerate() {
+                (r[hd], r[hd + 1]) = stats[j];
+                write(t, c * nh + g * group + h + j, r);
+            }
+            h += 2;
+        }
+        let rec = &mut sc.rec[..hd + 2];
+        for h in h..group {
             let head = g * group + h;
             let q = &inp.q[(t * nh + head) * hd..(t * nh + head + 1) * hd];
             let s = &mut sc.s[..n];
@@ -372,11 +647,7 @@ unsafe fn item_body<L: Lanes>(
                     *si = dot16(q, &sc.k[i * hd..(i + 1) * hd]) * sh.scale;
                 }
             }
-            let mx = s.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-            for si in s.iter_mut() {
-                *si = exp_nonpositive(*si - mx);
-            }
-            let l = sum16(s);
+            let (mx, l) = softmax(s);
             let acc = &mut rec[..hd];
             if lanes {
                 values_lanes::<L>(s, &sc.v, hd, acc);
@@ -497,11 +768,13 @@ mod tests {
 
     /// Two sequences, one decoding deep in its context (several chunks)
     /// and one prefilling across a chunk boundary, over scattered blocks of
-    /// an f16 cache: every instruction set gives the same bits, and the
-    /// result equals the slow reference within rounding.
+    /// an f16 cache: every instruction set gives the same bits, each query
+    /// computed alone (a decoding sequence's item) gives the same bits as
+    /// in the batch, and the result equals the slow reference within
+    /// rounding.
     #[test]
     fn items_match_the_reference_across_chunks_and_instruction_sets() {
-        for hd in [64, 24] {
+        for hd in [64, 24, 128, 256] {
             let (nh, kvh, bs, nb) = (6, 2, 16, 48);
             let k = seeded(&[nb, bs, kvh, hd], 1, DType::F16).unwrap();
             let v = seeded(&[nb, bs, kvh, hd], 2, DType::F16).unwrap();
@@ -549,6 +822,24 @@ mod tests {
                         .all(|(a, b)| a.to_bits() == b.to_bits()),
                     "{isa:?} hd={hd}"
                 );
+                let row = nh * hd;
+                for i in 0..t {
+                    let one = AttnInput {
+                        q: &qv[i * row..(i + 1) * row],
+                        positions: &positions[i..i + 1],
+                        token_seq: &seqs[i..i + 1],
+                        ..inp
+                    };
+                    let mut alone = AttnPlan::default();
+                    alone.build(&shape, one.token_seq, one.positions);
+                    let got = run(isa, &one, &alone);
+                    assert!(
+                        got.iter()
+                            .zip(&want[i * row..(i + 1) * row])
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{isa:?} hd={hd} query {i} alone"
+                    );
+                }
             }
             let meta = PagedMeta {
                 block_size: bs,

@@ -67,6 +67,25 @@ pub(crate) trait Lanes: Copy {
             dst[j] = f16_to_f32(src[j]);
         }
     }
+    /// `out[r] = rows[r].reduce()`, each by the same tree (so the same
+    /// bits), for sixteen rows at once where the instruction set can.
+    /// # Safety
+    /// As [`Lanes::zero`].
+    #[inline(always)]
+    unsafe fn reduce_rows(rows: &[Self; 16], out: &mut [f32; 16]) {
+        for r in 0..16 {
+            out[r] = rows[r].reduce();
+        }
+    }
+    /// Sixteen f16 values as lanes, exactly.
+    /// # Safety
+    /// As [`Lanes::zero`].
+    #[inline(always)]
+    unsafe fn load_f16(src: &[u16; 16]) -> Self {
+        let mut v = [0f32; 16];
+        Self::f16x16(src, &mut v);
+        Self::load(&v)
+    }
 }
 
 #[derive(Clone, Copy)]
@@ -143,6 +162,12 @@ pub(crate) mod x86 {
             _mm512_storeu_ps(dst.as_mut_ptr(), _mm512_cvtph_ps(h))
         }
         #[inline(always)]
+        unsafe fn load_f16(src: &[u16; 16]) -> Self {
+            Avx512(_mm512_cvtph_ps(_mm256_loadu_si256(
+                src.as_ptr() as *const __m256i
+            )))
+        }
+        #[inline(always)]
         unsafe fn prefetch(p: *const u8) {
             _mm_prefetch(p as *const i8, _MM_HINT_T0)
         }
@@ -157,6 +182,47 @@ pub(crate) mod x86 {
                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(self.0), 1)),
             );
             reduce8(v8)
+        }
+        /// The tree's three levels on sixteen rows at once, rows moved
+        /// between lanes by shuffles (which do not round): the same
+        /// additions of the same values as [`Lanes::reduce`].
+        #[inline(always)]
+        unsafe fn reduce_rows(rows: &[Self; 16], out: &mut [f32; 16]) {
+            // v8 of rows 2p and 2p + 1: lanes 0..8 and 8..16.
+            let mut v8 = [_mm512_setzero_ps(); 8];
+            for p in 0..8 {
+                let (a, b) = (rows[2 * p].0, rows[2 * p + 1].0);
+                v8[p] = _mm512_add_ps(
+                    _mm512_shuffle_f32x4::<0b01_00_01_00>(a, b),
+                    _mm512_shuffle_f32x4::<0b11_10_11_10>(a, b),
+                );
+            }
+            // v4 of rows 4q + k in 128-bit block k.
+            let mut v4 = [_mm512_setzero_ps(); 4];
+            for q in 0..4 {
+                let (s, t) = (v8[2 * q], v8[2 * q + 1]);
+                v4[q] = _mm512_add_ps(
+                    _mm512_shuffle_f32x4::<0b10_00_10_00>(s, t),
+                    _mm512_shuffle_f32x4::<0b11_01_11_01>(s, t),
+                );
+            }
+            // v4[0] + v4[2] and v4[1] + v4[3]: block k holds those of rows
+            // k, 4 + k (from v4[0], v4[1]) or 8 + k, 12 + k.
+            let half = |x: __m512, y: __m512| {
+                let (x, y) = (_mm512_castps_pd(x), _mm512_castps_pd(y));
+                _mm512_add_ps(
+                    _mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                    _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)),
+                )
+            };
+            let (r01, r23) = (half(v4[0], v4[1]), half(v4[2], v4[3]));
+            // Their sum: block k, lane m holds row 4m + k.
+            let sum = _mm512_add_ps(
+                _mm512_shuffle_ps::<0b10_00_10_00>(r01, r23),
+                _mm512_shuffle_ps::<0b11_01_11_01>(r01, r23),
+            );
+            let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+            _mm512_storeu_ps(out.as_mut_ptr(), _mm512_permutexvar_ps(order, sum));
         }
     }
 
@@ -205,6 +271,12 @@ pub(crate) mod x86 {
             let hi = _mm_loadu_si128(src.as_ptr().add(8) as *const __m128i);
             _mm256_storeu_ps(dst.as_mut_ptr(), _mm256_cvtph_ps(lo));
             _mm256_storeu_ps(dst.as_mut_ptr().add(8), _mm256_cvtph_ps(hi));
+        }
+        #[inline(always)]
+        unsafe fn load_f16(src: &[u16; 16]) -> Self {
+            let lo = _mm_loadu_si128(src.as_ptr() as *const __m128i);
+            let hi = _mm_loadu_si128(src.as_ptr().add(8) as *const __m128i);
+            Avx2(_mm256_cvtph_ps(lo), _mm256_cvtph_ps(hi))
         }
         #[inline(always)]
         unsafe fn prefetch(p: *const u8) {
