@@ -49,6 +49,13 @@ bench-model: model
     ./target/release/tessera bench --model models/SmolLM2-135M-Instruct.Q4_1.gguf --scenario fidelity --json | tee -a target/bench/model.jsonl
     python3 scripts/readme_tables.py model
 
+# The default build (instruction sets chosen at run time) beside one built for this CPU
+# (`-C target-cpu=native`, in target/native), prefill and decode alternating; then the README's table.
+bench-portable: model
+    cargo build --release -p tessera
+    CARGO_TARGET_DIR=target/native RUSTFLAGS="-C target-cpu=native" cargo build --release -p tessera
+    python3 scripts/portable_vs_native.py
+
 # The KV-cache scenarios: chat TTFT with and without reuse, shared prefix, interleaved conversations, context shift; then the README's tables.
 bench-engine: model
     cargo build --release -p tessera
