@@ -12,9 +12,12 @@ demo: model
     cargo build --release -p tessera
     ./target/release/tessera chat --model models/SmolLM2-135M-Instruct.Q4_1.gguf --script demo/chat.jsonl --temperature 0 --max-tokens 48
 
-# Run every test of the workspace (fetches the default model first).
+# Run every test of the workspace (fetches the default model first), then `tessera serve`
+# driven by the official `openai` Python package (installed with pip when missing).
 test: model
     cargo test --workspace
+    python3 -c "import openai" 2>/dev/null || python3 -m pip install --quiet openai
+    python3 scripts/openai_client.py target/debug/tessera models/SmolLM2-135M-Instruct.Q4_1.gguf
 
 # Long fuzzing runs of the loaders and parsers (GGUF, sessions, cache files, tokenizer, templates).
 fuzz cases="20000":

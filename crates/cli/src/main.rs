@@ -8,6 +8,7 @@ mod bench;
 mod chat;
 mod fidelity;
 mod scenarios;
+mod serve;
 mod soak;
 
 use std::io::{IsTerminal, Read, Write};
@@ -45,6 +46,9 @@ enum Cmd {
     Run(RunArgs),
     /// A multi-turn conversation that keeps its KV cache between turns.
     Chat(chat::ChatArgs),
+    /// An OpenAI-compatible HTTP server (/v1/chat/completions,
+    /// /v1/completions, /v1/models, /health, /tokenize, /detokenize).
+    Serve(serve::ServeArgs),
     /// Print the token ids of a text as a JSON array.
     Tokenize(TokenizeArgs),
     /// Read a JSON array of token ids from stdin and print their text.
@@ -410,6 +414,7 @@ fn main() -> ExitCode {
     let result = match cli.cmd {
         Cmd::Run(a) => run(a),
         Cmd::Chat(a) => chat::chat(a),
+        Cmd::Serve(a) => serve::serve(a),
         Cmd::Tokenize(a) => tokenize(a),
         Cmd::Detokenize(a) => detokenize(a),
         Cmd::Inspect(a) => inspect(a),

@@ -1,0 +1,124 @@
+//! `tessera serve`: the OpenAI-compatible server (tessera-server) on a
+//! socket. It listens at once, answers `/health` with 503 while the model
+//! loads, then serves; SIGINT or SIGTERM stops it after the requests in
+//! flight (and writes the prefix cache to `--cache-dir` when given).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use tessera_engine::Engine;
+use tessera_server::{Server, ServerConfig};
+
+use crate::{load_model, KvArgs, ModelArg};
+
+#[derive(Args)]
+pub(crate) struct ServeArgs {
+    #[command(flatten)]
+    model: ModelArg,
+    #[command(flatten)]
+    kv: KvArgs,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// 0 picks a free port (printed on stderr).
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Require `Authorization: Bearer KEY` (repeatable; every route but
+    /// /health).
+    #[arg(long = "api-key")]
+    api_keys: Vec<String>,
+    /// The model name clients send (default: the file's name without its
+    /// extension).
+    #[arg(long)]
+    alias: Option<String>,
+    /// Restore the prefix cache from this directory at start and write it
+    /// back at shutdown.
+    #[arg(long)]
+    cache_dir: Option<PathBuf>,
+}
+
+pub(crate) fn serve(args: ServeArgs) -> Result<()> {
+    let name = args.alias.clone().unwrap_or_else(|| {
+        let spec = args.model.model.trim_end_matches('/');
+        let file = spec.rsplit(['/', ':']).next().unwrap_or(spec);
+        file.strip_suffix(".gguf").unwrap_or(file).to_string()
+    });
+    let server = Server::new(ServerConfig {
+        api_keys: args.api_keys.clone(),
+        ..ServerConfig::new(name.clone())
+    });
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(async move {
+        let addr = format!("{}:{}", args.host, args.port);
+        let listener = tokio::net::TcpListener::bind(&addr)
+            .await
+            .with_context(|| format!("listening on {addr}"))?;
+        let local = listener.local_addr()?;
+        eprintln!("tessera serve: listening on http://{local} (model `{name}` loading)");
+        let app = server.router();
+        let serving = tokio::spawn(tessera_server::serve(listener, app, shutdown()));
+        let (spec, cfg, dir) = (
+            args.model.model.clone(),
+            args.kv.config(true),
+            args.cache_dir.clone(),
+        );
+        let engine = tokio::task::spawn_blocking(move || -> Result<Arc<Engine>> {
+            let engine = Engine::from_model(load_model(&spec)?, cfg)?;
+            if let Some(dir) = &dir {
+                if dir.exists() {
+                    let n = engine.restore_cache_dir(dir).with_context(|| {
+                        format!("restoring the prefix cache from {}", dir.display())
+                    })?;
+                    eprintln!(
+                        "tessera serve: {n} cached sequences restored from {}",
+                        dir.display()
+                    );
+                }
+            }
+            Ok(Arc::new(engine))
+        })
+        .await??;
+        server.set_engine(engine.clone());
+        eprintln!("tessera serve: ready");
+        serving.await??;
+        if let Some(dir) = args.cache_dir {
+            let shown = dir.display().to_string();
+            tokio::task::spawn_blocking(move || engine.save_cache_dir(&dir))
+                .await?
+                .context("writing the prefix cache")?;
+            eprintln!("tessera serve: prefix cache written to {shown}");
+        }
+        Ok(())
+    })
+}
+
+/// Resolves at SIGINT or SIGTERM.
+async fn shutdown() {
+    let int = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(_) => {
+                    let _ = int.await;
+                    return;
+                }
+            };
+        tokio::select! {
+            _ = int => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = int.await;
+    }
+    eprintln!("tessera serve: shutting down after the requests in flight");
+}

@@ -1,0 +1,233 @@
+//! The OpenAI wire format: requests as clients send them, responses and
+//! stream chunks as clients parse them, and OpenAI-style errors.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+/// `"text"` or `["a", "b"]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum OneOrMany {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl OneOrMany {
+    pub fn into_vec(self) -> Vec<String> {
+        match self {
+            OneOrMany::One(s) => vec![s],
+            OneOrMany::Many(v) => v,
+        }
+    }
+}
+
+/// A message's content: a string, or parts of which only text is read.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Content {
+    Text(String),
+    Parts(Vec<Part>),
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct Part {
+    #[serde(rename = "type")]
+    pub kind: String,
+    #[serde(default)]
+    pub text: Option<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    #[serde(default)]
+    pub content: Option<Content>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// The fields both endpoints share (sampling, stopping, streaming).
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct Common {
+    #[serde(default)]
+    pub model: Option<String>,
+    pub max_tokens: Option<usize>,
+    pub max_completion_tokens: Option<usize>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<usize>,
+    pub min_p: Option<f32>,
+    pub seed: Option<u64>,
+    pub stop: Option<OneOrMany>,
+    pub n: Option<usize>,
+    pub repeat_penalty: Option<f32>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub logit_bias: Option<serde_json::Map<String, Value>>,
+    pub logprobs: Option<Value>,
+    pub top_logprobs: Option<u32>,
+    #[serde(default)]
+    pub stream: bool,
+    #[serde(default)]
+    pub stream_options: Option<StreamOptions>,
+    pub cache_prompt: Option<bool>,
+    /// llama-server's: generate through end-of-generation tokens.
+    #[serde(default)]
+    pub ignore_eos: bool,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatRequest {
+    pub messages: Vec<ChatMessage>,
+    #[serde(flatten)]
+    pub common: Common,
+}
+
+/// A completion prompt: text, or token ids.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum PromptField {
+    Text(String),
+    Tokens(Vec<u32>),
+    Texts(Vec<String>),
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct CompletionRequest {
+    pub prompt: PromptField,
+    #[serde(flatten)]
+    pub common: Common,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct TokenizeRequest {
+    pub content: String,
+    /// Add the model's BOS token (as llama-server's `add_special`).
+    #[serde(default)]
+    pub add_special: bool,
+    /// Control-token text becomes control tokens (llama-server's default).
+    #[serde(default = "yes")]
+    pub parse_special: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct DetokenizeRequest {
+    pub tokens: Vec<u32>,
+}
+
+/// `usage` of a response: `cached_tokens` are the prompt tokens whose K/V
+/// came from the prefix cache (not computed by this request).
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct UsageOut {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub total_tokens: usize,
+    pub prompt_tokens_details: CachedOut,
+}
+
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct CachedOut {
+    pub cached_tokens: usize,
+}
+
+/// llama-server's `timings`, for users coming from it.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct TimingsOut {
+    pub cache_n: usize,
+    pub prompt_n: usize,
+    pub prompt_ms: f64,
+    pub predicted_n: usize,
+    pub predicted_ms: f64,
+}
+
+/// An OpenAI-style error: `{"error": {"message", "type", "param", "code"}}`
+/// with its HTTP status.
+#[derive(Debug)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub kind: &'static str,
+    pub code: Option<&'static str>,
+    pub param: Option<&'static str>,
+    pub message: String,
+}
+
+impl ApiError {
+    pub fn bad(message: impl Into<String>) -> ApiError {
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            kind: "invalid_request_error",
+            code: None,
+            param: None,
+            message: message.into(),
+        }
+    }
+
+    pub fn unsupported(param: &'static str, message: impl Into<String>) -> ApiError {
+        ApiError {
+            code: Some("unsupported_parameter"),
+            param: Some(param),
+            ..ApiError::bad(message)
+        }
+    }
+
+    pub fn body(&self) -> Value {
+        json!({"error": {
+            "message": self.message,
+            "type": self.kind,
+            "param": self.param,
+            "code": self.code,
+        }})
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, axum::Json(self.body())).into_response()
+    }
+}
+
+impl From<tessera_engine::EngineError> for ApiError {
+    fn from(e: tessera_engine::EngineError) -> ApiError {
+        use tessera_engine::EngineError as E;
+        let message = e.to_string();
+        match e {
+            E::PromptTooLong { .. } => ApiError {
+                code: Some("context_length_exceeded"),
+                param: Some("messages"),
+                ..ApiError::bad(message)
+            },
+            E::OutOfKvMemory { .. } => ApiError {
+                code: Some("kv_memory_exceeded"),
+                ..ApiError::bad(message)
+            },
+            E::EmptyPrompt | E::Invalid(_) => ApiError::bad(message),
+            E::Model(
+                tessera_model::ModelError::Tokenizer(_) | tessera_model::ModelError::Template(_),
+            ) => ApiError::bad(message),
+            E::Stopped => ApiError {
+                status: StatusCode::SERVICE_UNAVAILABLE,
+                kind: "server_error",
+                code: None,
+                param: None,
+                message,
+            },
+            _ => ApiError {
+                status: StatusCode::INTERNAL_SERVER_ERROR,
+                kind: "server_error",
+                code: None,
+                param: None,
+                message,
+            },
+        }
+    }
+}

@@ -1,0 +1,627 @@
+//! tessera-server: an OpenAI-compatible HTTP server over one [`Engine`].
+//!
+//! **What this crate must not know:** scheduling, the KV cache, the model.
+//! Every HTTP request becomes one engine request; the engine's worker
+//! batches all running requests into each step and serves every prompt
+//! from its one prefix tree, so `usage.prompt_tokens_details.cached_tokens`
+//! is exactly what a request did not compute.
+//!
+//! ```text
+//! axum handler ── spawn_blocking: Engine::generate ──▶ RequestStream (blocking)
+//!      ▲                                   │ forwarder thread: events → channel
+//!      └── JSON, or SSE chunks ◀── converter task ◀──┘
+//! client gone → SSE body dropped → channels close → RequestStream dropped
+//!             → the engine cancels the request at its next step
+//! ```
+
+mod api;
+
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{Request, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::{json, Value};
+use tessera_engine::{
+    Completion, Engine, EngineError, Event, FinishReason, GenerateRequest, Message, Prompt,
+    SamplingParams,
+};
+use tokio::sync::mpsc;
+
+pub use api::ApiError;
+use api::{
+    CachedOut, ChatRequest, Common, CompletionRequest, Content, DetokenizeRequest, PromptField,
+    TimingsOut, TokenizeRequest, UsageOut,
+};
+
+/// How the server is set up.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// The name `/v1/models` lists and requests must name (or leave out).
+    pub model_name: String,
+    /// Accepted `Authorization: Bearer` keys; empty: no key needed.
+    pub api_keys: Vec<String>,
+    /// Largest request body, in bytes.
+    pub body_limit: usize,
+    /// Longest wait for a response to start (a stream may then run on).
+    pub request_timeout: Duration,
+    /// Most samples (`n`) per request.
+    pub max_n: usize,
+}
+
+impl ServerConfig {
+    pub fn new(model_name: impl Into<String>) -> ServerConfig {
+        ServerConfig {
+            model_name: model_name.into(),
+            api_keys: Vec::new(),
+            body_limit: 8 << 20,
+            request_timeout: Duration::from_secs(600),
+            max_n: 16,
+        }
+    }
+}
+
+/// The server's shared state: its configuration and the engine, once the
+/// model has loaded (`/health` answers 503 until then).
+pub struct Server {
+    cfg: ServerConfig,
+    engine: OnceLock<Arc<Engine>>,
+    next_id: AtomicU64,
+}
+
+impl Server {
+    pub fn new(cfg: ServerConfig) -> Arc<Server> {
+        Arc::new(Server {
+            cfg,
+            engine: OnceLock::new(),
+            next_id: AtomicU64::new(1),
+        })
+    }
+
+    /// The model has loaded: requests are served from now on.
+    pub fn set_engine(&self, engine: Arc<Engine>) {
+        let _ = self.engine.set(engine);
+    }
+
+    fn engine(&self) -> Result<Arc<Engine>, ApiError> {
+        self.engine.get().cloned().ok_or_else(|| ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            kind: "server_error",
+            code: Some("loading"),
+            param: None,
+            message: "the model is still loading".into(),
+        })
+    }
+
+    fn id(&self, prefix: &str) -> String {
+        format!("{prefix}-{}", self.next_id.fetch_add(1, Ordering::Relaxed))
+    }
+
+    /// The routes, with the API key check (every route but `/health`),
+    /// the body limit and the response timeout.
+    pub fn router(self: &Arc<Self>) -> Router {
+        let open = Router::new().route("/health", get(health));
+        let keyed = Router::new()
+            .route("/v1/models", get(models))
+            .route("/v1/chat/completions", post(chat))
+            .route("/v1/completions", post(completions))
+            .route("/tokenize", post(tokenize))
+            .route("/detokenize", post(detokenize))
+            .route_layer(middleware::from_fn_with_state(self.clone(), auth));
+        open.merge(keyed)
+            .layer(tower_http::limit::RequestBodyLimitLayer::new(
+                self.cfg.body_limit,
+            ))
+            .layer(tower_http::timeout::TimeoutLayer::with_status_code(
+                StatusCode::REQUEST_TIMEOUT,
+                self.cfg.request_timeout,
+            ))
+            .with_state(self.clone())
+    }
+}
+
+/// Serves `router` on `listener` until `shutdown` resolves, then lets the
+/// requests in flight finish.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    router: Router,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router)
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+async fn auth(State(s): State<Arc<Server>>, req: Request, next: Next) -> Response {
+    if s.cfg.api_keys.is_empty() {
+        return next.run(req).await;
+    }
+    let given = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    if given.is_some_and(|k| s.cfg.api_keys.iter().any(|a| a == k)) {
+        return next.run(req).await;
+    }
+    ApiError {
+        status: StatusCode::UNAUTHORIZED,
+        kind: "authentication_error",
+        code: Some("invalid_api_key"),
+        param: None,
+        message: "a valid API key is required (Authorization: Bearer KEY)".into(),
+    }
+    .into_response()
+}
+
+fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+async fn health(State(s): State<Arc<Server>>) -> Response {
+    match s.engine.get() {
+        Some(_) => (StatusCode::OK, Json(json!({"status": "ok"}))).into_response(),
+        None => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "loading"})),
+        )
+            .into_response(),
+    }
+}
+
+async fn models(State(s): State<Arc<Server>>) -> Json<Value> {
+    Json(json!({
+        "object": "list",
+        "data": [{
+            "id": s.cfg.model_name,
+            "object": "model",
+            "created": now(),
+            "owned_by": "tessera",
+        }],
+    }))
+}
+
+/// A malformed body as an OpenAI-style 400.
+fn rejected(r: JsonRejection) -> ApiError {
+    let mut e = ApiError::bad(format!("malformed request body: {}", r.body_text()));
+    e.status = if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
+        StatusCode::PAYLOAD_TOO_LARGE
+    } else {
+        StatusCode::BAD_REQUEST
+    };
+    e
+}
+
+async fn tokenize(
+    State(s): State<Arc<Server>>,
+    body: Result<Json<TokenizeRequest>, JsonRejection>,
+) -> Result<Json<Value>, ApiError> {
+    let Json(req) = body.map_err(rejected)?;
+    let engine = s.engine()?;
+    let special = if req.parse_special {
+        tessera_model::Special::Parse
+    } else {
+        tessera_model::Special::AsText
+    };
+    let ids = engine
+        .model()
+        .tokenizer
+        .encode(&req.content, special, req.add_special)
+        .map_err(EngineError::from)?;
+    Ok(Json(json!({"tokens": ids})))
+}
+
+async fn detokenize(
+    State(s): State<Arc<Server>>,
+    body: Result<Json<DetokenizeRequest>, JsonRejection>,
+) -> Result<Json<Value>, ApiError> {
+    let Json(req) = body.map_err(rejected)?;
+    let engine = s.engine()?;
+    let vocab = engine.model().config().vocab_size;
+    if let Some(bad) = req.tokens.iter().find(|&&t| t as usize >= vocab) {
+        return Err(ApiError::bad(format!(
+            "token id {bad} is outside the vocabulary of {vocab}"
+        )));
+    }
+    let text = engine
+        .model()
+        .tokenizer
+        .decode(&req.tokens)
+        .map_err(EngineError::from)?;
+    Ok(Json(json!({"content": text})))
+}
+
+/// Which endpoint a generation answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Endpoint {
+    Chat,
+    Completions,
+}
+
+async fn chat(
+    State(s): State<Arc<Server>>,
+    body: Result<Json<ChatRequest>, JsonRejection>,
+) -> Result<Response, ApiError> {
+    let Json(req) = body.map_err(rejected)?;
+    if req.messages.is_empty() {
+        return Err(ApiError::bad("`messages` is empty"));
+    }
+    let mut msgs = Vec::with_capacity(req.messages.len());
+    for m in req.messages {
+        let content = match m.content {
+            None => String::new(),
+            Some(Content::Text(t)) => t,
+            Some(Content::Parts(parts)) => {
+                let mut t = String::new();
+                for p in parts {
+                    if p.kind != "text" {
+                        return Err(ApiError::unsupported(
+                            "messages",
+                            format!("message parts of type `{}` are not supported", p.kind),
+                        ));
+                    }
+                    t.push_str(p.text.as_deref().unwrap_or(""));
+                }
+                t
+            }
+        };
+        msgs.push(Message::new(m.role, content));
+    }
+    generate(s, Prompt::Chat(msgs), req.common, Endpoint::Chat).await
+}
+
+async fn completions(
+    State(s): State<Arc<Server>>,
+    body: Result<Json<CompletionRequest>, JsonRejection>,
+) -> Result<Response, ApiError> {
+    let Json(req) = body.map_err(rejected)?;
+    let prompt = match req.prompt {
+        PromptField::Text(t) => Prompt::Text(t),
+        PromptField::Tokens(ids) => Prompt::Tokens(ids),
+        PromptField::Texts(mut v) if v.len() == 1 => Prompt::Text(v.remove(0)),
+        PromptField::Texts(_) => {
+            return Err(ApiError::unsupported(
+                "prompt",
+                "a list of several prompts is not supported: send one request per prompt",
+            ))
+        }
+    };
+    generate(s, prompt, req.common, Endpoint::Completions).await
+}
+
+/// The engine request a body asks for, or why it cannot be served.
+fn request(
+    s: &Server,
+    engine: &Engine,
+    prompt: Prompt,
+    c: &Common,
+) -> Result<GenerateRequest, ApiError> {
+    if let Some(m) = c.model.as_deref() {
+        if !m.is_empty() && m != s.cfg.model_name {
+            return Err(ApiError {
+                status: StatusCode::NOT_FOUND,
+                kind: "invalid_request_error",
+                code: Some("model_not_found"),
+                param: Some("model"),
+                message: format!(
+                    "the model `{m}` does not exist: this server serves `{}`",
+                    s.cfg.model_name
+                ),
+            });
+        }
+    }
+    // Fields the engine does not do yet: refused, never silently ignored.
+    if c.logprobs
+        .as_ref()
+        .is_some_and(|v| !matches!(v, Value::Null | Value::Bool(false)))
+        || c.top_logprobs.is_some_and(|n| n > 0)
+    {
+        return Err(ApiError::unsupported(
+            "logprobs",
+            "logprobs are not supported yet",
+        ));
+    }
+    if c.logit_bias.as_ref().is_some_and(|m| !m.is_empty()) {
+        return Err(ApiError::unsupported(
+            "logit_bias",
+            "logit_bias is not supported yet",
+        ));
+    }
+    for (name, v) in [
+        ("presence_penalty", c.presence_penalty),
+        ("frequency_penalty", c.frequency_penalty),
+    ] {
+        if v.is_some_and(|v| v != 0.0) {
+            return Err(ApiError::unsupported(
+                if name == "presence_penalty" {
+                    "presence_penalty"
+                } else {
+                    "frequency_penalty"
+                },
+                format!("{name} is not supported yet (repeat_penalty is)"),
+            ));
+        }
+    }
+    if c.cache_prompt == Some(false) {
+        return Err(ApiError::unsupported(
+            "cache_prompt",
+            "cache_prompt=false is not supported yet: prompts always reuse the prefix cache",
+        ));
+    }
+    let n = c.n.unwrap_or(1);
+    if n == 0 || n > s.cfg.max_n {
+        return Err(ApiError::bad(format!(
+            "n must be between 1 and {}",
+            s.cfg.max_n
+        )));
+    }
+    let mut sampling = SamplingParams::default();
+    if let Some(t) = c.temperature {
+        if !(0.0..=2.0).contains(&t) {
+            return Err(ApiError::bad("temperature must be between 0 and 2"));
+        }
+        sampling.temperature = t;
+    }
+    if let Some(p) = c.top_p {
+        if !(0.0..=1.0).contains(&p) || p == 0.0 {
+            return Err(ApiError::bad("top_p must be in (0, 1]"));
+        }
+        sampling.top_p = p;
+    }
+    if let Some(k) = c.top_k {
+        sampling.top_k = k;
+    }
+    if let Some(m) = c.min_p {
+        if !(0.0..=1.0).contains(&m) {
+            return Err(ApiError::bad("min_p must be between 0 and 1"));
+        }
+        sampling.min_p = m;
+    }
+    if let Some(r) = c.repeat_penalty {
+        if r <= 0.0 {
+            return Err(ApiError::bad("repeat_penalty must be positive"));
+        }
+        sampling.repetition_penalty = r;
+    }
+    if let Some(seed) = c.seed {
+        sampling.seed = seed;
+    }
+    let max_tokens = c
+        .max_completion_tokens
+        .or(c.max_tokens)
+        .unwrap_or(engine.context_length());
+    Ok(GenerateRequest {
+        sampling,
+        max_tokens,
+        stop: c.stop.clone().map(|s| s.into_vec()).unwrap_or_default(),
+        ignore_eos: c.ignore_eos,
+        n,
+        ..GenerateRequest::new(prompt)
+    })
+}
+
+fn finish(r: FinishReason) -> &'static str {
+    match r {
+        FinishReason::Length => "length",
+        _ => "stop",
+    }
+}
+
+fn usage(done: &[Completion]) -> (UsageOut, TimingsOut) {
+    let Some(first) = done.first() else {
+        return Default::default();
+    };
+    let completion: usize = done.iter().map(|c| c.usage.completion_tokens).sum();
+    let u = first.usage;
+    let usage = UsageOut {
+        prompt_tokens: u.prompt_tokens,
+        completion_tokens: completion,
+        total_tokens: u.prompt_tokens + completion,
+        prompt_tokens_details: CachedOut {
+            cached_tokens: u.cached_tokens,
+        },
+    };
+    let t = first.timings;
+    let timings = TimingsOut {
+        cache_n: u.cached_tokens,
+        prompt_n: u.prompt_tokens - u.cached_tokens,
+        prompt_ms: t.ttft_ms,
+        predicted_n: completion,
+        predicted_ms: (t.total_s * 1e3 - t.ttft_ms).max(0.0),
+    };
+    (usage, timings)
+}
+
+async fn generate(
+    s: Arc<Server>,
+    prompt: Prompt,
+    c: Common,
+    endpoint: Endpoint,
+) -> Result<Response, ApiError> {
+    let engine = s.engine()?;
+    let req = request(&s, &engine, prompt, &c)?;
+    let n = req.n;
+    // Errors that the request can never run come back before anything is
+    // sent, as a status code.
+    let e2 = engine.clone();
+    let stream = tokio::task::spawn_blocking(move || e2.generate(req))
+        .await
+        .map_err(|e| ApiError {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            kind: "server_error",
+            code: None,
+            param: None,
+            message: format!("request task failed: {e}"),
+        })??;
+    let (tx, mut rx) = mpsc::channel::<Event>(256);
+    // The engine's stream is blocking: a thread forwards it, and stops (so
+    // dropping the stream cancels the request) when the receiver is gone.
+    tokio::task::spawn_blocking(move || {
+        for ev in stream {
+            if tx.blocking_send(ev).is_err() {
+                break;
+            }
+        }
+    });
+    let id = s.id(if endpoint == Endpoint::Chat {
+        "chatcmpl"
+    } else {
+        "cmpl"
+    });
+    let created = now();
+    let model = s.cfg.model_name.clone();
+    if !c.stream {
+        let mut done: Vec<Option<Completion>> = vec![None; n];
+        while let Some(ev) = rx.recv().await {
+            match ev {
+                Event::Token { .. } => {}
+                Event::Done(comp) => {
+                    let i = comp.index;
+                    done[i] = Some(*comp);
+                }
+                Event::Error(e) => return Err(e.into()),
+            }
+        }
+        let done: Vec<Completion> = done.into_iter().flatten().collect();
+        if done.len() != n {
+            return Err(EngineError::Stopped.into());
+        }
+        let (usage, timings) = usage(&done);
+        let choices: Vec<Value> = done
+            .iter()
+            .map(|c| match endpoint {
+                Endpoint::Chat => json!({
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": c.text},
+                    "finish_reason": finish(c.finish_reason),
+                    "logprobs": null,
+                }),
+                Endpoint::Completions => json!({
+                    "index": c.index,
+                    "text": c.text,
+                    "finish_reason": finish(c.finish_reason),
+                    "logprobs": null,
+                }),
+            })
+            .collect();
+        let object = match endpoint {
+            Endpoint::Chat => "chat.completion",
+            Endpoint::Completions => "text_completion",
+        };
+        return Ok(Json(json!({
+            "id": id,
+            "object": object,
+            "created": created,
+            "model": model,
+            "choices": choices,
+            "usage": usage,
+            "timings": timings,
+        }))
+        .into_response());
+    }
+    let include_usage = c.stream_options.as_ref().is_some_and(|o| o.include_usage);
+    let object = match endpoint {
+        Endpoint::Chat => "chat.completion.chunk",
+        Endpoint::Completions => "text_completion",
+    };
+    // One chunk; the last, with `stream_options.include_usage`, has no
+    // choices and the usage.
+    let chunk = move |choices: Value, usage: Option<(UsageOut, TimingsOut)>| {
+        let mut v = json!({
+            "id": id,
+            "object": object,
+            "created": created,
+            "model": model,
+            "choices": choices,
+        });
+        if let Some((u, t)) = usage {
+            v["usage"] = json!(u);
+            v["timings"] = json!(t);
+        }
+        SseEvent::default().data(v.to_string())
+    };
+    let (out, out_rx) = mpsc::channel::<SseEvent>(256);
+    // Engine events become SSE chunks; when the client is gone, `out`
+    // fails and this task ends, closing `rx` in turn.
+    tokio::spawn(async move {
+        let choice = |index: usize, text: Option<&str>, reason: Option<&str>| match endpoint {
+            Endpoint::Chat => {
+                let delta = match text {
+                    Some(t) => json!({"content": t}),
+                    None => json!({}),
+                };
+                json!([{"index": index, "delta": delta, "finish_reason": reason, "logprobs": null}])
+            }
+            Endpoint::Completions => json!([{
+                "index": index,
+                "text": text.unwrap_or(""),
+                "finish_reason": reason,
+                "logprobs": null,
+            }]),
+        };
+        if endpoint == Endpoint::Chat {
+            for i in 0..n {
+                let first = json!([{
+                    "index": i,
+                    "delta": {"role": "assistant", "content": ""},
+                    "finish_reason": null,
+                    "logprobs": null,
+                }]);
+                if out.send(chunk(first, None)).await.is_err() {
+                    return;
+                }
+            }
+        }
+        let mut done = Vec::with_capacity(n);
+        while let Some(ev) = rx.recv().await {
+            let sent = match ev {
+                Event::Token { index, text, .. } if !text.is_empty() => {
+                    out.send(chunk(choice(index, Some(&text), None), None))
+                        .await
+                }
+                Event::Token { .. } => Ok(()),
+                Event::Done(c) => {
+                    let r = out
+                        .send(chunk(
+                            choice(c.index, None, Some(finish(c.finish_reason))),
+                            None,
+                        ))
+                        .await;
+                    done.push(*c);
+                    r
+                }
+                Event::Error(e) => {
+                    let body = ApiError::from(e).body();
+                    let _ = out.send(SseEvent::default().data(body.to_string())).await;
+                    return;
+                }
+            };
+            if sent.is_err() {
+                return;
+            }
+        }
+        let last = (done.len() == n && include_usage).then(|| chunk(json!([]), Some(usage(&done))));
+        if let Some(last) = last {
+            if out.send(last).await.is_err() {
+                return;
+            }
+        }
+        let _ = out.send(SseEvent::default().data("[DONE]")).await;
+    });
+    let events = futures_util::stream::unfold(out_rx, |mut rx| async move {
+        rx.recv().await.map(|e| (Ok::<_, Infallible>(e), rx))
+    });
+    Ok(Sse::new(events)
+        .keep_alive(KeepAlive::new().interval(Duration::from_secs(10)))
+        .into_response())
+}

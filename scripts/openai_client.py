@@ -1,0 +1,110 @@
+#!/usr/bin/env python3
+"""`tessera serve` driven by the official `openai` Python package.
+
+Starts the server on a free loopback port with the default model, waits for
+/health, then checks streamed chat (role first, deltas, finish reason, usage
+last), non-streamed chat against the streamed text, completions with text
+and token-id prompts, exact cached tokens on a second turn, and the client's
+own error type for a bad model name. Exits non-zero on the first failure.
+
+Usage: openai_client.py TESSERA_BINARY MODEL.gguf
+"""
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import openai
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main():
+    binary, model = sys.argv[1], sys.argv[2]
+    port = free_port()
+    server = subprocess.Popen(
+        [binary, "serve", "--model", model, "--port", str(port), "--api-key", "sk-test",
+         "--alias", "smollm2"],
+        stderr=subprocess.PIPE, text=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except Exception:
+                pass
+            if server.poll() is not None or time.time() > deadline:
+                sys.exit(f"the server did not become ready: {server.stderr.read()}")
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="sk-test", max_retries=0)
+        assert [m.id for m in client.models.list()] == ["smollm2"]
+
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        chunks = list(client.chat.completions.create(
+            model="smollm2", messages=messages, max_tokens=24, temperature=0,
+            stream=True, stream_options={"include_usage": True},
+        ))
+        assert chunks[0].choices[0].delta.role == "assistant", chunks[0]
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert reasons and reasons[-1] in ("stop", "length"), reasons
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0, chunks[-1]
+
+        r = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=24, temperature=0)
+        assert r.choices[0].message.content == streamed, (r.choices[0].message.content, streamed)
+        u = r.usage
+        assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+        # The same prompt again: all of it but what must be recomputed
+        # comes from the prefix cache, and the count says so.
+        assert u.prompt_tokens_details.cached_tokens > 0, u
+
+        turn2 = messages + [{"role": "assistant", "content": streamed},
+                            {"role": "user", "content": "And of Italy?"}]
+        r2 = client.chat.completions.create(model="smollm2", messages=turn2, max_tokens=16, temperature=0)
+        assert r2.usage.prompt_tokens_details.cached_tokens >= u.prompt_tokens - 1, r2.usage
+
+        c = client.completions.create(model="smollm2", prompt="The sky is", max_tokens=12, temperature=0)
+        assert c.choices[0].text and c.usage.completion_tokens > 0
+        tokens = json.loads(urllib.request.urlopen(urllib.request.Request(
+            f"{base}/tokenize", data=json.dumps({"content": "The sky is", "add_special": True}).encode(),
+            headers={"Content-Type": "application/json", "Authorization": "Bearer sk-test"},
+        )).read())["tokens"]
+        c2 = client.completions.create(model="smollm2", prompt=tokens, max_tokens=12, temperature=0)
+        assert c2.choices[0].text == c.choices[0].text, (c2.choices[0].text, c.choices[0].text)
+        streamed_c = "".join(x.choices[0].text for x in client.completions.create(
+            model="smollm2", prompt="The sky is", max_tokens=12, temperature=0, stream=True) if x.choices)
+        assert streamed_c == c.choices[0].text
+
+        try:
+            client.chat.completions.create(model="gpt-9", messages=messages, max_tokens=4)
+            sys.exit("an unknown model was accepted")
+        except openai.NotFoundError:
+            pass
+        try:
+            openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0).models.list()
+            sys.exit("a wrong API key was accepted")
+        except openai.AuthenticationError:
+            pass
+        print(f"openai client: streamed and non-streamed chat, completions, usage and errors OK "
+              f"(reply: {streamed!r})")
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+if __name__ == "__main__":
+    main()
