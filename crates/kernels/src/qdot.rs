@@ -51,6 +51,46 @@ use candle_core::quantized::GgmlDType;
 use crate::matvec::{f16_to_f32, WeightFormat, Weights};
 use crate::simd::capped;
 
+/// Calls the tile kernel `$f::<K, TWO, NI>` for a weight's kind (from
+/// `[Kind const, …]`), the level count and the input count (1 or 4).
+macro_rules! tile_match {
+    ($f:ident, ($w:expr, $g:expr, $ins:expr, $out:expr), $two:expr, $ni:expr,
+     [$($k:ident $n:literal),*], $what:literal) => {
+        match ($w.kind, $two, $ni) {
+            $(
+                (Kind::$k, false, 1) => $f::<$n, false, 1>($w, $g, $ins, $out),
+                (Kind::$k, false, _) => $f::<$n, false, 4>($w, $g, $ins, $out),
+                (Kind::$k, true, 1) => $f::<$n, true, 1>($w, $g, $ins, $out),
+                (Kind::$k, true, _) => $f::<$n, true, 4>($w, $g, $ins, $out),
+            )*
+            _ => unreachable!($what),
+        }
+    };
+}
+
+/// One tile on `isa`: the kernel family `[portable, avx512, avxvnni,
+/// avx2, neon]` through [`tile_match`].
+macro_rules! dispatch_tiles {
+    ($isa:expr, $args:tt, $two:expr, $ni:expr, $kinds:tt, $what:literal,
+     [$portable:ident, $avx512:ident, $avxvnni:ident, $avx2:ident, $neon:ident]) => {
+        match $isa {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `QIsa` values above Portable come from CPU detection.
+            QIsa::Avx512Vnni => unsafe { tile_match!($avx512, $args, $two, $ni, $kinds, $what) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above.
+            QIsa::AvxVnni => unsafe { tile_match!($avxvnni, $args, $two, $ni, $kinds, $what) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above.
+            QIsa::Avx2 => unsafe { tile_match!($avx2, $args, $two, $ni, $kinds, $what) },
+            #[cfg(target_arch = "aarch64")]
+            // SAFETY: `NeonDot` comes from CPU detection.
+            QIsa::NeonDot => unsafe { tile_match!($neon, $args, $two, $ni, $kinds, $what) },
+            _ => tile_match!($portable, $args, $two, $ni, $kinds, $what),
+        }
+    };
+}
+
 mod kquant;
 
 /// Rows per tile.
@@ -775,37 +815,15 @@ fn run_tile(
     if w.kind.super_block() {
         return kquant::run_ktile(isa, w, g, ins, ni, two, out);
     }
-    macro_rules! go {
-        ($f:ident) => {
-            go!($f, [Q4_0 0, Q4_1 1, Q8_0 2, Q5_0 3, Q5_1 4])
-        };
-        ($f:ident, [$($k:ident $n:literal),*]) => {
-            match (w.kind, two, ni) {
-                $(
-                    (Kind::$k, false, 1) => $f::<$n, false, 1>(w, g, ins, out),
-                    (Kind::$k, false, _) => $f::<$n, false, 4>(w, g, ins, out),
-                    (Kind::$k, true, 1) => $f::<$n, true, 1>(w, g, ins, out),
-                    (Kind::$k, true, _) => $f::<$n, true, 4>(w, g, ins, out),
-                )*
-                _ => unreachable!("a 32-value block format"),
-            }
-        };
-    }
-    match isa {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: `QIsa` values above Portable come from CPU detection.
-        QIsa::Avx512Vnni => unsafe { go!(tile_avx512) },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above.
-        QIsa::AvxVnni => unsafe { go!(tile_avxvnni) },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above.
-        QIsa::Avx2 => unsafe { go!(tile_avx2) },
-        #[cfg(target_arch = "aarch64")]
-        // SAFETY: `NeonDot` comes from CPU detection.
-        QIsa::NeonDot => unsafe { go!(tile_neon) },
-        _ => go!(tile_portable),
-    }
+    dispatch_tiles!(
+        isa,
+        (w, g, ins, out),
+        two,
+        ni,
+        [Q4_0 0, Q4_1 1, Q8_0 2, Q5_0 3, Q5_1 4],
+        "a 32-value block format",
+        [tile_portable, tile_avx512, tile_avxvnni, tile_avx2, tile_neon]
+    )
 }
 
 const fn kind_of(k: u8) -> Kind {

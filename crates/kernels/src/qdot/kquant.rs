@@ -392,37 +392,15 @@ pub(super) fn run_ktile(
     two: bool,
     out: &mut [[f32; GROUP]; 4],
 ) {
-    macro_rules! go {
-        ($f:ident) => {
-            go!($f, [Q4K 5, Q5K 6, Q6K 7])
-        };
-        ($f:ident, [$($k:ident $n:literal),*]) => {
-            match (w.kind, two, ni) {
-                $(
-                    (Kind::$k, false, 1) => $f::<$n, false, 1>(w, g, ins, out),
-                    (Kind::$k, false, _) => $f::<$n, false, 4>(w, g, ins, out),
-                    (Kind::$k, true, 1) => $f::<$n, true, 1>(w, g, ins, out),
-                    (Kind::$k, true, _) => $f::<$n, true, 4>(w, g, ins, out),
-                )*
-                _ => unreachable!("a K-quant tile"),
-            }
-        };
-    }
-    match isa {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: `QIsa` values above Portable come from CPU detection.
-        QIsa::Avx512Vnni => unsafe { go!(ktile_avx512) },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above.
-        QIsa::AvxVnni => unsafe { go!(ktile_avxvnni) },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above.
-        QIsa::Avx2 => unsafe { go!(ktile_avx2) },
-        #[cfg(target_arch = "aarch64")]
-        // SAFETY: `NeonDot` comes from CPU detection.
-        QIsa::NeonDot => unsafe { go!(ktile_neon) },
-        _ => go!(ktile_portable),
-    }
+    dispatch_tiles!(
+        isa,
+        (w, g, ins, out),
+        two,
+        ni,
+        [Q4K 5, Q5K 6, Q6K 7],
+        "a K-quant tile",
+        [ktile_portable, ktile_avx512, ktile_avxvnni, ktile_avx2, ktile_neon]
+    )
 }
 
 #[cfg(target_arch = "x86_64")]
