@@ -37,6 +37,25 @@ pub(crate) struct ServeArgs {
     /// back at shutdown.
     #[arg(long)]
     cache_dir: Option<PathBuf>,
+    /// Prefix of the /metrics names: `tessera`, or `vllm` for routers and
+    /// dashboards that read vLLM's exact names.
+    #[arg(long, default_value = "tessera", value_parser = parse_prefix)]
+    metrics_prefix: String,
+}
+
+fn parse_prefix(s: &str) -> Result<String, String> {
+    let ok = s
+        .chars()
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+    if ok {
+        Ok(s.to_string())
+    } else {
+        Err(format!(
+            "`{s}` is not a metric name prefix (letters, digits, _)"
+        ))
+    }
 }
 
 pub(crate) fn serve(args: ServeArgs) -> Result<()> {
@@ -47,6 +66,7 @@ pub(crate) fn serve(args: ServeArgs) -> Result<()> {
     });
     let server = Server::new(ServerConfig {
         api_keys: args.api_keys.clone(),
+        metrics_prefix: args.metrics_prefix.clone(),
         ..ServerConfig::new(name.clone())
     });
     let rt = tokio::runtime::Builder::new_multi_thread()

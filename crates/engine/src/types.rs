@@ -229,6 +229,10 @@ pub struct EngineStats {
     pub failed_requests: u64,
     /// Samples submitted and not yet finished (running or waiting).
     pub active_samples: usize,
+    /// Sequences in the running batch.
+    pub running: usize,
+    /// Sequences waiting for admission (new, or preempted).
+    pub waiting: usize,
 }
 
 impl EngineStats {

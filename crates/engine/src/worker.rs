@@ -249,6 +249,8 @@ impl Worker {
             kv: self.sched.kv().stats(),
             preemptions: s.preemptions,
             active_samples: self.active.len(),
+            running: self.sched.num_running(),
+            waiting: self.sched.num_waiting(),
             ..self.totals
         }
     }

@@ -15,6 +15,7 @@
 //! ```
 
 mod api;
+mod metrics;
 
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -55,6 +56,9 @@ pub struct ServerConfig {
     pub request_timeout: Duration,
     /// Most samples (`n`) per request.
     pub max_n: usize,
+    /// Prefix of the `/metrics` names (`tessera`, or `vllm` for routers
+    /// that read vLLM's exact names).
+    pub metrics_prefix: String,
 }
 
 impl ServerConfig {
@@ -65,6 +69,7 @@ impl ServerConfig {
             body_limit: 8 << 20,
             request_timeout: Duration::from_secs(600),
             max_n: 16,
+            metrics_prefix: "tessera".into(),
         }
     }
 }
@@ -75,11 +80,13 @@ pub struct Server {
     cfg: ServerConfig,
     engine: OnceLock<Arc<Engine>>,
     next_id: AtomicU64,
+    metrics: metrics::Metrics,
 }
 
 impl Server {
     pub fn new(cfg: ServerConfig) -> Arc<Server> {
         Arc::new(Server {
+            metrics: metrics::Metrics::new(&cfg.metrics_prefix),
             cfg,
             engine: OnceLock::new(),
             next_id: AtomicU64::new(1),
@@ -105,10 +112,12 @@ impl Server {
         format!("{prefix}-{}", self.next_id.fetch_add(1, Ordering::Relaxed))
     }
 
-    /// The routes, with the API key check (every route but `/health`),
-    /// the body limit and the response timeout.
+    /// The routes, with the API key check (every route but `/health` and
+    /// `/metrics`), the body limit and the response timeout.
     pub fn router(self: &Arc<Self>) -> Router {
-        let open = Router::new().route("/health", get(health));
+        let open = Router::new()
+            .route("/health", get(health))
+            .route("/metrics", get(metrics_text));
         let keyed = Router::new()
             .route("/v1/models", get(models))
             .route("/v1/chat/completions", post(chat))
@@ -177,6 +186,24 @@ async fn health(State(s): State<Arc<Server>>) -> Response {
         )
             .into_response(),
     }
+}
+
+async fn metrics_text(State(s): State<Arc<Server>>) -> Result<Response, ApiError> {
+    let engine = s.engine()?;
+    let stats = tokio::task::spawn_blocking(move || engine.stats())
+        .await
+        .map_err(|e| ApiError {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            kind: "server_error",
+            code: None,
+            param: None,
+            message: format!("stats task failed: {e}"),
+        })?;
+    Ok((
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        s.metrics.render(&stats),
+    )
+        .into_response())
 }
 
 async fn models(State(s): State<Arc<Server>>) -> Json<Value> {
@@ -466,8 +493,24 @@ async fn generate(
     let (tx, mut rx) = mpsc::channel::<Event>(256);
     // The engine's stream is blocking: a thread forwards it, and stops (so
     // dropping the stream cancels the request) when the receiver is gone.
+    // It also times the tokens for /metrics.
+    let watcher = s.clone();
     tokio::task::spawn_blocking(move || {
+        let mut last: Vec<Option<std::time::Instant>> = vec![None; n];
         for ev in stream {
+            match &ev {
+                Event::Token { index, .. } => {
+                    let now = std::time::Instant::now();
+                    if let Some(prev) = last[*index].replace(now) {
+                        watcher.metrics.gap(now - prev);
+                    }
+                }
+                Event::Done(c) if c.index == 0 => {
+                    watcher.metrics.ttft(c.timings.ttft_ms / 1e3);
+                    watcher.metrics.e2e(c.timings.total_s);
+                }
+                _ => {}
+            }
             if tx.blocking_send(ev).is_err() {
                 break;
             }

@@ -218,6 +218,59 @@ fn chat_and_completions_match_the_engine_streamed_or_not() {
     let (_, t) = post(&s, "/tokenize", &json!({"content": "the dog"}), None);
     let (_, d) = post(&s, "/detokenize", &json!({"tokens": t["tokens"]}), None);
     assert_eq!(d["content"], "the dog");
+
+    // Metrics: the engine's counters, and one latency observation per
+    // request (five generations above), cumulative buckets.
+    let m = metrics(&s);
+    let st = s.engine.stats();
+    assert_eq!(m["tessera:prompt_tokens_total"], st.prompt_tokens as f64);
+    assert_eq!(
+        m["tessera:generation_tokens_total"],
+        st.completion_tokens as f64
+    );
+    assert_eq!(
+        m["tessera:prefix_cache_hits_total"],
+        st.cached_tokens as f64
+    );
+    assert_eq!(m["tessera:num_requests_running"], 0.0);
+    assert_eq!(m["tessera:time_to_first_token_seconds_count"], 5.0);
+    assert_eq!(m["tessera:e2e_request_latency_seconds_count"], 5.0);
+    assert_eq!(
+        m["tessera:time_to_first_token_seconds_bucket{le=\"+Inf\"}"],
+        5.0
+    );
+    assert!(m["tessera:inter_token_latency_seconds_count"] > 0.0);
+    let kv = s.engine.kv_stats();
+    let info = format!(
+        "tessera:cache_config_info{{block_size=\"{}\",num_blocks=\"{}\"}}",
+        kv.block_size, kv.num_blocks
+    );
+    assert_eq!(m[&info], 1.0);
+}
+
+/// `/metrics` as name (with labels) → value.
+fn metrics(s: &Running) -> std::collections::HashMap<String, f64> {
+    let text = agent()
+        .get(&format!("{}/metrics", s.base))
+        .call()
+        .unwrap()
+        .into_string()
+        .unwrap();
+    let mut out = std::collections::HashMap::new();
+    let mut last_bucket = 0.0;
+    for line in text.lines().filter(|l| !l.starts_with('#')) {
+        let (name, value) = line.rsplit_once(' ').unwrap();
+        let v: f64 = value.parse().unwrap();
+        if name.contains("_bucket{") {
+            if name.contains("le=\"0.001\"") {
+                last_bucket = 0.0;
+            }
+            assert!(v >= last_bucket, "buckets are cumulative: {line}");
+            last_bucket = v;
+        }
+        out.insert(name.to_string(), v);
+    }
+    out
 }
 
 #[test]
@@ -375,5 +428,11 @@ fn a_client_hanging_up_mid_stream_frees_its_request() {
     assert_eq!(
         kv.used_blocks, 0,
         "its blocks went back to the pool (or the tree)"
+    );
+    let m = metrics(&s);
+    assert_eq!(m["tessera:kv_cache_usage_perc"], 0.0);
+    assert_eq!(
+        m["tessera:num_requests_running"] + m["tessera:num_requests_waiting"],
+        0.0
     );
 }
