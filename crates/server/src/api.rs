@@ -172,6 +172,17 @@ impl ApiError {
         }
     }
 
+    /// A failure of the server, not of the request (`server_error`).
+    pub fn server(status: StatusCode, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status,
+            kind: "server_error",
+            code: None,
+            param: None,
+            message: message.into(),
+        }
+    }
+
     pub fn unsupported(param: &'static str, message: impl Into<String>) -> ApiError {
         ApiError {
             code: Some("unsupported_parameter"),
@@ -214,20 +225,8 @@ impl From<tessera_engine::EngineError> for ApiError {
             E::Model(
                 tessera_model::ModelError::Tokenizer(_) | tessera_model::ModelError::Template(_),
             ) => ApiError::bad(message),
-            E::Stopped => ApiError {
-                status: StatusCode::SERVICE_UNAVAILABLE,
-                kind: "server_error",
-                code: None,
-                param: None,
-                message,
-            },
-            _ => ApiError {
-                status: StatusCode::INTERNAL_SERVER_ERROR,
-                kind: "server_error",
-                code: None,
-                param: None,
-                message,
-            },
+            E::Stopped => ApiError::server(StatusCode::SERVICE_UNAVAILABLE, message),
+            _ => ApiError::server(StatusCode::INTERNAL_SERVER_ERROR, message),
         }
     }
 }

@@ -100,11 +100,11 @@ impl Server {
 
     fn engine(&self) -> Result<Arc<Engine>, ApiError> {
         self.engine.get().cloned().ok_or_else(|| ApiError {
-            status: StatusCode::SERVICE_UNAVAILABLE,
-            kind: "server_error",
             code: Some("loading"),
-            param: None,
-            message: "the model is still loading".into(),
+            ..ApiError::server(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the model is still loading",
+            )
         })
     }
 
@@ -192,12 +192,11 @@ async fn metrics_text(State(s): State<Arc<Server>>) -> Result<Response, ApiError
     let engine = s.engine()?;
     let stats = tokio::task::spawn_blocking(move || engine.stats())
         .await
-        .map_err(|e| ApiError {
-            status: StatusCode::INTERNAL_SERVER_ERROR,
-            kind: "server_error",
-            code: None,
-            param: None,
-            message: format!("stats task failed: {e}"),
+        .map_err(|e| {
+            ApiError::server(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("stats task failed: {e}"),
+            )
         })?;
     Ok((
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
@@ -370,11 +369,7 @@ fn request(
     ] {
         if v.is_some_and(|v| v != 0.0) {
             return Err(ApiError::unsupported(
-                if name == "presence_penalty" {
-                    "presence_penalty"
-                } else {
-                    "frequency_penalty"
-                },
+                name,
                 format!("{name} is not supported yet (repeat_penalty is)"),
             ));
         }
@@ -483,12 +478,11 @@ async fn generate(
     let e2 = engine.clone();
     let stream = tokio::task::spawn_blocking(move || e2.generate(req))
         .await
-        .map_err(|e| ApiError {
-            status: StatusCode::INTERNAL_SERVER_ERROR,
-            kind: "server_error",
-            code: None,
-            param: None,
-            message: format!("request task failed: {e}"),
+        .map_err(|e| {
+            ApiError::server(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("request task failed: {e}"),
+            )
         })??;
     let (tx, mut rx) = mpsc::channel::<Event>(256);
     // The engine's stream is blocking: a thread forwards it, and stops (so

@@ -103,62 +103,65 @@ impl Metrics {
     pub fn render(&self, s: &EngineStats) -> String {
         let p = &self.prefix;
         let mut out = String::new();
-        let mut one = |name: &str, kind: &str, help: &str, v: String| {
+        let kv = &s.kv;
+        let usage = kv.used_blocks as f64 / kv.num_blocks.max(1) as f64;
+        let (gauge, counter) = ("gauge", "counter");
+        let lines: [(&str, &str, &str, String); 8] = [
+            (
+                "num_requests_running",
+                gauge,
+                "Sequences in the running batch.",
+                s.running.to_string(),
+            ),
+            (
+                "num_requests_waiting",
+                gauge,
+                "Sequences waiting for admission.",
+                s.waiting.to_string(),
+            ),
+            (
+                "kv_cache_usage_perc",
+                gauge,
+                "Share of KV blocks held by sequences (1 = all).",
+                usage.to_string(),
+            ),
+            (
+                "prefix_cache_queries_total",
+                counter,
+                "Prompt tokens looked up in the prefix cache.",
+                s.prompt_tokens.to_string(),
+            ),
+            (
+                "prefix_cache_hits_total",
+                counter,
+                "Prompt tokens served from the prefix cache.",
+                s.cached_tokens.to_string(),
+            ),
+            (
+                "num_preemptions_total",
+                counter,
+                "Running sequences sent back to the queue for lack of blocks.",
+                s.preemptions.to_string(),
+            ),
+            (
+                "prompt_tokens_total",
+                counter,
+                "Prompt tokens of all requests.",
+                s.prompt_tokens.to_string(),
+            ),
+            (
+                "generation_tokens_total",
+                counter,
+                "Generated tokens of all requests.",
+                s.completion_tokens.to_string(),
+            ),
+        ];
+        for (name, kind, help, v) in lines {
             let _ = writeln!(
                 out,
                 "# HELP {p}:{name} {help}\n# TYPE {p}:{name} {kind}\n{p}:{name} {v}"
             );
-        };
-        let kv = &s.kv;
-        one(
-            "num_requests_running",
-            "gauge",
-            "Sequences in the running batch.",
-            s.running.to_string(),
-        );
-        one(
-            "num_requests_waiting",
-            "gauge",
-            "Sequences waiting for admission.",
-            s.waiting.to_string(),
-        );
-        let usage = kv.used_blocks as f64 / kv.num_blocks.max(1) as f64;
-        one(
-            "kv_cache_usage_perc",
-            "gauge",
-            "Share of KV blocks held by sequences (1 = all).",
-            usage.to_string(),
-        );
-        one(
-            "prefix_cache_queries_total",
-            "counter",
-            "Prompt tokens looked up in the prefix cache.",
-            s.prompt_tokens.to_string(),
-        );
-        one(
-            "prefix_cache_hits_total",
-            "counter",
-            "Prompt tokens served from the prefix cache.",
-            s.cached_tokens.to_string(),
-        );
-        one(
-            "num_preemptions_total",
-            "counter",
-            "Running sequences sent back to the queue for lack of blocks.",
-            s.preemptions.to_string(),
-        );
-        one(
-            "prompt_tokens_total",
-            "counter",
-            "Prompt tokens of all requests.",
-            s.prompt_tokens.to_string(),
-        );
-        one(
-            "generation_tokens_total",
-            "counter",
-            "Generated tokens of all requests.",
-            s.completion_tokens.to_string(),
-        );
+        }
         let _ = writeln!(
             out,
             "# HELP {p}:cache_config_info The KV cache's geometry.\n# TYPE {p}:cache_config_info gauge\n\
