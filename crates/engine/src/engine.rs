@@ -248,10 +248,16 @@ impl Engine {
         let mut done: Vec<Option<Completion>> = vec![None; req.n];
         for ev in stream.by_ref() {
             match ev {
-                Event::Token { index, id, text } => on_token(TokenEvent {
+                Event::Token {
+                    index,
+                    id,
+                    text,
+                    logprob,
+                } => on_token(TokenEvent {
                     index,
                     id,
                     text: &text,
+                    logprob: logprob.as_deref(),
                 }),
                 Event::Done(c) => {
                     let i = c.index;

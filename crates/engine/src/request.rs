@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use tessera_model::{StreamDecoder, Tokenizer};
 
-use crate::sampler::Sampler;
+use crate::sampler::{Sampler, TokenLogprob};
 use crate::stream::Event;
 use crate::types::{Completion, FinishReason, GenerateRequest, Timings, Usage};
 use crate::Result;
@@ -34,6 +34,7 @@ pub(crate) struct Active {
     decoder: StreamDecoder,
     history: Vec<u32>,
     out: Vec<u32>,
+    logprobs: Vec<TokenLogprob>,
     text: String,
     emitted: usize,
     pub started: Option<Instant>,
@@ -60,6 +61,7 @@ impl Active {
             decoder: StreamDecoder::default(),
             history: group.prompt.clone(),
             out: Vec::new(),
+            logprobs: Vec::new(),
             text: String::new(),
             emitted: 0,
             started: None,
@@ -70,11 +72,19 @@ impl Active {
         }
     }
 
-    fn send_text(&self, id: u32, text: &str) {
+    /// Sends the text token `id` completes; its log-probability goes with
+    /// the token's own event (`new`), not with text flushed at the end.
+    fn send_text(&self, id: u32, text: &str, new: bool) {
+        let logprob = self
+            .logprobs
+            .last()
+            .filter(|_| new)
+            .map(|l| Box::new(l.clone()));
         let _ = self.group.events.send(Event::Token {
             index: self.index,
             id,
             text: text.to_string(),
+            logprob,
         });
     }
 
@@ -86,10 +96,13 @@ impl Active {
         if self.out.len() >= req.max_tokens {
             return Ok(Next::Finish(FinishReason::Length));
         }
-        let t = self.sampler.sample(logits, &self.history);
+        let t = self.sampler.sample(logits, &self.history, &self.out);
         self.first_token.get_or_insert_with(Instant::now);
         if tok.is_eog(t) && !req.ignore_eos {
             return Ok(Next::Finish(FinishReason::Stop));
+        }
+        if let Some(top) = req.logprobs {
+            self.logprobs.push(TokenLogprob::of(logits, t, top));
         }
         self.out.push(t);
         self.history.push(t);
@@ -103,15 +116,15 @@ impl Active {
             .min()
         {
             self.text.truncate(at);
-            self.send_text(t, &self.text[self.emitted.min(at)..]);
+            self.send_text(t, &self.text[self.emitted.min(at)..], true);
             self.emitted = self.text.len();
             return Ok(Next::Finish(FinishReason::StopString));
         }
         let safe = self.text.len() - held_back(&self.text, &req.stop);
         if safe > self.emitted || self.text.is_empty() {
-            self.send_text(t, &self.text[self.emitted..safe]);
+            self.send_text(t, &self.text[self.emitted..safe], true);
         } else {
-            self.send_text(t, "");
+            self.send_text(t, "", true);
         }
         self.emitted = safe.max(self.emitted);
         if self.out.len() >= req.max_tokens {
@@ -128,7 +141,7 @@ impl Active {
             }
             if self.emitted < self.text.len() {
                 if let Some(&last) = self.out.last() {
-                    self.send_text(last, &self.text[self.emitted..]);
+                    self.send_text(last, &self.text[self.emitted..], false);
                 }
             }
         }
@@ -159,6 +172,7 @@ impl Active {
             },
             text: self.text,
             tokens: self.out,
+            logprobs: self.logprobs,
             prompt_tokens: g.prompt.clone(),
             finish_reason: reason,
         }

@@ -1,6 +1,7 @@
-//! Token sampling: greedy, temperature, top-k, top-p, min-p and a
-//! repetition penalty, with a seeded generator so that the same seed gives
-//! the same tokens.
+//! Token sampling: logit bias, presence/frequency and repetition
+//! penalties, then greedy or temperature with top-k, top-p and min-p, with a
+//! seeded generator so that the same seed gives the same tokens; and the
+//! log-probabilities of the model's own distribution.
 
 /// Sampling parameters. `temperature <= 0` means greedy (argmax).
 #[derive(Debug, Clone, PartialEq)]
@@ -16,6 +17,15 @@ pub struct SamplingParams {
     /// last `repeat_last_n` tokens by this (1: off).
     pub repetition_penalty: f32,
     pub repeat_last_n: usize,
+    /// Subtracted from the logit of every token already generated (OpenAI's
+    /// `presence_penalty`; 0: off).
+    pub presence_penalty: f32,
+    /// Subtracted once per earlier occurrence in the generated tokens
+    /// (OpenAI's `frequency_penalty`; 0: off).
+    pub frequency_penalty: f32,
+    /// Added to these tokens' logits before anything else (OpenAI's
+    /// `logit_bias`; -100 or less bans a token, +100 or more forces it).
+    pub logit_bias: Vec<(u32, f32)>,
     pub seed: u64,
 }
 
@@ -29,6 +39,9 @@ impl Default for SamplingParams {
             min_p: 0.05,
             repetition_penalty: 1.0,
             repeat_last_n: 64,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            logit_bias: Vec::new(),
             seed: 42,
         }
     }
@@ -81,10 +94,25 @@ impl Sampler {
         Sampler { params, rng }
     }
 
-    /// Picks the next token from `logits`, given the tokens so far.
-    pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
+    /// Picks the next token from `logits`, given the tokens so far
+    /// (`history`, prompt included) and the ones this sample generated.
+    pub fn sample(&mut self, logits: &[f32], history: &[u32], generated: &[u32]) -> u32 {
         let p = &self.params;
         let mut logits = logits.to_vec();
+        for &(t, b) in &p.logit_bias {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l += b;
+            }
+        }
+        if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+            let mut seen = generated.to_vec();
+            seen.sort_unstable();
+            for run in seen.chunk_by(|a, b| a == b) {
+                if let Some(l) = logits.get_mut(run[0] as usize) {
+                    *l -= p.presence_penalty + p.frequency_penalty * run.len() as f32;
+                }
+            }
+        }
         if p.repetition_penalty != 1.0 {
             let start = history.len().saturating_sub(p.repeat_last_n);
             let mut seen: Vec<u32> = history[start..].to_vec();
@@ -108,8 +136,6 @@ impl Sampler {
             .enumerate()
             .map(|(i, &l)| (i as u32, l / p.temperature))
             .collect();
-        // Highest first; ties by id so the order is total and deterministic.
-        let by_logit = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
         if p.top_k > 0 && p.top_k < cands.len() {
             cands.select_nth_unstable_by(p.top_k - 1, by_logit);
             cands.truncate(p.top_k);
@@ -150,6 +176,56 @@ impl Sampler {
     }
 }
 
+/// Highest first; ties by id so the order is total and deterministic.
+fn by_logit(a: &(u32, f32), b: &(u32, f32)) -> std::cmp::Ordering {
+    b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
+}
+
+/// The log-probability of a chosen token and of the most likely ones.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    pub id: u32,
+    pub logprob: f32,
+    /// The `top` most likely tokens, most likely first.
+    pub top: Vec<(u32, f32)>,
+}
+
+impl TokenLogprob {
+    /// Log-probabilities of the model's own distribution (the log-softmax
+    /// of the raw logits: before bias, penalties and temperature, as vLLM
+    /// reports them), for the chosen token `id` and the `top` best.
+    pub fn of(logits: &[f32], id: u32, top: usize) -> TokenLogprob {
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let sum: f64 = logits.iter().map(|&l| ((l - max) as f64).exp()).sum();
+        let norm = max + sum.ln() as f32;
+        let lp = |t: u32| {
+            logits
+                .get(t as usize)
+                .map_or(f32::NEG_INFINITY, |&l| l - norm)
+        };
+        let mut best: Vec<(u32, f32)> = Vec::new();
+        if top > 0 {
+            let mut all: Vec<(u32, f32)> = logits
+                .iter()
+                .enumerate()
+                .map(|(i, &l)| (i as u32, l))
+                .collect();
+            let k = top.min(all.len());
+            if k < all.len() {
+                all.select_nth_unstable_by(k - 1, by_logit);
+                all.truncate(k);
+            }
+            all.sort_by(by_logit);
+            best = all.into_iter().map(|(t, l)| (t, l - norm)).collect();
+        }
+        TokenLogprob {
+            id,
+            logprob: lp(id),
+            top: best,
+        }
+    }
+}
+
 fn argmax(xs: &[f32]) -> u32 {
     let mut best = 0;
     for (i, &x) in xs.iter().enumerate() {
@@ -167,7 +243,7 @@ mod tests {
     #[test]
     fn greedy_takes_the_first_maximum() {
         let mut s = Sampler::new(SamplingParams::greedy());
-        assert_eq!(s.sample(&[0.1, 3.0, 3.0, -1.0], &[]), 1);
+        assert_eq!(s.sample(&[0.1, 3.0, 3.0, -1.0], &[], &[]), 1);
     }
 
     #[test]
@@ -185,7 +261,9 @@ mod tests {
                 seed,
                 ..params.clone()
             });
-            (0..200).map(|_| s.sample(&logits, &[])).collect::<Vec<_>>()
+            (0..200)
+                .map(|_| s.sample(&logits, &[], &[]))
+                .collect::<Vec<_>>()
         };
         assert_eq!(run(7), run(7));
         assert_ne!(run(7), run(8));
@@ -206,7 +284,7 @@ mod tests {
             min_p: 0.999,
             ..Default::default()
         });
-        assert!((0..50).all(|_| s.sample(&logits, &[]) == top5[0]));
+        assert!((0..50).all(|_| s.sample(&logits, &[], &[]) == top5[0]));
     }
 
     #[test]
@@ -215,6 +293,54 @@ mod tests {
             repetition_penalty: 2.0,
             ..SamplingParams::greedy()
         });
-        assert_eq!(s.sample(&[1.0, 1.5, 0.2], &[1]), 0);
+        assert_eq!(s.sample(&[1.0, 1.5, 0.2], &[1], &[]), 0);
+    }
+
+    #[test]
+    fn bias_and_openai_penalties() {
+        let logits = [1.0, 1.5, 0.2, 1.4];
+        // A bias of -100 bans the best token; +100 forces the worst.
+        let mut s = Sampler::new(SamplingParams {
+            logit_bias: vec![(1, -100.0)],
+            ..SamplingParams::greedy()
+        });
+        assert_eq!(s.sample(&logits, &[], &[]), 3);
+        let mut s = Sampler::new(SamplingParams {
+            logit_bias: vec![(2, 100.0), (99, 5.0)],
+            ..SamplingParams::greedy()
+        });
+        assert_eq!(s.sample(&logits, &[], &[]), 2);
+        // Presence: once generated, 1 falls below 3 (1.5 - 0.2 < 1.4), and
+        // only generated tokens count, not the prompt.
+        let mut s = Sampler::new(SamplingParams {
+            presence_penalty: 0.2,
+            ..SamplingParams::greedy()
+        });
+        assert_eq!(s.sample(&logits, &[1, 1], &[]), 1);
+        assert_eq!(s.sample(&logits, &[1], &[1]), 3);
+        // Frequency: per occurrence. One 1 costs 0.3 (1.2 < 1.4); two of
+        // each leave 0.9 and 0.8 below token 0's 1.0.
+        let mut s = Sampler::new(SamplingParams {
+            frequency_penalty: 0.3,
+            ..SamplingParams::greedy()
+        });
+        assert_eq!(s.sample(&logits, &[], &[1]), 3);
+        assert_eq!(s.sample(&logits, &[], &[1, 3, 1, 3]), 0);
+    }
+
+    #[test]
+    fn logprobs_are_the_models_log_softmax() {
+        let logits = [2.0f32, 0.5, -1.0, 2.0];
+        let lp = TokenLogprob::of(&logits, 1, 3);
+        let z: f64 = logits.iter().map(|&l| (l as f64).exp()).sum();
+        let want = |t: usize| (logits[t] as f64 - z.ln()) as f32;
+        assert!((lp.logprob - want(1)).abs() < 1e-6);
+        assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), [0, 3, 1]);
+        for &(t, l) in &lp.top {
+            assert!((l - want(t as usize)).abs() < 1e-6);
+        }
+        let total: f64 = (0..4).map(|t| (want(t) as f64).exp()).sum();
+        assert!((total - 1.0).abs() < 1e-6);
+        assert!(TokenLogprob::of(&logits, 0, 0).top.is_empty());
     }
 }

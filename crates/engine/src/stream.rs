@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
 
+use crate::sampler::TokenLogprob;
 use crate::types::Completion;
 use crate::EngineError;
 
@@ -14,7 +15,13 @@ use crate::EngineError;
 pub enum Event {
     /// A generated token and the text it completes: valid UTF-8, possibly
     /// empty while a character or a possible stop string is held back.
-    Token { index: usize, id: u32, text: String },
+    Token {
+        index: usize,
+        id: u32,
+        text: String,
+        /// When the request asked for log-probabilities.
+        logprob: Option<Box<TokenLogprob>>,
+    },
     /// A sample finished: its text, tokens, finish reason, usage, timings.
     Done(Box<Completion>),
     /// The request failed; what it computed stays cached.

@@ -8,7 +8,7 @@ use candle_core::DType;
 use tessera_kv::KvStats;
 use tessera_model::{Activations, Message};
 
-use crate::sampler::SamplingParams;
+use crate::sampler::{SamplingParams, TokenLogprob};
 
 /// Element type of the K/V cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -117,6 +117,15 @@ pub struct GenerateRequest {
     /// Independent samples of the prompt; they share its prefill and its
     /// blocks (fork, copy-on-write). Sample `i` uses seed `seed + i`.
     pub n: usize,
+    /// Report each generated token's log-probability and those of this
+    /// many most likely tokens (`Some(0)`: the chosen token's only).
+    pub logprobs: Option<usize>,
+    /// Reuse cached K/V of the prompt (llama-server's `cache_prompt`). Off,
+    /// the whole prompt is computed; the result is still cached.
+    pub reuse_prefix: bool,
+    /// Partitions the prefix cache: requests see only cached K/V of
+    /// requests with the same salt (`None` is a partition of its own).
+    pub cache_salt: Option<String>,
 }
 
 /// Context-shift policy at the context limit.
@@ -140,6 +149,9 @@ impl GenerateRequest {
             ignore_eos: false,
             context_shift: ContextShift::Off,
             n: 1,
+            logprobs: None,
+            reuse_prefix: true,
+            cache_salt: None,
         }
     }
 }
@@ -152,6 +164,8 @@ pub struct TokenEvent<'a> {
     pub index: usize,
     pub id: u32,
     pub text: &'a str,
+    /// When the request asked for log-probabilities.
+    pub logprob: Option<&'a TokenLogprob>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -203,6 +217,8 @@ pub struct Completion {
     /// Generated ids (end-of-generation token excluded).
     pub tokens: Vec<u32>,
     pub prompt_tokens: Vec<u32>,
+    /// One per generated token, when the request asked for them.
+    pub logprobs: Vec<TokenLogprob>,
     pub finish_reason: FinishReason,
     pub usage: Usage,
     pub timings: Timings,

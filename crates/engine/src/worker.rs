@@ -96,6 +96,22 @@ fn sched_error(e: SchedError) -> EngineError {
     }
 }
 
+/// The prefix-cache partition of requests with this salt: the model's own
+/// for none, else a 64-bit FNV-1a mix of the model's and the salt's bytes.
+fn salted(ns: Namespace, salt: Option<&str>) -> Namespace {
+    let Some(salt) = salt else { return ns };
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in
+        ns.0.to_le_bytes()
+            .iter()
+            .chain([0xff].iter())
+            .chain(salt.as_bytes())
+    {
+        h = (h ^ *b as u64).wrapping_mul(0x0100_0000_01b3);
+    }
+    Namespace(h)
+}
+
 /// What an injected [`Fault::Panic`] panics with.
 pub const INJECTED_PANIC: &str = "injected panic";
 
@@ -269,10 +285,11 @@ impl Worker {
         let id = self
             .sched
             .add(NewRequest {
-                namespace: self.ns,
+                namespace: salted(self.ns, req.cache_salt.as_deref()),
                 prompt: token_ids(&ids),
                 max_new_tokens: req.max_tokens,
                 shift_keep,
+                reuse_prefix: req.reuse_prefix,
             })
             .map_err(sched_error)?;
         let group = Arc::new(Group {

@@ -103,6 +103,9 @@ pub struct NewRequest {
     pub max_new_tokens: usize,
     /// At the context limit: `Some(n_keep)` shifts, `None` ends the request.
     pub shift_keep: Option<usize>,
+    /// Start from the longest cached prefix (when the prefix cache is on).
+    /// Off, every token is computed; what it computed is still cached.
+    pub reuse_prefix: bool,
 }
 
 /// Why a request was refused at [`Scheduler::add`].
@@ -204,6 +207,8 @@ struct Request {
     /// Every token known: prompt, then generated ones.
     tokens: Vec<TokenId>,
     shift_keep: Option<usize>,
+    /// Matches the prefix tree at admission.
+    reuse: bool,
     /// Prompt tokens served from the cache at first admission.
     cached: Option<usize>,
     /// Blocks it holds at most (prompt and new tokens, within the context).
@@ -326,6 +331,7 @@ impl Scheduler {
                 ns: r.namespace,
                 tokens: r.prompt,
                 shift_keep: r.shift_keep,
+                reuse: r.reuse_prefix,
                 cached: None,
                 most_blocks: needed,
                 solo_until: None,
@@ -578,7 +584,7 @@ impl Scheduler {
                 break;
             }
             let r = &self.reqs[&id];
-            let reusable = if self.cfg.prefix_cache {
+            let reusable = if self.cfg.prefix_cache && r.reuse {
                 &r.tokens[..r.tokens.len() - 1]
             } else {
                 &[][..]
@@ -586,6 +592,7 @@ impl Scheduler {
             // A running request is computing more of this prompt than the
             // cache holds: wait for it rather than compute it twice.
             if self.cfg.prefix_cache
+                && r.reuse
                 && !solo
                 && self.in_flight(reusable) > self.kv.tree().peek_prefix(r.ns, reusable).len
             {
@@ -649,7 +656,7 @@ impl Scheduler {
                     unreachable!("waiting list holds waiting requests")
                 };
                 let overdue = self.step.saturating_sub(since) > self.cfg.max_wait_steps;
-                let hit = if self.cfg.prefix_cache && !overdue {
+                let hit = if self.cfg.prefix_cache && r.reuse && !overdue {
                     let n = r.tokens.len() - 1;
                     self.kv.tree().peek_prefix(r.ns, &r.tokens[..n]).len
                 } else {
@@ -772,12 +779,13 @@ impl Scheduler {
             return Err(SchedError::BadState(req, "fork before pushing a token"));
         }
         let (ns, tokens, shift_keep, cached) = (r.ns, r.tokens.clone(), r.shift_keep, r.cached);
-        let (most_blocks, solo_until) = (r.most_blocks, r.solo_until);
+        let (most_blocks, solo_until, reuse) = (r.most_blocks, r.solo_until, r.reuse);
         let child_seq = self.kv.fork(seq)?;
         let child = Request {
             ns,
             tokens,
             shift_keep,
+            reuse,
             cached,
             most_blocks,
             solo_until,

@@ -54,15 +54,18 @@ impl Sim {
     }
 
     fn add_with(&mut self, prompt: &[u32], max_new: usize, shift_keep: Option<usize>) -> ReqId {
-        let id = self
-            .sched
-            .add(NewRequest {
-                namespace: NS,
-                prompt: token_ids(prompt),
-                max_new_tokens: max_new,
-                shift_keep,
-            })
-            .unwrap();
+        self.add_req(NewRequest {
+            namespace: NS,
+            prompt: token_ids(prompt),
+            max_new_tokens: max_new,
+            shift_keep,
+            reuse_prefix: true,
+        })
+    }
+
+    fn add_req(&mut self, r: NewRequest) -> ReqId {
+        let max_new = r.max_new_tokens;
+        let id = self.sched.add(r).unwrap();
         self.out.insert(id, (Vec::new(), max_new));
         id
     }
@@ -223,6 +226,38 @@ fn longest_cached_prefix_is_admitted_first() {
 }
 
 #[test]
+fn a_request_without_prefix_reuse_computes_everything_and_the_cache_keeps_one_copy() {
+    let mut sim = Sim::new(256, 4, cfg(512, 4));
+    let base = prompt(1, 40);
+    let first = sim.add(&base, 2);
+    sim.run();
+    let live = sim.sched.kv().pool().num_live();
+    let again = sim.add_req(NewRequest {
+        namespace: NS,
+        prompt: token_ids(&base),
+        max_new_tokens: 2,
+        shift_keep: None,
+        reuse_prefix: false,
+    });
+    sim.step();
+    let item = &sim.log.last().unwrap().items[0];
+    assert_eq!((item.req, item.start, item.tokens.len()), (again, 0, 40));
+    assert_eq!(sim.sched.cached_tokens(again).unwrap(), Some(0));
+    sim.run();
+    let out = sim.outputs();
+    assert_eq!(out[&first], out[&again], "same context, same tokens");
+    assert_eq!(sim.sched.kv().pool().num_live(), live, "one copy cached");
+    // Its blocks deduplicated into the tree: a third request reuses the
+    // prompt, and the pool holds the path once.
+    let warm = sim.add(&base, 1);
+    sim.step();
+    assert_eq!(sim.log.last().unwrap().items[0].start, 39);
+    sim.run();
+    assert_eq!(sim.outputs()[&warm].len(), 1);
+    assert_no_leak(&sim);
+}
+
+#[test]
 fn a_request_passed_over_too_long_goes_first() {
     let mut c = cfg(512, 1);
     c.max_wait_steps = 3;
@@ -288,6 +323,7 @@ fn requests_that_cannot_fit_alone_are_rejected_with_numbers() {
             prompt: token_ids(&prompt(1, 20)),
             max_new_tokens: 20,
             shift_keep: None,
+            reuse_prefix: true,
         })
         .unwrap_err();
     assert_eq!(
@@ -309,6 +345,7 @@ fn requests_that_cannot_fit_alone_are_rejected_with_numbers() {
             prompt: token_ids(&prompt(1, 20)),
             max_new_tokens: 1,
             shift_keep: None,
+            reuse_prefix: true,
         })
         .unwrap_err();
     assert_eq!(

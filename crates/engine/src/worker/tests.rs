@@ -256,8 +256,15 @@ fn injected_errors_and_panics_fail_only_the_request_at_fault() {
 /// numbers; the request then runs as usual.
 #[test]
 fn resize_keeps_room_for_the_requests_it_holds() {
+    // Steps slowed down (never failed) so that the request is still
+    // running when the resize arrives, however busy the machine.
+    let slow = FaultHook::new(|_| {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+        None
+    });
     let (engine, dir) = tiny_engine(EngineConfig {
         max_running: 1,
+        faults: Some(slow),
         ..small_cfg()
     });
     let per = engine.block_bytes();
@@ -540,5 +547,62 @@ fn files_survive_a_killed_writer_and_a_full_disk() {
         .map(|e| e.file_name())
         .collect();
     assert_eq!(left, vec![std::ffi::OsString::from("session.tkv")]);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// `logprobs` reports the model's log-softmax at each generated token,
+/// streamed with the token and in the completion; `cache_salt` partitions
+/// the prefix cache; `reuse_prefix: false` computes the whole prompt and
+/// gives the same tokens.
+#[test]
+fn logprobs_salts_and_prefix_reuse_off() {
+    let (engine, dir) = tiny_engine(small_cfg());
+    let prompt: Vec<u32> = (0..30).map(|i| 7 + (i * 11) % 90).collect();
+    let mut req = greedy(&prompt, 6);
+    req.logprobs = Some(3);
+    let mut streamed = Vec::new();
+    let done = engine
+        .complete(&req, &mut |ev| streamed.extend(ev.logprob.cloned()))
+        .unwrap();
+    assert_eq!(done.logprobs.len(), done.tokens.len());
+    assert_eq!(streamed, done.logprobs, "one per token event");
+    for (lp, &t) in done.logprobs.iter().zip(&done.tokens) {
+        assert_eq!(lp.id, t);
+        assert_eq!(lp.top.len(), 3);
+        // Greedy: the chosen token is the most likely one.
+        assert_eq!(lp.top[0], (t, lp.logprob));
+        assert!(lp.logprob <= 0.0 && lp.top.windows(2).all(|w| w[0].1 >= w[1].1));
+    }
+    // The first token's log-probabilities equal the log-softmax of the
+    // logits the prompt alone gives.
+    let all = tessera_model::testing::prefill_logits(
+        &engine.model().llama,
+        &prompt,
+        candle_core::DType::F32,
+    )
+    .unwrap();
+    let logits = all.last().unwrap();
+    let want = crate::sampler::TokenLogprob::of(logits, done.tokens[0], 3);
+    for (a, b) in want.top.iter().zip(&done.logprobs[0].top) {
+        assert_eq!(a.0, b.0);
+        assert!((a.1 - b.1).abs() < 1e-4, "{a:?} vs {b:?}");
+    }
+    let cached = |r: &GenerateRequest| engine.complete(r, &mut |_| {}).unwrap().usage;
+    // Cached under no salt: a salted request sees none of it, then its own.
+    let mut salted = greedy(&prompt, 6);
+    salted.cache_salt = Some("tenant-a".into());
+    assert_eq!(cached(&salted).cached_tokens, 0);
+    assert_eq!(cached(&salted).cached_tokens, prompt.len() - 1);
+    salted.cache_salt = Some("tenant-b".into());
+    assert_eq!(cached(&salted).cached_tokens, 0);
+    assert_eq!(cached(&greedy(&prompt, 6)).cached_tokens, prompt.len() - 1);
+    // Reuse off: nothing cached is used, the tokens are the same.
+    let mut fresh = greedy(&prompt, 6);
+    fresh.reuse_prefix = false;
+    let again = engine.complete(&fresh, &mut |_| {}).unwrap();
+    assert_eq!(again.usage.cached_tokens, 0);
+    assert_eq!(again.tokens, done.tokens);
+    assert_no_leak(&engine);
+    drop(engine);
     std::fs::remove_dir_all(dir).unwrap();
 }
