@@ -4,8 +4,9 @@
 Starts the server on a free loopback port with the default model, waits for
 /health, then checks streamed chat (role first, deltas, finish reason, usage
 last), non-streamed chat against the streamed text, completions with text
-and token-id prompts, exact cached tokens on a second turn, and the client's
-own error type for a bad model name. Exits non-zero on the first failure.
+and token-id prompts, exact cached tokens on a second turn, log-probabilities
+(chat and completions, streamed or not), penalties, logit bias and
+cache_prompt=false, and the client's own error type for a bad model name. Exits non-zero on the first failure.
 
 Usage: openai_client.py TESSERA_BINARY MODEL.gguf
 """
@@ -86,6 +87,32 @@ def main():
             model="smollm2", prompt="The sky is", max_tokens=12, temperature=0, stream=True) if x.choices)
         assert streamed_c == c.choices[0].text
 
+        # Log-probabilities as the client parses them: one entry per token,
+        # the chosen token the most likely one (greedy), bytes that rebuild
+        # the text; streamed entries equal the non-streamed ones.
+        lp = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=12,
+                                            temperature=0, logprobs=True, top_logprobs=3)
+        content = lp.choices[0].logprobs.content
+        assert len(content) == lp.usage.completion_tokens, (len(content), lp.usage)
+        assert all(e.top_logprobs[0].token == e.token and e.logprob <= 0 for e in content)
+        assert bytes(b for e in content for b in e.bytes).decode() == lp.choices[0].message.content
+        streamed_lp = [e for ch in client.chat.completions.create(
+            model="smollm2", messages=messages, max_tokens=12, temperature=0, logprobs=True,
+            top_logprobs=3, stream=True) if ch.choices and ch.choices[0].logprobs
+            for e in ch.choices[0].logprobs.content]
+        assert [(e.token, e.logprob) for e in streamed_lp] == [(e.token, e.logprob) for e in content]
+        cl = client.completions.create(model="smollm2", prompt="The sky is", max_tokens=8,
+                                       temperature=0, logprobs=2)
+        assert "".join(cl.choices[0].logprobs.tokens) == cl.choices[0].text
+        assert len(cl.choices[0].logprobs.top_logprobs[0]) == 2
+        # Penalties and bias go through; cache_prompt=false computes all.
+        client.chat.completions.create(model="smollm2", messages=messages, max_tokens=8,
+                                       presence_penalty=0.5, frequency_penalty=0.5,
+                                       logit_bias={"28": -100})
+        fresh = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=4,
+                                               temperature=0, extra_body={"cache_prompt": False})
+        assert fresh.usage.prompt_tokens_details.cached_tokens == 0, fresh.usage
+
         try:
             client.chat.completions.create(model="gpt-9", messages=messages, max_tokens=4)
             sys.exit("an unknown model was accepted")
@@ -96,7 +123,7 @@ def main():
             sys.exit("a wrong API key was accepted")
         except openai.AuthenticationError:
             pass
-        print(f"openai client: streamed and non-streamed chat, completions, usage and errors OK "
+        print(f"openai client: streamed and non-streamed chat, completions, logprobs, usage and errors OK "
               f"(reply: {streamed!r})")
     finally:
         server.terminate()

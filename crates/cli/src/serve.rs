@@ -41,6 +41,14 @@ pub(crate) struct ServeArgs {
     /// dashboards that read vLLM's exact names.
     #[arg(long, default_value = "tessera", value_parser = parse_prefix)]
     metrics_prefix: String,
+    /// Keep sessions (POST /v1/sessions/NAME/save and /restore) in this
+    /// directory; without it those endpoints answer 404.
+    #[arg(long)]
+    session_dir: Option<PathBuf>,
+    /// Most generation requests held at once (running or queued); more
+    /// are answered 429 with Retry-After.
+    #[arg(long, default_value_t = 512)]
+    max_queue: usize,
 }
 
 fn parse_prefix(s: &str) -> Result<String, String> {
@@ -67,6 +75,8 @@ pub(crate) fn serve(args: ServeArgs) -> Result<()> {
     let server = Server::new(ServerConfig {
         api_keys: args.api_keys.clone(),
         metrics_prefix: args.metrics_prefix.clone(),
+        session_dir: args.session_dir.clone(),
+        max_queue: args.max_queue.max(1),
         ..ServerConfig::new(name.clone())
     });
     let rt = tokio::runtime::Builder::new_multi_thread()

@@ -428,6 +428,35 @@ impl Engine {
         self.call(|tx| Command::Import(snaps, tx))?
     }
 
+    /// Writes the K/V of `tokens` (computed now for any part not cached)
+    /// to `path` as a session file (replaced whole or not at all); returns
+    /// the tokens written.
+    pub fn save_kv_session(&self, path: &Path, tokens: &[u32]) -> Result<usize> {
+        if tokens.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        let snap = self.export_kv(tokens)?;
+        write_file(
+            path,
+            KV_SESSION,
+            &self.geometry(),
+            &[snap],
+            serde_json::Value::Null,
+        )?;
+        Ok(tokens.len())
+    }
+
+    /// Loads a file written by [`save_kv_session`](Self::save_kv_session)
+    /// into the prefix cache, all or nothing; a file that is truncated,
+    /// corrupted, of another kind or of another model is refused with the
+    /// reason and the cache is left as it was. Returns the tokens it holds.
+    pub fn load_kv_session(&self, path: &Path) -> Result<usize> {
+        let (snaps, _) = read_file(path, KV_SESSION, &self.geometry())?;
+        let n = snaps.iter().map(|s| s.tokens.len()).sum();
+        self.import_kv(snaps)?;
+        Ok(n)
+    }
+
     /// Writes the whole prefix cache to `dir` now (the engine also does it
     /// when it stops, if `cache_dir` is set).
     pub fn save_cache_dir(&self, dir: &Path) -> Result<()> {
@@ -446,6 +475,9 @@ impl Engine {
         self.import_kv(snaps)
     }
 }
+
+/// The kind of the files of [`Engine::save_kv_session`].
+const KV_SESSION: &str = "kv session";
 
 /// Writes the prefix cache file into `dir` (created if missing).
 fn write_cache_dir(dir: &Path, geometry: &Geometry, snaps: &[KvSnapshot]) -> Result<()> {

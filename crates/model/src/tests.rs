@@ -110,6 +110,23 @@ fn gguf_conversion_matches_safetensors() {
 }
 
 #[test]
+fn token_bytes_rebuild_text_split_inside_characters() {
+    let (_d, m) = tiny(TinySpec::default());
+    let text = "héllo 日本 ✓ the cat";
+    let ids = m.tokenizer.encode(text, Special::AsText, false).unwrap();
+    // Byte tokens split the multi-byte characters: their text alone is
+    // U+FFFD, their bytes are exact.
+    assert!(ids
+        .iter()
+        .any(|&t| m.tokenizer.decode(&[t]).unwrap().contains('\u{FFFD}')));
+    let bytes: Vec<u8> = ids
+        .iter()
+        .flat_map(|&t| m.tokenizer.token_bytes(t))
+        .collect();
+    assert_eq!(bytes, text.as_bytes());
+}
+
+#[test]
 fn chat_template_parses_specials_only_in_template_text() {
     let (_d, m) = tiny(TinySpec::default());
     let start = m.tokenizer.token_to_id("<|im_start|>").unwrap();

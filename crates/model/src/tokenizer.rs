@@ -291,6 +291,29 @@ impl Tokenizer {
         self.parse_specials.id_to_token(id)
     }
 
+    /// The bytes token `id` stands for: its text, or, for a token that
+    /// ends inside a character (whose text alone would be U+FFFD), its raw
+    /// bytes (`<0xNN>` byte tokens, byte-level BPE pieces).
+    pub fn token_bytes(&self, id: u32) -> Vec<u8> {
+        let text = self.decode(&[id]).unwrap_or_default();
+        if !text.contains('\u{FFFD}') {
+            return text.into_bytes();
+        }
+        let Some(piece) = self.id_to_token(id) else {
+            return text.into_bytes();
+        };
+        if let Some(hex) = piece.strip_prefix("<0x").and_then(|p| p.strip_suffix('>')) {
+            if let Ok(b) = u8::from_str_radix(hex, 16) {
+                return vec![b];
+            }
+        }
+        piece
+            .chars()
+            .map(byte_level)
+            .collect::<Option<Vec<u8>>>()
+            .unwrap_or_else(|| text.into_bytes())
+    }
+
     /// Ids that end generation (EOS, EOT and the like).
     pub fn eog_ids(&self) -> &[u32] {
         &self.eog
@@ -403,6 +426,24 @@ fn build_sentencepiece_bpe(
     }
     tok.with_decoder(Some(DecoderSequence::new(decs)));
     Ok(tok)
+}
+
+/// The byte a byte-level BPE character stands for (GPT-2's table: the
+/// printable bytes are their own character; the others, in order, were
+/// moved to U+0100 and up).
+fn byte_level(c: char) -> Option<u8> {
+    let direct = |b: u32| {
+        (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || (0xae..=0xff).contains(&b)
+    };
+    let c = c as u32;
+    if direct(c) {
+        return Some(c as u8);
+    }
+    let k = c.checked_sub(256)?;
+    (0u32..=255)
+        .filter(|&b| !direct(b))
+        .nth(k as usize)
+        .map(|b| b as u8)
 }
 
 /// Control tokens become special added tokens (matched only when parsing

@@ -77,6 +77,11 @@ pub struct Common {
     #[serde(default)]
     pub stream_options: Option<StreamOptions>,
     pub cache_prompt: Option<bool>,
+    /// Partitions the prefix cache (vLLM's `cache_salt`): only requests
+    /// with the same salt share cached K/V.
+    pub cache_salt: Option<String>,
+    /// The end user, for the client's own tracking (logged, not used).
+    pub user: Option<String>,
     /// llama-server's: generate through end-of-generation tokens.
     #[serde(default)]
     pub ignore_eos: bool,
@@ -123,6 +128,16 @@ fn yes() -> bool {
 #[derive(Debug, Clone, Deserialize)]
 pub struct DetokenizeRequest {
     pub tokens: Vec<u32>,
+}
+
+/// The conversation a session holds: chat messages (rendered with the
+/// model's template) or token ids.
+#[derive(Debug, Clone, Deserialize)]
+pub struct SessionSaveRequest {
+    #[serde(default)]
+    pub messages: Option<Vec<ChatMessage>>,
+    #[serde(default)]
+    pub tokens: Option<Vec<u32>>,
 }
 
 /// `usage` of a response: `cached_tokens` are the prompt tokens whose K/V
@@ -183,6 +198,14 @@ impl ApiError {
         }
     }
 
+    /// A request field out of range, naming the field.
+    pub fn param(param: &'static str, message: impl Into<String>) -> ApiError {
+        ApiError {
+            param: Some(param),
+            ..ApiError::bad(message)
+        }
+    }
+
     pub fn unsupported(param: &'static str, message: impl Into<String>) -> ApiError {
         ApiError {
             code: Some("unsupported_parameter"),
@@ -202,8 +225,19 @@ impl ApiError {
 }
 
 impl IntoResponse for ApiError {
+    /// A 429 or 503 also says when to retry (`Retry-After: 1`).
     fn into_response(self) -> Response {
-        (self.status, axum::Json(self.body())).into_response()
+        let mut r = (self.status, axum::Json(self.body())).into_response();
+        if matches!(
+            self.status,
+            StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE
+        ) {
+            r.headers_mut().insert(
+                axum::http::header::RETRY_AFTER,
+                axum::http::HeaderValue::from_static("1"),
+            );
+        }
+        r
     }
 }
 

@@ -15,10 +15,13 @@
 //! ```
 
 mod api;
+mod logprobs;
 mod metrics;
+mod openapi;
+mod sessions;
 
 use std::convert::Infallible;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -29,11 +32,11 @@ use axum::middleware::{self, Next};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::{Json, Router};
+use axum::{Extension, Json, Router};
 use serde_json::{json, Value};
 use tessera_engine::{
     Completion, Engine, EngineError, Event, FinishReason, GenerateRequest, Message, Prompt,
-    SamplingParams,
+    SamplingParams, TokenLogprob,
 };
 use tokio::sync::mpsc;
 
@@ -59,6 +62,12 @@ pub struct ServerConfig {
     /// Prefix of the `/metrics` names (`tessera`, or `vllm` for routers
     /// that read vLLM's exact names).
     pub metrics_prefix: String,
+    /// Most generation requests in the server at once (running or queued
+    /// in the engine); more are answered 429 with `Retry-After`.
+    pub max_queue: usize,
+    /// Where `/v1/sessions/{name}/save` and `/restore` keep sessions;
+    /// `None`: those endpoints answer 404.
+    pub session_dir: Option<std::path::PathBuf>,
 }
 
 impl ServerConfig {
@@ -70,6 +79,8 @@ impl ServerConfig {
             request_timeout: Duration::from_secs(600),
             max_n: 16,
             metrics_prefix: "tessera".into(),
+            max_queue: 512,
+            session_dir: None,
         }
     }
 }
@@ -81,6 +92,17 @@ pub struct Server {
     engine: OnceLock<Arc<Engine>>,
     next_id: AtomicU64,
     metrics: metrics::Metrics,
+    /// Generation requests in the server now.
+    in_flight: Arc<AtomicUsize>,
+}
+
+/// One generation request counted against `max_queue` while it lives.
+struct QueueSlot(Arc<AtomicUsize>);
+
+impl Drop for QueueSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 impl Server {
@@ -90,7 +112,28 @@ impl Server {
             cfg,
             engine: OnceLock::new(),
             next_id: AtomicU64::new(1),
+            in_flight: Arc::new(AtomicUsize::new(0)),
         })
+    }
+
+    /// A place for one more generation request, or 429 when the server
+    /// already holds `max_queue` of them.
+    fn admit(&self) -> Result<QueueSlot, ApiError> {
+        let before = self.in_flight.fetch_add(1, Ordering::SeqCst);
+        let slot = QueueSlot(self.in_flight.clone());
+        if before >= self.cfg.max_queue {
+            return Err(ApiError {
+                code: Some("queue_full"),
+                ..ApiError::server(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    format!(
+                        "the server holds {} requests, its limit: retry shortly",
+                        self.cfg.max_queue
+                    ),
+                )
+            });
+        }
+        Ok(slot)
     }
 
     /// The model has loaded: requests are served from now on.
@@ -117,13 +160,16 @@ impl Server {
     pub fn router(self: &Arc<Self>) -> Router {
         let open = Router::new()
             .route("/health", get(health))
-            .route("/metrics", get(metrics_text));
+            .route("/metrics", get(metrics_text))
+            .route("/openapi.json", get(openapi::document));
         let keyed = Router::new()
             .route("/v1/models", get(models))
             .route("/v1/chat/completions", post(chat))
             .route("/v1/completions", post(completions))
             .route("/tokenize", post(tokenize))
             .route("/detokenize", post(detokenize))
+            .route("/v1/sessions/{name}/save", post(sessions::save))
+            .route("/v1/sessions/{name}/restore", post(sessions::restore))
             .route_layer(middleware::from_fn_with_state(self.clone(), auth));
         open.merge(keyed)
             .layer(tower_http::limit::RequestBodyLimitLayer::new(
@@ -149,8 +195,14 @@ pub async fn serve(
         .await
 }
 
-async fn auth(State(s): State<Arc<Server>>, req: Request, next: Next) -> Response {
+/// Which configured API key a request came with (its index; `None` when
+/// no key is needed), for the per-key prefix-cache partitions.
+#[derive(Debug, Clone, Copy, Default)]
+struct Tenant(Option<usize>);
+
+async fn auth(State(s): State<Arc<Server>>, mut req: Request, next: Next) -> Response {
     if s.cfg.api_keys.is_empty() {
+        req.extensions_mut().insert(Tenant(None));
         return next.run(req).await;
     }
     let given = req
@@ -158,7 +210,8 @@ async fn auth(State(s): State<Arc<Server>>, req: Request, next: Next) -> Respons
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "));
-    if given.is_some_and(|k| s.cfg.api_keys.iter().any(|a| a == k)) {
+    if let Some(i) = given.and_then(|k| s.cfg.api_keys.iter().position(|a| a == k)) {
+        req.extensions_mut().insert(Tenant(Some(i)));
         return next.run(req).await;
     }
     ApiError {
@@ -276,6 +329,7 @@ enum Endpoint {
 
 async fn chat(
     State(s): State<Arc<Server>>,
+    Extension(tenant): Extension<Tenant>,
     body: Result<Json<ChatRequest>, JsonRejection>,
 ) -> Result<Response, ApiError> {
     let Json(req) = body.map_err(rejected)?;
@@ -284,30 +338,36 @@ async fn chat(
     }
     let mut msgs = Vec::with_capacity(req.messages.len());
     for m in req.messages {
-        let content = match m.content {
-            None => String::new(),
-            Some(Content::Text(t)) => t,
-            Some(Content::Parts(parts)) => {
-                let mut t = String::new();
-                for p in parts {
-                    if p.kind != "text" {
-                        return Err(ApiError::unsupported(
-                            "messages",
-                            format!("message parts of type `{}` are not supported", p.kind),
-                        ));
-                    }
-                    t.push_str(p.text.as_deref().unwrap_or(""));
-                }
-                t
-            }
-        };
-        msgs.push(Message::new(m.role, content));
+        msgs.push(Message::new(m.role, message_text(m.content)?));
     }
-    generate(s, Prompt::Chat(msgs), req.common, Endpoint::Chat).await
+    generate(s, Prompt::Chat(msgs), req.common, Endpoint::Chat, tenant).await
+}
+
+/// A message's text: its string, or its text parts joined (other parts
+/// are refused).
+fn message_text(content: Option<Content>) -> Result<String, ApiError> {
+    Ok(match content {
+        None => String::new(),
+        Some(Content::Text(t)) => t,
+        Some(Content::Parts(parts)) => {
+            let mut t = String::new();
+            for p in parts {
+                if p.kind != "text" {
+                    return Err(ApiError::unsupported(
+                        "messages",
+                        format!("message parts of type `{}` are not supported", p.kind),
+                    ));
+                }
+                t.push_str(p.text.as_deref().unwrap_or(""));
+            }
+            t
+        }
+    })
 }
 
 async fn completions(
     State(s): State<Arc<Server>>,
+    Extension(tenant): Extension<Tenant>,
     body: Result<Json<CompletionRequest>, JsonRejection>,
 ) -> Result<Response, ApiError> {
     let Json(req) = body.map_err(rejected)?;
@@ -322,7 +382,7 @@ async fn completions(
             ))
         }
     };
-    generate(s, prompt, req.common, Endpoint::Completions).await
+    generate(s, prompt, req.common, Endpoint::Completions, tenant).await
 }
 
 /// The engine request a body asks for, or why it cannot be served.
@@ -331,6 +391,8 @@ fn request(
     engine: &Engine,
     prompt: Prompt,
     c: &Common,
+    endpoint: Endpoint,
+    tenant: &Tenant,
 ) -> Result<GenerateRequest, ApiError> {
     if let Some(m) = c.model.as_deref() {
         if !m.is_empty() && m != s.cfg.model_name {
@@ -346,39 +408,44 @@ fn request(
             });
         }
     }
-    // Fields the engine does not do yet: refused, never silently ignored.
-    if c.logprobs
-        .as_ref()
-        .is_some_and(|v| !matches!(v, Value::Null | Value::Bool(false)))
-        || c.top_logprobs.is_some_and(|n| n > 0)
-    {
-        return Err(ApiError::unsupported(
-            "logprobs",
-            "logprobs are not supported yet",
-        ));
-    }
-    if c.logit_bias.as_ref().is_some_and(|m| !m.is_empty()) {
-        return Err(ApiError::unsupported(
-            "logit_bias",
-            "logit_bias is not supported yet",
-        ));
+    let logprobs = logprobs_wanted(c, endpoint)?;
+    let vocab = engine.model().config().vocab_size;
+    let mut logit_bias = Vec::new();
+    for (k, v) in c.logit_bias.iter().flatten() {
+        let id = k
+            .parse::<u32>()
+            .ok()
+            .filter(|&t| (t as usize) < vocab)
+            .ok_or_else(|| {
+                ApiError::param(
+                    "logit_bias",
+                    format!("logit_bias key `{k}` is not a token id below {vocab}"),
+                )
+            })?;
+        let b = v
+            .as_f64()
+            .filter(|b| (-100.0..=100.0).contains(b))
+            .ok_or_else(|| {
+                ApiError::param(
+                    "logit_bias",
+                    format!("logit_bias of token {id} must be a number from -100 to 100"),
+                )
+            })?;
+        logit_bias.push((id, b as f32));
     }
     for (name, v) in [
         ("presence_penalty", c.presence_penalty),
         ("frequency_penalty", c.frequency_penalty),
     ] {
-        if v.is_some_and(|v| v != 0.0) {
-            return Err(ApiError::unsupported(
+        if v.is_some_and(|v| !(-2.0..=2.0).contains(&v)) {
+            return Err(ApiError::param(
                 name,
-                format!("{name} is not supported yet (repeat_penalty is)"),
+                format!("{name} must be between -2 and 2"),
             ));
         }
     }
-    if c.cache_prompt == Some(false) {
-        return Err(ApiError::unsupported(
-            "cache_prompt",
-            "cache_prompt=false is not supported yet: prompts always reuse the prefix cache",
-        ));
+    if let Some(user) = &c.user {
+        tracing::debug!(user, "request");
     }
     let n = c.n.unwrap_or(1);
     if n == 0 || n > s.cfg.max_n {
@@ -387,7 +454,12 @@ fn request(
             s.cfg.max_n
         )));
     }
-    let mut sampling = SamplingParams::default();
+    let mut sampling = SamplingParams {
+        presence_penalty: c.presence_penalty.unwrap_or(0.0),
+        frequency_penalty: c.frequency_penalty.unwrap_or(0.0),
+        logit_bias,
+        ..SamplingParams::default()
+    };
     if let Some(t) = c.temperature {
         if !(0.0..=2.0).contains(&t) {
             return Err(ApiError::bad("temperature must be between 0 and 2"));
@@ -428,8 +500,63 @@ fn request(
         stop: c.stop.clone().map(|s| s.into_vec()).unwrap_or_default(),
         ignore_eos: c.ignore_eos,
         n,
+        logprobs,
+        reuse_prefix: c.cache_prompt.unwrap_or(true),
+        cache_salt: salt(s, tenant, c.cache_salt.as_deref()),
         ..GenerateRequest::new(prompt)
     })
+}
+
+/// How many top log-probabilities a request wants per token, if any:
+/// chat's `logprobs: true` with `top_logprobs: N`, completions'
+/// `logprobs: N` (0 to 20 either way).
+fn logprobs_wanted(c: &Common, endpoint: Endpoint) -> Result<Option<usize>, ApiError> {
+    const MOST: u64 = 20;
+    let range = |name| ApiError::param(name, format!("{name} must be from 0 to {MOST}"));
+    match endpoint {
+        Endpoint::Chat => {
+            let on = match &c.logprobs {
+                None | Some(Value::Null) | Some(Value::Bool(false)) => false,
+                Some(Value::Bool(true)) => true,
+                Some(_) => {
+                    return Err(ApiError::param(
+                        "logprobs",
+                        "logprobs must be true or false (top_logprobs says how many)",
+                    ))
+                }
+            };
+            match c.top_logprobs {
+                Some(n) if n as u64 > MOST => Err(range("top_logprobs")),
+                Some(n) if n > 0 && !on => Err(ApiError::param(
+                    "top_logprobs",
+                    "top_logprobs needs logprobs: true",
+                )),
+                n => Ok(on.then_some(n.unwrap_or(0) as usize)),
+            }
+        }
+        Endpoint::Completions => match &c.logprobs {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => match v.as_u64() {
+                Some(n) if n <= MOST => Ok(Some(n as usize)),
+                _ => Err(range("logprobs")),
+            },
+        },
+    }
+}
+
+/// The prefix-cache partition of a request: its `cache_salt`, and with
+/// several API keys configured, the key it came with (one partition per
+/// key, so one tenant cannot time another's prompts).
+fn salt(s: &Server, tenant: &Tenant, cache_salt: Option<&str>) -> Option<String> {
+    let key = tenant.0.filter(|_| s.cfg.api_keys.len() > 1);
+    match (key, cache_salt) {
+        (None, None) => None,
+        (key, salt) => Some(format!(
+            "key:{}\u{0}salt:{}",
+            key.map_or(String::new(), |k| k.to_string()),
+            salt.unwrap_or("")
+        )),
+    }
 }
 
 fn finish(r: FinishReason) -> &'static str {
@@ -469,10 +596,13 @@ async fn generate(
     prompt: Prompt,
     c: Common,
     endpoint: Endpoint,
+    tenant: Tenant,
 ) -> Result<Response, ApiError> {
     let engine = s.engine()?;
-    let req = request(&s, &engine, prompt, &c)?;
+    let req = request(&s, &engine, prompt, &c, endpoint, &tenant)?;
+    let slot = s.admit()?;
     let n = req.n;
+    let want_logprobs = req.logprobs.is_some();
     // Errors that the request can never run come back before anything is
     // sent, as a status code.
     let e2 = engine.clone();
@@ -490,6 +620,8 @@ async fn generate(
     // It also times the tokens for /metrics.
     let watcher = s.clone();
     tokio::task::spawn_blocking(move || {
+        // Counts against the queue limit until the request has ended.
+        let _slot = slot;
         let mut last: Vec<Option<std::time::Instant>> = vec![None; n];
         for ev in stream {
             match &ev {
@@ -534,6 +666,7 @@ async fn generate(
             return Err(EngineError::Stopped.into());
         }
         let (usage, timings) = usage(&done);
+        let tok = &engine.model().tokenizer;
         let choices: Vec<Value> = done
             .iter()
             .map(|c| match endpoint {
@@ -541,13 +674,13 @@ async fn generate(
                     "index": c.index,
                     "message": {"role": "assistant", "content": c.text},
                     "finish_reason": finish(c.finish_reason),
-                    "logprobs": null,
+                    "logprobs": want_logprobs.then(|| logprobs::chat(tok, &c.logprobs)),
                 }),
                 Endpoint::Completions => json!({
                     "index": c.index,
                     "text": c.text,
                     "finish_reason": finish(c.finish_reason),
-                    "logprobs": null,
+                    "logprobs": want_logprobs.then(|| logprobs::completion(tok, &c.logprobs, 0)),
                 }),
             })
             .collect();
@@ -591,20 +724,39 @@ async fn generate(
     // Engine events become SSE chunks; when the client is gone, `out`
     // fails and this task ends, closing `rx` in turn.
     tokio::spawn(async move {
-        let choice = |index: usize, text: Option<&str>, reason: Option<&str>| match endpoint {
-            Endpoint::Chat => {
-                let delta = match text {
-                    Some(t) => json!({"content": t}),
-                    None => json!({}),
-                };
-                json!([{"index": index, "delta": delta, "finish_reason": reason, "logprobs": null}])
+        let tok = &engine.model().tokenizer;
+        // Log-probabilities of tokens not yet sent (their text may be held
+        // back), and where each choice's next text starts (completions).
+        let mut pending: Vec<Vec<TokenLogprob>> = vec![Vec::new(); n];
+        let mut offsets = vec![0usize; n];
+        let mut choice = |index: usize,
+                          text: Option<&str>,
+                          reason: Option<&str>,
+                          lps: Vec<TokenLogprob>| {
+            let logprobs = match endpoint {
+                _ if !want_logprobs => Value::Null,
+                Endpoint::Chat => logprobs::chat(tok, &lps),
+                Endpoint::Completions => {
+                    let v = logprobs::completion(tok, &lps, offsets[index]);
+                    offsets[index] = logprobs::end_offset(tok, &lps, offsets[index]);
+                    v
+                }
+            };
+            match endpoint {
+                Endpoint::Chat => {
+                    let delta = match text {
+                        Some(t) => json!({"content": t}),
+                        None => json!({}),
+                    };
+                    json!([{"index": index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}])
+                }
+                Endpoint::Completions => json!([{
+                    "index": index,
+                    "text": text.unwrap_or(""),
+                    "finish_reason": reason,
+                    "logprobs": logprobs,
+                }]),
             }
-            Endpoint::Completions => json!([{
-                "index": index,
-                "text": text.unwrap_or(""),
-                "finish_reason": reason,
-                "logprobs": null,
-            }]),
         };
         if endpoint == Endpoint::Chat {
             for i in 0..n {
@@ -622,15 +774,26 @@ async fn generate(
         let mut done = Vec::with_capacity(n);
         while let Some(ev) = rx.recv().await {
             let sent = match ev {
-                Event::Token { index, text, .. } if !text.is_empty() => {
-                    out.send(chunk(choice(index, Some(&text), None), None))
-                        .await
+                Event::Token {
+                    index,
+                    text,
+                    logprob,
+                    ..
+                } => {
+                    pending[index].extend(logprob.map(|l| *l));
+                    if text.is_empty() {
+                        Ok(())
+                    } else {
+                        let lps = std::mem::take(&mut pending[index]);
+                        out.send(chunk(choice(index, Some(&text), None, lps), None))
+                            .await
+                    }
                 }
-                Event::Token { .. } => Ok(()),
                 Event::Done(c) => {
+                    let lps = std::mem::take(&mut pending[c.index]);
                     let r = out
                         .send(chunk(
-                            choice(c.index, None, Some(finish(c.finish_reason))),
+                            choice(c.index, None, Some(finish(c.finish_reason)), lps),
                             None,
                         ))
                         .await;

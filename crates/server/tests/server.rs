@@ -37,15 +37,28 @@ impl Drop for Running {
 
 /// A server on an ephemeral port over a fresh tiny model.
 fn start(name: &str, keys: &[&str]) -> Running {
+    start_with(name, EngineConfig::default(), |c| {
+        c.api_keys = keys.iter().map(|k| k.to_string()).collect()
+    })
+}
+
+/// The same with this engine configuration, and the server's configured
+/// by `set` (its `session_dir`, when set, is made relative to the test's
+/// directory).
+fn start_with(
+    name: &str,
+    engine_cfg: EngineConfig,
+    set: impl FnOnce(&mut ServerConfig),
+) -> Running {
     let dir = std::env::temp_dir().join(format!("tessera-server-{}-{name}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     write_tiny_model(&dir, TinySpec::default()).unwrap();
     let model = Model::load(&dir, &mut |_, _| {}).unwrap();
-    let engine = Arc::new(Engine::from_model(model, EngineConfig::default()).unwrap());
-    let server = Server::new(ServerConfig {
-        api_keys: keys.iter().map(|k| k.to_string()).collect(),
-        ..ServerConfig::new("tiny")
-    });
+    let engine = Arc::new(Engine::from_model(model, engine_cfg).unwrap());
+    let mut cfg = ServerConfig::new("tiny");
+    set(&mut cfg);
+    cfg.session_dir = cfg.session_dir.map(|d| dir.join(d));
+    let server = Server::new(cfg);
     let (addr_tx, addr_rx) = std::sync::mpsc::channel();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let app = server.router();
@@ -357,16 +370,28 @@ fn bad_requests_get_their_status_and_the_server_goes_on() {
         (400, Some("context_length_exceeded")),
         "{v}"
     );
-    let (code, v) = post(
-        &s,
-        "/v1/chat/completions",
-        &json!({"messages": [{"role": "user", "content": "hi"}], "logprobs": true}),
-        key,
-    );
-    assert_eq!(
-        (code, v["error"]["param"].as_str()),
-        (400, Some("logprobs"))
-    );
+    // Fields out of range name themselves.
+    for (field, value, endpoint) in [
+        ("top_logprobs", json!(50), "/v1/chat/completions"),
+        ("logprobs", json!(3), "/v1/chat/completions"),
+        ("logprobs", json!(21), "/v1/completions"),
+        ("logit_bias", json!({"999999": 1}), "/v1/chat/completions"),
+        ("logit_bias", json!({"5": 300}), "/v1/completions"),
+        ("presence_penalty", json!(2.5), "/v1/chat/completions"),
+        ("frequency_penalty", json!(-3), "/v1/completions"),
+    ] {
+        let mut body = json!({"messages": [{"role": "user", "content": "hi"}], "prompt": "hi"});
+        body[field] = value;
+        if field == "top_logprobs" {
+            body["logprobs"] = json!(true);
+        }
+        let (code, v) = post(&s, endpoint, &body, key);
+        assert_eq!(
+            (code, v["error"]["param"].as_str()),
+            (400, Some(field)),
+            "{v}"
+        );
+    }
     let (code, _) = post(&s, "/v1/chat/completions", &json!({"messages": []}), key);
     assert_eq!(code, 400);
     let (code, _) = post(
@@ -435,4 +460,380 @@ fn a_client_hanging_up_mid_stream_frees_its_request() {
         m["tessera:num_requests_running"] + m["tessera:num_requests_waiting"],
         0.0
     );
+}
+
+/// Log-probabilities (chat and completions, streamed or not), logit bias,
+/// `cache_prompt: false`, and the prefix-cache partitions of `cache_salt`
+/// and of the API keys.
+#[test]
+fn logprobs_bias_cache_prompt_and_partitions() {
+    let s = start("logprobs", &["k1", "k2"]);
+    let key = Some("k1");
+    let msgs = json!([{"role": "user", "content": "the cat sat on the mat"}]);
+    let body = json!({"messages": msgs, "max_tokens": 12, "temperature": 0,
+                      "logprobs": true, "top_logprobs": 3});
+    let (code, r) = post(&s, "/v1/chat/completions", &body, key);
+    assert_eq!(code, 200, "{r}");
+    let text = r["choices"][0]["message"]["content"].as_str().unwrap();
+    let content = r["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(
+        content.len() as u64,
+        r["usage"]["completion_tokens"].as_u64().unwrap()
+    );
+    let mut bytes = Vec::new();
+    for c in content {
+        let top = c["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 3);
+        // Greedy: the chosen token is the most likely.
+        assert_eq!(top[0]["token"], c["token"]);
+        assert_eq!(top[0]["logprob"], c["logprob"]);
+        assert!(c["logprob"].as_f64().unwrap() <= 0.0);
+        bytes.extend(
+            c["bytes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|b| b.as_u64().unwrap() as u8),
+        );
+    }
+    // (The tiny model's bytes need not be UTF-8: the text has U+FFFD.)
+    assert_eq!(
+        String::from_utf8_lossy(&bytes),
+        text,
+        "bytes rebuild the text"
+    );
+
+    // Streamed: the same entries, spread over the chunks.
+    let mut sbody = body.clone();
+    sbody["stream"] = json!(true);
+    let chunks = stream_keyed(&s, "/v1/chat/completions", &sbody, key);
+    let streamed: Vec<Value> = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["logprobs"]["content"].as_array())
+        .flatten()
+        .cloned()
+        .collect();
+    assert_eq!(&streamed, content);
+
+    // Completions: parallel lists with offsets into the text.
+    let body = json!({"prompt": "the cat", "max_tokens": 8, "temperature": 0, "logprobs": 2});
+    let (code, r) = post(&s, "/v1/completions", &body, key);
+    assert_eq!(code, 200, "{r}");
+    let lp = &r["choices"][0]["logprobs"];
+    let n = lp["tokens"].as_array().unwrap().len();
+    assert_eq!(n as u64, r["usage"]["completion_tokens"].as_u64().unwrap());
+    assert_eq!(lp["token_logprobs"].as_array().unwrap().len(), n);
+    assert_eq!(lp["text_offset"][0], 0);
+    assert!(lp["top_logprobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|t| t.as_object().unwrap().len() <= 2));
+    let mut sbody = body.clone();
+    sbody["stream"] = json!(true);
+    let chunks = stream_keyed(&s, "/v1/completions", &sbody, key);
+    let offsets: Vec<Value> = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["logprobs"]["text_offset"].as_array())
+        .flatten()
+        .cloned()
+        .collect();
+    assert_eq!(&offsets, lp["text_offset"].as_array().unwrap());
+
+    // A bias of -100 on the greedy first token changes it.
+    let prompt = Prompt::Chat(vec![Message::new("user", "the cat sat on the mat")]);
+    let req = GenerateRequest {
+        sampling: SamplingParams::greedy(),
+        max_tokens: 1,
+        ..GenerateRequest::new(prompt)
+    };
+    let id = s.engine.complete(&req, &mut |_| {}).unwrap().tokens[0];
+    let tok = &s.engine.model().tokenizer;
+    assert_eq!(content[0]["bytes"], json!(tok.token_bytes(id)));
+    let body = json!({"messages": msgs, "max_tokens": 1, "temperature": 0, "logprobs": true,
+                      "logit_bias": {id.to_string(): -100}});
+    let (code, r) = post(&s, "/v1/chat/completions", &body, key);
+    assert_eq!(code, 200, "{r}");
+    assert_ne!(
+        r["choices"][0]["logprobs"]["content"][0]["bytes"],
+        json!(tok.token_bytes(id))
+    );
+
+    // The conversation is cached for k1: k1 reuses it, k1 with
+    // cache_prompt false does not, k2 (another tenant) does not, and a
+    // salt is a partition of its own.
+    let body = json!({"messages": msgs, "max_tokens": 2, "temperature": 0});
+    let cached = |extra: Value, key: &str| {
+        let mut b = body.clone();
+        b.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        let (code, r) = post(&s, "/v1/chat/completions", &b, Some(key));
+        assert_eq!(code, 200, "{r}");
+        r["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+    };
+    assert!(cached(json!({}), "k1") > 0);
+    assert_eq!(cached(json!({"cache_prompt": false}), "k1"), 0);
+    assert_eq!(cached(json!({}), "k2"), 0);
+    assert!(cached(json!({}), "k2") > 0, "k2's own partition");
+    assert_eq!(cached(json!({"cache_salt": "s"}), "k1"), 0);
+    assert!(cached(json!({"cache_salt": "s"}), "k1") > 0);
+}
+
+fn stream_keyed(s: &Running, path: &str, body: &Value, key: Option<&str>) -> Vec<Value> {
+    let mut req = agent().post(&format!("{}{path}", s.base));
+    if let Some(k) = key {
+        req = req.set("Authorization", &format!("Bearer {k}"));
+    }
+    let r = req.send_json(body.clone()).unwrap();
+    let mut out = Vec::new();
+    for line in BufReader::new(r.into_reader()).lines() {
+        let line = line.unwrap();
+        match line.strip_prefix("data: ") {
+            Some("[DONE]") => break,
+            Some(data) => out.push(serde_json::from_str(data).unwrap()),
+            None => {}
+        }
+    }
+    out
+}
+
+/// Sixty-four streams at once against a pool that holds a few of them:
+/// every one completes, with the text it gets alone.
+#[test]
+fn sixty_four_concurrent_streams_on_a_small_pool_each_get_their_own_output() {
+    let engine_cfg = EngineConfig {
+        kv_memory: 96 << 10,
+        block_size: 16,
+        ..EngineConfig::default()
+    };
+    let s = start_with("many", engine_cfg, |_| {});
+    let kv = s.engine.kv_stats();
+    let prompts: Vec<String> = (0..64)
+        .map(|i| {
+            format!(
+                "request {i}: the {} sat on {} mats",
+                ["cat", "dog", "owl"][i % 3],
+                i * 7
+            )
+        })
+        .collect();
+    let want: Vec<String> = prompts
+        .iter()
+        .map(|p| greedy(&s.engine, Prompt::Text(p.clone()), 24))
+        .collect();
+    s.engine.clear_cache().unwrap();
+    // Each needs ~3 blocks of 16 for prompt and answer: 64 of them need
+    // far more than the pool.
+    assert!(
+        kv.num_blocks < 64 * 3,
+        "the pool is small: {} blocks",
+        kv.num_blocks
+    );
+    let before = s.engine.stats();
+    let got: Vec<String> = std::thread::scope(|scope| {
+        let handles: Vec<_> = prompts
+            .iter()
+            .map(|p| {
+                let body = json!({"prompt": p, "max_tokens": 24, "temperature": 0, "stream": true});
+                let s = &s;
+                scope.spawn(move || {
+                    stream(s, "/v1/completions", &body)
+                        .iter()
+                        .filter_map(|c| c["choices"][0]["text"].as_str().map(str::to_string))
+                        .collect::<String>()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(got, want);
+    let after = s.engine.stats();
+    assert_eq!(after.requests - before.requests, 64);
+    assert_eq!(after.failed_requests, before.failed_requests);
+    assert_eq!(s.engine.kv_stats().sequences, 0);
+    s.engine.check_kv().unwrap();
+}
+
+/// With `max_queue` requests in the server, one more is answered 429 with
+/// Retry-After; once they end, requests are served again.
+#[test]
+fn a_full_queue_answers_429_and_recovers() {
+    let s = start_with("queue", EngineConfig::default(), |c| c.max_queue = 2);
+    let long = json!({"prompt": "the", "max_tokens": 100000, "ignore_eos": true, "stream": true});
+    let open: Vec<_> = (0..2)
+        .map(|_| {
+            let r = agent()
+                .post(&format!("{}/v1/completions", s.base))
+                .send_json(long.clone())
+                .unwrap();
+            let mut lines = BufReader::new(r.into_reader()).lines();
+            // Its first chunk: the request is in the server.
+            lines.find(|l| l.as_ref().unwrap().starts_with("data: "));
+            lines
+        })
+        .collect();
+    let small = json!({"prompt": "the", "max_tokens": 2});
+    match agent()
+        .post(&format!("{}/v1/completions", s.base))
+        .send_json(small.clone())
+    {
+        Err(ureq::Error::Status(429, r)) => {
+            assert_eq!(r.header("retry-after"), Some("1"));
+            let v: Value = r.into_json().unwrap();
+            assert_eq!(v["error"]["code"], "queue_full");
+        }
+        other => panic!("a third request: {other:?}"),
+    }
+    drop(open);
+    let start = Instant::now();
+    loop {
+        let (code, v) = post(&s, "/v1/completions", &small, None);
+        if code == 200 {
+            break;
+        }
+        assert_eq!(code, 429, "{v}");
+        assert!(start.elapsed() < Duration::from_secs(60), "never freed");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Sessions over HTTP: saved, the cache cleared, restored whole, then the
+/// conversation's next request reuses it; bad names, missing and corrupted
+/// files are refused and change nothing.
+#[test]
+fn sessions_save_and_restore_over_http() {
+    let s = start_with("sessions", EngineConfig::default(), |c| {
+        c.session_dir = Some("sessions".into())
+    });
+    let msgs = json!([{"role": "system", "content": "You are terse."},
+                      {"role": "user", "content": "one two three four five six seven eight"}]);
+    let (code, v) = post(
+        &s,
+        "/v1/sessions/chat-1/save",
+        &json!({"messages": msgs}),
+        None,
+    );
+    assert_eq!(code, 200, "{v}");
+    let saved = v["tokens"].as_u64().unwrap();
+    assert!(saved > 10);
+    s.engine.clear_cache().unwrap();
+    let (code, v) = post(&s, "/v1/sessions/chat-1/restore", &json!({}), None);
+    assert_eq!(
+        (code, v["restored_tokens"].as_u64()),
+        (200, Some(saved)),
+        "{v}"
+    );
+    let body = json!({"messages": msgs, "max_tokens": 2, "temperature": 0});
+    let (_, r) = post(&s, "/v1/chat/completions", &body, None);
+    assert_eq!(
+        r["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64(),
+        Some(saved - 1),
+        "all but the last prompt token come from the session"
+    );
+    // Token ids too.
+    let (code, v) = post(
+        &s,
+        "/v1/sessions/ids/save",
+        &json!({"tokens": [5, 6, 7, 8]}),
+        None,
+    );
+    assert_eq!((code, v["tokens"].as_u64()), (200, Some(4)));
+    for bad in [
+        "..%2Fetc",
+        "%2E%2Ehidden",
+        ".hidden",
+        "a%2Fb",
+        "a%00b",
+        &"x".repeat(129),
+    ] {
+        let (code, v) = post(
+            &s,
+            &format!("/v1/sessions/{bad}/save"),
+            &json!({"tokens": [5]}),
+            None,
+        );
+        assert_eq!(
+            (code, v["error"]["param"].as_str()),
+            (400, Some("name")),
+            "{bad}: {v}"
+        );
+    }
+    let (code, v) = post(&s, "/v1/sessions/nothing/restore", &json!({}), None);
+    assert_eq!(
+        (code, v["error"]["code"].as_str()),
+        (404, Some("session_not_found"))
+    );
+    let (code, _) = post(&s, "/v1/sessions/x/save", &json!({}), None);
+    assert_eq!(code, 400);
+    // A corrupted file is refused and the cache stays as it was.
+    let file = s.dir.join("sessions").join("chat-1.tkv");
+    let mut data = std::fs::read(&file).unwrap();
+    let mid = data.len() / 2;
+    data[mid] ^= 0x40;
+    std::fs::write(&file, &data).unwrap();
+    s.engine.clear_cache().unwrap();
+    let (code, v) = post(&s, "/v1/sessions/chat-1/restore", &json!({}), None);
+    assert_eq!(
+        (code, v["error"]["code"].as_str()),
+        (400, Some("invalid_session")),
+        "{v}"
+    );
+    assert_eq!(s.engine.kv_stats().cached_tokens, 0);
+    // Without a session directory the endpoints are off.
+    let off = start("nosessions", &[]);
+    let (code, v) = post(&off, "/v1/sessions/a/save", &json!({"tokens": [5]}), None);
+    assert_eq!(
+        (code, v["error"]["code"].as_str()),
+        (404, Some("sessions_disabled"))
+    );
+}
+
+/// `/openapi.json` lists every route, and each answers its method.
+#[test]
+fn openapi_lists_the_routes_the_server_answers() {
+    let s = start_with("openapi", EngineConfig::default(), |c| {
+        c.session_dir = Some("sessions".into())
+    });
+    let doc: Value = agent()
+        .get(&format!("{}/openapi.json", s.base))
+        .call()
+        .unwrap()
+        .into_json()
+        .unwrap();
+    assert_eq!(doc["openapi"], "3.1.0");
+    let paths = doc["paths"].as_object().unwrap();
+    for p in [
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/models",
+        "/metrics",
+        "/tokenize",
+    ] {
+        assert!(paths.contains_key(p), "{p}");
+    }
+    for (path, ops) in paths {
+        let url = format!("{}{}", s.base, path.replace("{name}", "n"));
+        for method in ops.as_object().unwrap().keys() {
+            let r = match method.as_str() {
+                "get" => agent().get(&url).call(),
+                "post" => agent().post(&url).send_json(json!({})),
+                m => panic!("{m}"),
+            };
+            let (code, body) = match r {
+                Ok(r) => (r.status(), r.into_string().unwrap()),
+                Err(ureq::Error::Status(c, r)) => (c, r.into_string().unwrap()),
+                Err(e) => panic!("{url}: {e}"),
+            };
+            // A route that exists answers with its own status: never 405,
+            // and a 404 only as a JSON error of its own.
+            assert_ne!(code, 405, "{method} {path}");
+            assert!(
+                code != 404 || body.contains("\"error\""),
+                "{method} {path}: {body}"
+            );
+        }
+    }
 }
