@@ -13,11 +13,13 @@ demo: model
     ./target/release/tessera chat --model models/SmolLM2-135M-Instruct.Q4_1.gguf --script demo/chat.jsonl --temperature 0 --max-tokens 48
 
 # Run every test of the workspace (fetches the default model first), then `tessera serve`
-# driven by the official `openai` Python package (installed with pip when missing).
+# driven by the official `openai` Python package, and two replicas behind the SGLang model
+# gateway (`openai` and `sglang-router` installed with pip when missing).
 test: model
     cargo test --workspace
     python3 -c "import openai" 2>/dev/null || python3 -m pip install --quiet openai
     python3 scripts/openai_client.py target/debug/tessera models/SmolLM2-135M-Instruct.Q4_1.gguf
+    python3 scripts/router.py test target/debug/tessera models/SmolLM2-135M-Instruct.Q4_1.gguf
 
 # Long fuzzing runs of the loaders and parsers (GGUF, sessions, cache files, tokenizer, templates).
 fuzz cases="20000":
@@ -75,11 +77,27 @@ bench-soak requests="2000": model
     python3 scripts/readme_soak.py
 
 # Tessera beside llama.cpp and candle on the default model (same file, same threads, same run):
-# a table, target/bench/vs-llamacpp.json, two charts, then the README's results section.
+# a table, target/bench/vs-llamacpp.json, two charts, then the README's results section;
+# then the server beside llama-server (`bench-server`).
 # llama.cpp and Tessera are built with the native CPU flags, in target/native.
 bench-llamacpp: model bench-deps
     CARGO_TARGET_DIR=target/native RUSTFLAGS="-C target-cpu=native" cargo run --release --features llama-cpp --example vs_llamacpp
     python3 scripts/readme_results.py
+    just bench-server
+
+# Tessera's server beside llama.cpp's own llama-server (built from source once, in
+# target/llama-server): 8 users × 8-turn chats at once over HTTP, alternating runs; then the
+# README's table (target/bench/server.json).
+bench-server: model bench-deps
+    sh scripts/build_llama_server.sh
+    CARGO_TARGET_DIR=target/native RUSTFLAGS="-C target-cpu=native" cargo build --release -p tessera
+    python3 scripts/server_vs_llamaserver.py
+
+# Scale-out: the server scenario against one replica, and against two behind the SGLang model
+# gateway with cache_aware and with round_robin routing; then the README's table.
+bench-router: model
+    cargo build --release -p tessera
+    python3 scripts/router.py bench target/release/tessera models/SmolLM2-135M-Instruct.Q4_1.gguf
 
 # Packages the llama.cpp comparison needs (cmake, clang to build llama.cpp; a font for the charts), with apt if missing.
 bench-deps:

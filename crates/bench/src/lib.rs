@@ -9,7 +9,12 @@
 //! - `shared-prefix`: 8 requests sharing a 1,000-token prefix, each with its
 //!   own 50-token suffix;
 //! - `interleaved`: 4 conversations (a ~400-token system prompt each)
-//!   taking turns for 6 rounds, ~40-token user turns, 32-token replies.
+//!   taking turns for 6 rounds, ~40-token user turns, 32-token replies;
+//! - `server` ([`serving`]): 8 users, each an 8-turn chat with an
+//!   OpenAI-compatible server (a shared ~200-token system prompt, ~60-token
+//!   turns, 32-token replies), all at once over HTTP.
+
+pub mod serving;
 
 use std::time::Instant;
 

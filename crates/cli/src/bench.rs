@@ -35,6 +35,11 @@ pub enum Scenario {
     /// Agreement of the integer activation modes with f32 activations:
     /// top-1 and KL over a fixed corpus, and greedy replies.
     Fidelity,
+    /// Simulated users (--users), each an N-turn chat (--turns) with an
+    /// OpenAI-compatible server over HTTP, all at once: TTFT p50/p99,
+    /// throughput, cached share of the history. Tessera's own server
+    /// beside itself with reuse off, or any server at --url.
+    Server,
     /// A long random mix of requests (lengths, n > 1, cancellations,
     /// context shifts, sessions, defragment, shrink and grow, injected
     /// faults): errors, leaked blocks, RSS.
@@ -50,15 +55,29 @@ pub struct BenchArgs {
     /// Timed runs per engine (the median is reported).
     #[arg(long, default_value_t = 3)]
     pub(crate) runs: usize,
-    /// Skip candle's quantized_llama baseline.
+    /// Skip the baseline: candle's quantized_llama, or for the server
+    /// scenario Tessera with reuse off.
     #[arg(long)]
-    no_baseline: bool,
+    pub(crate) no_baseline: bool,
     /// Print one JSON object.
     #[arg(long)]
     pub(crate) json: bool,
     /// Requests of the soak scenario.
     #[arg(long, default_value_t = 2000)]
     pub(crate) requests: usize,
+    /// Users of the server scenario.
+    #[arg(long, default_value_t = tessera_bench::serving::USERS)]
+    pub(crate) users: usize,
+    /// Turns per user of the server scenario.
+    #[arg(long, default_value_t = tessera_bench::serving::TURNS)]
+    pub(crate) turns: usize,
+    /// Seed of the server scenario's first run (run r uses seed + r).
+    #[arg(long, default_value_t = 0)]
+    pub(crate) seed: u64,
+    /// The server scenario against this server (http://HOST:PORT) instead
+    /// of Tessera's own in this process.
+    #[arg(long)]
+    pub(crate) url: Option<String>,
     #[command(flatten)]
     pub(crate) kv: KvArgs,
 }
@@ -79,6 +98,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         Scenario::Interleaved => return crate::scenarios::interleaved(model, &args),
         Scenario::Shift => return crate::scenarios::shift(model, &args),
         Scenario::Soak => return crate::soak::soak(model, &args),
+        Scenario::Server => return crate::serving::server(model, &args),
         Scenario::Fidelity => return crate::fidelity::fidelity(model, &args),
         Scenario::DecodeLong | Scenario::DecodeBatch => {
             return crate::scenarios::decode_depth_and_width(model, &args)

@@ -9,6 +9,7 @@ mod chat;
 mod fidelity;
 mod scenarios;
 mod serve;
+mod serving;
 mod soak;
 
 use std::io::{IsTerminal, Read, Write};

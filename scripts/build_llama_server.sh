@@ -1,0 +1,24 @@
+#!/bin/sh
+# Builds llama.cpp's own `llama-server` into target/llama-server/build/bin.
+#
+# The llama-cpp-sys-2 crate ships llama.cpp without tools/server, so the
+# source comes from the sdist of the llama-cpp-python package on PyPI (a
+# package registry), which vendors the whole llama.cpp tree; pinned so
+# that every run measures the same llama.cpp. Built with GGML_NATIVE, as
+# the library for `just bench-llamacpp` is. Does nothing when built.
+set -eu
+VERSION=0.3.36
+OUT=target/llama-server
+BIN=$OUT/build/bin/llama-server
+[ -x "$BIN" ] && exit 0
+mkdir -p "$OUT"
+SRC=$OUT/llama_cpp_python-$VERSION
+if [ ! -d "$SRC" ]; then
+    python3 -m pip download --quiet --no-deps --no-binary :all: --dest "$OUT" "llama-cpp-python==$VERSION"
+    tar xzf "$OUT/llama_cpp_python-$VERSION.tar.gz" -C "$OUT"
+fi
+cmake -S "$SRC/vendor/llama.cpp" -B "$OUT/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+    -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_BUILD_TESTS=OFF \
+    -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON >/dev/null
+cmake --build "$OUT/build" --target llama-server -j "$(nproc)"
+echo "built $BIN"

@@ -1,0 +1,194 @@
+#!/usr/bin/env python3
+"""Two `tessera serve` replicas behind the SGLang model gateway on loopback.
+
+The gateway (`pip install sglang-router`, a Rust router for
+OpenAI-compatible workers) keeps an approximate prefix tree of the text it
+routed to each worker; its `cache_aware` policy sends a request to the
+worker whose tree matches most of it, so a conversation's next turn lands
+where its history is cached.
+
+  router.py test  TESSERA_BINARY MODEL   3 users × 3 turns, in turn,
+      through a cache_aware gateway: every request answers, and every turn
+      after the first finds its history cached on the replica it reaches
+      (with round_robin, an odd number of users sends every other turn to
+      the replica without it). `just test` runs this.
+  router.py bench TESSERA_BINARY MODEL   `tessera bench --scenario server`
+      (8 users × 8 turns) against one replica alone, then against two
+      replicas behind the gateway with `cache_aware` and with
+      `round_robin`: the cached share of each turn's history, TTFT and
+      throughput; target/bench/router.json and the README's
+      `bench-router` section.
+
+Each replica gets half the cores (RAYON_NUM_THREADS), one replica alone
+all of them. Installs sglang-router with pip when it is missing.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url, proc, what, timeout=180):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            sys.exit(f"{what} exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except Exception:
+            pass
+        time.sleep(0.3)
+    sys.exit(f"{what} did not become ready")
+
+
+class Cluster:
+    """`replicas` tessera servers, and a gateway in front when `policy`."""
+
+    def __init__(self, binary, model, replicas, policy, threads):
+        self.procs = []
+        self.logs = []
+        ports = [free_port() for _ in range(replicas)]
+        env = dict(os.environ, RAYON_NUM_THREADS=str(threads))
+        for p in ports:
+            log = open(ROOT / "target" / f"replica-{p}.log", "w")
+            self.logs.append(log)
+            proc = subprocess.Popen([binary, "serve", "--model", model, "--port", str(p),
+                                     "--alias", "smollm2"], stdout=log, stderr=log, env=env)
+            self.procs.append(proc)
+            wait_ready(f"http://127.0.0.1:{p}/health", proc, f"replica on {p}")
+        self.url = f"http://127.0.0.1:{ports[0]}"
+        if policy:
+            port = free_port()
+            log = open(ROOT / "target" / f"router-{policy}.log", "w")
+            self.logs.append(log)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+                 "--port", str(port), "--policy", policy,
+                 "--worker-urls", *[f"http://127.0.0.1:{p}" for p in ports]],
+                stdout=log, stderr=log)
+            self.procs.append(proc)
+            self.url = f"http://127.0.0.1:{port}"
+            wait_ready(f"{self.url}/v1/models", proc, "the gateway")
+
+    def close(self):
+        for p in reversed(self.procs):
+            p.terminate()
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        for log in self.logs:
+            log.close()
+
+
+def chat(url, messages, max_tokens=8):
+    body = json.dumps({"model": "smollm2", "messages": messages, "max_tokens": max_tokens,
+                       "temperature": 0}).encode()
+    req = urllib.request.Request(f"{url}/v1/chat/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.loads(r.read())
+
+
+def test(binary, model):
+    threads = max(1, (os.cpu_count() or 2) // 2)
+    c = Cluster(binary, model, 2, "cache_aware", threads)
+    try:
+        users = [f"User {u} asks about topic {u * 37}: tell me something about the number {u * 37}."
+                 for u in range(3)]
+        convs = [[{"role": "user", "content": q}] for q in users]
+        for turn in range(3):
+            for u, conv in enumerate(convs):
+                r = chat(c.url, conv)
+                text = r["choices"][0]["message"]["content"]
+                cached = r["usage"]["prompt_tokens_details"]["cached_tokens"]
+                prompt = r["usage"]["prompt_tokens"]
+                if turn > 0 and cached < prompt // 2:
+                    sys.exit(f"user {u} turn {turn + 1}: only {cached} of {prompt} prompt tokens "
+                             "cached: the gateway sent it away from its history")
+                conv += [{"role": "assistant", "content": text},
+                         {"role": "user", "content": f"And then? ({turn})"}]
+        print("router: 2 replicas behind sglang-router (cache_aware): 9 requests answered, "
+              "every follow-up turn found its history cached")
+    finally:
+        c.close()
+
+
+def bench(binary, model):
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from readme_tables import BENCH, splice  # noqa: E402
+
+    cores = os.cpu_count() or 2
+    setups = [("one replica", 1, None, cores),
+              ("2 replicas, cache_aware", 2, "cache_aware", max(1, cores // 2)),
+              ("2 replicas, round_robin", 2, "round_robin", max(1, cores // 2))]
+    results = {}
+    for name, n, policy, threads in setups:
+        c = Cluster(binary, model, n, policy, threads)
+        try:
+            out = subprocess.run(
+                [binary, "bench", "--model", model, "--scenario", "server", "--runs", "1",
+                 "--url", c.url, "--json"], check=True, capture_output=True, text=True).stdout
+            results[name] = json.loads(out.strip().splitlines()[-1])["target"]
+            r = results[name]
+            print(f"{name:>24}: history cached {r['history_cached'] * 100:5.1f}%, TTFT p50 "
+                  f"{r['ttft_p50_ms']:7.1f} ms, {r['throughput_tok_s']:6.1f} tok/s", flush=True)
+        finally:
+            c.close()
+    BENCH.mkdir(parents=True, exist_ok=True)
+    (BENCH / "router.json").write_text(json.dumps(results, indent=1) + "\n")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, cwd=ROOT).stdout.strip()
+    lines = [
+        f"8 users × 8 turns at once over HTTP (`tessera bench --scenario server --url`), at "
+        f"`{commit}` on {time.strftime('%Y-%m-%d', time.gmtime())}, sglang-router "
+        f"{sglang_version()}; each of two replicas has half of the {cores} cores.",
+        "",
+        "| setup | history cached, turns 2–8 | prompt tokens cached | TTFT p50 | TTFT p99 | throughput |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, r in results.items():
+        lines.append(f"| {name} | {r['history_cached'] * 100:.1f}% | {r['hit_ratio'] * 100:.1f}% | "
+                     f"{r['ttft_p50_ms']:,.0f} ms | {r['ttft_p99_ms']:,.0f} ms | "
+                     f"{r['throughput_tok_s']:,.1f} tok/s |")
+    splice("router", "router.py", lines)
+    print("\n".join(lines))
+
+
+def sglang_version():
+    try:
+        from importlib.metadata import version
+        return version("sglang-router")
+    except Exception:
+        return "?"
+
+
+def main():
+    if len(sys.argv) != 4 or sys.argv[1] not in ("test", "bench"):
+        sys.exit(__doc__)
+    try:
+        import sglang_router  # noqa: F401
+    except ImportError:
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "sglang-router"],
+                       check=True)
+    (ROOT / "target").mkdir(exist_ok=True)
+    {"test": test, "bench": bench}[sys.argv[1]](sys.argv[2], sys.argv[3])
+
+
+if __name__ == "__main__":
+    main()
