@@ -20,7 +20,9 @@ where its history is cached.
       `bench-router` section.
 
 Each replica gets half the cores (RAYON_NUM_THREADS), one replica alone
-all of them. Installs sglang-router with pip when it is missing.
+all of them. Clients name the model (`smollm2`, the replicas' alias): the
+gateway's own /v1/models lists it as `unknown`, since it learns model
+names from SGLang-specific endpoints. Installs sglang-router with pip when it is missing.
 """
 
 import json
@@ -33,6 +35,11 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# cache_aware sends a request where most of its prefix went until the
+# workers' loads differ by more than 64 requests (its default): with a
+# system prompt that every user shares, all of a small workload would go
+# to one replica. A difference of 2 rebalances new conversations early.
+ROUTER_ARGS = {"cache_aware": ["--balance-abs-threshold", "2"]}
 
 
 def free_port():
@@ -78,7 +85,7 @@ class Cluster:
             self.logs.append(log)
             proc = subprocess.Popen(
                 [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-                 "--port", str(port), "--policy", policy,
+                 "--port", str(port), "--policy", policy, *ROUTER_ARGS.get(policy, []),
                  "--worker-urls", *[f"http://127.0.0.1:{p}" for p in ports]],
                 stdout=log, stderr=log)
             self.procs.append(proc)
@@ -143,7 +150,11 @@ def bench(binary, model):
         try:
             out = subprocess.run(
                 [binary, "bench", "--model", model, "--scenario", "server", "--runs", "1",
-                 "--url", c.url, "--json"], check=True, capture_output=True, text=True).stdout
+                 "--url", c.url, "--served-model", "smollm2", "--json"],
+                capture_output=True, text=True)
+            if out.returncode != 0:
+                sys.exit(f"{name}: {out.stderr[-2000:]}")
+            out = out.stdout
             results[name] = json.loads(out.strip().splitlines()[-1])["target"]
             r = results[name]
             print(f"{name:>24}: history cached {r['history_cached'] * 100:5.1f}%, TTFT p50 "

@@ -183,6 +183,17 @@ pub fn run_load(
     Ok(LoadReport { turns, wall_s })
 }
 
+/// The first model `base` lists at `/v1/models` (`default` if it lists
+/// none, as servers that ignore the field may).
+pub fn served_model(base: &str) -> Result<String> {
+    let r = ureq::get(&format!("{base}/v1/models"))
+        .timeout(Duration::from_secs(30))
+        .call()
+        .map_err(|e| anyhow!("GET {base}/v1/models: {e}"))?;
+    let v: Value = serde_json::from_str(&r.into_string()?)?;
+    Ok(v["data"][0]["id"].as_str().unwrap_or("default").to_string())
+}
+
 /// One streamed chat completion: its text and what it measured.
 fn turn_once(base: &str, body: &Value) -> Result<(String, TurnStat)> {
     let agent = ureq::AgentBuilder::new()

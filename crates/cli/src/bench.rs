@@ -74,6 +74,10 @@ pub struct BenchArgs {
     /// Seed of the server scenario's first run (run r uses seed + r).
     #[arg(long, default_value_t = 0)]
     pub(crate) seed: u64,
+    /// The model name to send with --url (default: the first that the
+    /// server's /v1/models lists).
+    #[arg(long)]
+    pub(crate) served_model: Option<String>,
     /// The server scenario against this server (http://HOST:PORT) instead
     /// of Tessera's own in this process.
     #[arg(long)]

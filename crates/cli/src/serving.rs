@@ -13,7 +13,9 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use serde_json::{json, Value};
 use tessera_bench::median;
-use tessera_bench::serving::{quantile, run_load, serving, LoadReport, SERVE_REPLY_TOKENS};
+use tessera_bench::serving::{
+    quantile, run_load, served_model, serving, LoadReport, SERVE_REPLY_TOKENS,
+};
 use tessera_engine::Engine;
 use tessera_model::Model;
 use tessera_server::{Server, ServerConfig};
@@ -91,11 +93,15 @@ pub fn server(model: Model, args: &BenchArgs) -> Result<()> {
     });
     if let Some(url) = &args.url {
         let url = url.trim_end_matches('/');
-        run_load(url, "default", &warm, SERVE_REPLY_TOKENS, &json!({}))
+        let name = match &args.served_model {
+            Some(n) => n.clone(),
+            None => served_model(url)?,
+        };
+        run_load(url, &name, &warm, SERVE_REPLY_TOKENS, &json!({}))
             .with_context(|| format!("warming up {url}"))?;
         let reports = workloads
             .iter()
-            .map(|w| run_load(url, "default", w, SERVE_REPLY_TOKENS, &json!({})))
+            .map(|w| run_load(url, &name, w, SERVE_REPLY_TOKENS, &json!({})))
             .collect::<Result<Vec<_>>>()?;
         let s = summary(&reports);
         let mut v = head;
