@@ -80,6 +80,10 @@ pub struct Common {
     /// Partitions the prefix cache (vLLM's `cache_salt`): only requests
     /// with the same salt share cached K/V.
     pub cache_salt: Option<String>,
+    /// llama-server's context shift: at the context limit keep the first
+    /// `n_keep` tokens, drop half of the rest and go on (default: the
+    /// request ends with `finish_reason: length`).
+    pub n_keep: Option<usize>,
     /// The end user, for the client's own tracking (logged, not used).
     pub user: Option<String>,
     /// llama-server's: generate through end-of-generation tokens.

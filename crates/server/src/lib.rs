@@ -35,8 +35,8 @@ use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
 use serde_json::{json, Value};
 use tessera_engine::{
-    Completion, Engine, EngineError, Event, FinishReason, GenerateRequest, Message, Prompt,
-    SamplingParams, TokenLogprob,
+    Completion, ContextShift, Engine, EngineError, Event, FinishReason, GenerateRequest, Message,
+    Prompt, SamplingParams, TokenLogprob,
 };
 use tokio::sync::mpsc;
 
@@ -501,6 +501,7 @@ fn request(
         ignore_eos: c.ignore_eos,
         n,
         logprobs,
+        context_shift: c.n_keep.map_or(ContextShift::Off, ContextShift::Keep),
         reuse_prefix: c.cache_prompt.unwrap_or(true),
         cache_salt: salt(s, tenant, c.cache_salt.as_deref()),
         ..GenerateRequest::new(prompt)

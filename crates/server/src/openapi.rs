@@ -73,6 +73,7 @@ fn common() -> Value {
         "cache_prompt": {"type": "boolean", "description": "false: compute the whole prompt (default true)"},
         "cache_salt": {"type": "string", "description": "only requests with the same salt share cached K/V"},
         "user": {"type": "string"},
+        "n_keep": {"type": "integer", "minimum": 0, "description": "context shift at the limit, keeping this many first tokens"},
         "ignore_eos": {"type": "boolean"},
     })
 }

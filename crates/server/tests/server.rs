@@ -837,3 +837,27 @@ fn openapi_lists_the_routes_the_server_answers() {
         }
     }
 }
+
+/// At the context limit a request ends with `length`, unless it asks for
+/// llama-server's context shift with `n_keep`.
+#[test]
+fn context_shift_only_when_the_request_asks() {
+    let s = start("shift", &[]);
+    let ctx = s.engine.context_length();
+    let prompt: Vec<u32> = (0..ctx as u32 - 40).map(|i| 5 + i % 90).collect();
+    let body = json!({"prompt": prompt, "max_tokens": 100, "temperature": 0, "ignore_eos": true});
+    let (code, r) = post(&s, "/v1/completions", &body, None);
+    assert_eq!(code, 200, "{r}");
+    assert_eq!(r["choices"][0]["finish_reason"], "length");
+    let n = r["usage"]["completion_tokens"].as_u64().unwrap() as usize;
+    // Up to the context, plus the last token, which needs no K/V room.
+    assert_eq!(n, ctx - prompt.len() + 1, "stopped at the context");
+    let mut shifted = body.clone();
+    shifted["n_keep"] = json!(8);
+    let (code, r) = post(&s, "/v1/completions", &shifted, None);
+    assert_eq!(code, 200, "{r}");
+    assert_eq!(
+        r["usage"]["completion_tokens"], 100,
+        "went on past the context"
+    );
+}
