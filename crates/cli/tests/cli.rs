@@ -446,3 +446,57 @@ fn run_n_prints_independent_samples() {
         .iter()
         .all(|s| s["usage"]["prompt_tokens"] == samples[0]["usage"]["prompt_tokens"]));
 }
+
+/// `tessera perplexity` on the shipped text: a sensible value, the same on
+/// a second run, the chunk count it was asked for; a text too short for
+/// its context and a non-UTF-8 file are refused clearly.
+#[test]
+fn perplexity_of_the_default_model_on_the_shipped_text() {
+    let text = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/pride-and-prejudice.txt");
+    let text = text.to_string_lossy().into_owned();
+    let m = model();
+    let args = [
+        "perplexity",
+        "--model",
+        &m,
+        "--file",
+        &text,
+        "--ctx",
+        "128",
+        "--chunks",
+        "3",
+        "--json",
+    ];
+    let runs: Vec<serde_json::Value> = (0..2)
+        .map(|_| {
+            let out = tessera(&args, None);
+            assert!(out.status.success(), "{}", text_of(&out));
+            json_lines(&out).pop().unwrap()
+        })
+        .collect();
+    let v = &runs[0];
+    assert_eq!(
+        (v["chunks"].as_u64(), v["tokens_scored"].as_u64()),
+        (Some(3), Some(3 * 63))
+    );
+    let ppl = v["ppl"].as_f64().unwrap();
+    assert!((3.0..100.0).contains(&ppl), "perplexity {ppl}");
+    assert_eq!(runs[1]["ppl"], v["ppl"], "deterministic");
+    let dir = scratch("ppl");
+    let short = dir.join("short.txt");
+    std::fs::write(&short, "Too short to score.").unwrap();
+    let s = short.to_string_lossy().into_owned();
+    fails_with(
+        &tessera(&["perplexity", "--model", &m, "--file", &s], None),
+        "needs at least",
+    );
+    std::fs::write(&short, [0xff, 0xfe, 0x00]).unwrap();
+    fails_with(
+        &tessera(&["perplexity", "--model", &m, "--file", &s], None),
+        "not UTF-8",
+    );
+}
+
+fn text_of(out: &Output) -> String {
+    format!("{}{}", text(&out.stdout), text(&out.stderr))
+}

@@ -181,6 +181,22 @@ impl Engine {
         self.call(Command::Check)?
     }
 
+    /// Scores a text: for each `j` from `first` to the next-to-last token,
+    /// the log-probability the model gives `tokens[j + 1]` after
+    /// `tokens[..=j]` and whether it was the most likely token (perplexity,
+    /// as `tessera perplexity` and llama.cpp's `llama-perplexity` measure
+    /// it). The tokens are computed as a fresh sequence between steps:
+    /// nothing cached is used and nothing enters the cache.
+    pub fn score(&self, tokens: &[u32], first: usize) -> Result<Vec<(f64, bool)>> {
+        if tokens.len() > self.context_length() {
+            return Err(EngineError::PromptTooLong {
+                tokens: tokens.len(),
+                context: self.context_length(),
+            });
+        }
+        self.call(|tx| Command::Score(tokens.to_vec(), first, tx))?
+    }
+
     /// Compacts live blocks to the low end of the pool; returns the blocks
     /// moved.
     pub fn defragment(&self) -> Result<usize> {

@@ -27,8 +27,9 @@ pub(crate) struct Part<'a> {
     pub slots: Vec<u32>,
     /// The sequence's block table.
     pub table: Vec<u32>,
-    /// Return the logits of the last token.
-    pub logits: bool,
+    /// Return the logits of the tokens from this index on (`Some(len - 1)`:
+    /// the last token's).
+    pub logits_from: Option<usize>,
 }
 
 pub(crate) struct Runner {
@@ -95,8 +96,8 @@ impl Runner {
     }
 
     /// Runs `parts` through the model in one batch (writing their K/V into
-    /// their slots); returns the logits of the parts that want them, in
-    /// order.
+    /// their slots); returns the logits the parts want, one row per token,
+    /// in order.
     pub(crate) fn forward(&self, parts: &[Part]) -> Result<Vec<Vec<f32>>> {
         if parts.is_empty() {
             return Ok(Vec::new());
@@ -113,8 +114,9 @@ impl Runner {
             token_seq.extend(std::iter::repeat_n(i as u32, p.tokens.len()));
             tables.extend_from_slice(&p.table);
             tables.extend(std::iter::repeat_n(0, max_blocks - p.table.len()));
-            if p.logits {
-                logits_for.push(tokens.len() as u32 - 1);
+            if let Some(from) = p.logits_from {
+                let end = tokens.len() as u32;
+                logits_for.extend(end - (p.tokens.len() - from) as u32..end);
             }
         }
         let batch = Batch {

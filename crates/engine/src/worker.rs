@@ -61,6 +61,8 @@ pub(crate) enum Command {
     Import(Vec<KvSnapshot>, mpsc::Sender<Result<usize>>),
     /// Verify the KV bookkeeping.
     Check(mpsc::Sender<Result<()>>),
+    /// Log-probabilities of a text's tokens after a position.
+    Score(Vec<u32>, usize, mpsc::Sender<Result<Vec<(f64, bool)>>>),
     /// End every request in flight (cancelled; what they computed stays
     /// cached), before the cache is saved at shutdown.
     CancelAll(mpsc::Sender<()>),
@@ -110,6 +112,16 @@ fn salted(ns: Namespace, salt: Option<&str>) -> Namespace {
         h = (h ^ *b as u64).wrapping_mul(0x0100_0000_01b3);
     }
     Namespace(h)
+}
+
+/// The log-softmax of `logits` at `t` (in f64), and whether `t` is the
+/// first maximum.
+fn token_logprob(logits: &[f32], t: u32) -> (f64, bool) {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits.iter().map(|&l| ((l - max) as f64).exp()).sum();
+    let lt = logits[t as usize];
+    let top = !logits[..t as usize].iter().any(|&l| l >= lt) && lt >= max;
+    ((lt - max) as f64 - sum.ln(), top)
 }
 
 /// What an injected [`Fault::Panic`] panics with.
@@ -254,6 +266,9 @@ impl Worker {
             }
             Command::Check(reply) => {
                 let _ = reply.send(self.sched.kv().check_invariants().map_err(Into::into));
+            }
+            Command::Score(ids, first, reply) => {
+                let _ = reply.send(self.score(&ids, first));
             }
             Command::Shutdown => unreachable!("handled by run"),
         }
@@ -413,7 +428,7 @@ impl Worker {
                 start: i.start,
                 slots: i.slots.iter().map(|s| s.0).collect(),
                 table: i.block_table.iter().map(|b| b.0).collect(),
-                logits: i.wants_logits,
+                logits_from: i.wants_logits.then(|| i.tokens.len() - 1),
             })
             .collect();
         self.inject_fault(plan, &parts)?;
@@ -643,13 +658,57 @@ impl Worker {
                 start: s.len() - chunk.len(),
                 slots: plan.slots.iter().map(|s| s.0).collect(),
                 table: s.block_table().iter().map(|b| b.0).collect(),
-                logits: false,
+                logits_from: None,
             };
             let len = s.len();
             self.runner.forward(&[part])?;
             self.sched.kv_mut().mark_computed(seq, len)?;
         }
         Ok(())
+    }
+
+    /// The log-probability of each `tokens[j + 1]` after `tokens[..=j]`,
+    /// for `j` from `first`, and whether it was the most likely token;
+    /// computed as a fresh sequence (no cached prefix used, nothing
+    /// cached), in prefill chunks.
+    fn score(&mut self, tokens: &[u32], first: usize) -> Result<Vec<(f64, bool)>> {
+        let vocab = self.runner.model().config().vocab_size;
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(EngineError::Invalid(format!(
+                "token id {t} is outside the vocabulary of {vocab}"
+            )));
+        }
+        let toks = token_ids(tokens);
+        let (seq, _) = self.sched.kv_mut().add_sequence(self.ns, &[]);
+        let mut out = Vec::new();
+        let mut run = |w: &mut Self| -> Result<()> {
+            let mut at = 0;
+            for chunk in toks.chunks(w.cfg.prefill_chunk.max(1)) {
+                let plan = w.append_now(seq, chunk)?;
+                w.runner.apply_copies(&plan.copies)?;
+                let s = w.sched.kv().sequence(seq)?;
+                // Logits of positions first..len-1 (the last predicts nothing).
+                let lo = first.max(at);
+                let hi = (at + chunk.len()).min(toks.len() - 1);
+                let part = Part {
+                    tokens: chunk,
+                    start: at,
+                    slots: plan.slots.iter().map(|s| s.0).collect(),
+                    table: s.block_table().iter().map(|b| b.0).collect(),
+                    logits_from: (lo < hi).then_some(lo - at),
+                };
+                let rows = w.runner.forward(&[part])?;
+                for (j, row) in (lo..hi).zip(&rows) {
+                    out.push(token_logprob(row, tokens[j + 1]));
+                }
+                at += chunk.len();
+                w.sched.kv_mut().mark_computed(seq, at)?;
+            }
+            Ok(())
+        };
+        let result = run(self);
+        self.sched.kv_mut().free_sequence(seq)?;
+        result.map(|()| out)
     }
 
     /// The K/V of `seq`'s positions `0..n`.

@@ -161,6 +161,49 @@ impl GgufFile {
         })
     }
 
+    /// A readable summary of the file, whatever its architecture: the
+    /// metadata (long arrays shown by their length) in key order, and per
+    /// tensor type the number of tensors and their bytes.
+    pub fn describe(&self) -> (Vec<(String, String)>, Vec<(String, usize, u64)>) {
+        use gguf_file::Value as V;
+        fn show(v: &V) -> String {
+            match v {
+                V::String(s) if s.len() > 120 => format!("<text, {} bytes>", s.len()),
+                V::String(s) => format!("{s:?}"),
+                V::Array(a) if a.len() > 8 => format!("<array of {}>", a.len()),
+                V::Array(a) => format!("[{}]", a.iter().map(show).collect::<Vec<_>>().join(", ")),
+                V::U8(x) => x.to_string(),
+                V::I8(x) => x.to_string(),
+                V::U16(x) => x.to_string(),
+                V::I16(x) => x.to_string(),
+                V::U32(x) => x.to_string(),
+                V::I32(x) => x.to_string(),
+                V::U64(x) => x.to_string(),
+                V::I64(x) => x.to_string(),
+                V::F32(x) => x.to_string(),
+                V::F64(x) => x.to_string(),
+                V::Bool(x) => x.to_string(),
+            }
+        }
+        let mut meta: Vec<(String, String)> = self
+            .content
+            .metadata
+            .iter()
+            .map(|(k, v)| (k.clone(), show(v)))
+            .collect();
+        meta.sort();
+        let mut types: std::collections::BTreeMap<String, (usize, u64)> = Default::default();
+        for info in self.content.tensor_infos.values() {
+            let dt = info.ggml_dtype;
+            let n = info.shape.elem_count() as u64;
+            let e = types.entry(format!("{dt:?}")).or_default();
+            e.0 += 1;
+            e.1 += n / dt.block_size() as u64 * dt.type_size() as u64;
+        }
+        let types = types.into_iter().map(|(k, (n, b))| (k, n, b)).collect();
+        (meta, types)
+    }
+
     pub fn meta(&self, key: &str) -> Option<&gguf_file::Value> {
         self.content.metadata.get(key)
     }

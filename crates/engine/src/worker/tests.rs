@@ -606,3 +606,35 @@ fn logprobs_salts_and_prefix_reuse_off() {
     drop(engine);
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// `score` gives the log-softmax of the logits a single prefill gives, over
+/// several prefill chunks, and leaves the cache as it was.
+#[test]
+fn scores_are_the_prefills_log_probabilities() {
+    let (engine, dir) = tiny_engine(small_cfg());
+    let ids: Vec<u32> = (0..45).map(|i| 3 + (i * 13) % 90).collect();
+    let first = 20;
+    let got = engine.score(&ids, first).unwrap();
+    assert_eq!(got.len(), ids.len() - 1 - first);
+    let all = tessera_model::testing::prefill_logits(
+        &engine.model().llama,
+        &ids,
+        candle_core::DType::F32,
+    )
+    .unwrap();
+    for (k, &(lp, top)) in got.iter().enumerate() {
+        let j = first + k;
+        let want = crate::sampler::TokenLogprob::of(&all[j], ids[j + 1], 1);
+        assert!(
+            (lp - want.logprob as f64).abs() < 1e-4,
+            "{j}: {lp} vs {}",
+            want.logprob
+        );
+        assert_eq!(top, want.top[0].0 == ids[j + 1], "{j}");
+    }
+    let kv = engine.kv_stats();
+    assert_eq!((kv.sequences, kv.cached_tokens), (0, 0));
+    assert!(engine.score(&[5, 999_999], 0).is_err());
+    drop(engine);
+    std::fs::remove_dir_all(dir).unwrap();
+}
