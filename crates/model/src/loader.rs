@@ -79,6 +79,9 @@ impl W {
     }
 }
 
+/// A tensor type of a file: its name, how many tensors use it, their bytes.
+pub type TensorTypeUse = (String, usize, u64);
+
 /// An opened GGUF file: its metadata and a reader for tensor data.
 pub struct GgufFile {
     pub path: PathBuf,
@@ -164,7 +167,7 @@ impl GgufFile {
     /// A readable summary of the file, whatever its architecture: the
     /// metadata (long arrays shown by their length) in key order, and per
     /// tensor type the number of tensors and their bytes.
-    pub fn describe(&self) -> (Vec<(String, String)>, Vec<(String, usize, u64)>) {
+    pub fn describe(&self) -> (Vec<(String, String)>, Vec<TensorTypeUse>) {
         use gguf_file::Value as V;
         fn show(v: &V) -> String {
             match v {
