@@ -78,18 +78,19 @@ bench-soak requests="2000": model
 
 # Tessera beside llama.cpp and candle on the default model (same file, same threads, same run):
 # a table, target/bench/vs-llamacpp.json, two charts, then the README's results section;
-# then the server beside llama-server (`bench-server`).
+# then the server beside llama-server (`bench-server`) and perplexity (`bench-perplexity`).
 # llama.cpp and Tessera are built with the native CPU flags, in target/native.
 bench-llamacpp: model bench-deps
     CARGO_TARGET_DIR=target/native RUSTFLAGS="-C target-cpu=native" cargo run --release --features llama-cpp --example vs_llamacpp
     python3 scripts/readme_results.py
     just bench-server
+    just bench-perplexity
 
 # Tessera's server beside llama.cpp's own llama-server (built from source once, in
 # target/llama-server): 8 users × 8-turn chats at once over HTTP, alternating runs; then the
 # README's table (target/bench/server.json).
 bench-server: model bench-deps
-    sh scripts/build_llama_server.sh
+    sh scripts/build_llama_tools.sh
     CARGO_TARGET_DIR=target/native RUSTFLAGS="-C target-cpu=native" cargo build --release -p tessera
     python3 scripts/server_vs_llamaserver.py
 
@@ -98,6 +99,13 @@ bench-server: model bench-deps
 bench-router: model
     cargo build --release -p tessera
     python3 scripts/router.py bench target/release/tessera models/SmolLM2-135M-Instruct.Q4_1.gguf
+
+# Perplexity of Tessera beside llama.cpp's llama-perplexity (built from source once) on the
+# shipped text, for the default model and Gemma 3 when fetched; then the README's table.
+bench-perplexity: model bench-deps
+    sh scripts/build_llama_tools.sh
+    CARGO_TARGET_DIR=target/native RUSTFLAGS="-C target-cpu=native" cargo build --release -p tessera
+    python3 scripts/perplexity_vs_llamacpp.py
 
 # Packages the llama.cpp comparison needs (cmake, clang to build llama.cpp; a font for the charts), with apt if missing.
 bench-deps:

@@ -2,7 +2,7 @@
 """Tessera's server beside llama.cpp's `llama-server`, same workload, same run.
 
 `just bench-server` builds both (llama-server from source with
-scripts/build_llama_server.sh, Tessera with the native CPU flags, as `just
+scripts/build_llama_tools.sh, Tessera with the native CPU flags, as `just
 bench-llamacpp` does), then runs this. The workload is `tessera bench
 --scenario server`: USERS simulated users, each an 8-turn chat (a shared
 ~200-token system prompt, ~60-token turns, 32-token greedy replies), all
@@ -77,7 +77,7 @@ def start_llama_server(port, log):
 
 
 def main():
-    for p, how in ((TESSERA, "just bench-server"), (LLAMA_SERVER, "scripts/build_llama_server.sh"),
+    for p, how in ((TESSERA, "just bench-server"), (LLAMA_SERVER, "scripts/build_llama_tools.sh"),
                    (MODEL, "just model")):
         if not p.exists():
             sys.exit(f"{p} is missing: run `{how}`")

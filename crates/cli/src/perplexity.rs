@@ -39,9 +39,160 @@ pub(crate) struct PerplexityArgs {
     /// Activations of quantized layers: int8x2 (default), f32 or int8.
     #[arg(long, value_parser = parse_activations)]
     activations: Option<Activations>,
+    /// Save this run's distributions (per scored token: its log-probability
+    /// and the 32 most likely tokens) for a later --kl-divergence.
+    #[arg(long, value_name = "FILE")]
+    save_logits: Option<PathBuf>,
+    /// Compare with a run saved by --save-logits on the same text and
+    /// chunks (another model file, activations or cache type): KL
+    /// divergence from it and top-1 agreement.
+    #[arg(long, value_name = "FILE")]
+    kl_divergence: Option<PathBuf>,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
+}
+
+/// Tokens per position a --save-logits file keeps.
+const KEEP: usize = 32;
+const MAGIC: &[u8; 4] = b"TKLD";
+
+/// The log-softmax of `row` at `t` and the row's first maximum.
+fn logprob_and_argmax(row: &[f32], t: u32) -> (f64, u32, f64) {
+    let (mut best, mut max) = (0usize, f32::NEG_INFINITY);
+    for (i, &l) in row.iter().enumerate() {
+        if l > max {
+            (best, max) = (i, l);
+        }
+    }
+    let sum: f64 = row
+        .chunks(64)
+        .map(|c| c.iter().map(|&l| (l - max).exp()).sum::<f32>() as f64)
+        .sum();
+    let norm = max as f64 + sum.ln();
+    (row[t as usize] as f64 - norm, best as u32, norm)
+}
+
+/// A --save-logits file: a header, then per scored position the target's
+/// log-probability and `KEEP` (id, log-probability) pairs, best first.
+struct Saved {
+    ctx: usize,
+    chunks: usize,
+    fingerprint: u64,
+    rows: Vec<(f32, Vec<(u32, f32)>)>,
+}
+
+fn fingerprint(tokens: &[u32]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in tokens.iter().flat_map(|t| t.to_le_bytes()) {
+        h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+impl Saved {
+    fn write(&self, path: &std::path::Path) -> Result<()> {
+        let mut buf = Vec::with_capacity(24 + self.rows.len() * (4 + KEEP * 8));
+        buf.extend_from_slice(MAGIC);
+        for x in [1u32, self.ctx as u32, self.chunks as u32, KEEP as u32] {
+            buf.extend_from_slice(&x.to_le_bytes());
+        }
+        buf.extend_from_slice(&self.fingerprint.to_le_bytes());
+        for (lp, top) in &self.rows {
+            buf.extend_from_slice(&lp.to_le_bytes());
+            for &(t, l) in top {
+                buf.extend_from_slice(&t.to_le_bytes());
+                buf.extend_from_slice(&l.to_le_bytes());
+            }
+        }
+        std::fs::write(path, buf).with_context(|| format!("writing {}", path.display()))
+    }
+
+    fn read(path: &std::path::Path) -> Result<Saved> {
+        let data = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+        let bad =
+            |why: &str| anyhow::anyhow!("{} is not a --save-logits file: {why}", path.display());
+        if data.len() < 28 || &data[..4] != MAGIC {
+            return Err(bad("wrong header"));
+        }
+        let u32_at = |o: usize| u32::from_le_bytes(data[o..o + 4].try_into().expect("4 bytes"));
+        if u32_at(4) != 1 || u32_at(16) as usize != KEEP {
+            return Err(bad("another version"));
+        }
+        let per = 4 + KEEP * 8;
+        if (data.len() - 28) % per != 0 {
+            return Err(bad("truncated"));
+        }
+        let rows = data[28..]
+            .chunks_exact(per)
+            .map(|r| {
+                let f = |o: usize| f32::from_le_bytes(r[o..o + 4].try_into().expect("4 bytes"));
+                let u = |o: usize| u32::from_le_bytes(r[o..o + 4].try_into().expect("4 bytes"));
+                (
+                    f(0),
+                    (0..KEEP).map(|k| (u(4 + 8 * k), f(8 + 8 * k))).collect(),
+                )
+            })
+            .collect();
+        Ok(Saved {
+            ctx: u32_at(8) as usize,
+            chunks: u32_at(12) as usize,
+            fingerprint: u64::from_le_bytes(data[20..28].try_into().expect("8 bytes")),
+            rows,
+        })
+    }
+}
+
+/// KL divergence and top-1 agreement against a saved run.
+#[derive(Default)]
+struct Kl {
+    n: usize,
+    sum: f64,
+    sum2: f64,
+    max: f64,
+    same_top: usize,
+    base_nll: f64,
+}
+
+impl Kl {
+    /// KL(base ‖ this) over the base's kept tokens plus the rest of the
+    /// vocabulary as one outcome: the divergence of the distributions
+    /// seen at that resolution, a lower bound of the full one.
+    fn add(&mut self, base: &(f32, Vec<(u32, f32)>), row: &[f32], norm: f64, argmax: u32) {
+        let (mut kl, mut p_kept, mut q_kept) = (0.0f64, 0.0f64, 0.0f64);
+        for &(t, lp) in &base.1 {
+            let (lp, lq) = (lp as f64, row[t as usize] as f64 - norm);
+            let p = lp.exp();
+            kl += p * (lp - lq);
+            p_kept += p;
+            q_kept += lq.exp();
+        }
+        let (pr, qr) = ((1.0 - p_kept).max(0.0), (1.0 - q_kept).max(1e-12));
+        if pr > 0.0 {
+            kl += pr * (pr / qr).ln();
+        }
+        let kl = kl.max(0.0);
+        self.n += 1;
+        self.sum += kl;
+        self.sum2 += kl * kl;
+        self.max = self.max.max(kl);
+        self.same_top += (base.1[0].0 == argmax) as usize;
+        self.base_nll -= base.0 as f64;
+    }
+
+    fn mean(&self) -> f64 {
+        self.sum / self.n.max(1) as f64
+    }
+
+    fn err(&self) -> f64 {
+        let n = self.n as f64;
+        let var = self.sum2 / n - self.mean() * self.mean();
+        if var > 0.0 && self.n > 1 {
+            (var / (n - 1.0)).sqrt()
+        } else {
+            0.0
+        }
+    }
 }
 
 /// Running totals, as llama-perplexity keeps them.
@@ -120,6 +271,28 @@ pub(crate) fn perplexity(args: PerplexityArgs) -> Result<()> {
         b
     });
     let first = ctx / 2;
+    let scored: Vec<u32> = (0..n_chunks)
+        .flat_map(|i| tokens[i * ctx + first..(i + 1) * ctx].iter().copied())
+        .collect();
+    let fp = fingerprint(&scored);
+    let base = match &args.kl_divergence {
+        Some(path) => {
+            let b = Saved::read(path)?;
+            if (b.ctx, b.chunks, b.fingerprint) != (ctx, n_chunks, fp) {
+                bail!(
+                    "{} was saved with --ctx {} over {} chunks of another text or tokenizer: run the same text with the same --ctx and --chunks",
+                    path.display(),
+                    b.ctx,
+                    b.chunks
+                );
+            }
+            Some(b)
+        }
+        None => None,
+    };
+    let detailed = base.is_some() || args.save_logits.is_some();
+    let mut saved = Vec::new();
+    let mut kl = Kl::default();
     let mut t = Totals::default();
     let mut line = String::new();
     let start = Instant::now();
@@ -128,7 +301,34 @@ pub(crate) fn perplexity(args: PerplexityArgs) -> Result<()> {
         if let Some(b) = bos {
             chunk[0] = b;
         }
-        for (lp, top) in engine.score(&chunk, first)? {
+        let scores: Vec<(f64, bool)> = if detailed {
+            let rows = engine.logits(&chunk, first)?;
+            let mut out = Vec::with_capacity(rows.len());
+            for (j, row) in (first..).zip(&rows) {
+                let target = chunk[j + 1];
+                let (lp, argmax, norm) = logprob_and_argmax(row, target);
+                if let Some(b) = &base {
+                    kl.add(&b.rows[kl.n], row, norm, argmax);
+                }
+                if args.save_logits.is_some() {
+                    let mut top: Vec<(u32, f32)> = row
+                        .iter()
+                        .enumerate()
+                        .map(|(i, &l)| (i as u32, l))
+                        .collect();
+                    top.select_nth_unstable_by(KEEP - 1, |a, b| b.1.total_cmp(&a.1));
+                    top.truncate(KEEP);
+                    top.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+                    let top = top.into_iter().map(|(i, l)| (i, (l as f64 - norm) as f32));
+                    saved.push((lp as f32, top.collect::<Vec<_>>()));
+                }
+                out.push((lp, argmax == target));
+            }
+            out
+        } else {
+            engine.score(&chunk, first)?
+        };
+        for (lp, top) in scores {
             t.count += 1;
             t.nll -= lp;
             t.nll2 += lp * lp;
@@ -152,6 +352,24 @@ pub(crate) fn perplexity(args: PerplexityArgs) -> Result<()> {
         eprintln!();
     }
     let tok_s = (n_chunks * ctx) as f64 / secs.max(1e-9);
+    if let Some(path) = &args.save_logits {
+        Saved {
+            ctx,
+            chunks: n_chunks,
+            fingerprint: fp,
+            rows: saved,
+        }
+        .write(path)?;
+    }
+    let kl_json = base.as_ref().map(|_| {
+        json!({
+            "kl_mean": kl.mean(),
+            "kl_err": kl.err(),
+            "kl_max": kl.max,
+            "same_top1": kl.same_top as f64 / kl.n.max(1) as f64,
+            "base_ppl": (kl.base_nll / kl.n.max(1) as f64).exp(),
+        })
+    });
     if args.json {
         println!(
             "{}",
@@ -168,6 +386,7 @@ pub(crate) fn perplexity(args: PerplexityArgs) -> Result<()> {
                 "tok_s": tok_s,
                 "activations": engine.model().llama.activations().name(),
                 "cache_dtype": format!("{:?}", args.cache_dtype).to_lowercase(),
+                "kl_divergence": kl_json,
             })
         );
     } else {
@@ -181,6 +400,16 @@ pub(crate) fn perplexity(args: PerplexityArgs) -> Result<()> {
             secs,
             tok_s
         );
+        if base.is_some() {
+            println!(
+                "KL divergence from the saved run: {:.6} +/- {:.6} (max {:.4}; over its top {KEEP} tokens and the rest), same top-1 {:.2}%, its PPL {:.4}",
+                kl.mean(),
+                kl.err(),
+                kl.max,
+                100.0 * kl.same_top as f64 / kl.n.max(1) as f64,
+                (kl.base_nll / kl.n.max(1) as f64).exp()
+            );
+        }
     }
     Ok(())
 }

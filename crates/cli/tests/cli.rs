@@ -483,6 +483,31 @@ fn perplexity_of_the_default_model_on_the_shipped_text() {
     assert!((3.0..100.0).contains(&ppl), "perplexity {ppl}");
     assert_eq!(runs[1]["ppl"], v["ppl"], "deterministic");
     let dir = scratch("ppl");
+    // A saved run compared with itself: no divergence, the same top-1
+    // everywhere; with int8 activations, a small divergence; another
+    // --ctx is refused.
+    let base = dir.join("base.tkld").to_string_lossy().into_owned();
+    let mut save = args.to_vec();
+    save.extend(["--activations", "f32", "--save-logits", &base]);
+    assert!(tessera(&save, None).status.success());
+    let kl = |extra: &[&str]| {
+        let mut a = args.to_vec();
+        a.extend(["--kl-divergence", &base]);
+        a.extend(extra);
+        let out = tessera(&a, None);
+        assert!(out.status.success(), "{}", text_of(&out));
+        json_lines(&out).pop().unwrap()["kl_divergence"].clone()
+    };
+    let same = kl(&["--activations", "f32"]);
+    assert_eq!(same["same_top1"].as_f64(), Some(1.0), "{same}");
+    assert!(same["kl_mean"].as_f64().unwrap() < 1e-9, "{same}");
+    let int8 = kl(&["--activations", "int8"]);
+    let d = int8["kl_mean"].as_f64().unwrap();
+    assert!(d > 1e-6 && d < 0.1, "{int8}");
+    let mut other = args.to_vec();
+    other[6] = "96";
+    other.extend(["--kl-divergence", &base]);
+    fails_with(&tessera(&other, None), "was saved with --ctx 128");
     let short = dir.join("short.txt");
     std::fs::write(&short, "Too short to score.").unwrap();
     let s = short.to_string_lossy().into_owned();

@@ -188,13 +188,23 @@ impl Engine {
     /// it). The tokens are computed as a fresh sequence between steps:
     /// nothing cached is used and nothing enters the cache.
     pub fn score(&self, tokens: &[u32], first: usize) -> Result<Vec<(f64, bool)>> {
+        let rows = self.logits(tokens, first)?;
+        Ok((first..)
+            .zip(&rows)
+            .map(|(j, row)| crate::worker::token_logprob(row, tokens[j + 1]))
+            .collect())
+    }
+
+    /// The logits behind [`score`](Self::score): one row per `j` from
+    /// `first` to the next-to-last token, after `tokens[..=j]`.
+    pub fn logits(&self, tokens: &[u32], first: usize) -> Result<Vec<Vec<f32>>> {
         if tokens.len() > self.context_length() {
             return Err(EngineError::PromptTooLong {
                 tokens: tokens.len(),
                 context: self.context_length(),
             });
         }
-        self.call(|tx| Command::Score(tokens.to_vec(), first, tx))?
+        self.call(|tx| Command::Logits(tokens.to_vec(), first, tx))?
     }
 
     /// Compacts live blocks to the low end of the pool; returns the blocks

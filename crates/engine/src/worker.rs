@@ -61,8 +61,8 @@ pub(crate) enum Command {
     Import(Vec<KvSnapshot>, mpsc::Sender<Result<usize>>),
     /// Verify the KV bookkeeping.
     Check(mpsc::Sender<Result<()>>),
-    /// Log-probabilities of a text's tokens after a position.
-    Score(Vec<u32>, usize, mpsc::Sender<Result<Vec<(f64, bool)>>>),
+    /// The logits after each token of a text from a position on.
+    Logits(Vec<u32>, usize, mpsc::Sender<Result<Vec<Vec<f32>>>>),
     /// End every request in flight (cancelled; what they computed stays
     /// cached), before the cache is saved at shutdown.
     CancelAll(mpsc::Sender<()>),
@@ -116,9 +116,13 @@ fn salted(ns: Namespace, salt: Option<&str>) -> Namespace {
 
 /// The log-softmax of `logits` at `t` (in f64), and whether `t` is the
 /// first maximum.
-fn token_logprob(logits: &[f32], t: u32) -> (f64, bool) {
+pub(crate) fn token_logprob(logits: &[f32], t: u32) -> (f64, bool) {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let sum: f64 = logits.iter().map(|&l| ((l - max) as f64).exp()).sum();
+    // f32 exponentials (each within 1 ulp), summed in f64 in chunks.
+    let sum: f64 = logits
+        .chunks(64)
+        .map(|c| c.iter().map(|&l| (l - max).exp()).sum::<f32>() as f64)
+        .sum();
     let lt = logits[t as usize];
     let top = !logits[..t as usize].iter().any(|&l| l >= lt) && lt >= max;
     ((lt - max) as f64 - sum.ln(), top)
@@ -267,8 +271,8 @@ impl Worker {
             Command::Check(reply) => {
                 let _ = reply.send(self.sched.kv().check_invariants().map_err(Into::into));
             }
-            Command::Score(ids, first, reply) => {
-                let _ = reply.send(self.score(&ids, first));
+            Command::Logits(ids, first, reply) => {
+                let _ = reply.send(self.logits_of(&ids, first));
             }
             Command::Shutdown => unreachable!("handled by run"),
         }
@@ -667,11 +671,10 @@ impl Worker {
         Ok(())
     }
 
-    /// The log-probability of each `tokens[j + 1]` after `tokens[..=j]`,
-    /// for `j` from `first`, and whether it was the most likely token;
-    /// computed as a fresh sequence (no cached prefix used, nothing
-    /// cached), in prefill chunks.
-    fn score(&mut self, tokens: &[u32], first: usize) -> Result<Vec<(f64, bool)>> {
+    /// The logits after each `tokens[..=j]`, for `j` from `first` to the
+    /// next-to-last token; computed as a fresh sequence (no cached prefix
+    /// used, nothing cached), in prefill chunks.
+    fn logits_of(&mut self, tokens: &[u32], first: usize) -> Result<Vec<Vec<f32>>> {
         let vocab = self.runner.model().config().vocab_size;
         if let Some(&t) = tokens.iter().find(|&&t| t as usize >= vocab) {
             return Err(EngineError::Invalid(format!(
@@ -698,9 +701,9 @@ impl Worker {
                     logits_from: (lo < hi).then_some(lo - at),
                 };
                 let rows = w.runner.forward(&[part])?;
-                for (j, row) in (lo..hi).zip(&rows) {
-                    out.push(token_logprob(row, tokens[j + 1]));
-                }
+                // The part's logits run to its end; the last token's
+                // predict nothing.
+                out.extend(rows.into_iter().take(hi.saturating_sub(lo)));
                 at += chunk.len();
                 w.sched.kv_mut().mark_computed(seq, at)?;
             }

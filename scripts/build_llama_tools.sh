@@ -1,5 +1,7 @@
 #!/bin/sh
-# Builds llama.cpp's own `llama-server` into target/llama-server/build/bin.
+# Builds llama.cpp's own `llama-server` and `llama-perplexity` into
+# target/llama-server/build/bin (the baselines of `just bench-server` and
+# `just bench-perplexity`).
 #
 # The llama-cpp-sys-2 crate ships llama.cpp without tools/server, so the
 # source comes from the sdist of the llama-cpp-python package on PyPI (a
@@ -9,8 +11,8 @@
 set -eu
 VERSION=0.3.36
 OUT=target/llama-server
-BIN=$OUT/build/bin/llama-server
-[ -x "$BIN" ] && exit 0
+BIN=$OUT/build/bin
+[ -x "$BIN/llama-server" ] && [ -x "$BIN/llama-perplexity" ] && exit 0
 mkdir -p "$OUT"
 SRC=$OUT/llama_cpp_python-$VERSION
 if [ ! -d "$SRC" ]; then
@@ -20,5 +22,5 @@ fi
 cmake -S "$SRC/vendor/llama.cpp" -B "$OUT/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_BUILD_TESTS=OFF \
     -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON >/dev/null
-cmake --build "$OUT/build" --target llama-server -j "$(nproc)"
-echo "built $BIN"
+cmake --build "$OUT/build" --target llama-server llama-perplexity -j "$(nproc)"
+echo "built $BIN/llama-server and $BIN/llama-perplexity"
