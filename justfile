@@ -12,10 +12,11 @@ demo: model
     cargo build --release -p tessera
     ./target/release/tessera chat --model models/SmolLM2-135M-Instruct.Q4_1.gguf --script demo/chat.jsonl --temperature 0 --max-tokens 48
 
-# Run every test of the workspace (fetches the default model first), then `tessera serve`
+# Run every test of the workspace (fetches the default model and Gemma 3 first), then `tessera serve`
 # driven by the official `openai` Python package, and two replicas behind the SGLang model
 # gateway (`openai` and `sglang-router` installed with pip when missing).
 test: model
+    python3 scripts/fetch_model.py gemma3
     cargo test --workspace
     python3 -c "import openai" 2>/dev/null || python3 -m pip install --quiet openai
     python3 scripts/openai_client.py target/debug/tessera models/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -111,9 +112,11 @@ bench-perplexity: model bench-deps
 bench-deps:
     command -v cmake >/dev/null && command -v clang >/dev/null && test -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf || ($(command -v sudo || true) apt-get update && $(command -v sudo || true) apt-get install -y cmake clang libclang-dev fonts-dejavu-core)
 
-# Regenerate tests/fixtures/llamacpp_tokens.json with llama.cpp's tokenizer.
+# Regenerate tests/fixtures/llamacpp_tokens.json (and _gemma3.json) with llama.cpp's tokenizer.
 tokenizer-fixture: model bench-deps
+    python3 scripts/fetch_model.py gemma3
     cargo run --release --features llama-cpp --example llamacpp_tokenize
+    cargo run --release --features llama-cpp --example llamacpp_tokenize models/gemma-3-270m-q4_k_m.gguf tests/fixtures/llamacpp_tokens_gemma3.json
 
 # Lints as CI would want them.
 lint:

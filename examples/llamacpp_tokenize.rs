@@ -1,7 +1,9 @@
 //! Produces `tests/fixtures/llamacpp_tokens.json`: llama.cpp's token ids for
 //! every text of `tests/fixtures/tokenizer_corpus.json`, tokenized with the
 //! default model's GGUF (no BOS, control-token text not parsed — the same
-//! settings as `Tokenizer::encode(text, Special::AsText, false)`).
+//! settings as `Tokenizer::encode(text, Special::AsText, false)`); with
+//! arguments `MODEL OUT`, another model's ids into another file (Gemma 3's
+//! into `tests/fixtures/llamacpp_tokens_gemma3.json`).
 //!
 //! Run: `just tokenizer-fixture` (needs cmake and clang; builds llama.cpp).
 
@@ -14,6 +16,9 @@ fn main() -> Result<()> {
     let model_path = std::env::args()
         .nth(1)
         .unwrap_or_else(|| "models/SmolLM2-135M-Instruct.Q4_1.gguf".into());
+    let out_path = std::env::args()
+        .nth(2)
+        .unwrap_or_else(|| "tests/fixtures/llamacpp_tokens.json".into());
     let corpus: Vec<String> = serde_json::from_str(&std::fs::read_to_string(
         "tests/fixtures/tokenizer_corpus.json",
     )?)?;
@@ -45,10 +50,7 @@ fn main() -> Result<()> {
         serde_json::to_string(&out["model"])?,
         lines.join(",\n")
     );
-    std::fs::write("tests/fixtures/llamacpp_tokens.json", text)?;
-    println!(
-        "wrote tests/fixtures/llamacpp_tokens.json ({} cases)",
-        corpus.len()
-    );
+    std::fs::write(&out_path, text)?;
+    println!("wrote {out_path} ({} cases)", corpus.len());
     Ok(())
 }

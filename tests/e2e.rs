@@ -261,6 +261,48 @@ fn tokenizer_ids_equal_llama_cpp() {
     }
 }
 
+/// Gemma 3's tokenizer (SentencePiece-style, 262,144 tokens, read from
+/// its GGUF; the model itself does not run yet) gives llama.cpp's ids.
+#[test]
+fn gemma3_tokenizer_ids_equal_llama_cpp() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let gguf = root.join("models/gemma-3-270m-q4_k_m.gguf");
+    assert!(
+        gguf.exists(),
+        "{} is missing: run `just model gemma3`",
+        gguf.display()
+    );
+    let tok = tessera_model::Tokenizer::from_gguf(&tessera_model::GgufFile::open(&gguf).unwrap())
+        .unwrap();
+    assert_eq!(tok.vocab_size(), 262_144);
+    let path = root.join("tests/fixtures/llamacpp_tokens_gemma3.json");
+    let fixture: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let cases = fixture["cases"].as_array().unwrap();
+    assert_eq!(
+        cases.len(),
+        corpus().len(),
+        "fixture is stale: run `just tokenizer-fixture`"
+    );
+    let mut wrong = Vec::new();
+    for case in cases {
+        let text = case["text"].as_str().unwrap();
+        let want: Vec<u32> = serde_json::from_value(case["ids"].clone()).unwrap();
+        let got = tok.encode(text, Special::AsText, false).unwrap();
+        if got != want {
+            wrong.push(format!("{text:?}: {got:?} vs llama.cpp {want:?}"));
+        }
+        assert_eq!(tok.decode(&got).unwrap(), text, "round trip");
+    }
+    assert!(
+        wrong.is_empty(),
+        "{} of {} differ:\n{}",
+        wrong.len(),
+        cases.len(),
+        wrong.join("\n")
+    );
+}
+
 #[test]
 fn generation_stops_before_a_stop_string_and_at_max_tokens() {
     let e = engine(EngineConfig {
