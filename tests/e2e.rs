@@ -238,9 +238,12 @@ fn tokenizer_round_trips_a_varied_corpus() {
     }
 }
 
-#[test]
-fn tokenizer_ids_equal_llama_cpp() {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llamacpp_tokens.json");
+/// llama.cpp's ids for the corpus, from a fixture of
+/// `just tokenizer-fixture`: (text, ids).
+fn llamacpp_ids(fixture: &str) -> Vec<(String, Vec<u32>)> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(fixture);
     let fixture: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
     let cases = fixture["cases"].as_array().unwrap();
@@ -249,10 +252,20 @@ fn tokenizer_ids_equal_llama_cpp() {
         corpus().len(),
         "fixture is stale: run `just tokenizer-fixture`"
     );
+    cases
+        .iter()
+        .map(|c| {
+            let text = c["text"].as_str().unwrap().to_string();
+            (text, serde_json::from_value(c["ids"].clone()).unwrap())
+        })
+        .collect()
+}
+
+#[test]
+fn tokenizer_ids_equal_llama_cpp() {
     let tok = &model().tokenizer;
-    for case in cases {
-        let text = case["text"].as_str().unwrap();
-        let want: Vec<u32> = serde_json::from_value(case["ids"].clone()).unwrap();
+    for (text, want) in llamacpp_ids("llamacpp_tokens.json") {
+        let text = text.as_str();
         assert_eq!(
             tok.encode(text, Special::AsText, false).unwrap(),
             want,
@@ -275,24 +288,14 @@ fn gemma3_tokenizer_ids_equal_llama_cpp() {
     let tok = tessera_model::Tokenizer::from_gguf(&tessera_model::GgufFile::open(&gguf).unwrap())
         .unwrap();
     assert_eq!(tok.vocab_size(), 262_144);
-    let path = root.join("tests/fixtures/llamacpp_tokens_gemma3.json");
-    let fixture: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    let cases = fixture["cases"].as_array().unwrap();
-    assert_eq!(
-        cases.len(),
-        corpus().len(),
-        "fixture is stale: run `just tokenizer-fixture`"
-    );
+    let cases = llamacpp_ids("llamacpp_tokens_gemma3.json");
     let mut wrong = Vec::new();
-    for case in cases {
-        let text = case["text"].as_str().unwrap();
-        let want: Vec<u32> = serde_json::from_value(case["ids"].clone()).unwrap();
+    for (text, want) in &cases {
         let got = tok.encode(text, Special::AsText, false).unwrap();
-        if got != want {
+        if &got != want {
             wrong.push(format!("{text:?}: {got:?} vs llama.cpp {want:?}"));
         }
-        assert_eq!(tok.decode(&got).unwrap(), text, "round trip");
+        assert_eq!(&tok.decode(&got).unwrap(), text, "round trip");
     }
     assert!(
         wrong.is_empty(),

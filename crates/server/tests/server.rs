@@ -95,6 +95,16 @@ fn agent() -> ureq::Agent {
         .build()
 }
 
+/// GETs `path`, which must answer 200 with JSON.
+fn get_json(s: &Running, path: &str) -> Value {
+    agent()
+        .get(&format!("{}{path}", s.base))
+        .call()
+        .unwrap()
+        .into_json()
+        .unwrap()
+}
+
 /// POSTs `body`; the status and the parsed JSON answer (errors included).
 fn post(s: &Running, path: &str, body: &Value, key: Option<&str>) -> (u16, Value) {
     let mut req = agent().post(&format!("{}{path}", s.base));
@@ -111,10 +121,16 @@ fn post(s: &Running, path: &str, body: &Value, key: Option<&str>) -> (u16, Value
 /// The `data:` payloads of a streamed answer, up to and without `[DONE]`
 /// (which must come last).
 fn stream(s: &Running, path: &str, body: &Value) -> Vec<Value> {
-    let r = agent()
-        .post(&format!("{}{path}", s.base))
-        .send_json(body.clone())
-        .unwrap();
+    stream_keyed(s, path, body, None)
+}
+
+/// [`stream`] with an API key.
+fn stream_keyed(s: &Running, path: &str, body: &Value, key: Option<&str>) -> Vec<Value> {
+    let mut req = agent().post(&format!("{}{path}", s.base));
+    if let Some(k) = key {
+        req = req.set("Authorization", &format!("Bearer {k}"));
+    }
+    let r = req.send_json(body.clone()).unwrap();
     assert_eq!(r.header("content-type"), Some("text/event-stream"));
     let mut out = Vec::new();
     let mut done = false;
@@ -134,6 +150,24 @@ fn stream(s: &Running, path: &str, body: &Value) -> Vec<Value> {
     out
 }
 
+/// The entries of `choices[0].logprobs[field]` over a streamed answer.
+fn streamed_logprobs(
+    s: &Running,
+    path: &str,
+    body: &Value,
+    key: Option<&str>,
+    field: &str,
+) -> Vec<Value> {
+    let mut body = body.clone();
+    body["stream"] = json!(true);
+    stream_keyed(s, path, &body, key)
+        .iter()
+        .filter_map(|c| c["choices"][0]["logprobs"][field].as_array())
+        .flatten()
+        .cloned()
+        .collect()
+}
+
 fn greedy(engine: &Engine, prompt: Prompt, max_tokens: usize) -> String {
     let req = GenerateRequest {
         sampling: SamplingParams::greedy(),
@@ -148,12 +182,7 @@ fn chat_and_completions_match_the_engine_streamed_or_not() {
     let s = start("match", &[]);
     let health = agent().get(&format!("{}/health", s.base)).call().unwrap();
     assert_eq!(health.status(), 200);
-    let models: Value = agent()
-        .get(&format!("{}/v1/models", s.base))
-        .call()
-        .unwrap()
-        .into_json()
-        .unwrap();
+    let models = get_json(&s, "/v1/models");
     assert_eq!(models["data"][0]["id"], "tiny");
 
     let msgs =
@@ -504,15 +533,7 @@ fn logprobs_bias_cache_prompt_and_partitions() {
     );
 
     // Streamed: the same entries, spread over the chunks.
-    let mut sbody = body.clone();
-    sbody["stream"] = json!(true);
-    let chunks = stream_keyed(&s, "/v1/chat/completions", &sbody, key);
-    let streamed: Vec<Value> = chunks
-        .iter()
-        .filter_map(|c| c["choices"][0]["logprobs"]["content"].as_array())
-        .flatten()
-        .cloned()
-        .collect();
+    let streamed = streamed_logprobs(&s, "/v1/chat/completions", &body, key, "content");
     assert_eq!(&streamed, content);
 
     // Completions: parallel lists with offsets into the text.
@@ -529,15 +550,7 @@ fn logprobs_bias_cache_prompt_and_partitions() {
         .unwrap()
         .iter()
         .all(|t| t.as_object().unwrap().len() <= 2));
-    let mut sbody = body.clone();
-    sbody["stream"] = json!(true);
-    let chunks = stream_keyed(&s, "/v1/completions", &sbody, key);
-    let offsets: Vec<Value> = chunks
-        .iter()
-        .filter_map(|c| c["choices"][0]["logprobs"]["text_offset"].as_array())
-        .flatten()
-        .cloned()
-        .collect();
+    let offsets = streamed_logprobs(&s, "/v1/completions", &body, key, "text_offset");
     assert_eq!(&offsets, lp["text_offset"].as_array().unwrap());
 
     // A bias of -100 on the greedy first token changes it.
@@ -580,24 +593,6 @@ fn logprobs_bias_cache_prompt_and_partitions() {
     assert!(cached(json!({}), "k2") > 0, "k2's own partition");
     assert_eq!(cached(json!({"cache_salt": "s"}), "k1"), 0);
     assert!(cached(json!({"cache_salt": "s"}), "k1") > 0);
-}
-
-fn stream_keyed(s: &Running, path: &str, body: &Value, key: Option<&str>) -> Vec<Value> {
-    let mut req = agent().post(&format!("{}{path}", s.base));
-    if let Some(k) = key {
-        req = req.set("Authorization", &format!("Bearer {k}"));
-    }
-    let r = req.send_json(body.clone()).unwrap();
-    let mut out = Vec::new();
-    for line in BufReader::new(r.into_reader()).lines() {
-        let line = line.unwrap();
-        match line.strip_prefix("data: ") {
-            Some("[DONE]") => break,
-            Some(data) => out.push(serde_json::from_str(data).unwrap()),
-            None => {}
-        }
-    }
-    out
 }
 
 /// Sixty-four streams at once against a pool that holds a few of them:
@@ -797,12 +792,7 @@ fn openapi_lists_the_routes_the_server_answers() {
     let s = start_with("openapi", EngineConfig::default(), |c| {
         c.session_dir = Some("sessions".into())
     });
-    let doc: Value = agent()
-        .get(&format!("{}/openapi.json", s.base))
-        .call()
-        .unwrap()
-        .into_json()
-        .unwrap();
+    let doc = get_json(&s, "/openapi.json");
     assert_eq!(doc["openapi"], "3.1.0");
     let paths = doc["paths"].as_object().unwrap();
     for p in [
