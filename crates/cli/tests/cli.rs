@@ -262,9 +262,21 @@ fn bad_input_gives_clear_errors() {
     write_tiny_model(&hf, TinySpec::default()).unwrap();
     let gpt2 = dir.join("gpt2.gguf");
     write_tiny_gguf(&hf, &gpt2, candle_core_dtype(), "gpt2").unwrap();
+    // Running it is refused; inspecting it describes the file and why.
     fails_with(
-        &tessera(&["inspect", "--model", gpt2.to_str().unwrap()], None),
+        &tessera(
+            &["run", "--model", gpt2.to_str().unwrap(), "--prompt", "hi"],
+            None,
+        ),
         "unsupported architecture \"gpt2\"",
+    );
+    let out = tessera(&["inspect", "--model", gpt2.to_str().unwrap()], None);
+    assert!(out.status.success(), "{}", text_of(&out));
+    let shown = text(&out.stdout);
+    assert!(shown.contains("general.architecture = \"gpt2\""), "{shown}");
+    assert!(
+        shown.contains("runs here:      no") && shown.contains("unsupported architecture"),
+        "{shown}"
     );
     let long = "word ".repeat(50);
     fails_with(
