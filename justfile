@@ -79,12 +79,14 @@ bench-soak requests="2000": model
 
 # Tessera beside llama.cpp and candle on the default model (same file, same threads, same run):
 # a table, target/bench/vs-llamacpp.json, two charts, then the README's results section;
-# then the server beside llama-server (`bench-server`) and perplexity (`bench-perplexity`).
+# then the server beside llama-server (`bench-server`), the router (`bench-router`) and
+# perplexity (`bench-perplexity`).
 # llama.cpp and Tessera are built with the native CPU flags, in target/native.
 bench-llamacpp: model bench-deps
     CARGO_TARGET_DIR=target/native RUSTFLAGS="-C target-cpu=native" cargo run --release --features llama-cpp --example vs_llamacpp
     python3 scripts/readme_results.py
     just bench-server
+    just bench-router
     just bench-perplexity
 
 # Tessera's server beside llama.cpp's own llama-server (built from source once, in
