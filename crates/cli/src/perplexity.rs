@@ -15,7 +15,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde_json::json;
-use tessera_engine::{CacheDType, Engine, EngineConfig};
+use tessera_engine::{argmax_and_norm, CacheDType, Engine, EngineConfig, TokenLogprob};
 use tessera_model::{Activations, Special};
 
 use crate::{load_model, parse_activations, parse_cache_dtype, ModelArg};
@@ -57,20 +57,17 @@ pub(crate) struct PerplexityArgs {
 const KEEP: usize = 32;
 const MAGIC: &[u8; 4] = b"TKLD";
 
-/// The log-softmax of `row` at `t` and the row's first maximum.
-fn logprob_and_argmax(row: &[f32], t: u32) -> (f64, u32, f64) {
-    let (mut best, mut max) = (0usize, f32::NEG_INFINITY);
-    for (i, &l) in row.iter().enumerate() {
-        if l > max {
-            (best, max) = (i, l);
-        }
+/// The standard error of the mean of `n` values with sum `sum` and sum of
+/// squares `sum2` (llama-perplexity's estimate).
+fn std_err(sum: f64, sum2: f64, n: usize) -> f64 {
+    let k = n as f64;
+    let mean = sum / k;
+    let var = sum2 / k - mean * mean;
+    if var > 0.0 && n > 1 {
+        (var / (k - 1.0)).sqrt()
+    } else {
+        0.0
     }
-    let sum: f64 = row
-        .chunks(64)
-        .map(|c| c.iter().map(|&l| (l - max).exp()).sum::<f32>() as f64)
-        .sum();
-    let norm = max as f64 + sum.ln();
-    (row[t as usize] as f64 - norm, best as u32, norm)
 }
 
 /// A --save-logits file: a header, then per scored position the target's
@@ -185,13 +182,7 @@ impl Kl {
     }
 
     fn err(&self) -> f64 {
-        let n = self.n as f64;
-        let var = self.sum2 / n - self.mean() * self.mean();
-        if var > 0.0 && self.n > 1 {
-            (var / (n - 1.0)).sqrt()
-        } else {
-            0.0
-        }
+        std_err(self.sum, self.sum2, self.n)
     }
 }
 
@@ -211,14 +202,7 @@ impl Totals {
 
     /// llama.cpp's estimate of the perplexity's standard error.
     fn err(&self) -> f64 {
-        let n = self.count as f64;
-        let mean = self.nll / n;
-        let var = self.nll2 / n - mean * mean;
-        if var > 0.0 && self.count > 1 {
-            (var / (n - 1.0)).sqrt() * self.ppl()
-        } else {
-            0.0
-        }
+        std_err(self.nll, self.nll2, self.count) * self.ppl()
     }
 }
 
@@ -306,21 +290,13 @@ pub(crate) fn perplexity(args: PerplexityArgs) -> Result<()> {
             let mut out = Vec::with_capacity(rows.len());
             for (j, row) in (first..).zip(&rows) {
                 let target = chunk[j + 1];
-                let (lp, argmax, norm) = logprob_and_argmax(row, target);
+                let (argmax, norm) = argmax_and_norm(row);
+                let lp = row[target as usize] as f64 - norm;
                 if let Some(b) = &base {
                     kl.add(&b.rows[kl.n], row, norm, argmax);
                 }
                 if args.save_logits.is_some() {
-                    let mut top: Vec<(u32, f32)> = row
-                        .iter()
-                        .enumerate()
-                        .map(|(i, &l)| (i as u32, l))
-                        .collect();
-                    top.select_nth_unstable_by(KEEP - 1, |a, b| b.1.total_cmp(&a.1));
-                    top.truncate(KEEP);
-                    top.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-                    let top = top.into_iter().map(|(i, l)| (i, (l as f64 - norm) as f32));
-                    saved.push((lp as f32, top.collect::<Vec<_>>()));
+                    saved.push((lp as f32, TokenLogprob::of(row, target, KEEP).top));
                 }
                 out.push((lp, argmax == target));
             }

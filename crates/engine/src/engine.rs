@@ -14,6 +14,7 @@ use tessera_model::{Message, Model, Special};
 use tracing::warn;
 
 use crate::chat::{encode_turn_suffix, ChatSession, SessionMeta, TurnOptions};
+use crate::sampler::argmax_and_norm;
 use crate::snapshot::{read_file, write_file, Geometry, KvSnapshot, CACHE_FILE};
 use crate::stream::{Event, RequestStream};
 use crate::types::{
@@ -191,13 +192,17 @@ impl Engine {
         let rows = self.logits(tokens, first)?;
         Ok((first..)
             .zip(&rows)
-            .map(|(j, row)| crate::worker::token_logprob(row, tokens[j + 1]))
+            .map(|(j, row)| {
+                let (t, (best, norm)) = (tokens[j + 1], argmax_and_norm(row));
+                (row[t as usize] as f64 - norm, best == t)
+            })
             .collect())
     }
 
     /// The logits behind [`score`](Self::score): one row per `j` from
     /// `first` to the next-to-last token, after `tokens[..=j]`.
     pub fn logits(&self, tokens: &[u32], first: usize) -> Result<Vec<Vec<f32>>> {
+        self.check_tokens(tokens)?;
         if tokens.len() > self.context_length() {
             return Err(EngineError::PromptTooLong {
                 tokens: tokens.len(),
@@ -205,6 +210,17 @@ impl Engine {
             });
         }
         self.call(|tx| Command::Logits(tokens.to_vec(), first, tx))?
+    }
+
+    /// Refuses token ids outside the vocabulary.
+    fn check_tokens(&self, ids: &[u32]) -> Result<()> {
+        let vocab = self.inner.model.config().vocab_size;
+        match ids.iter().find(|&&t| t as usize >= vocab) {
+            Some(&bad) => Err(EngineError::Invalid(format!(
+                "token id {bad} is outside the vocabulary of {vocab}"
+            ))),
+            None => Ok(()),
+        }
     }
 
     /// Compacts live blocks to the low end of the pool; returns the blocks
@@ -242,12 +258,7 @@ impl Engine {
     /// back here, before anything is queued.
     pub fn generate(&self, req: GenerateRequest) -> Result<RequestStream> {
         let ids = self.tokenize_prompt(&req.prompt)?;
-        let vocab = self.inner.model.config().vocab_size;
-        if let Some(&bad) = ids.iter().find(|&&t| t as usize >= vocab) {
-            return Err(EngineError::Invalid(format!(
-                "token id {bad} is outside the vocabulary of {vocab}"
-            )));
-        }
+        self.check_tokens(&ids)?;
         if req.n == 0 {
             return Err(EngineError::Invalid("n must be at least 1".into()));
         }
@@ -438,6 +449,7 @@ impl Engine {
 
     /// The K/V of `tokens` (computed now for any part not cached).
     pub fn export_kv(&self, tokens: &[u32]) -> Result<KvSnapshot> {
+        self.check_tokens(tokens)?;
         self.call(|tx| Command::Export(tokens.to_vec(), tx))?
     }
 

@@ -41,7 +41,7 @@ mod worker;
 pub use chat::{ChatSession, TurnOptions};
 pub use engine::Engine;
 pub use error::{EngineError, Result};
-pub use sampler::{Sampler, SamplingParams, SplitMix64, TokenLogprob};
+pub use sampler::{argmax_and_norm, Sampler, SamplingParams, SplitMix64, TokenLogprob};
 pub use snapshot::{Geometry, KvSnapshot, LayerBytes, CACHE_FILE, FORMAT_VERSION};
 pub use source::ModelSource;
 pub use stream::{Event, RequestStream};

@@ -195,9 +195,7 @@ impl TokenLogprob {
     /// of the raw logits: before bias, penalties and temperature, as vLLM
     /// reports them), for the chosen token `id` and the `top` best.
     pub fn of(logits: &[f32], id: u32, top: usize) -> TokenLogprob {
-        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let sum: f64 = logits.iter().map(|&l| ((l - max) as f64).exp()).sum();
-        let norm = max + sum.ln() as f32;
+        let norm = argmax_and_norm(logits).1 as f32;
         let lp = |t: u32| {
             logits
                 .get(t as usize)
@@ -224,6 +222,22 @@ impl TokenLogprob {
             top: best,
         }
     }
+}
+
+/// The first maximum of `logits` and their log-sum-exp, so that the
+/// log-softmax at `t` is `logits[t] - norm` (f32 exponentials, each within
+/// an ulp, summed in f64 in chunks of 64).
+pub fn argmax_and_norm(logits: &[f32]) -> (u32, f64) {
+    let best = argmax(logits);
+    let max = logits
+        .get(best as usize)
+        .copied()
+        .unwrap_or(f32::NEG_INFINITY);
+    let sum: f64 = logits
+        .chunks(64)
+        .map(|c| c.iter().map(|&l| (l - max).exp()).sum::<f32>() as f64)
+        .sum();
+    (best, max as f64 + sum.ln())
 }
 
 fn argmax(xs: &[f32]) -> u32 {

@@ -114,20 +114,6 @@ fn salted(ns: Namespace, salt: Option<&str>) -> Namespace {
     Namespace(h)
 }
 
-/// The log-softmax of `logits` at `t` (in f64), and whether `t` is the
-/// first maximum.
-pub(crate) fn token_logprob(logits: &[f32], t: u32) -> (f64, bool) {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    // f32 exponentials (each within 1 ulp), summed in f64 in chunks.
-    let sum: f64 = logits
-        .chunks(64)
-        .map(|c| c.iter().map(|&l| (l - max).exp()).sum::<f32>() as f64)
-        .sum();
-    let lt = logits[t as usize];
-    let top = !logits[..t as usize].iter().any(|&l| l >= lt) && lt >= max;
-    ((lt - max) as f64 - sum.ln(), top)
-}
-
 /// What an injected [`Fault::Panic`] panics with.
 pub const INJECTED_PANIC: &str = "injected panic";
 
@@ -675,12 +661,6 @@ impl Worker {
     /// next-to-last token; computed as a fresh sequence (no cached prefix
     /// used, nothing cached), in prefill chunks.
     fn logits_of(&mut self, tokens: &[u32], first: usize) -> Result<Vec<Vec<f32>>> {
-        let vocab = self.runner.model().config().vocab_size;
-        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= vocab) {
-            return Err(EngineError::Invalid(format!(
-                "token id {t} is outside the vocabulary of {vocab}"
-            )));
-        }
         let toks = token_ids(tokens);
         let (seq, _) = self.sched.kv_mut().add_sequence(self.ns, &[]);
         let mut out = Vec::new();

@@ -243,14 +243,7 @@ async fn health(State(s): State<Arc<Server>>) -> Response {
 
 async fn metrics_text(State(s): State<Arc<Server>>) -> Result<Response, ApiError> {
     let engine = s.engine()?;
-    let stats = tokio::task::spawn_blocking(move || engine.stats())
-        .await
-        .map_err(|e| {
-            ApiError::server(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                format!("stats task failed: {e}"),
-            )
-        })?;
+    let stats = blocking("stats", move || Ok(engine.stats())).await?;
     Ok((
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         s.metrics.render(&stats),
@@ -268,6 +261,20 @@ async fn models(State(s): State<Arc<Server>>) -> Json<Value> {
             "owned_by": "tessera",
         }],
     }))
+}
+
+/// Runs blocking engine work off the async threads; a task that dies is a
+/// 500 naming `what`.
+async fn blocking<T: Send + 'static>(
+    what: &'static str,
+    f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f).await.map_err(|e| {
+        ApiError::server(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("{what} task failed: {e}"),
+        )
+    })?
 }
 
 /// A malformed body as an OpenAI-style 400.
@@ -607,14 +614,7 @@ async fn generate(
     // Errors that the request can never run come back before anything is
     // sent, as a status code.
     let e2 = engine.clone();
-    let stream = tokio::task::spawn_blocking(move || e2.generate(req))
-        .await
-        .map_err(|e| {
-            ApiError::server(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                format!("request task failed: {e}"),
-            )
-        })??;
+    let stream = blocking("request", move || Ok(e2.generate(req)?)).await?;
     let (tx, mut rx) = mpsc::channel::<Event>(256);
     // The engine's stream is blocking: a thread forwards it, and stops (so
     // dropping the stream cancels the request) when the receiver is gone.

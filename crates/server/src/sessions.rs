@@ -16,7 +16,7 @@ use serde_json::{json, Value};
 use tessera_engine::{EngineError, Message, Prompt};
 
 use crate::api::{ApiError, SessionSaveRequest};
-use crate::{message_text, rejected, Server};
+use crate::{blocking, message_text, rejected, Server};
 
 /// The file of session `name`: letters, digits, `-`, `_` and `.`, at most
 /// 128 bytes, not starting with a dot.
@@ -54,17 +54,6 @@ fn session_error(name: &str, e: EngineError) -> ApiError {
     }
 }
 
-async fn blocking<T: Send + 'static>(
-    f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
-) -> Result<T, ApiError> {
-    tokio::task::spawn_blocking(f).await.map_err(|e| {
-        ApiError::server(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            format!("session task failed: {e}"),
-        )
-    })?
-}
-
 /// `POST /v1/sessions/{name}/save` with `messages` (rendered as the chat
 /// endpoint renders them) or `tokens`: their K/V (computed now for what
 /// the cache lacks) is written to the session's file.
@@ -99,15 +88,8 @@ pub(crate) async fn save(
             )
         })?;
     }
-    let n = blocking(move || {
+    let n = blocking("session", move || {
         let ids = engine.tokenize_prompt(&prompt)?;
-        let vocab = engine.model().config().vocab_size;
-        if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
-            return Err(ApiError::param(
-                "tokens",
-                format!("token id {bad} is outside the vocabulary of {vocab}"),
-            ));
-        }
         if ids.len() > engine.context_length() {
             return Err(EngineError::PromptTooLong {
                 tokens: ids.len(),
@@ -115,7 +97,11 @@ pub(crate) async fn save(
             }
             .into());
         }
-        Ok(engine.save_kv_session(&path, &ids)?)
+        // Token ids outside the vocabulary are refused by the engine.
+        engine.save_kv_session(&path, &ids).map_err(|e| match e {
+            EngineError::Invalid(why) => ApiError::param("tokens", why),
+            other => other.into(),
+        })
     })
     .await?;
     Ok(Json(json!({"name": name, "tokens": n})))
@@ -137,7 +123,7 @@ pub(crate) async fn restore(
     }
     let engine = s.engine()?;
     let n2 = name.clone();
-    let n = blocking(move || {
+    let n = blocking("session", move || {
         engine
             .load_kv_session(&path)
             .map_err(|e| session_error(&n2, e))
