@@ -12,19 +12,15 @@ Usage: openai_client.py TESSERA_BINARY MODEL.gguf
 """
 
 import json
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
+from pathlib import Path
 
 import openai
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from loopback import free_port, wait_ready  # noqa: E402
 
 
 def main():
@@ -37,17 +33,8 @@ def main():
     )
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except Exception:
-                pass
-            if server.poll() is not None or time.time() > deadline:
-                sys.exit(f"the server did not become ready: {server.stderr.read()}")
-            time.sleep(0.2)
+        wait_ready(f"{base}/health", server, "the server", timeout=120,
+                   hint=lambda: f": {server.stderr.read()}")
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="sk-test", max_retries=0)
         assert [m.id for m in client.models.list()] == ["smollm2"]
 

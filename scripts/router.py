@@ -27,7 +27,6 @@ names from SGLang-specific endpoints. Installs sglang-router with pip when it is
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -35,32 +34,13 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+from loopback import free_port, wait_ready  # noqa: E402
 # cache_aware sends a request where most of its prefix went until the
 # workers' loads differ by more than 64 requests (its default): with a
 # system prompt that every user shares, all of a small workload would go
 # to one replica. A difference of 2 rebalances new conversations early.
 ROUTER_ARGS = {"cache_aware": ["--balance-abs-threshold", "2"]}
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(url, proc, what, timeout=180):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            sys.exit(f"{what} exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except Exception:
-            pass
-        time.sleep(0.3)
-    sys.exit(f"{what} did not become ready")
 
 
 class Cluster:

@@ -16,15 +16,14 @@ README's `bench-server` section.
 
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from loopback import free_port, wait_ready  # noqa: E402
 from readme_tables import BENCH, ROOT, splice  # noqa: E402
 
 MODEL = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -34,12 +33,6 @@ RUNS = int(os.environ.get("SERVER_RUNS", "3"))
 USERS = int(os.environ.get("SERVER_USERS", "8"))
 TURNS = 8
 THREADS = int(os.environ.get("TESSERA_BENCH_THREADS", os.cpu_count() or 1))
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def bench(seed, url=None):
@@ -61,19 +54,9 @@ def start_llama_server(port, log):
          "-c", str(USERS * 2048)],
         stdout=log, stderr=subprocess.STDOUT,
     )
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            sys.exit(f"llama-server exited: see {log.name}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc
-        except Exception:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    sys.exit("llama-server did not become ready")
+    wait_ready(f"http://127.0.0.1:{port}/health", proc, "llama-server", timeout=300,
+               hint=lambda: f": see {log.name}")
+    return proc
 
 
 def main():
