@@ -217,6 +217,7 @@ fn bench_attention(c: &mut Criterion) {
             token_seq: &seq,
             token_pos: &pos,
             scale: 0.125,
+            window: 0,
         };
         g.throughput(Throughput::Elements(new as u64));
         g.bench_function(name, |b| {

@@ -389,6 +389,22 @@ fn inspect(args: ModelArg) -> Result<()> {
         model.tokenizer.eog_ids()
     );
     println!("tied embedding: {}", c.tie_embeddings);
+    let b = &c.block;
+    if b.sliding_window > 0 {
+        let sliding = (0..c.n_layers)
+            .filter(|&l| c.layer_window(l).is_some())
+            .count();
+        println!(
+            "sliding window: {} positions on {sliding} of {} layers (RoPE theta {} there)",
+            b.sliding_window, c.n_layers, b.rope_theta_swa
+        );
+    }
+    if *b != tessera_model::Block::llama() {
+        println!(
+            "block:          {:?} gate, q/k norms {}, post-norms {}, embeddings × {}",
+            b.activation, b.qk_norm, b.post_norms, b.embed_scale
+        );
+    }
     println!("context length: {}", c.context_length);
     println!("quantization:   {}", storage.join(", "));
     for (name, bytes) in [("f32", 4), ("f16", 2), ("bf16", 2)] {

@@ -84,12 +84,14 @@ impl Runner {
     pub(crate) fn apply_shift(&self, plan: &ShiftPlan) -> Result<()> {
         self.apply_copies(&plan.copies)?;
         let moves: Vec<(u32, u32)> = plan.moves.iter().map(|m| (m.src.0, m.dst.0)).collect();
-        let rotation = Rotation {
-            style: self.model.config().rope_style,
-            inv_freq: self.model.llama.inv_freq().to_vec(),
-            delta: plan.position_delta,
-        };
-        for layer in &self.cache {
+        // Each layer by its own RoPE frequencies (Gemma 3's sliding layers
+        // have their own base).
+        for (l, layer) in self.cache.iter().enumerate() {
+            let rotation = Rotation {
+                style: self.model.config().rope_style,
+                inv_freq: self.model.llama.inv_freq(l).to_vec(),
+                delta: plan.position_delta,
+            };
             shift_kv(&layer.k, &layer.v, &moves, &rotation)?;
         }
         Ok(())

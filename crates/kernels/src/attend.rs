@@ -20,7 +20,9 @@
 //! worker, so results are bit-identical across all of them.
 //!
 //! ```text
-//! chunk c of a query at position p: positions c·CHUNK .. min(p + 1, (c + 1)·CHUNK)
+//! chunk c of a query at position p: positions max(c·CHUNK, lo) .. min(p + 1, (c + 1)·CHUNK)
+//!   lo = 0, or p + 1 − window on a sliding-window layer; chunks wholly
+//!   before lo are skipped (a query has chunks lo/CHUNK ..= p/CHUNK)
 //!   s_i = dot(q, k_i) · scale,  m = max s,  p_i = e^(s_i − m)
 //!   state = (Σ p_i v_i (in order of i), m, Σ p_i)
 //! merge: M = max m_c,  w_c = e^(m_c − M),  out = Σ w_c acc_c / Σ w_c l_c
@@ -29,7 +31,7 @@
 // Lane loops index several arrays in step.
 #![allow(clippy::needless_range_loop)]
 
-use crate::attention::exp_nonpositive;
+use crate::attention::{exp_nonpositive, window_start};
 #[cfg(target_arch = "x86_64")]
 use crate::lanes::x86;
 use crate::lanes::{reduce16, Lanes, Portable};
@@ -104,6 +106,9 @@ pub struct AttnShape {
     pub head_dim: usize,
     pub block_size: usize,
     pub scale: f32,
+    /// Sliding window (a query at `p` sees keys at `j` with `p − j <
+    /// window`); 0 for none.
+    pub window: usize,
 }
 
 impl AttnShape {
@@ -115,7 +120,27 @@ impl AttnShape {
             head_dim,
             block_size,
             scale: 1.0 / (head_dim as f32).sqrt(),
+            window: 0,
         }
+    }
+
+    /// The same geometry with a sliding window (0: none).
+    pub fn with_window(self, window: usize) -> AttnShape {
+        AttnShape { window, ..self }
+    }
+
+    /// The first position a query at `pos` sees.
+    #[inline]
+    pub fn first_key(&self, pos: usize) -> usize {
+        window_start(pos, self.window)
+    }
+
+    /// The chunks of context of a query at `pos`: `(first, count)`; its
+    /// partial states are the count's, in chunk order.
+    #[inline]
+    pub fn chunks(&self, pos: usize) -> (usize, usize) {
+        let first = self.first_key(pos) / CHUNK;
+        (first, pos / CHUNK + 1 - first)
     }
 
     /// Floats of one partial state: `head_dim` sums, the max, the total.
@@ -152,7 +177,7 @@ impl AttnPlan {
         let mut states = 0;
         for &p in positions {
             self.base.push(states);
-            states += (p as usize / CHUNK + 1) * shape.n_heads;
+            states += shape.chunks(p as usize).1 * shape.n_heads;
         }
         self.states = states;
         let mut t = 0;
@@ -162,7 +187,12 @@ impl AttnPlan {
                 n += 1;
             }
             let last = positions[t..t + n].iter().max().copied().unwrap_or(0) as usize;
-            for c in 0..=last / CHUNK {
+            let first = positions[t..t + n]
+                .iter()
+                .map(|&p| shape.chunks(p as usize).0)
+                .min()
+                .unwrap_or(0);
+            for c in first..=last / CHUNK {
                 for g in 0..shape.n_kv_heads {
                     self.items.push(Item {
                         t0: t as u32,
@@ -481,13 +511,14 @@ unsafe fn item_one<L: Lanes, const NC: usize>(
     let group = nh / kvh;
     let (t, g, c) = (item.t0 as usize, item.g as usize, item.chunk as usize);
     let pos = inp.positions[t] as usize;
-    let start = c * CHUNK;
-    if pos < start {
+    let (c0, _) = sh.chunks(pos);
+    if pos < c * CHUNK || c < c0 {
         return;
     }
+    let start = (c * CHUNK).max(sh.first_key(pos));
     let seq = inp.token_seq[t] as usize;
     let table = &inp.block_tables[seq * inp.max_blocks..(seq + 1) * inp.max_blocks];
-    let n = (pos + 1).min(start + CHUNK) - start;
+    let n = (pos + 1).min(c * CHUNK + CHUNK) - start;
     sc.rows.clear();
     let mut p = start;
     while p < start + n {
@@ -510,10 +541,10 @@ unsafe fn item_one<L: Lanes, const NC: usize>(
         let kf = &mut sc.k[..];
         let gh = (group - h).min(most);
         match gh {
-            1 => heads_one::<L, NC, 1>(inp, t, head0, c, rows, s, kf, rec, write),
-            2 => heads_one::<L, NC, 2>(inp, t, head0, c, rows, s, kf, rec, write),
-            3 => heads_one::<L, NC, 3>(inp, t, head0, c, rows, s, kf, rec, write),
-            _ => heads_one::<L, NC, 4>(inp, t, head0, c, rows, s, kf, rec, write),
+            1 => heads_one::<L, NC, 1>(inp, t, head0, c - c0, rows, s, kf, rec, write),
+            2 => heads_one::<L, NC, 2>(inp, t, head0, c - c0, rows, s, kf, rec, write),
+            3 => heads_one::<L, NC, 3>(inp, t, head0, c - c0, rows, s, kf, rec, write),
+            _ => heads_one::<L, NC, 4>(inp, t, head0, c - c0, rows, s, kf, rec, write),
         }
         h += gh;
     }
@@ -582,13 +613,23 @@ unsafe fn item_body<L: Lanes>(
     );
     let seq = inp.token_seq[t0] as usize;
     let table = &inp.block_tables[seq * inp.max_blocks..(seq + 1) * inp.max_blocks];
-    let start = c * CHUNK;
+    let end = c * CHUNK + CHUNK;
     let last = inp.positions[t0..t0 + nt]
         .iter()
         .max()
         .copied()
         .unwrap_or(0) as usize;
-    let n_max = (last + 1).min(start + CHUNK) - start;
+    // Rows from the earliest key any token of the tile sees in this chunk.
+    let start = inp.positions[t0..t0 + nt]
+        .iter()
+        .map(|&p| sh.first_key(p as usize))
+        .min()
+        .unwrap_or(0)
+        .max(c * CHUNK);
+    if start > last || start >= end {
+        return;
+    }
+    let n_max = (last + 1).min(end) - start;
     sc.k.resize(sc.k.len().max(CHUNK * hd), 0.0);
     sc.v.resize(sc.v.len().max(CHUNK * hd), 0.0);
     for i in 0..n_max {
@@ -612,10 +653,15 @@ unsafe fn item_body<L: Lanes>(
     for ti in 0..nt {
         let t = t0 + ti;
         let pos = inp.positions[t] as usize;
-        if pos < start {
+        let (c0, _) = sh.chunks(pos);
+        if pos < c * CHUNK || c < c0 {
             continue;
         }
-        let n = (pos + 1).min(start + CHUNK) - start;
+        // This token's keys: rows `off..off + n` of the chunk's copy.
+        let off = (c * CHUNK).max(sh.first_key(pos)) - start;
+        let n = (pos + 1).min(end) - start - off;
+        let (kc, vc) = (&sc.k[off * hd..], &sc.v[off * hd..]);
+        let rc = c - c0;
         let mut h = 0;
         // Two heads at a time share the value rows.
         while lanes && h + 2 <= group {
@@ -625,13 +671,13 @@ unsafe fn item_body<L: Lanes>(
             for (j, s) in [&mut *s0, &mut *s1].into_iter().enumerate() {
                 let head = g * group + h + j;
                 let q = &inp.q[(t * nh + head) * hd..(t * nh + head + 1) * hd];
-                scores_lanes::<L>(q, &sc.k, hd, sh.scale, s);
+                scores_lanes::<L>(q, kc, hd, sh.scale, s);
             }
             let stats = [softmax(s0), softmax(s1)];
-            values_lanes2::<L>([s0, s1], &sc.v, hd, [&mut r0[..hd], &mut r1[..hd]]);
+            values_lanes2::<L>([s0, s1], vc, hd, [&mut r0[..hd], &mut r1[..hd]]);
             for (j, r) in [r0, r1].into_iter().enumerate() {
                 (r[hd], r[hd + 1]) = stats[j];
-                write(t, c * nh + g * group + h + j, r);
+                write(t, rc * nh + g * group + h + j, r);
             }
             h += 2;
         }
@@ -641,20 +687,20 @@ unsafe fn item_body<L: Lanes>(
             let q = &inp.q[(t * nh + head) * hd..(t * nh + head + 1) * hd];
             let s = &mut sc.s[..n];
             if lanes {
-                scores_lanes::<L>(q, &sc.k, hd, sh.scale, s);
+                scores_lanes::<L>(q, kc, hd, sh.scale, s);
             } else {
                 for (i, si) in s.iter_mut().enumerate() {
-                    *si = dot16(q, &sc.k[i * hd..(i + 1) * hd]) * sh.scale;
+                    *si = dot16(q, &kc[i * hd..(i + 1) * hd]) * sh.scale;
                 }
             }
             let (mx, l) = softmax(s);
             let acc = &mut rec[..hd];
             if lanes {
-                values_lanes::<L>(s, &sc.v, hd, acc);
+                values_lanes::<L>(s, vc, hd, acc);
             } else {
                 acc.fill(0.0);
                 for (i, &p) in s.iter().enumerate() {
-                    let v = &sc.v[i * hd..(i + 1) * hd];
+                    let v = &vc[i * hd..(i + 1) * hd];
                     for (a, &vv) in acc.iter_mut().zip(v) {
                         *a = p.mul_add(vv, *a);
                     }
@@ -662,7 +708,7 @@ unsafe fn item_body<L: Lanes>(
             }
             rec[hd] = mx;
             rec[hd + 1] = l;
-            write(t, c * nh + head, rec);
+            write(t, rc * nh + head, rec);
         }
     }
 }
@@ -690,8 +736,8 @@ unsafe fn item_avx2(
 }
 
 /// Computes one item; `write(token, index, state)` receives each partial
-/// state (`index = chunk · n_heads + head`, the offset from the token's
-/// `base`).
+/// state (`index = (chunk − the token's first chunk) · n_heads + head`,
+/// the offset from the token's `base`).
 pub fn attend_item(
     isa: Isa,
     inp: &AttnInput,
@@ -756,7 +802,7 @@ mod tests {
         let t = inp.positions.len();
         let mut out = vec![0f32; t * sh.n_heads * sh.head_dim];
         for i in 0..t {
-            let chunks = inp.positions[i] as usize / CHUNK + 1;
+            let (_, chunks) = sh.chunks(inp.positions[i] as usize);
             for h in 0..sh.n_heads {
                 let first = (plan.base[i] + h) * rec;
                 let o = &mut out[(i * sh.n_heads + h) * sh.head_dim..][..sh.head_dim];
@@ -771,16 +817,35 @@ mod tests {
     /// an f16 cache: every instruction set gives the same bits, each query
     /// computed alone (a decoding sequence's item) gives the same bits as
     /// in the batch, and the result equals the slow reference within
-    /// rounding.
+    /// rounding; with sliding windows too (shorter than a chunk, cutting
+    /// chunks, longer than the context), whose earlier blocks are ids
+    /// outside the cache.
     #[test]
     fn items_match_the_reference_across_chunks_and_instruction_sets() {
-        for hd in [64, 24, 128, 256] {
+        for (hd, window) in [
+            (64, 0),
+            (24, 0),
+            (128, 0),
+            (256, 0),
+            (64, 1),
+            (64, 100),
+            (256, 200),
+            (24, 150),
+            (128, 512),
+        ] {
             let (nh, kvh, bs, nb) = (6, 2, 16, 48);
             let k = seeded(&[nb, bs, kvh, hd], 1, DType::F16).unwrap();
             let v = seeded(&[nb, bs, kvh, hd], 2, DType::F16).unwrap();
             let max_blocks = 24;
             let mut tables: Vec<u32> = (0..max_blocks as u32).rev().collect();
             tables.extend((max_blocks as u32..2 * max_blocks as u32).map(|b| b % nb as u32));
+            // Blocks before every window of their sequence: never read.
+            for (seq, first_query) in [(0, 300usize), (1, 120)] {
+                let lo = window_start(first_query, window);
+                for b in 0..lo / bs {
+                    tables[seq * max_blocks + b] = u32::MAX;
+                }
+            }
             // Sequence 0: one query at position 300; sequence 1: 20 queries
             // at 120..140 (crossing the 128 boundary).
             let mut positions = vec![300u32];
@@ -800,7 +865,7 @@ mod tests {
                     .collect()
             };
             let (kb, vb) = (bits(&k), bits(&v));
-            let shape = AttnShape::new(nh, kvh, hd, bs);
+            let shape = AttnShape::new(nh, kvh, hd, bs).with_window(window);
             let inp = AttnInput {
                 shape,
                 q: &qv,
@@ -820,7 +885,7 @@ mod tests {
                     got.iter()
                         .zip(&want)
                         .all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "{isa:?} hd={hd}"
+                    "{isa:?} hd={hd} window={window}"
                 );
                 let row = nh * hd;
                 for i in 0..t {
@@ -848,6 +913,7 @@ mod tests {
                 token_seq: &seqs,
                 token_pos: &positions,
                 scale: shape.scale,
+                window,
             };
             let slow = paged_attention_slow(&q, &k, &v, &meta).unwrap();
             let slow = slow.flatten_all().unwrap().to_vec1::<f32>().unwrap();
@@ -856,7 +922,7 @@ mod tests {
                 .zip(&want)
                 .map(|(a, b)| (a - b).abs())
                 .fold(0f32, f32::max);
-            assert!(d < 1e-4, "hd={hd}: {d}");
+            assert!(d < 1e-4, "hd={hd} window={window}: {d}");
         }
     }
 }

@@ -2,7 +2,8 @@
 //! reading each sequence's earlier tokens through its block table.
 //!
 //! ```text
-//! token t of sequence s at position p attends to positions 0..=p of s:
+//! token t of sequence s at position p attends to positions lo..=p of s:
+//!   lo = 0, or p + 1 - window for a sliding-window layer (p - j < window)
 //!   position j -> block table[s][j / bs], offset j % bs -> slot
 //! ```
 //!
@@ -31,6 +32,19 @@ pub struct PagedMeta<'a> {
     pub token_pos: &'a [u32],
     /// Softmax scale, usually `1 / sqrt(head_dim)`.
     pub scale: f32,
+    /// Sliding window: a query at `p` sees keys at `j` with `p - j <
+    /// window`; 0 for none (every earlier position).
+    pub window: usize,
+}
+
+/// The first position a query at `pos` sees with `window` (0: none).
+#[inline]
+pub fn window_start(pos: usize, window: usize) -> usize {
+    if window == 0 {
+        0
+    } else {
+        (pos + 1).saturating_sub(window)
+    }
 }
 
 struct PagedAttention<'a> {
@@ -131,14 +145,14 @@ struct Tile {
 
 /// How one path of the attention treats a loaded block: what it prepares
 /// from the block's keys, and how one query row attends to the block's
-/// first `n` positions (updating the row's output, running max and sum).
+/// positions `from..n` (updating the row's output, running max and sum).
 trait BlockKernel {
     fn prepare(&mut self, loaded: usize, kbuf: &[f32]);
     #[allow(clippy::too_many_arguments)]
     fn row(
         &mut self,
         qh: &[f32],
-        n: usize,
+        span: (usize, usize),
         kbuf: &[f32],
         vbuf: &[f32],
         acc: &mut [f32],
@@ -181,7 +195,16 @@ fn walk_tile<T: KvElem, K: BlockKernel>(
         .map(|t| m.token_pos[t] as usize)
         .max()
         .unwrap_or(0);
-    for (j, &b) in table.iter().enumerate().take(last / bs + 1) {
+    let first = (t0..t0 + nt)
+        .map(|t| window_start(m.token_pos[t] as usize, m.window))
+        .min()
+        .unwrap_or(0);
+    for (j, &b) in table
+        .iter()
+        .enumerate()
+        .take(last / bs + 1)
+        .skip(first / bs)
+    {
         let loaded = bs.min(last + 1 - j * bs);
         for o in 0..loaded {
             let row = ((b as usize * bs + o) * kvh + g) * hd;
@@ -192,15 +215,17 @@ fn walk_tile<T: KvElem, K: BlockKernel>(
         for ti in 0..nt {
             let t = t0 + ti;
             let pos = m.token_pos[t] as usize;
-            if pos < j * bs {
+            let lo = window_start(pos, m.window);
+            if pos < j * bs || lo >= (j + 1) * bs {
                 continue;
             }
             let n = bs.min(pos + 1 - j * bs);
+            let from = lo.saturating_sub(j * bs);
             for h in 0..group {
                 let r = ti * group + h;
                 let qh = &q[(t * nh + g * group + h) * hd..][..hd];
                 let out = &mut acc[r * hd..(r + 1) * hd];
-                kernel.row(qh, n, kbuf, vbuf, out, &mut mx[r], &mut l[r]);
+                kernel.row(qh, (from, n), kbuf, vbuf, out, &mut mx[r], &mut l[r]);
             }
         }
     }
@@ -225,7 +250,7 @@ impl<const FMA: bool> BlockKernel for AnyGeometry<'_, FMA> {
     fn row(
         &mut self,
         qh: &[f32],
-        n: usize,
+        (from, n): (usize, usize),
         kbuf: &[f32],
         vbuf: &[f32],
         acc: &mut [f32],
@@ -233,7 +258,8 @@ impl<const FMA: bool> BlockKernel for AnyGeometry<'_, FMA> {
         l: &mut f32,
     ) {
         let hd = qh.len();
-        let scores = &mut self.scores[..n];
+        let (kbuf, vbuf) = (&kbuf[from * hd..], &vbuf[from * hd..]);
+        let scores = &mut self.scores[..n - from];
         let mut best = f32::NEG_INFINITY;
         for (i, s) in scores.iter_mut().enumerate() {
             *s = simd::dot::<FMA>(qh, &kbuf[i * hd..(i + 1) * hd]) * self.scale;
@@ -326,7 +352,7 @@ impl<const FMA: bool> BlockKernel for Fixed<FMA> {
     fn row(
         &mut self,
         qh: &[f32],
-        n: usize,
+        (from, n): (usize, usize),
         _kbuf: &[f32],
         vbuf: &[f32],
         acc: &mut [f32],
@@ -345,7 +371,7 @@ impl<const FMA: bool> BlockKernel for Fixed<FMA> {
         }
         let mut best = f32::NEG_INFINITY;
         for (i, x) in sc.iter_mut().enumerate() {
-            *x = if i < n {
+            *x = if (from..n).contains(&i) {
                 *x * self.scale
             } else {
                 f32::NEG_INFINITY
@@ -357,13 +383,15 @@ impl<const FMA: bool> BlockKernel for Fixed<FMA> {
         for x in sc.iter_mut() {
             *x = exp_nonpositive(*x - new_max);
         }
+        // Positions before the window weigh nothing.
+        sc[..from].fill(0.0);
         *l = *l * correction + sc.iter().sum::<f32>();
         let out: &mut [f32; HD] = acc.try_into().expect("HD values");
         let mut o = [0f32; HD];
         for d in 0..HD {
             o[d] = out[d] * correction;
         }
-        for (i, &p) in sc.iter().enumerate().take(n) {
+        for (i, &p) in sc.iter().enumerate().take(n).skip(from) {
             let vi: &[f32; HD] = vbuf[i * HD..(i + 1) * HD].try_into().expect("HD values");
             for d in 0..HD {
                 o[d] = simd::madd::<FMA>(o[d], p, vi[d]);
@@ -526,7 +554,8 @@ fn check(
         if s >= num_seqs || p / bs >= meta.max_blocks {
             bail!("paged_attention: token of sequence {s} at position {p} is outside the block tables")
         }
-        let row = &meta.block_tables[s * meta.max_blocks..][..p / bs + 1];
+        let lo = window_start(p, meta.window);
+        let row = &meta.block_tables[s * meta.max_blocks..][lo / bs..p / bs + 1];
         if let Some(&b) = row.iter().find(|&&b| b as usize >= nb) {
             bail!("paged_attention: block {b} outside the cache of {nb} blocks")
         }
@@ -574,7 +603,7 @@ pub fn paged_attention_slow(
     let mut outs = Vec::new();
     for (t, (&s, &p)) in meta.token_seq.iter().zip(meta.token_pos).enumerate() {
         let table = &meta.block_tables[s as usize * meta.max_blocks..];
-        let slots: Vec<u32> = (0..=p as usize)
+        let slots: Vec<u32> = (window_start(p as usize, meta.window)..=p as usize)
             .map(|j| table[j / bs] * bs as u32 + (j % bs) as u32)
             .collect();
         let slots = Tensor::new(slots, q.device())?;
@@ -621,6 +650,7 @@ mod tests {
                 token_seq: &[0, 0, 0, 1],
                 token_pos: &[9, 10, 11, 20],
                 scale: 1.0 / (hd as f32).sqrt(),
+                window: 0,
             };
             let fast = paged_attention(&q, &k, &v, &meta)?;
             let slow = paged_attention_slow(&q, &k, &v, &meta)?;
@@ -655,11 +685,83 @@ mod tests {
                 token_seq: &seqs,
                 token_pos: &pos,
                 scale: 1.0 / (hd as f32).sqrt(),
+                window: 0,
             };
             let fast = paged_attention(&q, &k, &v, &meta)?;
             let slow = paged_attention_slow(&q, &k, &v, &meta)?;
             let d = max_abs_diff(&fast, &slow)?;
             assert!(d < 1e-5, "{dtype:?}: max diff {d}");
+        }
+        Ok(())
+    }
+
+    /// Sliding windows shorter than, equal to and longer than a block,
+    /// cutting blocks in the middle, on both paths (any geometry and the
+    /// register-blocked one), against the reference, which gathers only
+    /// the window's positions. The blocks before every window are ids
+    /// outside the cache: nothing may read them.
+    #[test]
+    fn sliding_windows_match_reference() -> Result<()> {
+        for (bs, hd) in [(4, 16), (16, 64)] {
+            let (nb, kvh, nh) = (12, 2, 4);
+            let k = seeded(&[nb, bs, kvh, hd], 23, DType::F16)?;
+            let v = seeded(&[nb, bs, kvh, hd], 24, DType::F16)?;
+            // Sequence 0: a prefill chunk deep in the context; sequence 1:
+            // one decode token.
+            let pos0: Vec<u32> = (5 * bs as u32 - 3..5 * bs as u32 + bs.min(14) as u32).collect();
+            let mut seqs = vec![0u32; pos0.len()];
+            seqs.push(1);
+            let mut pos = pos0.clone();
+            pos.push(6 * bs as u32 + 1);
+            let q = seeded(&[pos.len(), nh, hd], 25, DType::F32)?;
+            for window in [1, 3, bs, bs + 5, 3 * bs] {
+                let mut tables = vec![0u32; 14];
+                for (i, b) in [7u32, 2, 9, 0, 1, 11, 3].iter().enumerate() {
+                    tables[i] = *b;
+                    tables[7 + i] = (*b + 4) % nb as u32;
+                }
+                // Blocks wholly before the earliest window: invalid ids.
+                let first = (5 * bs - 3 + 1).saturating_sub(window) / bs;
+                for b in 0..first {
+                    tables[b] = 999;
+                }
+                let first1 = (6 * bs + 2).saturating_sub(window) / bs;
+                for b in 0..first1 {
+                    tables[7 + b] = 999;
+                }
+                let meta = PagedMeta {
+                    block_size: bs,
+                    block_tables: &tables,
+                    max_blocks: 7,
+                    token_seq: &seqs,
+                    token_pos: &pos,
+                    scale: 1.0 / (hd as f32).sqrt(),
+                    window,
+                };
+                let fast = paged_attention(&q, &k, &v, &meta)?;
+                let slow = paged_attention_slow(&q, &k, &v, &meta)?;
+                let d = max_abs_diff(&fast, &slow)?;
+                assert!(d < 1e-5, "bs={bs} window={window}: max diff {d}");
+            }
+            // A window of one is the token's own value.
+            let meta = PagedMeta {
+                block_size: bs,
+                block_tables: &[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 0, 0],
+                max_blocks: 7,
+                token_seq: &seqs,
+                token_pos: &pos,
+                scale: 1.0,
+                window: 1,
+            };
+            let out = paged_attention(&q, &k, &v, &meta)?;
+            let p = pos[0] as usize;
+            let want = v
+                .reshape((nb * bs, kvh, hd))?
+                .get(p)?
+                .get(0)?
+                .to_dtype(DType::F32)?;
+            let d = max_abs_diff(&out.get(0)?.get(0)?, &want)?;
+            assert!(d < 1e-6, "window of one: {d}");
         }
         Ok(())
     }
@@ -675,6 +777,7 @@ mod tests {
             token_seq: &[0],
             token_pos: pos,
             scale: 1.0,
+            window: 0,
         };
         assert!(paged_attention(&q, &k, &k, &meta(&[3], &[0, 1])).is_ok());
         assert!(paged_attention(&q, &k, &k, &meta(&[8], &[0, 1])).is_err());

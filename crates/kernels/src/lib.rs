@@ -49,7 +49,9 @@ mod simd;
 mod write;
 
 pub use attend::{attend_item, merge, AttnInput, AttnPlan, AttnScratch, AttnShape, KvRows, CHUNK};
-pub use attention::{exp_nonpositive, paged_attention, paged_attention_slow, PagedMeta};
+pub use attention::{
+    exp_nonpositive, paged_attention, paged_attention_slow, window_start, PagedMeta,
+};
 pub use copy::{copy_blocks, copy_blocks_slow};
 pub use matvec::{f16_to_f32, matvec, matvec_slow, Isa, WeightFormat, Weights};
 pub use qdot::{qmatvec, qmatvec_slow, quantize_row, ActBlock, Activations, Packed, QIsa, GROUP};

@@ -6,12 +6,14 @@ use tessera_kernels::RopeStyle;
 
 use crate::{ModelError, Result};
 
-/// The architectures of the Llama family that share one model file.
+/// The architectures that share one model file: the Llama family and
+/// Gemma 3 (its block differs by the switches of [`Block`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Arch {
     Llama,
     Mistral,
     Qwen2,
+    Gemma3,
 }
 
 impl Arch {
@@ -20,6 +22,7 @@ impl Arch {
             "llama" => Ok(Arch::Llama),
             "mistral" => Ok(Arch::Mistral),
             "qwen2" => Ok(Arch::Qwen2),
+            "gemma3" => Ok(Arch::Gemma3),
             other => Err(ModelError::UnsupportedArchitecture(other.to_string())),
         }
     }
@@ -29,6 +32,52 @@ impl Arch {
             Arch::Llama => "llama",
             Arch::Mistral => "mistral",
             Arch::Qwen2 => "qwen2",
+            Arch::Gemma3 => "gemma3",
+        }
+    }
+}
+
+/// The gate activation of the feed-forward block: `act(x·Wg) · (x·Wu)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// SwiGLU (the Llama family).
+    Silu,
+    /// GELU, tanh approximation (Gemma).
+    GeluTanh,
+}
+
+/// What a transformer block does beyond the Llama family's: the switches
+/// Gemma 3 turns on.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Block {
+    pub activation: Activation,
+    /// RMSNorm of each query and key head (over `head_dim`) before RoPE.
+    pub qk_norm: bool,
+    /// RMSNorm of the attention and FFN outputs before the residual adds.
+    pub post_norms: bool,
+    /// Embeddings multiplied by this (Gemma: `√hidden`).
+    pub embed_scale: f32,
+    /// Sliding-window attention: a query at `p` sees keys at `j` with
+    /// `p − j < sliding_window` on sliding layers; 0 for none.
+    pub sliding_window: usize,
+    /// Every `swa_pattern`-th layer (the last of each group) is global,
+    /// the others slide (llama.cpp's `set_swa_pattern`): Gemma 3's 6.
+    pub swa_pattern: usize,
+    /// RoPE base of the sliding layers (Gemma 3: 10,000).
+    pub rope_theta_swa: f32,
+}
+
+impl Block {
+    /// The Llama family's block.
+    pub fn llama() -> Block {
+        Block {
+            activation: Activation::Silu,
+            qk_norm: false,
+            post_norms: false,
+            embed_scale: 1.0,
+            sliding_window: 0,
+            swa_pattern: 0,
+            rope_theta_swa: 10_000.0,
         }
     }
 }
@@ -76,9 +125,33 @@ pub struct ModelConfig {
     pub tie_embeddings: bool,
     /// Qwen2 has biases on the q, k and v projections.
     pub qkv_bias: bool,
+    pub block: Block,
 }
 
 impl ModelConfig {
+    /// The sliding window of layer `l` (`None`: a global layer).
+    pub fn layer_window(&self, l: usize) -> Option<usize> {
+        let b = &self.block;
+        let sliding = b.sliding_window > 0
+            && (b.swa_pattern <= 1 || l % b.swa_pattern < b.swa_pattern - 1);
+        sliding.then_some(b.sliding_window)
+    }
+
+    /// The inverse frequencies of layer `l`: Gemma 3's sliding layers
+    /// use their own base, unscaled (llama.cpp's `rope_freq_base_train_swa`
+    /// and `rope_freq_scale_train_swa = 1`); every other layer the file's.
+    pub fn layer_inv_freq(&self, l: usize) -> Vec<f32> {
+        if self.arch == Arch::Gemma3 && self.layer_window(l).is_some() {
+            return ModelConfig {
+                rope_theta: self.block.rope_theta_swa,
+                rope_scaling: RopeScaling::None,
+                ..self.clone()
+            }
+            .inv_freq();
+        }
+        self.inv_freq()
+    }
+
     /// Bytes of K and V per token in a cache of `dtype_bytes` per element:
     /// 2 · layers · kv_heads · head_dim · bytes.
     pub fn kv_bytes_per_token(&self, dtype_bytes: usize) -> usize {
@@ -169,6 +242,10 @@ impl ModelConfig {
                     self.head_dim
                 ));
             }
+        }
+        let b = &self.block;
+        if b.sliding_window > 1 << 26 || !(b.embed_scale.is_finite() && b.embed_scale > 0.0) {
+            return bad(format!("bad block settings {b:?}"));
         }
         Ok(())
     }
@@ -267,7 +344,13 @@ impl HfConfig {
             context_length: self.max_position_embeddings,
             tie_embeddings: self.tie_word_embeddings,
             qkv_bias: self.attention_bias.unwrap_or(arch == Arch::Qwen2),
+            block: Block::llama(),
         };
+        if arch == Arch::Gemma3 {
+            return Err(ModelError::Config(
+                "Gemma 3 is supported from GGUF files only".into(),
+            ));
+        }
         cfg.validate()?;
         Ok(cfg)
     }
@@ -294,6 +377,7 @@ mod tests {
             context_length: 128,
             tie_embeddings: true,
             qkv_bias: false,
+            block: Block::llama(),
         }
     }
 

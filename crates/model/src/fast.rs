@@ -12,10 +12,16 @@
 //!   merge states per (token, head) → a                                 | barrier
 //!   O: rows split; x += a·Woᵀ                                          | barrier
 //!   every worker: h = rmsnorm(x)
-//!   gate/up: rows split; m = silu(h·Wgᵀ) · (h·Wuᵀ)                      | barrier
+//!   gate/up: rows split; m = act(h·Wgᵀ) · (h·Wuᵀ)                       | barrier
 //!   down: rows split; x += m·Wdᵀ                                       | barrier
 //! then the rows that want logits: norm, output head rows split.
 //! ```
+//!
+//! Gemma 3 adds: embeddings scaled; q and k heads RMS-normed in the QKV
+//! epilogue before RoPE (each layer with its own RoPE table); sliding-window
+//! layers' attention planned with their window; O and down written to a
+//! buffer, then normed and added to `x` by token share (one more barrier
+//! each); GELU (tanh) as the gate's activation.
 //!
 //! Every value is computed by the same arithmetic whichever worker computes
 //! it, however many workers there are, and whatever else is in the batch
@@ -31,7 +37,7 @@ use std::borrow::Cow;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
-use candle_core::{CpuStorage, Storage, Tensor};
+use candle_core::Tensor;
 use tessera_kernels::pool::{Shared, StepPool, Team};
 use tessera_kernels::{
     attend_item, cache_raw, exp_nonpositive, matvec, merge, qmatvec, quantize_row, ActBlock,
@@ -39,6 +45,7 @@ use tessera_kernels::{
     RopeStyle, WeightFormat, Weights, GROUP,
 };
 
+use crate::config::Activation;
 use crate::llama::{rope_angles, Batch, LayerKv, Llama};
 use crate::qlinear::QLinear;
 use crate::{ModelError, Result};
@@ -136,6 +143,14 @@ struct LayerConsts {
     ffn_norm: Vec<f32>,
     /// q, k, v biases (Qwen2), concatenated.
     qkv_bias: Option<Vec<f32>>,
+    /// Gemma 3: q and k head norms, attention and FFN output norms.
+    q_norm: Option<Vec<f32>>,
+    k_norm: Option<Vec<f32>>,
+    post_attn: Option<Vec<f32>>,
+    post_ffn: Option<Vec<f32>>,
+    /// Index of the layer's RoPE table and of its window's plans.
+    rope: usize,
+    wset: usize,
     lins: [Lin; 7],
 }
 
@@ -148,6 +163,8 @@ struct Local {
     tmp: Vec<f32>,
     tmp2: Vec<f32>,
     deq: Vec<f32>,
+    /// One normed row of an output (post-norms).
+    row: Vec<f32>,
     attn: AttnScratch,
 }
 
@@ -167,12 +184,18 @@ pub(crate) struct Fast {
     q: Vec<f32>,
     a: Vec<f32>,
     m: Vec<f32>,
-    cos: Vec<f32>,
-    sin: Vec<f32>,
+    /// O and down outputs waiting for their post-norm.
+    o: Vec<f32>,
+    /// RoPE tables, one per distinct frequency set.
+    cos: Vec<Vec<f32>>,
+    sin: Vec<Vec<f32>>,
     states: Vec<f32>,
     logits: Vec<f32>,
-    /// Attention plans of the batch's token groups: `(first, end, plan)`.
-    plans: Vec<(usize, usize, AttnPlan)>,
+    /// The distinct sliding windows of the layers (0: global).
+    windows: Vec<usize>,
+    /// Per window, the attention plans of the batch's token groups:
+    /// `(first, end, plan)`.
+    plans: Vec<Vec<(usize, usize, AttnPlan)>>,
 }
 
 fn vec_of(t: &Tensor) -> Result<Vec<f32>> {
@@ -184,7 +207,17 @@ fn vec_of(t: &Tensor) -> Result<Vec<f32>> {
 impl Fast {
     pub(crate) fn new(m: &Llama, threads: usize, acts: Activations) -> Result<Fast> {
         let mut layers = Vec::with_capacity(m.layers.len());
-        for l in &m.layers {
+        let mut windows: Vec<usize> = Vec::new();
+        let opt = |t: &Option<Tensor>| t.as_ref().map(vec_of).transpose();
+        for (i, l) in m.layers.iter().enumerate() {
+            let window = m.cfg.layer_window(i).unwrap_or(0);
+            let wset = match windows.iter().position(|&w| w == window) {
+                Some(w) => w,
+                None => {
+                    windows.push(window);
+                    windows.len() - 1
+                }
+            };
             let qkv_bias = match (&l.q_bias, &l.k_bias, &l.v_bias) {
                 (Some(q), Some(k), Some(v)) => {
                     let mut b = vec_of(q)?;
@@ -198,6 +231,12 @@ impl Fast {
                 attn_norm: vec_of(&l.attn_norm)?,
                 ffn_norm: vec_of(&l.ffn_norm)?,
                 qkv_bias,
+                q_norm: opt(&l.q_norm)?,
+                k_norm: opt(&l.k_norm)?,
+                post_attn: opt(&l.post_attn_norm)?,
+                post_ffn: opt(&l.post_ffn_norm)?,
+                rope: m.layer_rope[i],
+                wset,
                 lins: [
                     Lin::new(&l.q)?,
                     Lin::new(&l.k)?,
@@ -258,11 +297,13 @@ impl Fast {
             q: Vec::new(),
             a: Vec::new(),
             m: Vec::new(),
-            cos: Vec::new(),
-            sin: Vec::new(),
+            o: Vec::new(),
+            cos: vec![Vec::new(); m.inv_freqs.len()],
+            sin: vec![Vec::new(); m.inv_freqs.len()],
             states: Vec::new(),
             logits: Vec::new(),
-            plans: Vec::new(),
+            plans: (0..windows.len()).map(|_| Vec::new()).collect(),
+            windows,
         })
     }
 
@@ -425,6 +466,15 @@ fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     }
 }
 
+/// [`rms_norm`] of `x` in place.
+#[inline]
+fn rms_norm_in_place(x: &mut [f32], w: &[f32], eps: f32, row: &mut Vec<f32>) {
+    grow(row, x.len());
+    let row = &mut row[..x.len()];
+    rms_norm(x, w, eps, row);
+    x.copy_from_slice(row);
+}
+
 /// `h[j] = rms_norm(x[row_j])` for the rows `rows` of `x` (`hidden` wide).
 fn norm_rows(x: &[f32], rows: impl Iterator<Item = usize>, w: &[f32], eps: f32, h: &mut [f32]) {
     let hidden = w.len();
@@ -447,36 +497,58 @@ fn silu(v: f32) -> f32 {
     v * (num / (1.0 + e))
 }
 
+/// GELU, tanh approximation (candle's `gelu`): `v/2 · (1 + tanh(√(2/π) ·
+/// (v + 0.044715 v³)))`, with `tanh(y) = sign(y) · (1 − e^(−2|y|)) / (1 +
+/// e^(−2|y|))` from the kernels' exponential (branch-free, so that it
+/// vectorizes).
 #[inline(always)]
-fn silu_mul_lanes(g: &[f32], u: &[f32], out: &mut [f32]) {
-    for ((o, &g), &u) in out.iter_mut().zip(g).zip(u) {
-        *o = silu(g) * u;
+fn gelu_tanh(v: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    let y = SQRT_2_OVER_PI * v * (1.0 + 0.044_715 * v * v);
+    let e = exp_nonpositive(-2.0 * y.abs());
+    let t = ((1.0 - e) / (1.0 + e)).copysign(y);
+    0.5 * v * (1.0 + t)
+}
+
+#[inline(always)]
+fn act_mul_lanes(act: Activation, g: &[f32], u: &[f32], out: &mut [f32]) {
+    match act {
+        Activation::Silu => {
+            for ((o, &g), &u) in out.iter_mut().zip(g).zip(u) {
+                *o = silu(g) * u;
+            }
+        }
+        Activation::GeluTanh => {
+            for ((o, &g), &u) in out.iter_mut().zip(g).zip(u) {
+                *o = gelu_tanh(g) * u;
+            }
+        }
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-unsafe fn silu_mul_avx512(g: &[f32], u: &[f32], out: &mut [f32]) {
-    silu_mul_lanes(g, u, out)
+unsafe fn act_mul_avx512(act: Activation, g: &[f32], u: &[f32], out: &mut [f32]) {
+    act_mul_lanes(act, g, u, out)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn silu_mul_avx2(g: &[f32], u: &[f32], out: &mut [f32]) {
-    silu_mul_lanes(g, u, out)
+unsafe fn act_mul_avx2(act: Activation, g: &[f32], u: &[f32], out: &mut [f32]) {
+    act_mul_lanes(act, g, u, out)
 }
 
-/// `out[j] = silu(g[j]) · u[j]`, vectorized for the CPU (the same
+/// `out[j] = act(g[j]) · u[j]`, vectorized for the CPU (the same
 /// operations on every instruction set, so the same bits).
-fn silu_mul(isa: Isa, g: &[f32], u: &[f32], out: &mut [f32]) {
+fn act_mul(isa: Isa, act: Activation, g: &[f32], u: &[f32], out: &mut [f32]) {
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Isa` values above Portable come from CPU detection.
-        Isa::Avx512 => unsafe { silu_mul_avx512(g, u, out) },
+        Isa::Avx512 => unsafe { act_mul_avx512(act, g, u, out) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
-        Isa::Avx2 => unsafe { silu_mul_avx2(g, u, out) },
-        _ => silu_mul_lanes(g, u, out),
+        Isa::Avx2 => unsafe { act_mul_avx2(act, g, u, out) },
+        _ => act_mul_lanes(act, g, u, out),
     }
 }
 
@@ -590,13 +662,20 @@ impl Llama {
         }
 
         // Buffers of this step's size.
-        let half = self.inv_freq.len();
+        let half = hd / 2;
+        let post = cfg.block.post_norms;
         grow(&mut fast.x, t * hidden);
         grow(&mut fast.q, t * nh * hd);
         grow(&mut fast.a, t * nh * hd);
         grow(&mut fast.m, t * ffn);
-        grow(&mut fast.cos, t * half);
-        grow(&mut fast.sin, t * half);
+        if post {
+            grow(&mut fast.o, t * hidden);
+        }
+        for ((c, s), f) in fast.cos.iter_mut().zip(&mut fast.sin).zip(&self.inv_freqs) {
+            grow(c, t * half);
+            grow(s, t * half);
+            rope_angles(f, batch.positions, &mut c[..t * half], &mut s[..t * half]);
+        }
         grow(&mut fast.logits, picks * vocab);
         let levels = fast.acts.levels();
         if levels > 0 {
@@ -604,6 +683,7 @@ impl Llama {
             grow(&mut fast.qx, t.max(picks) * widest / 32);
         }
         let shape = AttnShape::new(nh, kvh, hd, bs);
+        let shapes: Vec<AttnShape> = fast.windows.iter().map(|&w| shape.with_window(w)).collect();
         // Tokens in groups whose partial states fit the budget (a long
         // prefill deep in a context would otherwise hold one state per
         // token, head and 128 positions of context at once); the groups
@@ -611,7 +691,8 @@ impl Llama {
         let budget = self
             .attention_budget
             .load(std::sync::atomic::Ordering::Relaxed);
-        let per_token = |p: u32| (p as usize / tessera_kernels::CHUNK + 1) * nh * shape.record();
+        // Global layers' states bound every layer's.
+        let per_token = |p: u32| shape.chunks(p as usize).1 * nh * shape.record();
         let mut groups = Vec::new();
         let (mut a, mut used) = (0, 0);
         for (i, &p) in batch.positions.iter().enumerate() {
@@ -622,37 +703,18 @@ impl Llama {
             used += per_token(p);
         }
         groups.push((a, t));
-        fast.plans
-            .resize_with(groups.len(), || (0, 0, AttnPlan::default()));
         let mut most = 0;
-        for (slot, &(a, b)) in fast.plans.iter_mut().zip(&groups) {
-            slot.2
-                .build(&shape, &batch.token_seq[a..b], &batch.positions[a..b]);
-            (slot.0, slot.1) = (a, b);
-            most = most.max(slot.2.states);
-        }
-        grow(&mut fast.states, most * shape.record());
-        rope_angles(
-            &self.inv_freq,
-            batch.positions,
-            &mut fast.cos[..t * half],
-            &mut fast.sin[..t * half],
-        );
-        {
-            let (st, layout) = self.embed.storage_and_layout();
-            let table = match &*st {
-                Storage::Cpu(CpuStorage::F32(v)) => match layout.contiguous_offsets() {
-                    Some((a, b)) => &v[a..b],
-                    None => return Err(bad("embedding table is not contiguous".into())),
-                },
-                _ => return Err(bad("embedding table is not f32 on the CPU".into())),
-            };
-            for (i, &tok) in batch.tokens.iter().enumerate() {
-                let tok = tok as usize;
-                fast.x[i * hidden..(i + 1) * hidden]
-                    .copy_from_slice(&table[tok * hidden..(tok + 1) * hidden]);
+        for (plans, sh) in fast.plans.iter_mut().zip(&shapes) {
+            plans.resize_with(groups.len(), || (0, 0, AttnPlan::default()));
+            for (slot, &(a, b)) in plans.iter_mut().zip(&groups) {
+                slot.2
+                    .build(sh, &batch.token_seq[a..b], &batch.positions[a..b]);
+                (slot.0, slot.1) = (a, b);
+                most = most.max(slot.2.states);
             }
         }
+        grow(&mut fast.states, most * shape.record());
+        self.embed_into(batch.tokens, &mut fast.x[..t * hidden])?;
 
         // Weight bytes for this step.
         let mut datas: Vec<[Cow<[u8]>; 7]> = Vec::with_capacity(self.layers.len());
@@ -682,12 +744,15 @@ impl Llama {
         let q = Shared::new(&mut fast.q[..t * nh * hd]);
         let a = Shared::new(&mut fast.a[..t * nh * hd]);
         let m = Shared::new(&mut fast.m[..t * ffn]);
+        let ob = Shared::new(&mut fast.o[..if post { t * hidden } else { 0 }]);
+        let act = cfg.block.activation;
         let states = Shared::new(&mut fast.states[..]);
         let logits = Shared::new(&mut fast.logits[..picks * vocab]);
         let qx = Shared::new(&mut fast.qx[..]);
         let packed = |l: &LayerConsts, i: &[usize]| i.iter().any(|&i| l.lins[i].packed.is_some());
-        let (cos, sin) = (&fast.cos[..t * half], &fast.sin[..t * half]);
-        let plans = &fast.plans[..groups.len()];
+        let (cos, sin) = (&fast.cos, &fast.sin);
+        let plans = &fast.plans;
+        let ngroups = groups.len();
         let layers = &fast.layers;
         let locals = &fast.locals;
         let norm = &fast.norm;
@@ -704,13 +769,30 @@ impl Llama {
                 tmp,
                 tmp2,
                 deq,
+                row: nrow,
                 attn,
             } = &mut *local;
             grow(h, t * hidden);
             grow(tmp, t * hd.max(FFN_ROWS));
             grow(tmp2, t * FFN_ROWS);
+            // The post-norm of `ob`'s rows of this worker's tokens, added
+            // to `x` (after the barrier that completed `ob`).
+            let add_normed = |w: &[f32], row: &mut Vec<f32>| {
+                let (i0, i1) = team.share(t);
+                for i in i0..i1 {
+                    // SAFETY: rows i0..i1 are this worker's alone here.
+                    let o = unsafe { ob.part(i * hidden, (i + 1) * hidden) };
+                    rms_norm_in_place(o, w, eps, row);
+                    let xr = unsafe { x.part(i * hidden, (i + 1) * hidden) };
+                    for (xv, &ov) in xr.iter_mut().zip(o.iter()) {
+                        *xv += ov;
+                    }
+                }
+            };
             for (l, (lc, w)) in layers.iter().zip(&weights).enumerate() {
                 let (ck, cv) = raw[l];
+                let (cos, sin) = (&cos[lc.rope][..t * half], &sin[lc.rope][..t * half]);
+                let sh = shapes[lc.wset];
                 // SAFETY (all `Shared` accesses below): each phase writes
                 // disjoint ranges (split by worker or by item), and phases
                 // that read what another wrote are separated by barriers.
@@ -754,6 +836,10 @@ impl Llama {
                                 *v += bb;
                             }
                         }
+                        let head_norm = [&lc.q_norm, &lc.k_norm, &None][which];
+                        if let Some(wn) = head_norm {
+                            rms_norm_in_place(row, wn, eps, nrow);
+                        }
                         if which < 2 {
                             rope(
                                 style,
@@ -774,14 +860,14 @@ impl Llama {
                     }
                 }
                 team.barrier();
-                for (g0, g1, plan) in plans {
+                for (g0, g1, plan) in &plans[lc.wset][..ngroups] {
                     let (g0, g1) = (*g0, *g1);
                     if team.id() == 0 {
                         next_item.store(0, Ordering::Relaxed);
                     }
                     team.barrier();
                     let input = AttnInput {
-                        shape,
+                        shape: sh,
                         q: unsafe { &q.all()[g0 * nh * hd..g1 * nh * hd] },
                         positions: &batch.positions[g0..g1],
                         token_seq: &batch.token_seq[g0..g1],
@@ -804,7 +890,7 @@ impl Llama {
                     let (p0, p1) = team.share((g1 - g0) * nh);
                     for p in p0..p1 {
                         let (i, head) = (p / nh, p % nh);
-                        let chunks = batch.positions[g0 + i] as usize / tessera_kernels::CHUNK + 1;
+                        let (_, chunks) = sh.chunks(batch.positions[g0 + i] as usize);
                         let st = unsafe { states.all() };
                         let first = (plan.base[i] + head) * rec;
                         let at = (g0 * nh + p) * hd;
@@ -816,10 +902,21 @@ impl Llama {
                 let av = unsafe { a.all() };
                 let qa = quantize(team, packed(lc, &[3]), levels, av, t, nh * hd, qown, &qx);
                 let rows = share_rows(team, hidden);
-                lc.lins[3].apply(isa, &w[3], av, qa, t, rows, deq, &mut |i, r, v| unsafe {
-                    let at = i * hidden + r;
-                    x.set(at, x.get(at) + v)
-                });
+                match &lc.post_attn {
+                    None => {
+                        lc.lins[3].apply(isa, &w[3], av, qa, t, rows, deq, &mut |i, r, v| unsafe {
+                            let at = i * hidden + r;
+                            x.set(at, x.get(at) + v)
+                        })
+                    }
+                    Some(pn) => {
+                        lc.lins[3].apply(isa, &w[3], av, qa, t, rows, deq, &mut |i, r, v| unsafe {
+                            ob.set(i * hidden + r, v)
+                        });
+                        team.barrier();
+                        add_normed(pn, nrow);
+                    }
+                }
                 team.barrier();
                 norm_rows(unsafe { x.all() }, 0..t, &lc.ffn_norm, eps, h);
                 let qh = quantize(team, packed(lc, &[4, 5]), levels, h, t, hidden, qown, &qx);
@@ -837,7 +934,7 @@ impl Llama {
                     for i in 0..t {
                         let out = unsafe { m.part(i * ffn + r, i * ffn + e) };
                         let row = i * n..(i + 1) * n;
-                        silu_mul(isa.0, &tmp[row.clone()], &tmp2[row], out);
+                        act_mul(isa.0, act, &tmp[row.clone()], &tmp2[row], out);
                     }
                     r = e;
                 }
@@ -845,10 +942,21 @@ impl Llama {
                 let mv = unsafe { m.all() };
                 let qm = quantize(team, packed(lc, &[6]), levels, mv, t, ffn, qown, &qx);
                 let rows = share_rows(team, hidden);
-                lc.lins[6].apply(isa, &w[6], mv, qm, t, rows, deq, &mut |i, r, v| unsafe {
-                    let at = i * hidden + r;
-                    x.set(at, x.get(at) + v)
-                });
+                match &lc.post_ffn {
+                    None => {
+                        lc.lins[6].apply(isa, &w[6], mv, qm, t, rows, deq, &mut |i, r, v| unsafe {
+                            let at = i * hidden + r;
+                            x.set(at, x.get(at) + v)
+                        })
+                    }
+                    Some(pn) => {
+                        lc.lins[6].apply(isa, &w[6], mv, qm, t, rows, deq, &mut |i, r, v| unsafe {
+                            ob.set(i * hidden + r, v)
+                        });
+                        team.barrier();
+                        add_normed(pn, nrow);
+                    }
+                }
                 team.barrier();
             }
             if picks > 0 {

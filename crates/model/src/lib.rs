@@ -19,7 +19,7 @@ pub mod testing;
 mod tests;
 mod tokenizer;
 
-pub use config::{Arch, ModelConfig, RopeScaling};
+pub use config::{Activation, Arch, Block, ModelConfig, RopeScaling};
 pub use error::{without_backtrace, ModelError, Result};
 pub use llama::{Attention, Batch, DenseKv, LayerKv, Llama, PagedAttention};
 pub use loader::{GgufFile, HfDir};

@@ -1,6 +1,8 @@
-//! The Llama family (Llama 2/3.x, SmolLM2, Mistral, Qwen2/2.5) in one model
-//! file: RMSNorm, GQA attention with RoPE, SwiGLU MLP, optional q/k/v
-//! biases (Qwen2), tied or separate output head.
+//! The Llama family (Llama 2/3.x, SmolLM2, Mistral, Qwen2/2.5) and Gemma 3
+//! in one model file: RMSNorm, GQA attention with RoPE, gated MLP,
+//! optional q/k/v biases (Qwen2), tied or separate output head; Gemma 3
+//! adds (`config::Block`) scaled embeddings, q/k norms, post-norms, a GELU
+//! gate, and sliding-window layers with their own RoPE base.
 //!
 //! Attention goes through an [`Attention`] backend: [`PagedAttention`]
 //! writes each layer's new K/V into the paged cache and reads context
@@ -13,7 +15,7 @@ use std::sync::{Mutex, OnceLock};
 use candle_core::{DType, Device, Tensor, D};
 use tessera_kernels::{paged_attention, write_kv, Activations, PagedMeta, RopeStyle};
 
-use crate::config::ModelConfig;
+use crate::config::{Activation, ModelConfig};
 use crate::fast::Fast;
 use crate::loader::{Source, W};
 use crate::qlinear::QLinear;
@@ -32,16 +34,24 @@ pub(crate) struct Layer {
     pub(crate) gate: QLinear,
     pub(crate) up: QLinear,
     pub(crate) down: QLinear,
+    /// Gemma 3's norms (`Block::qk_norm`, `Block::post_norms`).
+    pub(crate) q_norm: Option<Tensor>,
+    pub(crate) k_norm: Option<Tensor>,
+    pub(crate) post_attn_norm: Option<Tensor>,
+    pub(crate) post_ffn_norm: Option<Tensor>,
 }
 
 /// The weights of a loaded model.
 pub struct Llama {
     pub(crate) cfg: ModelConfig,
-    pub(crate) embed: Tensor,
+    /// The embedding table, read a row at a time.
+    pub(crate) embed: QLinear,
     pub(crate) layers: Vec<Layer>,
     pub(crate) norm: Tensor,
     pub(crate) lm_head: QLinear,
-    pub(crate) inv_freq: Vec<f32>,
+    /// The distinct RoPE frequency sets and each layer's.
+    pub(crate) inv_freqs: Vec<Vec<f32>>,
+    pub(crate) layer_rope: Vec<usize>,
     pub(crate) device: Device,
     /// The CPU fast path's pool and buffers (built on first use).
     fast: Mutex<Option<Fast>>,
@@ -112,6 +122,8 @@ pub struct PagedAttention<'a> {
     pub cache: &'a [LayerKv],
     pub batch: &'a Batch<'a>,
     pub scale: f32,
+    /// Each layer's sliding window (0: none).
+    pub windows: &'a [usize],
 }
 
 impl Attention for PagedAttention<'_> {
@@ -126,6 +138,7 @@ impl Attention for PagedAttention<'_> {
             token_seq: self.batch.token_seq,
             token_pos: self.batch.positions,
             scale: self.scale,
+            window: self.windows.get(layer).copied().unwrap_or(0),
         };
         Ok(paged_attention(q, &c.k, &c.v, &meta)?)
     }
@@ -152,6 +165,7 @@ struct DenseAttention<'a> {
     start: usize,
     n_rep: usize,
     scale: f64,
+    windows: &'a [usize],
 }
 
 impl Attention for DenseAttention<'_> {
@@ -179,10 +193,11 @@ impl Attention for DenseAttention<'_> {
         let (k, v) = (repeat(&k)?, repeat(&v)?);
         let scores = (q.matmul(&k.t()?)? * self.scale)?;
         let start = self.start;
+        let window = self.windows.get(layer).copied().unwrap_or(0);
         let mask: Vec<f32> = (0..t)
             .flat_map(|i| {
                 (0..total).map(move |j| {
-                    if j > start + i {
+                    if j > start + i || j < tessera_kernels::window_start(start + i, window) {
                         f32::NEG_INFINITY
                     } else {
                         0.0
@@ -214,17 +229,15 @@ impl Llama {
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Llama> {
         let total = cfg.n_layers + 2;
-        let (embed, tied_head) = src.embedding(device)?;
+        let embed = src.embedding(device)?;
         progress(1, total);
         let mut layers = Vec::with_capacity(cfg.n_layers);
         for l in 0..cfg.n_layers {
-            let bias = |src: &mut Source, w: W| -> Result<Option<Tensor>> {
-                Ok(if cfg.qkv_bias {
-                    Some(src.vector(w, device)?)
-                } else {
-                    None
-                })
+            let maybe = |src: &mut Source, on: bool, w: W| -> Result<Option<Tensor>> {
+                Ok(if on { Some(src.vector(w, device)?) } else { None })
             };
+            let bias = |src: &mut Source, w: W| maybe(src, cfg.qkv_bias, w);
+            let (qk, post) = (cfg.block.qk_norm, cfg.block.post_norms);
             layers.push(Layer {
                 attn_norm: src.vector(W::AttnNorm(l), device)?,
                 q: src.matmul(W::Q(l), device)?,
@@ -238,6 +251,10 @@ impl Llama {
                 gate: src.matmul(W::Gate(l), device)?,
                 up: src.matmul(W::Up(l), device)?,
                 down: src.matmul(W::Down(l), device)?,
+                q_norm: maybe(src, qk, W::QNorm(l))?,
+                k_norm: maybe(src, qk, W::KNorm(l))?,
+                post_attn_norm: maybe(src, post, W::PostAttnNorm(l))?,
+                post_ffn_norm: maybe(src, post, W::PostFfnNorm(l))?,
             });
             progress(l + 2, total);
         }
@@ -245,17 +262,32 @@ impl Llama {
         let lm_head = if src.has(W::Output) {
             src.matmul(W::Output, device)?
         } else {
-            tied_head
+            embed.clone()
         };
         progress(total, total);
-        let inv_freq = cfg.inv_freq();
+        let (mut inv_freqs, mut layer_rope) = (Vec::<Vec<f32>>::new(), Vec::new());
+        for l in 0..cfg.n_layers {
+            let f = cfg.layer_inv_freq(l);
+            let i = match inv_freqs.iter().position(|g| *g == f) {
+                Some(i) => i,
+                None => {
+                    inv_freqs.push(f);
+                    inv_freqs.len() - 1
+                }
+            };
+            layer_rope.push(i);
+        }
+        if inv_freqs.is_empty() {
+            inv_freqs.push(cfg.inv_freq());
+        }
         Ok(Llama {
             cfg,
             embed,
             layers,
             norm,
             lm_head,
-            inv_freq,
+            inv_freqs,
+            layer_rope,
             device: device.clone(),
             fast: Mutex::new(None),
             attention_budget: AtomicUsize::new(ATTENTION_BUDGET),
@@ -271,9 +303,30 @@ impl Llama {
         &self.device
     }
 
-    /// RoPE inverse frequencies (scaling applied), for K-shift rotations.
-    pub fn inv_freq(&self) -> &[f32] {
-        &self.inv_freq
+    /// Layer `l`'s RoPE inverse frequencies (scaling applied), for K-shift
+    /// rotations.
+    pub fn inv_freq(&self, l: usize) -> &[f32] {
+        &self.inv_freqs[self.layer_rope.get(l).copied().unwrap_or(0)]
+    }
+
+    /// Each layer's sliding window (0: a global layer).
+    pub fn windows(&self) -> Vec<usize> {
+        (0..self.cfg.n_layers)
+            .map(|l| self.cfg.layer_window(l).unwrap_or(0))
+            .collect()
+    }
+
+    /// Embeddings of `tokens` (scaled as the architecture asks):
+    /// `tokens.len() · hidden` values into `out`.
+    pub(crate) fn embed_into(&self, tokens: &[u32], out: &mut [f32]) -> Result<()> {
+        self.embed.rows(tokens, out)?;
+        let s = self.cfg.block.embed_scale;
+        if s != 1.0 {
+            out[..tokens.len() * self.cfg.hidden_size]
+                .iter_mut()
+                .for_each(|x| *x *= s);
+        }
+        Ok(())
     }
 
     /// Allocates a zeroed paged cache of `num_blocks` blocks per layer.
@@ -375,10 +428,12 @@ impl Llama {
     /// The reference forward in candle ops (any device): what the fast
     /// path is tested against.
     pub fn forward_reference(&self, batch: &Batch, cache: &[LayerKv]) -> Result<Tensor> {
+        let windows = self.windows();
         let mut attn = PagedAttention {
             cache,
             batch,
             scale: self.scale(),
+            windows: &windows,
         };
         let picks = Tensor::new(batch.logits_for, &self.device)?;
         self.run(batch.tokens, batch.positions, &mut attn, &picks)
@@ -390,11 +445,13 @@ impl Llama {
         let start = kv.len;
         let positions: Vec<u32> = (start..start + tokens.len()).map(|p| p as u32).collect();
         let n_rep = self.cfg.n_heads / self.cfg.n_kv_heads;
+        let windows = self.windows();
         let mut attn = DenseAttention {
             kv,
             start,
             n_rep,
             scale: self.scale() as f64,
+            windows: &windows,
         };
         let picks = Tensor::new(&[tokens.len() as u32 - 1], &self.device)?;
         let out = self.run(tokens, &positions, &mut attn, &picks)?;
@@ -403,11 +460,11 @@ impl Llama {
     }
 
     /// `cos`/`sin` of each token's angles: `[T, 1, head_dim / 2]`.
-    fn rope_tables(&self, positions: &[u32]) -> Result<(Tensor, Tensor)> {
-        let half = self.inv_freq.len();
+    fn rope_tables(&self, inv_freq: &[f32], positions: &[u32]) -> Result<(Tensor, Tensor)> {
+        let half = inv_freq.len();
         let mut cos = vec![0f32; positions.len() * half];
         let mut sin = vec![0f32; positions.len() * half];
-        rope_angles(&self.inv_freq, positions, &mut cos, &mut sin);
+        rope_angles(inv_freq, positions, &mut cos, &mut sin);
         let shape = (positions.len(), 1, half);
         Ok((
             Tensor::from_vec(cos, shape, &self.device)?,
@@ -437,23 +494,41 @@ impl Llama {
         let cfg = &self.cfg;
         let t = tokens.len();
         let (nh, kvh, hd) = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim);
-        let ids = Tensor::new(tokens, &self.device)?;
-        let mut x = self.embed.index_select(&ids, 0)?;
-        let (cos, sin) = self.rope_tables(positions)?;
+        let mut x = vec![0f32; t * cfg.hidden_size];
+        self.embed_into(tokens, &mut x)?;
+        let mut x = Tensor::from_vec(x, (t, cfg.hidden_size), &self.device)?;
+        let tables = self
+            .inv_freqs
+            .iter()
+            .map(|f| self.rope_tables(f, positions))
+            .collect::<Result<Vec<_>>>()?;
         let eps = cfg.rms_eps as f32;
+        let norm = |x: &Tensor, w: &Option<Tensor>| -> Result<Tensor> {
+            Ok(match w {
+                Some(w) => candle_nn::ops::rms_norm(&x.contiguous()?, w, eps)?,
+                None => x.clone(),
+            })
+        };
         for (l, layer) in self.layers.iter().enumerate() {
+            let (cos, sin) = &tables[self.layer_rope[l]];
             let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, eps)?;
             let q = linear(&layer.q, &h, layer.q_bias.as_ref())?.reshape((t, nh, hd))?;
             let k = linear(&layer.k, &h, layer.k_bias.as_ref())?.reshape((t, kvh, hd))?;
             let v = linear(&layer.v, &h, layer.v_bias.as_ref())?.reshape((t, kvh, hd))?;
-            let q = self.rope(&q, &cos, &sin)?;
-            let k = self.rope(&k, &cos, &sin)?;
+            let q = self.rope(&norm(&q, &layer.q_norm)?, cos, sin)?;
+            let k = self.rope(&norm(&k, &layer.k_norm)?, cos, sin)?;
             let a = attn.attend(l, &q, &k, &v.contiguous()?)?;
-            x = (x + layer.o.forward(&a.reshape((t, nh * hd))?)?)?;
+            let o = layer.o.forward(&a.reshape((t, nh * hd))?)?;
+            x = (x + norm(&o, &layer.post_attn_norm)?)?;
             let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, eps)?;
-            let g = layer.gate.forward(&h)?.silu()?;
+            let g = layer.gate.forward(&h)?;
+            let g = match cfg.block.activation {
+                Activation::Silu => g.silu()?,
+                Activation::GeluTanh => g.gelu()?,
+            };
             let u = layer.up.forward(&h)?;
-            x = (x + layer.down.forward(&(g * u)?)?)?;
+            let d = layer.down.forward(&(g * u)?)?;
+            x = (x + norm(&d, &layer.post_ffn_norm)?)?;
         }
         if picks.dim(0)? == 0 {
             return Ok(Tensor::zeros(

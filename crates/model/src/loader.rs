@@ -11,7 +11,7 @@ use std::sync::Arc;
 use candle_core::quantized::{gguf_file, QTensor};
 use candle_core::{DType, Device, Tensor};
 
-use crate::config::{Arch, HfConfig, ModelConfig, RopeScaling};
+use crate::config::{Activation, Arch, Block, HfConfig, ModelConfig, RopeScaling};
 use crate::qlinear::QLinear;
 use crate::{ModelError, Result};
 use tessera_kernels::RopeStyle;
@@ -34,6 +34,12 @@ pub(crate) enum W {
     Gate(usize),
     Up(usize),
     Down(usize),
+    /// Gemma 3: per-head RMSNorm weights of queries and keys.
+    QNorm(usize),
+    KNorm(usize),
+    /// Gemma 3: RMSNorm of the attention and FFN outputs.
+    PostAttnNorm(usize),
+    PostFfnNorm(usize),
 }
 
 impl W {
@@ -54,6 +60,10 @@ impl W {
             W::Gate(l) => format!("blk.{l}.ffn_gate.weight"),
             W::Up(l) => format!("blk.{l}.ffn_up.weight"),
             W::Down(l) => format!("blk.{l}.ffn_down.weight"),
+            W::QNorm(l) => format!("blk.{l}.attn_q_norm.weight"),
+            W::KNorm(l) => format!("blk.{l}.attn_k_norm.weight"),
+            W::PostAttnNorm(l) => format!("blk.{l}.post_attention_norm.weight"),
+            W::PostFfnNorm(l) => format!("blk.{l}.post_ffw_norm.weight"),
         }
     }
 
@@ -75,6 +85,10 @@ impl W {
             W::Gate(l) => p(l, "mlp.gate_proj.weight"),
             W::Up(l) => p(l, "mlp.up_proj.weight"),
             W::Down(l) => p(l, "mlp.down_proj.weight"),
+            W::QNorm(l) => p(l, "self_attn.q_norm.weight"),
+            W::KNorm(l) => p(l, "self_attn.k_norm.weight"),
+            W::PostAttnNorm(l) => p(l, "post_attention_layernorm.weight"),
+            W::PostFfnNorm(l) => p(l, "post_feedforward_layernorm.weight"),
         }
     }
 }
@@ -307,10 +321,11 @@ impl GgufFile {
             rope_theta: self.meta_f32(&k("rope.freq_base")).unwrap_or(10_000.0),
             rope_scaling,
             // llama.cpp: LLM_ARCH_LLAMA / MISTRAL use LLAMA_ROPE_TYPE_NORM
-            // (adjacent pairs; the converter permuted Q/K), QWEN2 uses NEOX.
+            // (adjacent pairs; the converter permuted Q/K), QWEN2 and
+            // GEMMA3 use NEOX.
             rope_style: match arch {
                 Arch::Llama | Arch::Mistral => RopeStyle::Interleaved,
-                Arch::Qwen2 => RopeStyle::Neox,
+                Arch::Qwen2 | Arch::Gemma3 => RopeStyle::Neox,
             },
             context_length: self
                 .meta_u32(&k("context_length"))
@@ -318,6 +333,21 @@ impl GgufFile {
                 .unwrap_or(4096),
             tie_embeddings: !self.content.tensor_infos.contains_key("output.weight"),
             qkv_bias: self.content.tensor_infos.contains_key("blk.0.attn_q.bias"),
+            block: match arch {
+                // llama.cpp's gemma3 graph: embeddings scaled by sqrtf(n_embd),
+                // q/k norms, post-norms, GELU (tanh) gate, five sliding
+                // layers of every six with base 10,000.
+                Arch::Gemma3 => Block {
+                    activation: Activation::GeluTanh,
+                    qk_norm: true,
+                    post_norms: true,
+                    embed_scale: (hidden as f32).sqrt(),
+                    sliding_window: self.meta_u32(&k("attention.sliding_window"))? as usize,
+                    swa_pattern: 6,
+                    rope_theta_swa: 10_000.0,
+                },
+                _ => Block::llama(),
+            },
         };
         cfg.validate()?;
         Ok(cfg)
@@ -429,19 +459,14 @@ impl Source<'_> {
         self.dense(w, device)
     }
 
-    /// The embedding table as f32 for lookups, and the projection that
-    /// serves as the output head when embeddings are tied.
-    pub fn embedding(&mut self, device: &Device) -> Result<(Tensor, QLinear)> {
+    /// The embedding table (looked up a row at a time, never dequantized
+    /// whole), which is also the output head when embeddings are tied.
+    pub fn embedding(&mut self, device: &Device) -> Result<QLinear> {
         match self {
-            Source::Gguf(g) => {
-                let q = Arc::new(g.qtensor(&W::Embed.gguf(), device)?);
-                let table = q.dequantize(device)?;
-                Ok((table, QLinear::Quantized(q)))
-            }
-            Source::Hf(_) => {
-                let t = self.vector(W::Embed, device)?;
-                Ok((t.clone(), QLinear::Dense(t)))
-            }
+            Source::Gguf(g) => Ok(QLinear::Quantized(Arc::new(
+                g.qtensor(&W::Embed.gguf(), device)?,
+            ))),
+            Source::Hf(_) => Ok(QLinear::Dense(self.vector(W::Embed, device)?)),
         }
     }
 }

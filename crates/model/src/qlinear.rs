@@ -15,7 +15,7 @@
 use std::sync::Arc;
 
 use candle_core::quantized::QTensor;
-use candle_core::{DType, Tensor};
+use candle_core::{CpuStorage, DType, Storage, Tensor};
 use rayon::prelude::*;
 use tessera_kernels::{matvec, Isa, WeightFormat, Weights};
 
@@ -25,6 +25,7 @@ use crate::Result;
 const GEMM_ROWS: usize = 4;
 
 /// `y = x · Wᵀ` with `W` of shape `[out, in]`.
+#[derive(Clone)]
 pub enum QLinear {
     Quantized(Arc<QTensor>),
     Dense(Tensor),
@@ -36,6 +37,49 @@ impl QLinear {
             QLinear::Quantized(w) => w.shape().dims()[0],
             QLinear::Dense(w) => w.dims()[0],
         }
+    }
+
+    /// Rows `ids` of the weight as f32, one after another into `out`
+    /// (`ids.len() · in` values): an embedding lookup that dequantizes
+    /// only the rows it reads. Ids are checked.
+    pub fn rows(&self, ids: &[u32], out: &mut [f32]) -> Result<()> {
+        let (n, k) = match self {
+            QLinear::Quantized(w) => w.shape().dims2()?,
+            QLinear::Dense(w) => w.dims2()?,
+        };
+        if let Some(&id) = ids.iter().find(|&&id| id as usize >= n) {
+            return Err(crate::ModelError::Config(format!(
+                "token id {id} outside the vocabulary of {n}"
+            )));
+        }
+        let out = &mut out[..ids.len() * k];
+        match self {
+            QLinear::Quantized(w) => {
+                let data = w.data()?;
+                let weights = Weights::new(WeightFormat::from_ggml(w.dtype()), &data, n, k)?;
+                for (&id, o) in ids.iter().zip(out.chunks_exact_mut(k)) {
+                    weights.dequantize_row(id as usize, o);
+                }
+            }
+            QLinear::Dense(w) => {
+                let (st, layout) = w.storage_and_layout();
+                let table = match (&*st, layout.contiguous_offsets()) {
+                    (Storage::Cpu(CpuStorage::F32(v)), Some((a, b))) => &v[a..b],
+                    _ => {
+                        drop(st);
+                        let ids = Tensor::new(ids, w.device())?;
+                        let rows = w.index_select(&ids, 0)?.to_dtype(DType::F32)?;
+                        out.copy_from_slice(&rows.flatten_all()?.to_vec1::<f32>()?);
+                        return Ok(());
+                    }
+                };
+                for (&id, o) in ids.iter().zip(out.chunks_exact_mut(k)) {
+                    let r = id as usize;
+                    o.copy_from_slice(&table[r * k..(r + 1) * k]);
+                }
+            }
+        }
+        Ok(())
     }
 
     /// `x`: `[T, in]` f32 → `[T, out]` f32.
@@ -120,6 +164,16 @@ mod tests {
                     .to_scalar::<f32>()?;
                 assert!(d < 1e-3, "{dtype:?} t={t}: {d}");
             }
+            // Row lookups give the dequantized rows exactly.
+            let ids = [5u32, 0, 47, 5];
+            let mut got = vec![0f32; ids.len() * k];
+            QLinear::Quantized(q.clone()).rows(&ids, &mut got)?;
+            let want = dense.index_select(&Tensor::new(&ids[..], &dev)?, 0)?;
+            assert_eq!(got, want.flatten_all()?.to_vec1::<f32>()?, "{dtype:?}");
+            let mut dense_got = vec![0f32; ids.len() * k];
+            QLinear::Dense(dense.clone()).rows(&ids, &mut dense_got)?;
+            assert_eq!(got, dense_got);
+            assert!(QLinear::Dense(dense.clone()).rows(&[48], &mut got).is_err());
         }
         Ok(())
     }

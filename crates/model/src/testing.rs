@@ -215,11 +215,18 @@ pub fn write_tiny_model(dir: &Path, spec: TinySpec) -> Result<()> {
     Ok(())
 }
 
+/// The sliding window of the tiny Gemma 3 GGUF files (short, so that
+/// tests of a few dozen tokens cross it).
+pub const TINY_WINDOW: usize = 5;
+
 /// Converts a tiny model written by [`write_tiny_model`] to a GGUF file the
 /// way llama.cpp's converter does: Q and K rows permuted from Hugging Face's
 /// half-split RoPE layout to adjacent pairs, weights stored as `dtype`, the
 /// tokenizer as `tokenizer.ggml.*` metadata. `arch` is written as
-/// `general.architecture` (tests use an unsupported one too).
+/// `general.architecture` (tests use an unsupported one too). With
+/// `"gemma3"`, Q and K stay in the half-split layout (NEOX, as llama.cpp
+/// runs Gemma), and the file gets Gemma's q/k norms and post-norms (seeded
+/// weights near 1) and a sliding window of [`TINY_WINDOW`].
 pub fn write_tiny_gguf(
     hf_dir: &Path,
     out: &Path,
@@ -251,6 +258,15 @@ pub fn write_tiny_gguf(
             .transpose(1, 2)?
             .reshape((rows, cols))?)
     };
+    let gemma = arch == "gemma3";
+    let permute = |t: &Tensor, n: usize| -> Result<Tensor> {
+        if gemma {
+            Ok(t.clone())
+        } else {
+            permute(t, n)
+        }
+    };
+    let mut seed = 0x5EED_u64;
     let mut tensors: Vec<(String, QTensor)> = Vec::new();
     let mut put = |name: String, t: Tensor, quantize: bool| -> Result<()> {
         let t = t.to_dtype(DType::F32)?;
@@ -305,6 +321,16 @@ pub fn write_tiny_gguf(
         put(g("ffn_gate.weight"), hf(&p("mlp.gate_proj.weight"))?, true)?;
         put(g("ffn_up.weight"), hf(&p("mlp.up_proj.weight"))?, true)?;
         put(g("ffn_down.weight"), hf(&p("mlp.down_proj.weight"))?, true)?;
+        if gemma {
+            for (name, n) in [
+                ("attn_q_norm.weight", head_dim),
+                ("attn_k_norm.weight", head_dim),
+                ("post_attention_norm.weight", hidden),
+                ("post_ffw_norm.weight", hidden),
+            ] {
+                put(g(name), (seeded(&[n], &mut seed, 0.3)? + 1.0)?, false)?;
+            }
+        }
     }
     let (tok, vocab) = tiny_tokenizer()?;
     let tokens: Vec<Value> = (0..vocab as u32)
@@ -340,7 +366,12 @@ pub fn write_tiny_gguf(
         (a("attention.head_count"), Value::U32(heads as u32)),
         (a("attention.head_count_kv"), Value::U32(kv_heads as u32)),
         (a("attention.layer_norm_rms_epsilon"), Value::F32(1e-5)),
-        (a("rope.freq_base"), Value::F32(10000.0)),
+        // Gemma's global layers a base of their own (its sliding ones
+        // keep 10,000), so that the two RoPE tables differ.
+        (
+            a("rope.freq_base"),
+            Value::F32(if gemma { 1e6 } else { 10000.0 }),
+        ),
         (a("rope.dimension_count"), Value::U32(head_dim as u32)),
         ("tokenizer.ggml.model".into(), Value::String("gpt2".into())),
         ("tokenizer.ggml.pre".into(), Value::String("default".into())),
@@ -351,6 +382,13 @@ pub fn write_tiny_gguf(
         ("tokenizer.ggml.eos_token_id".into(), id("<|im_end|>")),
         ("tokenizer.ggml.add_bos_token".into(), Value::Bool(false)),
     ];
+    let mut meta = meta;
+    if gemma {
+        meta.push((
+            a("attention.sliding_window"),
+            Value::U32(TINY_WINDOW as u32),
+        ));
+    }
     let meta_refs: Vec<(&str, &Value)> = meta.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let tensor_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let mut f = std::fs::File::create(out).map_err(|e| ModelError::Io {

@@ -77,6 +77,61 @@ fn paged_equals_dense_and_chunking_does_not_matter() {
     }
 }
 
+/// Gemma 3's block on tiny GGUF files: the configuration (five sliding
+/// layers of six, NEOX RoPE, a table per base), the paged cache equal to the
+/// dense reference in any prefill chunking, and the window enforced: with
+/// every layer sliding, a token's logits cannot depend on tokens further
+/// back than the layers' combined reach.
+#[test]
+fn gemma3_block_paged_equals_dense_and_the_window_holds() {
+    use crate::testing::{prefill_logits, TINY_WINDOW};
+    for layers in [6, 2] {
+        let dir = tempdir::Dir::new();
+        write_tiny_model(
+            dir.path(),
+            TinySpec {
+                layers,
+                seed: 9,
+                ..TinySpec::default()
+            },
+        )
+        .unwrap();
+        let path = dir.path().join("tiny-gemma3.gguf");
+        write_tiny_gguf(dir.path(), &path, GgmlDType::F32, "gemma3").unwrap();
+        let m = Model::load(&path, &mut |_, _| {}).unwrap();
+        let c = m.config();
+        assert_eq!(c.arch, crate::Arch::Gemma3);
+        assert_eq!(c.rope_style, tessera_kernels::RopeStyle::Neox);
+        let windows: Vec<usize> = m.llama.windows();
+        let want: Vec<usize> = (0..layers)
+            .map(|l| if l % 6 == 5 { 0 } else { TINY_WINDOW })
+            .collect();
+        assert_eq!(windows, want);
+        assert_ne!(m.llama.inv_freq(0), c.inv_freq().as_slice());
+        assert_eq!(m.llama.inv_freq(layers - 1) == c.inv_freq(), layers == 6);
+        let prompt: Vec<u32> = (0..21).map(|i| (i * 11 + 4) % 150).collect();
+        let (dense, dl) = dense_greedy(&m.llama, &prompt, 16).unwrap();
+        for chunk in [usize::MAX, 7, 1] {
+            let (paged, pl) = paged_greedy(&m.llama, &prompt, 16, chunk, DType::F32).unwrap();
+            assert_eq!(paged, dense, "{layers} layers, chunk {chunk}");
+            let d = max_diff(&pl, &dl);
+            assert!(d < 1e-3, "{layers} layers, chunk {chunk}: logits differ by {d}");
+        }
+        if layers == 2 {
+            // Each sliding layer reaches TINY_WINDOW - 1 positions back.
+            let reach = layers * (TINY_WINDOW - 1);
+            let mut other = prompt.clone();
+            other[0] = (other[0] + 1) % 150;
+            let a = prefill_logits(&m.llama, &prompt, DType::F32).unwrap();
+            let b = prefill_logits(&m.llama, &other, DType::F32).unwrap();
+            for p in 0..prompt.len() {
+                let same = a[p] == b[p];
+                assert_eq!(same, p > reach, "position {p}, reach {reach}");
+            }
+        }
+    }
+}
+
 #[test]
 fn gguf_conversion_matches_safetensors() {
     let dir = tempdir::Dir::new();
@@ -544,24 +599,38 @@ fn fast_forward_matches_the_candle_reference() {
         ..TinySpec::default()
     };
     write_tiny_model(wide.path(), spec).unwrap();
+    let gemma = tempdir::Dir::new();
+    write_tiny_model(
+        gemma.path(),
+        TinySpec {
+            hidden: 256,
+            layers: 6,
+            ..TinySpec::default()
+        },
+    )
+    .unwrap();
     let mut models = vec![(
         "safetensors".to_string(),
         Model::load(dir.path(), &mut |_, _| {}).unwrap(),
     )];
-    for (dtype, hf) in [
-        (GgmlDType::Q4_1, &dir),
-        (GgmlDType::Q8_0, &dir),
-        (GgmlDType::Q4_0, &dir),
-        (GgmlDType::Q5_0, &dir),
-        (GgmlDType::F32, &wide),
-        (GgmlDType::Q4K, &wide),
-        (GgmlDType::Q5K, &wide),
-        (GgmlDType::Q6K, &wide),
+    for (dtype, hf, arch) in [
+        (GgmlDType::Q4_1, &dir, "llama"),
+        (GgmlDType::Q8_0, &dir, "llama"),
+        (GgmlDType::Q4_0, &dir, "llama"),
+        (GgmlDType::Q5_0, &dir, "llama"),
+        (GgmlDType::F32, &wide, "llama"),
+        (GgmlDType::Q4K, &wide, "llama"),
+        (GgmlDType::Q5K, &wide, "llama"),
+        (GgmlDType::Q6K, &wide, "llama"),
+        // Gemma 3's block: five sliding layers (window 5, crossed many
+        // times by 40 tokens) and one global, two RoPE tables.
+        (GgmlDType::Q8_0, &gemma, "gemma3"),
+        (GgmlDType::Q4K, &gemma, "gemma3"),
     ] {
-        let out = hf.path().join(format!("tiny-{dtype:?}.gguf"));
-        write_tiny_gguf(hf.path(), &out, dtype, "llama").unwrap();
+        let out = hf.path().join(format!("tiny-{dtype:?}-{arch}.gguf"));
+        write_tiny_gguf(hf.path(), &out, dtype, arch).unwrap();
         models.push((
-            format!("{dtype:?}"),
+            format!("{dtype:?} {arch}"),
             Model::load(&out, &mut |_, _| {}).unwrap(),
         ));
     }
