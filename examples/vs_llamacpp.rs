@@ -46,6 +46,18 @@ const PREFILL_RUNS: usize = 5;
 const DECODE_RUNS: usize = 3;
 const SHARED_RUNS: usize = 3;
 const CHAT_RUNS: usize = 3;
+/// The completion prompts whose greedy continuations the engines compare
+/// (`COMPLETION_TOKENS` each, BOS as the model asks).
+const COMPLETIONS: &[&str] = &[
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+    "Water boils at a temperature of",
+    "The quick brown fox",
+];
+const COMPLETION_TOKENS: usize = 32;
+const LONG_COMPLETION: usize = 1500;
 /// Tokens per llama.cpp decode call (and its context's batch size).
 const LLAMA_BATCH: usize = 512;
 
@@ -321,7 +333,12 @@ fn bench_model(
     let reuse = tessera_engine(model_path, true)?;
     let plain = tessera_engine(model_path, false)?;
     let model = reuse.model();
-    let mut candle = Candle::load(model_path)?;
+    // candle's quantized_llama runs the Llama family only: the full runs.
+    let mut candle = if full {
+        Some(Candle::load(model_path)?)
+    } else {
+        None
+    };
     let lmodel = LlamaModel::load_from_file(backend, model_path, &LlamaModelParams::default())
         .with_context(|| format!("llama.cpp loading {}", model_path.display()))?;
     let cparams = LlamaContextParams::default()
@@ -380,7 +397,7 @@ fn bench_model(
             let (first, s) = llama.prompt(0, &ids)?;
             first_l = first;
             l.push(PREFILL_TOKENS as f64 / s);
-            if full {
+            if let Some(candle) = candle.as_mut() {
                 c.push(PREFILL_TOKENS as f64 / candle.prefill(&ids)?);
             }
         }
@@ -418,7 +435,7 @@ fn bench_model(
             let s = Instant::now();
             toks_l = llama.reply(0, first, DECODE_TOKENS + 1, false)?;
             l.push(DECODE_TOKENS as f64 / s.elapsed().as_secs_f64());
-            if full {
+            if let Some(candle) = candle.as_mut() {
                 let (secs, toks) = candle.decode(&short, DECODE_TOKENS)?;
                 toks_c = toks;
                 c.push(DECODE_TOKENS as f64 / secs);
@@ -448,6 +465,65 @@ fn bench_model(
             false,
             full.then_some(c),
         ));
+    }
+
+    if enabled("agreement") {
+        println!(
+            "agreement: greedy completions of {} prompts",
+            COMPLETIONS.len()
+        );
+        let (mut same, mut of) = (0, 0);
+        // And one prompt of LONG_COMPLETION tokens of the perplexity text,
+        // past Gemma 3's 512-token window.
+        let book = std::fs::read_to_string("data/pride-and-prejudice.txt")?;
+        let cut = book
+            .char_indices()
+            .nth(LONG_COMPLETION * 8)
+            .map_or(book.len(), |(i, _)| i);
+        let mut long = model
+            .tokenizer
+            .encode(&book[..cut], Special::AsText, true)?;
+        long.truncate(LONG_COMPLETION);
+        let prompts = COMPLETIONS
+            .iter()
+            .map(|t| {
+                Ok((
+                    t.to_string(),
+                    model.tokenizer.encode(t, Special::AsText, true)?,
+                ))
+            })
+            .chain([Ok((
+                format!("{LONG_COMPLETION} tokens of data/pride-and-prejudice.txt"),
+                long,
+            ))])
+            .collect::<Result<Vec<(String, Vec<u32>)>>>()?;
+        for (text, ids) in &prompts {
+            let req = GenerateRequest {
+                ignore_eos: true,
+                ..greedy(COMPLETION_TOKENS, ids.clone())
+            };
+            let toks_t = plain.complete(&req, &mut |_| {})?.tokens;
+            llama.clear();
+            let (first, _) = llama.prompt(0, ids)?;
+            let toks_l = llama.reply(0, first, COMPLETION_TOKENS, false)?;
+            let lead = toks_t
+                .iter()
+                .zip(&toks_l)
+                .take_while(|(x, y)| x == y)
+                .count();
+            println!(
+                "  {text:?}: {lead} of {COMPLETION_TOKENS} leading tokens equal; Tessera: {:?}",
+                model.tokenizer.decode(&toks_t)?
+            );
+            same += lead;
+            of += COMPLETION_TOKENS;
+        }
+        agree.add(
+            label,
+            "completions: identical leading greedy tokens, summed over the prompts",
+            same,
+            of,
+        );
     }
 
     if enabled("decode-long") {
@@ -774,6 +850,14 @@ fn main() -> Result<()> {
                 &backend, &path, name, threads, false, &mut agree, &mut rows, &mut ttft,
             )?;
         }
+    }
+    // Gemma 3 270M Q4_K_M, when fetched (`just model gemma3`): sliding
+    // windows and K-quants (VS_GEMMA=0 skips it).
+    let gemma = PathBuf::from("models/gemma-3-270m-q4_k_m.gguf");
+    if std::env::var("VS_GEMMA").as_deref() != Ok("0") && gemma.exists() {
+        bench_model(
+            &backend, &gemma, "Gemma3", threads, false, &mut agree, &mut rows, &mut ttft,
+        )?;
     }
     let [ttft_reuse, ttft_plain, ttft_llama] = ttft;
 

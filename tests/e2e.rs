@@ -12,6 +12,8 @@ use tessera_model::{Model, Special};
 
 #[path = "e2e/cache.rs"]
 mod cache;
+#[path = "e2e/gemma.rs"]
+mod gemma;
 
 pub(crate) fn model_path() -> PathBuf {
     let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
@@ -275,7 +277,7 @@ fn tokenizer_ids_equal_llama_cpp() {
 }
 
 /// Gemma 3's tokenizer (SentencePiece-style, 262,144 tokens, read from
-/// its GGUF; the model itself does not run yet) gives llama.cpp's ids.
+/// its GGUF) gives llama.cpp's ids.
 #[test]
 fn gemma3_tokenizer_ids_equal_llama_cpp() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));

@@ -21,7 +21,7 @@ use std::time::Instant;
 use anyhow::{bail, Result};
 use candle_core::quantized::gguf_file;
 use candle_core::{Device, Tensor};
-use candle_transformers::models::quantized_llama::ModelWeights;
+use candle_transformers::models::{quantized_gemma3, quantized_llama};
 use tessera_engine::{Engine, Event, GenerateRequest, Prompt, SamplingParams};
 use tessera_model::{Model, Special};
 
@@ -200,17 +200,42 @@ pub fn median(mut xs: Vec<f64>) -> f64 {
     xs[xs.len() / 2]
 }
 
-/// candle's quantized_llama, timed the same way.
-pub struct Candle {
-    model: ModelWeights,
+/// candle's own model of the file's architecture (`quantized_llama`, or
+/// `quantized_gemma3` for Gemma 3), timed the same way.
+pub enum Candle {
+    Llama(quantized_llama::ModelWeights),
+    Gemma3(quantized_gemma3::ModelWeights),
 }
 
 impl Candle {
     pub fn load(path: &std::path::Path) -> Result<Candle> {
         let mut f = std::fs::File::open(path)?;
         let ct = gguf_file::Content::read(&mut f)?;
-        Ok(Candle {
-            model: ModelWeights::from_gguf(ct, &mut f, &Device::Cpu)?,
+        let arch = ct
+            .metadata
+            .get("general.architecture")
+            .and_then(|v| v.to_string().ok())
+            .cloned()
+            .unwrap_or_default();
+        Ok(if arch == "gemma3" {
+            Candle::Gemma3(quantized_gemma3::ModelWeights::from_gguf(
+                ct,
+                &mut f,
+                &Device::Cpu,
+            )?)
+        } else {
+            Candle::Llama(quantized_llama::ModelWeights::from_gguf(
+                ct,
+                &mut f,
+                &Device::Cpu,
+            )?)
+        })
+    }
+
+    fn forward(&mut self, x: &Tensor, pos: usize) -> Result<Tensor> {
+        Ok(match self {
+            Candle::Llama(m) => m.forward(x, pos)?,
+            Candle::Gemma3(m) => m.forward(x, pos)?,
         })
     }
 
@@ -218,7 +243,7 @@ impl Candle {
     pub fn prefill(&mut self, ids: &[u32]) -> Result<f64> {
         let t = Instant::now();
         let x = Tensor::new(ids, &Device::Cpu)?.unsqueeze(0)?;
-        self.model.forward(&x, 0)?.to_vec2::<f32>()?;
+        self.forward(&x, 0)?.to_vec2::<f32>()?;
         Ok(t.elapsed().as_secs_f64())
     }
 
@@ -226,14 +251,14 @@ impl Candle {
     /// `n + 1` greedy tokens.
     pub fn decode(&mut self, ids: &[u32], n: usize) -> Result<(f64, Vec<u32>)> {
         let x = Tensor::new(ids, &Device::Cpu)?.unsqueeze(0)?;
-        let mut logits = self.model.forward(&x, 0)?;
+        let mut logits = self.forward(&x, 0)?;
         let mut tokens = Vec::with_capacity(n + 1);
         let t = Instant::now();
         for i in 0..n {
             let next = logits.squeeze(0)?.argmax(0)?.to_scalar::<u32>()?;
             tokens.push(next);
             let x = Tensor::new(&[next], &Device::Cpu)?.unsqueeze(0)?;
-            logits = self.model.forward(&x, ids.len() + i)?;
+            logits = self.forward(&x, ids.len() + i)?;
         }
         let elapsed = t.elapsed().as_secs_f64();
         tokens.push(logits.squeeze(0)?.argmax(0)?.to_scalar::<u32>()?);

@@ -179,10 +179,10 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         println!("  tessera                   {t:>8.1}");
         match (c, ratio) {
             (Some(c), Some(r)) => {
-                println!("  candle quantized_llama    {c:>8.1}");
+                println!("  candle (quantized model) {c:>8.1}");
                 println!("  ratio (tessera / candle)  {r:>8.2}x");
             }
-            _ => println!("  candle quantized_llama    (not run)"),
+            _ => println!("  candle (quantized model) (not run)"),
         }
     }
     Ok(())

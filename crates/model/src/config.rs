@@ -132,8 +132,8 @@ impl ModelConfig {
     /// The sliding window of layer `l` (`None`: a global layer).
     pub fn layer_window(&self, l: usize) -> Option<usize> {
         let b = &self.block;
-        let sliding = b.sliding_window > 0
-            && (b.swa_pattern <= 1 || l % b.swa_pattern < b.swa_pattern - 1);
+        let sliding =
+            b.sliding_window > 0 && (b.swa_pattern <= 1 || l % b.swa_pattern < b.swa_pattern - 1);
         sliding.then_some(b.sliding_window)
     }
 

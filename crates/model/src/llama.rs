@@ -234,7 +234,11 @@ impl Llama {
         let mut layers = Vec::with_capacity(cfg.n_layers);
         for l in 0..cfg.n_layers {
             let maybe = |src: &mut Source, on: bool, w: W| -> Result<Option<Tensor>> {
-                Ok(if on { Some(src.vector(w, device)?) } else { None })
+                Ok(if on {
+                    Some(src.vector(w, device)?)
+                } else {
+                    None
+                })
             };
             let bias = |src: &mut Source, w: W| maybe(src, cfg.qkv_bias, w);
             let (qk, post) = (cfg.block.qk_norm, cfg.block.post_norms);

@@ -115,7 +115,10 @@ fn gemma3_block_paged_equals_dense_and_the_window_holds() {
             let (paged, pl) = paged_greedy(&m.llama, &prompt, 16, chunk, DType::F32).unwrap();
             assert_eq!(paged, dense, "{layers} layers, chunk {chunk}");
             let d = max_diff(&pl, &dl);
-            assert!(d < 1e-3, "{layers} layers, chunk {chunk}: logits differ by {d}");
+            assert!(
+                d < 1e-3,
+                "{layers} layers, chunk {chunk}: logits differ by {d}"
+            );
         }
         if layers == 2 {
             // Each sliding layer reaches TINY_WINDOW - 1 positions back.
