@@ -512,8 +512,9 @@ fn bench_model(
                 .take_while(|(x, y)| x == y)
                 .count();
             println!(
-                "  {text:?}: {lead} of {COMPLETION_TOKENS} leading tokens equal; Tessera: {:?}",
-                model.tokenizer.decode(&toks_t)?
+                "  {text:?}: {lead} of {COMPLETION_TOKENS} leading tokens equal\n    Tessera:   {:?}\n    llama.cpp: {:?}",
+                model.tokenizer.decode(&toks_t)?,
+                model.tokenizer.decode(&toks_l)?
             );
             same += lead;
             of += COMPLETION_TOKENS;

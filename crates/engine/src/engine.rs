@@ -189,11 +189,15 @@ impl Engine {
     /// it). The tokens are computed as a fresh sequence between steps:
     /// nothing cached is used and nothing enters the cache.
     pub fn score(&self, tokens: &[u32], first: usize) -> Result<Vec<(f64, bool)>> {
+        use rayon::prelude::*;
         let rows = self.logits(tokens, first)?;
-        Ok((first..)
-            .zip(&rows)
-            .map(|(j, row)| {
-                let (t, (best, norm)) = (tokens[j + 1], argmax_and_norm(row));
+        // Each row's normalizer is a pass over the vocabulary: rows in
+        // parallel (the results do not depend on how).
+        Ok(rows
+            .par_iter()
+            .enumerate()
+            .map(|(i, row)| {
+                let (t, (best, norm)) = (tokens[first + i + 1], argmax_and_norm(row));
                 (row[t as usize] as f64 - norm, best == t)
             })
             .collect())
