@@ -722,13 +722,9 @@ mod tests {
                 }
                 // Blocks wholly before the earliest window: invalid ids.
                 let first = (5 * bs - 3 + 1).saturating_sub(window) / bs;
-                for b in 0..first {
-                    tables[b] = 999;
-                }
+                tables[..first].fill(999);
                 let first1 = (6 * bs + 2).saturating_sub(window) / bs;
-                for b in 0..first1 {
-                    tables[7 + b] = 999;
-                }
+                tables[7..7 + first1].fill(999);
                 let meta = PagedMeta {
                     block_size: bs,
                     block_tables: &tables,
