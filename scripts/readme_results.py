@@ -76,35 +76,30 @@ def main():
             f"| {label} | {cell(r['tessera'], r['unit'])} | {cell(r['llamacpp'], r['unit'])} "
             f"| **{r['ratio']:.2f}×** | {candle} |"
         )
-    if variants:
-        out += [
-            "",
-            f"The same model in the formats llama.cpp repacks for its fastest kernels ({meta['variants']}):",
-            "",
-            "| file | scenario | Tessera | llama.cpp | ratio |",
-            "|---|---|---|---|---|",
-        ]
-        for r in variants:
+    def table(title, rows, with_file):
+        """A titled table of `rows`, with a file column when `with_file`."""
+        if not rows:
+            return []
+        lines = ["", title, "",
+                 "| file | scenario | Tessera | llama.cpp | ratio |" if with_file
+                 else "| scenario | Tessera | llama.cpp | ratio |",
+                 "|---|---|---|---|---|" if with_file else "|---|---|---|---|"]
+        for r in rows:
             label = LABELS.get((r["scenario"], r["metric"]), f"{r['scenario']} {r['metric']}")
-            out.append(
-                f"| {r['model']} | {label} | {cell(r['tessera'], r['unit'])} "
+            first = f"| {r['model']} " if with_file else ""
+            lines.append(
+                f"{first}| {label} | {cell(r['tessera'], r['unit'])} "
                 f"| {cell(r['llamacpp'], r['unit'])} | **{r['ratio']:.2f}×** |"
             )
-    if gemma:
-        out += [
-            "",
-            "Gemma 3 270M Q4_K_M (`just model gemma3`: sliding-window layers, K-quants; "
-            "its sliding layers keep every block for now, as llama.cpp's `--swa-full`):",
-            "",
-            "| scenario | Tessera | llama.cpp | ratio |",
-            "|---|---|---|---|",
-        ]
-        for r in gemma:
-            label = LABELS.get((r["scenario"], r["metric"]), f"{r['scenario']} {r['metric']}")
-            out.append(
-                f"| {label} | {cell(r['tessera'], r['unit'])} "
-                f"| {cell(r['llamacpp'], r['unit'])} | **{r['ratio']:.2f}×** |"
-            )
+        return lines
+
+    out += table(
+        f"The same model in the formats llama.cpp repacks for its fastest kernels ({meta['variants']}):",
+        variants, True)
+    out += table(
+        "Gemma 3 270M Q4_K_M (`just model gemma3`: sliding-window layers, K-quants; "
+        "its sliding layers keep every block for now, as llama.cpp's `--swa-full`):",
+        gemma, False)
     out += ["", "Agreement of the two engines (greedy tokens of the timed runs; the completions "
             "diverge at near-ties, where llama.cpp's 8-bit activations tip the balance):", ""]
     for a in meta["agreement"]:

@@ -15,14 +15,21 @@ mod cache;
 #[path = "e2e/gemma.rs"]
 mod gemma;
 
-pub(crate) fn model_path() -> PathBuf {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+/// `models/FILE`, which `just model ARGS` fetches (as `just test` does).
+pub(crate) fn models_file(file: &str, fetch: &str) -> PathBuf {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("models")
+        .join(file);
     assert!(
         p.exists(),
-        "{} is missing: run `just model` (or `just test`, which fetches it)",
+        "{} is missing: run `just model{fetch}` (or `just test`, which fetches it)",
         p.display()
     );
     p
+}
+
+pub(crate) fn model_path() -> PathBuf {
+    models_file("SmolLM2-135M-Instruct.Q4_1.gguf", "")
 }
 
 fn model() -> &'static Model {
@@ -280,13 +287,7 @@ fn tokenizer_ids_equal_llama_cpp() {
 /// its GGUF) gives llama.cpp's ids.
 #[test]
 fn gemma3_tokenizer_ids_equal_llama_cpp() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let gguf = root.join("models/gemma-3-270m-q4_k_m.gguf");
-    assert!(
-        gguf.exists(),
-        "{} is missing: run `just model gemma3`",
-        gguf.display()
-    );
+    let gguf = gemma::gemma_path();
     let tok = tessera_model::Tokenizer::from_gguf(&tessera_model::GgufFile::open(&gguf).unwrap())
         .unwrap();
     assert_eq!(tok.vocab_size(), 262_144);

@@ -10,13 +10,7 @@ use tessera_model::testing::{dense_greedy, max_diff, paged_greedy};
 use tessera_model::{Model, Special};
 
 pub(crate) fn gemma_path() -> PathBuf {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/gemma-3-270m-q4_k_m.gguf");
-    assert!(
-        p.exists(),
-        "{} is missing: run `just model gemma3` (or `just test`, which fetches it)",
-        p.display()
-    );
-    p
+    crate::models_file("gemma-3-270m-q4_k_m.gguf", " gemma3")
 }
 
 /// The model with f32 activations: the reference's arithmetic.

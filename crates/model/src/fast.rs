@@ -775,14 +775,35 @@ impl Llama {
             grow(h, t * hidden);
             grow(tmp, t * hd.max(FFN_ROWS));
             grow(tmp2, t * FFN_ROWS);
-            // The post-norm of `ob`'s rows of this worker's tokens, added
-            // to `x` (after the barrier that completed `ob`).
-            let add_normed = |w: &[f32], row: &mut Vec<f32>| {
+            // x += y·Wᵀ (linear `which` of the layer, this worker's rows of
+            // it) for the inputs `y` (f32, and quantized when packed); with
+            // a post-norm, y·Wᵀ goes to `ob` first, and after a barrier
+            // each worker adds the normed rows of its share of tokens.
+            let residual = |lc: &LayerConsts,
+                            w: &[Weights; 7],
+                            which: usize,
+                            (y, qy): (&[f32], &[ActBlock]),
+                            post: &Option<Vec<f32>>,
+                            deq: &mut Vec<f32>,
+                            row: &mut Vec<f32>| {
+                let rows = share_rows(team, hidden);
+                let lin = &lc.lins[which];
+                let Some(pn) = post else {
+                    lin.apply(isa, &w[which], y, qy, t, rows, deq, &mut |i, r, v| unsafe {
+                        let at = i * hidden + r;
+                        x.set(at, x.get(at) + v)
+                    });
+                    return;
+                };
+                lin.apply(isa, &w[which], y, qy, t, rows, deq, &mut |i, r, v| unsafe {
+                    ob.set(i * hidden + r, v)
+                });
+                team.barrier();
                 let (i0, i1) = team.share(t);
                 for i in i0..i1 {
                     // SAFETY: rows i0..i1 are this worker's alone here.
                     let o = unsafe { ob.part(i * hidden, (i + 1) * hidden) };
-                    rms_norm_in_place(o, w, eps, row);
+                    rms_norm_in_place(o, pn, eps, row);
                     let xr = unsafe { x.part(i * hidden, (i + 1) * hidden) };
                     for (xv, &ov) in xr.iter_mut().zip(o.iter()) {
                         *xv += ov;
@@ -901,22 +922,7 @@ impl Llama {
                 }
                 let av = unsafe { a.all() };
                 let qa = quantize(team, packed(lc, &[3]), levels, av, t, nh * hd, qown, &qx);
-                let rows = share_rows(team, hidden);
-                match &lc.post_attn {
-                    None => {
-                        lc.lins[3].apply(isa, &w[3], av, qa, t, rows, deq, &mut |i, r, v| unsafe {
-                            let at = i * hidden + r;
-                            x.set(at, x.get(at) + v)
-                        })
-                    }
-                    Some(pn) => {
-                        lc.lins[3].apply(isa, &w[3], av, qa, t, rows, deq, &mut |i, r, v| unsafe {
-                            ob.set(i * hidden + r, v)
-                        });
-                        team.barrier();
-                        add_normed(pn, nrow);
-                    }
-                }
+                residual(lc, w, 3, (av, qa), &lc.post_attn, deq, nrow);
                 team.barrier();
                 norm_rows(unsafe { x.all() }, 0..t, &lc.ffn_norm, eps, h);
                 let qh = quantize(team, packed(lc, &[4, 5]), levels, h, t, hidden, qown, &qx);
@@ -941,22 +947,7 @@ impl Llama {
                 team.barrier();
                 let mv = unsafe { m.all() };
                 let qm = quantize(team, packed(lc, &[6]), levels, mv, t, ffn, qown, &qx);
-                let rows = share_rows(team, hidden);
-                match &lc.post_ffn {
-                    None => {
-                        lc.lins[6].apply(isa, &w[6], mv, qm, t, rows, deq, &mut |i, r, v| unsafe {
-                            let at = i * hidden + r;
-                            x.set(at, x.get(at) + v)
-                        })
-                    }
-                    Some(pn) => {
-                        lc.lins[6].apply(isa, &w[6], mv, qm, t, rows, deq, &mut |i, r, v| unsafe {
-                            ob.set(i * hidden + r, v)
-                        });
-                        team.barrier();
-                        add_normed(pn, nrow);
-                    }
-                }
+                residual(lc, w, 6, (mv, qm), &lc.post_ffn, deq, nrow);
                 team.barrier();
             }
             if picks > 0 {
