@@ -7,7 +7,7 @@ use std::sync::OnceLock;
 use candle_core::DType;
 use tessera_engine::{Engine, EngineConfig, GenerateRequest, Message, Prompt, SamplingParams};
 use tessera_kernels::Activations;
-use tessera_model::testing::{dense_greedy, max_diff, paged_greedy};
+use tessera_model::testing::{dense_greedy, max_diff, paged_greedy, ScatteredPrompt};
 use tessera_model::{Model, Special};
 
 #[path = "e2e/cache.rs"]
@@ -99,24 +99,9 @@ fn fast_forward_matches_the_candle_reference_on_the_real_model() {
     let n = ids.len();
     let bs = 16;
     let nb = n.div_ceil(bs) + 1;
-    let table: Vec<u32> = (0..nb as u32).rev().collect();
-    let positions: Vec<u32> = (0..n as u32).collect();
-    let slots: Vec<u32> = positions
-        .iter()
-        .map(|&p| table[p as usize / bs] * bs as u32 + p % bs as u32)
-        .collect();
-    let seq = vec![0; n];
+    let layout = ScatteredPrompt::new(n, nb, bs);
     let picks: Vec<u32> = (0..n as u32).collect();
-    let batch = tessera_model::Batch {
-        tokens: &ids,
-        positions: &positions,
-        slots: &slots,
-        token_seq: &seq,
-        block_tables: &table,
-        max_blocks: nb,
-        block_size: bs,
-        logits_for: &picks,
-    };
+    let batch = layout.batch(&ids, &picks);
     let cache = m.llama.new_cache(nb, bs, DType::F32).unwrap();
     let reference = m.llama.forward_reference(&batch, &cache).unwrap();
     let r = reference.to_vec2::<f32>().unwrap();

@@ -6,7 +6,7 @@ use std::sync::OnceLock;
 
 use candle_core::DType;
 use tessera_kernels::Activations;
-use tessera_model::testing::{dense_greedy, max_diff, paged_greedy};
+use tessera_model::testing::{dense_greedy, max_diff, paged_greedy, ScatteredPrompt};
 use tessera_model::{Model, Special};
 
 pub(crate) fn gemma_path() -> PathBuf {
@@ -47,24 +47,9 @@ fn gemma3_fast_forward_matches_the_reference_past_the_window() {
     let n = ids.len();
     let bs = 16;
     let nb = n.div_ceil(bs) + 1;
-    let table: Vec<u32> = (0..nb as u32).rev().collect();
-    let positions: Vec<u32> = (0..n as u32).collect();
-    let slots: Vec<u32> = positions
-        .iter()
-        .map(|&p| table[p as usize / bs] * bs as u32 + p % bs as u32)
-        .collect();
-    let seq = vec![0; n];
+    let layout = ScatteredPrompt::new(n, nb, bs);
     let picks: Vec<u32> = vec![0, 100, 511, 512, 513, 560, 599];
-    let batch = tessera_model::Batch {
-        tokens: &ids,
-        positions: &positions,
-        slots: &slots,
-        token_seq: &seq,
-        block_tables: &table,
-        max_blocks: nb,
-        block_size: bs,
-        logits_for: &picks,
-    };
+    let batch = layout.batch(&ids, &picks);
     let cache = m.llama.new_cache(nb, bs, DType::F32).unwrap();
     let r = m
         .llama

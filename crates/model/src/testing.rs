@@ -399,6 +399,54 @@ pub fn write_tiny_gguf(
     Ok(())
 }
 
+/// One sequence's whole prompt as one batch over `num_blocks` blocks of
+/// `block_size` laid out in reverse order (so that no block follows its
+/// predecessor in the pool): the positions, slots and block table a
+/// [`crate::Batch`] borrows.
+pub struct ScatteredPrompt {
+    pub num_blocks: usize,
+    pub block_size: usize,
+    pub table: Vec<u32>,
+    pub positions: Vec<u32>,
+    pub slots: Vec<u32>,
+    pub seq: Vec<u32>,
+}
+
+impl ScatteredPrompt {
+    pub fn new(tokens: usize, num_blocks: usize, block_size: usize) -> ScatteredPrompt {
+        let table: Vec<u32> = (0..num_blocks as u32).rev().collect();
+        let positions: Vec<u32> = (0..tokens as u32).collect();
+        let bs = block_size as u32;
+        let slots = positions
+            .iter()
+            .map(|&p| table[(p / bs) as usize] * bs + p % bs)
+            .collect();
+        ScatteredPrompt {
+            num_blocks,
+            block_size,
+            table,
+            positions,
+            slots,
+            seq: vec![0; tokens],
+        }
+    }
+
+    /// The batch of `tokens` (as many as the prompt was made for), with
+    /// the logits of positions `picks`.
+    pub fn batch<'a>(&'a self, tokens: &'a [u32], picks: &'a [u32]) -> crate::Batch<'a> {
+        crate::Batch {
+            tokens,
+            positions: &self.positions,
+            slots: &self.slots,
+            token_seq: &self.seq,
+            block_tables: &self.table,
+            max_blocks: self.num_blocks,
+            block_size: self.block_size,
+            logits_for: picks,
+        }
+    }
+}
+
 /// Greedy generation of `steps` tokens through the paged cache: one
 /// sequence, block size 4, blocks deliberately scattered (reverse order),
 /// the prompt prefilled in chunks of `chunk` tokens. Returns the tokens and

@@ -640,24 +640,9 @@ fn fast_forward_matches_the_candle_reference() {
     let ids: Vec<u32> = (0..40).map(|i| (i * 7 + 3) % 200).collect();
     for (name, m) in &models {
         let cache = m.llama.new_cache(16, 4, DType::F16).unwrap();
-        let table: Vec<u32> = (0..16).rev().collect();
-        let positions: Vec<u32> = (0..ids.len() as u32).collect();
-        let slots: Vec<u32> = positions
-            .iter()
-            .map(|&p| table[p as usize / 4] * 4 + p % 4)
-            .collect();
-        let seq = vec![0; ids.len()];
+        let layout = crate::testing::ScatteredPrompt::new(ids.len(), 16, 4);
         let picks: Vec<u32> = (0..ids.len() as u32).collect();
-        let batch = crate::Batch {
-            tokens: &ids,
-            positions: &positions,
-            slots: &slots,
-            token_seq: &seq,
-            block_tables: &table,
-            max_blocks: 16,
-            block_size: 4,
-            logits_for: &picks,
-        };
+        let batch = layout.batch(&ids, &picks);
         let reference = m
             .llama
             .forward_reference(&batch, &cache)
