@@ -24,6 +24,33 @@ pub struct KvConfig {
     pub num_blocks: usize,
     /// Tokens per block (default 16).
     pub block_size: usize,
+    /// A second pool for sliding-window layers, if the model has them.
+    pub sliding: Option<SlidingConfig>,
+}
+
+/// The pool of the layers that see only the last `window` positions (a
+/// query at `q` reads keys `q - window + 1 ..= q`).
+///
+/// Its blocks are attached to the global blocks holding the same positions
+/// ([`BlockPool::attach`]), so tables and tree nodes list global blocks
+/// only, and a position's sliding K/V exists where its block has one:
+///
+/// - a running sequence keeps them for its window (and for the positions
+///   it keeps in a context shift, [`KvCache::keep_front`]); those behind it
+///   go as soon as no one else holds the block;
+/// - cached blocks keep theirs until the sliding pool runs short, then
+///   lose them least recently used first, except the tails: the `window - 1`
+///   positions before a point requests resume from (the end of a prompt,
+///   of a generation, a branch point) stay as long as their tree node, and
+///   go only when running sequences need the room and evicting every
+///   unlocked leaf did not give it;
+/// - a match is the longest cached prefix at whose end the whole window
+///   is there ([`KvCache::cached_prefix_len`]); what lies past it is
+///   computed again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlidingConfig {
+    pub window: usize,
+    pub num_blocks: usize,
 }
 
 impl Default for KvConfig {
@@ -31,6 +58,7 @@ impl Default for KvConfig {
         KvConfig {
             num_blocks: 1024,
             block_size: 16,
+            sliding: None,
         }
     }
 }
@@ -51,6 +79,27 @@ pub struct Sequence {
     table: Vec<BlockId>,
     lock: Option<NodeId>,
     cacheable: usize,
+    /// Positions before this keep their sliding blocks (a context shift
+    /// keeps them).
+    keep_front: usize,
+    /// Blocks before this index were already let go of in sliding layers.
+    trimmed: usize,
+    /// Positions whose sliding K/V is stale after a context shift though
+    /// their block has a sliding block (kept or moved positions that were
+    /// behind the window then): never read, never cached.
+    gaps: Vec<(usize, usize)>,
+}
+
+impl Sequence {
+    fn add_gap(&mut self, a: usize, b: usize) {
+        if a < b {
+            self.gaps.push((a, b));
+        }
+    }
+
+    fn in_gap(&self, p: usize) -> bool {
+        self.gaps.iter().any(|&(a, b)| (a..b).contains(&p))
+    }
 }
 
 impl Sequence {
@@ -107,6 +156,11 @@ pub struct KvStats {
     pub cow_copies: u64,
     pub shifts: u64,
     pub defrag_moves: u64,
+    /// Blocks of the sliding-window pool (0 without one).
+    pub sliding_blocks: usize,
+    pub free_sliding_blocks: usize,
+    /// Sliding blocks taken from cached content under pressure.
+    pub evicted_sliding_blocks: u64,
 }
 
 /// The KV-cache bookkeeping of one model: pool, sequences and prefix tree.
@@ -128,8 +182,12 @@ pub struct KvCache {
 
 impl KvCache {
     pub fn new(config: KvConfig) -> Result<Self, KvError> {
+        let mut pool = BlockPool::new(config.num_blocks, config.block_size)?;
+        if let Some(sl) = config.sliding {
+            pool = pool.with_sliding(sl.window, sl.num_blocks)?;
+        }
         Ok(KvCache {
-            pool: BlockPool::new(config.num_blocks, config.block_size)?,
+            pool,
             tree: PrefixTree::new(config.block_size),
             seqs: BTreeMap::new(),
             external_locks: BTreeMap::new(),
@@ -177,9 +235,150 @@ impl KvCache {
         }
     }
 
+    /// The sliding window, if the pool has sliding-window layers.
+    pub fn window(&self) -> Option<usize> {
+        self.pool.window()
+    }
+
+    /// `seq`'s sliding-layer blocks: `None` where its position's sliding
+    /// K/V is gone (always before its window).
+    pub fn sliding_table(&self, seq: SeqId) -> Result<Vec<Option<BlockId>>, KvError> {
+        let s = self.sequence(seq)?;
+        Ok(s.table.iter().map(|&b| self.pool.sliding_of(b)).collect())
+    }
+
+    /// The sliding-layer slot of position `pos` of `seq`, if it has one.
+    pub fn sliding_slot(&self, seq: SeqId, pos: usize) -> Result<Option<Slot>, KvError> {
+        let slot = self.slot(seq, pos)?;
+        let bs = self.block_size();
+        let b = BlockId((slot.index() / bs) as u32);
+        Ok(self.pool.sliding_of(b).map(|s| Slot::of(s, pos % bs, bs)))
+    }
+
     /// Longest cached prefix of `tokens` (marks it recently used).
     pub fn match_prefix(&mut self, ns: Namespace, tokens: &[TokenId]) -> PrefixMatch {
-        self.tree.match_prefix(ns, tokens)
+        let n = self.cached_prefix_len(ns, tokens);
+        self.tree.match_prefix(ns, &tokens[..n])
+    }
+
+    /// How many leading tokens of `tokens` a request can reuse: the longest
+    /// cached prefix at whose end every layer has what the next query reads
+    /// (without sliding-window layers, the longest cached prefix).
+    pub fn cached_prefix_len(&self, ns: Namespace, tokens: &[TokenId]) -> usize {
+        let m = self.tree.peek_prefix(ns, tokens);
+        self.resumable(&m.blocks, m.len)
+    }
+
+    /// The longest `n <= len` such that the blocks of the window before
+    /// position `n` all have their sliding blocks.
+    fn resumable(&self, blocks: &[BlockId], len: usize) -> usize {
+        let (Some(w), bs) = (self.window(), self.block_size()) else {
+            return len;
+        };
+        let mut n = len;
+        loop {
+            if n == 0 {
+                return 0;
+            }
+            // The window before `n`, and at least the block of `n - 1`: a
+            // partly matched block is copied with its sliding block.
+            let lo = (n + 1).saturating_sub(w).min(n - 1);
+            match (lo / bs..=(n - 1) / bs)
+                .rev()
+                .find(|&j| self.pool.sliding_of(blocks[j]).is_none())
+            {
+                None => return n,
+                Some(k) => n = k * bs,
+            }
+        }
+    }
+
+    /// The first block index that a sequence with `computed` tokens still
+    /// reads in its sliding-window layers (0 without them).
+    fn window_first_block(&self, computed: usize) -> usize {
+        self.window()
+            .map_or(0, |w| (computed + 1).saturating_sub(w) / self.block_size())
+    }
+
+    /// Where the sliding-window K/V that a sequence of `len` computed tokens
+    /// keeps begins: the first position of the block holding the oldest
+    /// position its next query reads (0 without sliding layers). Sessions
+    /// store the sliding layers from here.
+    pub fn sliding_tail_start(&self, len: usize) -> usize {
+        self.window_first_block(len) * self.block_size()
+    }
+
+    /// Keeps the sliding blocks of `seq`'s first `n` positions for as long
+    /// as it runs, so that a context shift keeping them can read them.
+    pub fn keep_front(&mut self, seq: SeqId, n: usize) -> Result<(), KvError> {
+        let s = self
+            .seqs
+            .get_mut(&seq)
+            .ok_or(KvError::UnknownSequence(seq))?;
+        s.keep_front = n;
+        Ok(())
+    }
+
+    /// Lets go of the sliding blocks behind `seq`'s window that nothing
+    /// else holds (cached or shared ones stay, as evictable content).
+    fn trim_window(&mut self, seq: SeqId) {
+        if self.window().is_none() {
+            return;
+        }
+        let Some(s) = self.seqs.get(&seq) else { return };
+        let bs = self.block_size();
+        let first = self.window_first_block(s.computed);
+        let from = s.trimmed.max(s.keep_front.div_ceil(bs));
+        for j in from..first.min(s.table.len()) {
+            let b = s.table[j];
+            if self.pool.ref_count(b) == 1 {
+                self.pool.detach(b);
+            }
+        }
+        let s = self.seqs.get_mut(&seq).expect("checked above");
+        s.trimmed = s.trimmed.max(first);
+    }
+
+    /// Frees up to `n` sliding blocks that no one reads: first those of
+    /// blocks only sequences hold behind their windows, then cached ones,
+    /// least recently used first, never a tail (see [`SlidingConfig`]).
+    fn evict_sliding(&mut self, n: usize, protect: &[BlockId], spare_tails: bool) -> usize {
+        let Some(w) = self.window() else { return 0 };
+        let bs = self.block_size();
+        let mut keep = vec![false; self.pool.num_blocks()];
+        for b in protect {
+            keep[b.index()] = true;
+        }
+        let mut in_tree = vec![false; self.pool.num_blocks()];
+        let mut behind = Vec::new();
+        for s in self.seqs.values() {
+            let first = self.window_first_block(s.computed);
+            let front = s.keep_front.div_ceil(bs).min(first);
+            for (j, &b) in s.table.iter().enumerate() {
+                if j >= first || j < front {
+                    keep[b.index()] = true;
+                } else {
+                    behind.push(b);
+                }
+            }
+        }
+        if spare_tails {
+            self.tree.for_each_tail_block(w, |b| keep[b.index()] = true);
+        }
+        self.tree.for_each_block(|b| in_tree[b.index()] = true);
+        let aged = self.tree.blocks_by_age();
+        let behind = behind.into_iter().filter(|b| !in_tree[b.index()]);
+        let mut freed = 0;
+        for b in behind.chain(aged) {
+            if freed >= n {
+                break;
+            }
+            if !keep[b.index()] && self.pool.detach(b).is_some() {
+                freed += 1;
+            }
+        }
+        self.stats.evicted_sliding_blocks += freed as u64;
+        freed
     }
 
     /// Starts a sequence that reuses the longest cached prefix of `reusable`
@@ -190,11 +389,12 @@ impl KvCache {
     /// Callers that need logits for the last prompt token leave it out of
     /// `reusable`, so at least one token is computed.
     pub fn add_sequence(&mut self, ns: Namespace, reusable: &[TokenId]) -> (SeqId, usize) {
-        let m = if reusable.is_empty() {
+        let n = self.cached_prefix_len(ns, reusable);
+        let m = if n == 0 {
             PrefixMatch::default()
         } else {
             self.tree
-                .match_prefix_for_lock(&mut self.pool, ns, reusable)
+                .match_prefix_for_lock(&mut self.pool, ns, &reusable[..n])
                 .expect("matched blocks are live")
         };
         for &b in &m.blocks {
@@ -216,6 +416,9 @@ impl KvCache {
                 table: m.blocks,
                 lock: m.node,
                 cacheable: usize::MAX,
+                keep_front: 0,
+                trimmed: 0,
+                gaps: Vec::new(),
             },
         );
         (id, m.len)
@@ -229,28 +432,68 @@ impl KvCache {
         seq: SeqId,
         tokens: &[TokenId],
     ) -> Result<Admission<AppendPlan>, KvError> {
+        self.append_from(seq, tokens, 0)
+    }
+
+    /// [`append`](Self::append) for K/V that is written rather than
+    /// computed (a restored session): sliding-window layers get blocks only
+    /// from the block holding position `sliding_from` on, and the writer
+    /// fills them from that block's first position (see
+    /// [`KvCache::sliding_tail_start`]).
+    pub fn append_from(
+        &mut self,
+        seq: SeqId,
+        tokens: &[TokenId],
+        sliding_from: usize,
+    ) -> Result<Admission<AppendPlan>, KvError> {
         let bs = self.block_size();
-        let s = self.sequence(seq)?;
+        self.sequence(seq)?;
         if tokens.is_empty() {
             return Ok(Admission::Ok(AppendPlan::default()));
         }
+        self.trim_window(seq);
+        let s = self.sequence(seq)?;
         let len = s.tokens.len();
         let new_len = len + tokens.len();
         let need_total = new_len.div_ceil(bs);
-        if need_total > self.pool.num_blocks() {
-            return Ok(Admission::Never {
-                needed: need_total,
-                total: self.pool.num_blocks(),
-            });
+        // Sliding blocks from the first one the new tokens read or write.
+        let sliding = self.window().map(|w| {
+            let lo = (len + 1).saturating_sub(w).max(sliding_from.min(len)) / bs;
+            lo..need_total
+        });
+        // The positions a shift keeps hold theirs too.
+        let sliding_total = sliding
+            .as_ref()
+            .map_or(0, |r| r.len() + s.keep_front.div_ceil(bs).min(r.start));
+        if need_total > self.pool.num_blocks() || sliding_total > self.pool.num_sliding_blocks() {
+            let (needed, total) = if need_total > self.pool.num_blocks() {
+                (need_total, self.pool.num_blocks())
+            } else {
+                (sliding_total, self.pool.num_sliding_blocks())
+            };
+            return Ok(Admission::Never { needed, total });
         }
         let grow = need_total - s.table.len();
         let tail = (len % bs != 0).then(|| s.table[len / bs]);
         let shared_tail = |pool: &BlockPool| tail.filter(|&b| pool.ref_count(b) > 1);
         let needed = grow + usize::from(shared_tail(&self.pool).is_some());
-        if !self.make_room(needed)? {
+        // New blocks, a copied tail, and blocks in range without one.
+        let needed_s = sliding.clone().map_or(0, |r| {
+            r.filter(|&j| match s.table.get(j) {
+                None => true,
+                Some(&b) => Some(b) == shared_tail(&self.pool) || self.pool.sliding_of(b).is_none(),
+            })
+            .count()
+        });
+        if !self.make_room(needed, needed_s)? {
+            let short_global = self.pool.num_free() < needed;
             return Ok(Admission::Later {
-                needed,
-                free: self.pool.num_free(),
+                needed: if short_global { needed } else { needed_s },
+                free: if short_global {
+                    self.pool.num_free()
+                } else {
+                    self.pool.num_free_sliding()
+                },
             });
         }
         // Eviction may have dropped the tail's other holders.
@@ -258,18 +501,45 @@ impl KvCache {
         let mut plan = AppendPlan {
             copies: Vec::new(),
             slots: Vec::with_capacity(tokens.len()),
+            ..AppendPlan::default()
         };
         let pool = &mut self.pool;
         let s = self.seqs.get_mut(&seq).expect("checked above");
         if let Some(src) = cow {
             let dst = pool.allocate().expect("room was made");
+            let src_sliding = pool.sliding_of(src);
             pool.release(src)?;
             s.table[len / bs] = dst;
             plan.copies.push(CopyOp { src, dst });
+            if let (Some(ss), true) = (
+                src_sliding,
+                sliding.as_ref().is_some_and(|r| r.contains(&(len / bs))),
+            ) {
+                let sd = pool.attach(dst).expect("room was made");
+                plan.sliding_copies.push(CopyOp { src: ss, dst: sd });
+            }
             self.stats.cow_copies += 1;
         }
         while s.table.len() < need_total {
             s.table.push(pool.allocate().expect("room was made"));
+        }
+        if let Some(range) = sliding {
+            for j in range {
+                if pool.sliding_of(s.table[j]).is_none() {
+                    pool.attach(s.table[j]).expect("room was made");
+                    // Positions already in the block have no sliding K/V
+                    // there (they were behind every window): never read,
+                    // never cached.
+                    if j * bs < len {
+                        s.add_gap(j * bs, len.min((j + 1) * bs));
+                        s.cacheable = s.cacheable.min(j * bs);
+                    }
+                }
+            }
+            plan.sliding_slots.extend((len..new_len).map(|p| {
+                let b = pool.sliding_of(s.table[p / bs]);
+                b.map_or(Slot(u32::MAX), |b| Slot::of(b, p % bs, bs))
+            }));
         }
         plan.slots
             .extend((len..new_len).map(|p| Slot::of(s.table[p / bs], p % bs, bs)));
@@ -332,8 +602,11 @@ impl KvCache {
     /// tree. Blocks of the sequence that duplicate fully cached blocks are
     /// swapped for the cached ones, and the sequence's lock moves to its new
     /// deepest node so that what it holds is not evicted under it.
+    ///
+    /// Its end is a point requests resume from: with sliding-window layers,
+    /// the window before it keeps its sliding blocks while it is cached.
     pub fn insert_sequence(&mut self, seq: SeqId) -> Result<InsertReport, KvError> {
-        self.insert_prefix(seq, usize::MAX)
+        self.insert_prefix(seq, usize::MAX, true)
     }
 
     /// [`insert_sequence`](Self::insert_sequence) of the whole blocks only:
@@ -342,10 +615,24 @@ impl KvCache {
     pub fn insert_whole_blocks(&mut self, seq: SeqId) -> Result<InsertReport, KvError> {
         let bs = self.block_size();
         let len = self.sequence(seq)?.len();
-        self.insert_prefix(seq, len / bs * bs)
+        self.insert_prefix(seq, len / bs * bs, false)
     }
 
-    fn insert_prefix(&mut self, seq: SeqId, upto: usize) -> Result<InsertReport, KvError> {
+    /// [`insert_whole_blocks`](Self::insert_whole_blocks) at the end of a
+    /// prompt: a point requests resume from, like
+    /// [`insert_sequence`](Self::insert_sequence)'s end.
+    pub fn insert_prompt(&mut self, seq: SeqId) -> Result<InsertReport, KvError> {
+        let bs = self.block_size();
+        let len = self.sequence(seq)?.len();
+        self.insert_prefix(seq, len / bs * bs, true)
+    }
+
+    fn insert_prefix(
+        &mut self,
+        seq: SeqId,
+        upto: usize,
+        boundary: bool,
+    ) -> Result<InsertReport, KvError> {
         let bs = self.block_size();
         let s = self.sequence(seq)?;
         Self::require_computed(seq, s, "insert")?;
@@ -354,17 +641,29 @@ impl KvCache {
             return Ok(InsertReport::default());
         }
         let ns = s.namespace;
+        let boundary = boundary && self.pool.window().is_some();
         let cached = self.tree.peek_prefix(ns, &s.tokens[..n]);
+        let window_from = self.window_first_block(s.computed);
         let s = self.seqs.get_mut(&seq).expect("checked above");
         let mut deduplicated_blocks = 0;
         for j in 0..cached.len / bs {
-            let tree_block = cached.blocks[j];
-            if s.table[j] != tree_block {
-                self.pool.retain(tree_block)?;
-                self.pool.release(s.table[j])?;
-                s.table[j] = tree_block;
-                deduplicated_blocks += 1;
+            let (tree_block, own) = (cached.blocks[j], s.table[j]);
+            if own == tree_block {
+                continue;
             }
+            // The sliding K/V goes with the block that stays, when only
+            // this sequence's copy has it.
+            if self.pool.sliding_of(tree_block).is_none() && self.pool.sliding_of(own).is_some() {
+                if self.pool.ref_count(own) == 1 {
+                    self.pool.transfer_sliding(own, tree_block);
+                } else if j >= window_from {
+                    continue;
+                }
+            }
+            self.pool.retain(tree_block)?;
+            self.pool.release(own)?;
+            s.table[j] = tree_block;
+            deduplicated_blocks += 1;
         }
         let InsertOutcome {
             cached: already_cached,
@@ -374,6 +673,7 @@ impl KvCache {
             ns,
             &s.tokens[..n],
             &s.table[..n.div_ceil(bs)],
+            boundary,
         )?;
         if let Some(node) = node {
             self.tree.lock(node)?;
@@ -411,7 +711,8 @@ impl KvCache {
     }
 
     /// Evicts least-recently-used unlocked cached content until `n_blocks`
-    /// blocks became free; returns them.
+    /// blocks became free; returns them. (Sliding blocks go by themselves
+    /// when an append needs them.)
     pub fn evict(&mut self, n_blocks: usize) -> Result<Vec<BlockId>, KvError> {
         let freed = self.tree.evict(&mut self.pool, n_blocks)?;
         self.stats.evicted_blocks += freed.len() as u64;
@@ -438,9 +739,12 @@ impl KvCache {
             })
             .collect();
         if moves.is_empty() {
+            let (sliding_moves, sliding_live) = self.pool.compact_sliding();
             return DefragPlan {
                 moves,
                 live_blocks: live,
+                sliding_moves,
+                sliding_live,
             };
         }
         let mut map: Vec<BlockId> = (0..n as u32).map(BlockId).collect();
@@ -456,9 +760,12 @@ impl KvCache {
         }
         self.tree.remap_blocks(&map);
         self.stats.defrag_moves += moves.len() as u64;
+        let (sliding_moves, sliding_live) = self.pool.compact_sliding();
         DefragPlan {
             moves,
             live_blocks: live,
+            sliding_moves,
+            sliding_live,
         }
     }
 
@@ -513,35 +820,83 @@ impl KvCache {
         } else {
             0..0
         };
-        let count_shared = |cache: &KvCache, table: &[BlockId]| {
+        // Sliding layers: the positions the next query reads.
+        let window = self.window().map(|w| (new_len + 1).saturating_sub(w));
+        if let Some(lo) = window.filter(|&lo| lo < n_keep) {
+            let missing = (lo..n_keep)
+                .find(|&p| self.pool.sliding_of(s.table[p / bs]).is_none() || s.in_gap(p));
+            if let Some(position) = missing {
+                return Err(KvError::ShiftLosesWindow {
+                    seq,
+                    n_keep,
+                    position,
+                });
+            }
+        }
+        let shared = |cache: &KvCache, j: usize| cache.pool.ref_count(s.table[j]) > 1;
+        let needed = written.clone().filter(|&j| shared(self, j)).count();
+        let needed_s = window.map_or(0, |lo| {
             written
                 .clone()
-                .filter(|&j| cache.pool.ref_count(table[j]) > 1)
+                .filter(|&j| (j + 1) * bs > lo)
+                .filter(|&j| shared(self, j) || self.pool.sliding_of(s.table[j]).is_none())
                 .count()
-        };
-        let needed = count_shared(self, &s.table);
-        if !self.make_room(needed)? {
+        });
+        // What the new window reads keeps its sliding blocks meanwhile.
+        let kept: Vec<BlockId> = window.map_or(Vec::new(), |lo| {
+            s.table[(lo / bs).min(new_blocks)..new_blocks].to_vec()
+        });
+        if !self.make_room_keeping(needed, needed_s, &kept)? {
+            let short_global = self.pool.num_free() < needed;
             return Ok(Admission::Later {
-                needed,
-                free: self.pool.num_free(),
+                needed: if short_global { needed } else { needed_s },
+                free: if short_global {
+                    self.pool.num_free()
+                } else {
+                    self.pool.num_free_sliding()
+                },
             });
         }
         let s = self.seqs.get_mut(&seq).expect("checked above");
         let old_table = s.table.clone();
+        let old_sliding: Vec<Option<BlockId>> =
+            old_table.iter().map(|&b| self.pool.sliding_of(b)).collect();
         let mut copies = Vec::new();
+        let mut sliding_copies = Vec::new();
         let mut released = Vec::new();
+        let partial_keep = j_keep_partial(n_keep, bs);
+        // A kept block whose sliding K/V could not be carried over (its
+        // kept positions were behind the window): it never enters the tree.
+        let mut unwritten = None;
         for j in written.clone() {
             let old = old_table[j];
             if self.pool.ref_count(old) > 1 {
                 let fresh = self.pool.allocate().expect("room was made");
-                if j == n_keep / bs && !n_keep.is_multiple_of(bs) {
+                s.table[j] = fresh;
+                released.push(old);
+                let in_window = window.is_some_and(|lo| (j + 1) * bs > lo);
+                if in_window {
+                    let sd = self.pool.attach(fresh).expect("room was made");
+                    if partial_keep == Some(j) {
+                        match old_sliding[j] {
+                            Some(ss) => sliding_copies.push(CopyOp { src: ss, dst: sd }),
+                            None => unwritten = Some(j * bs),
+                        }
+                    }
+                }
+                if partial_keep == Some(j) {
                     copies.push(CopyOp {
                         src: old,
                         dst: fresh,
                     });
                 }
-                s.table[j] = fresh;
-                released.push(old);
+            } else if window.is_some_and(|lo| (j + 1) * bs > lo)
+                && self.pool.sliding_of(old).is_none()
+            {
+                self.pool.attach(old).expect("room was made");
+                if partial_keep == Some(j) {
+                    unwritten = Some(j * bs);
+                }
             }
         }
         released.extend_from_slice(&old_table[new_blocks..]);
@@ -552,17 +907,48 @@ impl KvCache {
                 dst: Slot::of(s.table[(p - n_discard) / bs], (p - n_discard) % bs, bs),
             })
             .collect();
+        let sliding_moves = match window {
+            None => Vec::new(),
+            Some(lo) => (n_keep + n_discard..len)
+                .filter(|&p| p - n_discard >= lo)
+                .map(|p| {
+                    let d = p - n_discard;
+                    let src = old_sliding[p / bs].expect("the old window has its blocks");
+                    let dst = self
+                        .pool
+                        .sliding_of(s.table[d / bs])
+                        .expect("attached above");
+                    SlotMove {
+                        src: Slot::of(src, p % bs, bs),
+                        dst: Slot::of(dst, d % bs, bs),
+                    }
+                })
+                .collect(),
+        };
         for b in released {
             self.pool.release(b)?;
         }
         s.tokens.drain(n_keep..n_keep + n_discard);
         s.computed = new_len;
-        s.cacheable = s.cacheable.min(n_keep);
+        s.cacheable = s.cacheable.min(n_keep).min(unwritten.unwrap_or(usize::MAX));
+        if let Some(lo) = window {
+            // Stale from here on: the kept block's positions not carried
+            // over, then the moved positions behind the window (they got no
+            // sliding move). A gap of an earlier shift stays where kept.
+            for g in &mut s.gaps {
+                g.1 = g.1.min(n_keep);
+            }
+            s.gaps.retain(|&(a, b)| a < b);
+            s.add_gap(unwritten.unwrap_or(n_keep), lo.max(n_keep));
+        }
+        s.trimmed = 0;
         self.stats.shifts += 1;
         Ok(Admission::Ok(ShiftPlan {
             copies,
             moves,
             position_delta: -(n_discard as i64),
+            sliding_copies,
+            sliding_moves,
         }))
     }
 
@@ -583,6 +969,8 @@ impl KvCache {
             cached_blocks: self.pool.num_live() - used_blocks,
             cached_tokens: self.tree.cached_tokens(),
             sequences: self.seqs.len(),
+            sliding_blocks: self.pool.num_sliding_blocks(),
+            free_sliding_blocks: self.pool.num_free_sliding(),
             ..self.stats
         }
     }
@@ -625,6 +1013,28 @@ impl KvCache {
             if let Some(node) = s.lock {
                 *locks.entry(node).or_default() += 1;
             }
+            // Blocks the next queries read, and those of pending tokens.
+            let reads = self.window().map_or(0..0, |w| {
+                let lo = (s.computed + 1).saturating_sub(w);
+                lo / bs
+                    ..s.table
+                        .len()
+                        .min(if lo < s.tokens.len() { usize::MAX } else { 0 })
+            });
+            if let Some(w) = self.window() {
+                let lo = (s.computed + 1).saturating_sub(w);
+                if let Some(p) = (lo..s.computed).find(|&p| s.in_gap(p)) {
+                    return bad(format!("{id:?} reads its stale position {p}"));
+                }
+            }
+            if let Some(j) = reads
+                .clone()
+                .find(|&j| self.pool.sliding_of(s.table[j]).is_none())
+            {
+                return bad(format!(
+                    "{id:?} reads block {j} in its sliding window but it has no sliding block"
+                ));
+            }
         }
         self.tree.check_invariants(n)?;
         self.tree.for_each_block(|b| holders[b.index()] += 1);
@@ -655,13 +1065,51 @@ impl KvCache {
         }
     }
 
-    /// Evicts cached content until `needed` blocks are free; `false` if even
-    /// that is not enough.
-    fn make_room(&mut self, needed: usize) -> Result<bool, KvError> {
+    /// Evicts cached content until `needed` blocks and `needed_s` sliding
+    /// blocks are free; `false` if even that is not enough.
+    fn make_room(&mut self, needed: usize, needed_s: usize) -> Result<bool, KvError> {
+        self.make_room_keeping(needed, needed_s, &[])
+    }
+
+    /// [`make_room`](Self::make_room) that leaves the sliding blocks of
+    /// `protect` alone.
+    fn make_room_keeping(
+        &mut self,
+        needed: usize,
+        needed_s: usize,
+        protect: &[BlockId],
+    ) -> Result<bool, KvError> {
         let free = self.pool.num_free();
         if free < needed {
             self.evict(needed - free)?;
         }
-        Ok(self.pool.num_free() >= needed)
+        let free_s = self.pool.num_free_sliding();
+        if free_s < needed_s {
+            self.evict_sliding(needed_s - free_s, protect, true);
+        }
+        // What is left is read by sequences or is a tail: only whole
+        // cached leaves can give it back.
+        while self.pool.num_free_sliding() < needed_s {
+            if self.evict(1)?.is_empty() && self.tree.num_evictable_leaves() == 0 {
+                break;
+            }
+            // A shorter leaf pins another tail.
+            let free_s = self.pool.num_free_sliding();
+            if free_s < needed_s {
+                self.evict_sliding(needed_s - free_s, protect, true);
+            }
+        }
+        // Locked paths' tails last: running sequences come first.
+        let free_s = self.pool.num_free_sliding();
+        if free_s < needed_s {
+            self.evict_sliding(needed_s - free_s, protect, false);
+        }
+        Ok(self.pool.num_free() >= needed && self.pool.num_free_sliding() >= needed_s)
     }
+}
+
+/// The block index holding both kept and moved tokens in a shift (the
+/// block of `n_keep` when it does not start there).
+fn j_keep_partial(n_keep: usize, bs: usize) -> Option<usize> {
+    (!n_keep.is_multiple_of(bs)).then_some(n_keep / bs)
 }

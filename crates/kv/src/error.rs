@@ -41,6 +41,12 @@ pub enum KvError {
         n_discard: usize,
         len: usize,
     },
+    #[error("context shift of {seq} refused: it keeps {n_keep} tokens, and the sliding-window layers no longer hold position {position} of them (keep_front was not set)")]
+    ShiftLosesWindow {
+        seq: SeqId,
+        n_keep: usize,
+        position: usize,
+    },
     #[error("cannot shrink the pool to {requested} blocks: block {highest_live} is live (defragment first)")]
     ShrinkBlocked {
         requested: usize,

@@ -21,7 +21,7 @@ mod plan;
 mod pool;
 mod tree;
 
-pub use cache::{InsertReport, KvCache, KvConfig, KvStats, Sequence};
+pub use cache::{InsertReport, KvCache, KvConfig, KvStats, Sequence, SlidingConfig};
 pub use error::KvError;
 pub use ids::{token_ids, BlockId, Namespace, NodeId, SeqId, Slot, TokenId};
 pub use plan::{Admission, AppendPlan, CopyOp, DefragPlan, ShiftPlan, SlotMove};

@@ -64,6 +64,11 @@ impl<T> Admission<T> {
 pub struct AppendPlan {
     pub copies: Vec<CopyOp>,
     pub slots: Vec<Slot>,
+    /// The same for the sliding-window layers' pool (empty without one): a
+    /// slot per new token, `Slot(u32::MAX)` where that layer keeps nothing
+    /// ([`KvCache::append_from`](crate::KvCache::append_from)).
+    pub sliding_copies: Vec<CopyOp>,
+    pub sliding_slots: Vec<Slot>,
 }
 
 /// A context shift of one sequence.
@@ -77,6 +82,10 @@ pub struct ShiftPlan {
     pub copies: Vec<CopyOp>,
     pub moves: Vec<SlotMove>,
     pub position_delta: i64,
+    /// The same for the sliding-window layers' pool: only the positions
+    /// their next query reads.
+    pub sliding_copies: Vec<CopyOp>,
+    pub sliding_moves: Vec<SlotMove>,
 }
 
 /// Compaction of live blocks to the lowest ids. The bookkeeping is already
@@ -88,4 +97,7 @@ pub struct DefragPlan {
     pub moves: Vec<CopyOp>,
     /// Number of live blocks; after the plan they are exactly `0..live_blocks`.
     pub live_blocks: usize,
+    /// The same for the sliding-window layers' pool.
+    pub sliding_moves: Vec<CopyOp>,
+    pub sliding_live: usize,
 }

@@ -25,6 +25,40 @@ pub struct BlockPool {
     block_size: usize,
     refs: Vec<u32>,
     free: Vec<BlockId>,
+    sliding: Option<Sliding>,
+}
+
+/// The blocks of the sliding-window layers (Gemma 3's local layers), a pool
+/// of their own: a block here holds the same positions as the (global)
+/// block it is attached to, for the layers that only look `window` tokens
+/// back. It has no holders of its own: it lives while its global block
+/// lives and someone wants its content (a sequence whose window covers it,
+/// or the prefix tree as evictable cache), and goes with its global block.
+///
+/// ```text
+/// global:  b0   b1   b2   b3   b4        every token, every global layer
+/// sliding:  -    -   s1   s0   s2        only where someone reads them
+/// ```
+#[derive(Debug, Clone)]
+struct Sliding {
+    window: usize,
+    /// Global block id -> its sliding block.
+    attached: Vec<Option<BlockId>>,
+    /// Sliding block id -> the global block it belongs to.
+    owner: Vec<Option<BlockId>>,
+    free: Vec<BlockId>,
+}
+
+impl Sliding {
+    fn rebuild_free_list(&mut self) {
+        self.free.clear();
+        self.free.extend(
+            (0..self.owner.len())
+                .rev()
+                .filter(|&i| self.owner[i].is_none())
+                .map(|i| BlockId(i as u32)),
+        );
+    }
 }
 
 impl BlockPool {
@@ -38,13 +72,117 @@ impl BlockPool {
             block_size,
             refs: vec![0; num_blocks],
             free: Vec::with_capacity(num_blocks),
+            sliding: None,
         };
         pool.rebuild_free_list();
         Ok(pool)
     }
 
+    /// Gives the pool a second pool of `num_blocks` blocks for layers that
+    /// see only the last `window` positions (see [`BlockPool::attach`]).
+    pub fn with_sliding(mut self, window: usize, num_blocks: usize) -> Result<Self, KvError> {
+        if window == 0 || num_blocks == 0 {
+            return Err(KvError::Config(
+                "a sliding window and its pool need at least one token and one block".into(),
+            ));
+        }
+        check_slot_range(num_blocks, self.block_size)?;
+        let mut sl = Sliding {
+            window,
+            attached: vec![None; self.refs.len()],
+            owner: vec![None; num_blocks],
+            free: Vec::with_capacity(num_blocks),
+        };
+        sl.rebuild_free_list();
+        self.sliding = Some(sl);
+        Ok(self)
+    }
+
     pub fn block_size(&self) -> usize {
         self.block_size
+    }
+
+    /// The sliding window of the second pool, if there is one.
+    pub fn window(&self) -> Option<usize> {
+        self.sliding.as_ref().map(|s| s.window)
+    }
+
+    /// Blocks of the sliding pool (0 without one).
+    pub fn num_sliding_blocks(&self) -> usize {
+        self.sliding.as_ref().map_or(0, |s| s.owner.len())
+    }
+
+    /// Free blocks of the sliding pool (0 without one).
+    pub fn num_free_sliding(&self) -> usize {
+        self.sliding.as_ref().map_or(0, |s| s.free.len())
+    }
+
+    /// The sliding block attached to global block `b`.
+    #[inline]
+    pub fn sliding_of(&self, b: BlockId) -> Option<BlockId> {
+        self.sliding
+            .as_ref()
+            .and_then(|s| s.attached.get(b.index()).copied().flatten())
+    }
+
+    /// Attaches a free sliding block to the live global block `b` (which
+    /// has none); `None` when the sliding pool is empty or absent.
+    pub fn attach(&mut self, b: BlockId) -> Option<BlockId> {
+        debug_assert!(self.ref_count(b) > 0, "attach to free block {b:?}");
+        let sl = self.sliding.as_mut()?;
+        debug_assert!(sl.attached[b.index()].is_none(), "{b:?} attached twice");
+        let s = sl.free.pop()?;
+        sl.owner[s.index()] = Some(b);
+        sl.attached[b.index()] = Some(s);
+        Some(s)
+    }
+
+    /// Frees the sliding block of `b`, if it has one; returns it.
+    pub fn detach(&mut self, b: BlockId) -> Option<BlockId> {
+        let sl = self.sliding.as_mut()?;
+        let s = sl.attached.get_mut(b.index())?.take()?;
+        sl.owner[s.index()] = None;
+        sl.free.push(s);
+        Some(s)
+    }
+
+    /// Moves `from`'s sliding block to `to` when `to` has none (two global
+    /// blocks holding the same content: one replaces the other).
+    pub(crate) fn transfer_sliding(&mut self, from: BlockId, to: BlockId) {
+        let Some(sl) = self.sliding.as_mut() else {
+            return;
+        };
+        if sl.attached[to.index()].is_some() {
+            return;
+        }
+        if let Some(s) = sl.attached[from.index()].take() {
+            sl.attached[to.index()] = Some(s);
+            sl.owner[s.index()] = Some(to);
+        }
+    }
+
+    /// Compacts the attached sliding blocks to ids `0..live`; returns the
+    /// copies that carry it out (no destination is another's source).
+    pub(crate) fn compact_sliding(&mut self) -> (Vec<crate::CopyOp>, usize) {
+        let Some(sl) = self.sliding.as_mut() else {
+            return (Vec::new(), 0);
+        };
+        let n = sl.owner.len();
+        let live = n - sl.free.len();
+        let holes: Vec<usize> = (0..live).filter(|&i| sl.owner[i].is_none()).collect();
+        let strays: Vec<usize> = (live..n).filter(|&i| sl.owner[i].is_some()).collect();
+        let mut moves = Vec::new();
+        for (src, dst) in strays.into_iter().zip(holes) {
+            let g = sl.owner[src].take().expect("stray is attached");
+            sl.owner[dst] = Some(g);
+            sl.attached[g.index()] = Some(BlockId(dst as u32));
+            moves.push(crate::CopyOp {
+                src: BlockId(src as u32),
+                dst: BlockId(dst as u32),
+            });
+        }
+        sl.rebuild_free_list();
+        (moves, live)
     }
 
     pub fn num_blocks(&self) -> usize {
@@ -90,6 +228,7 @@ impl BlockPool {
         *r -= 1;
         if *r == 0 {
             self.free.push(b);
+            self.detach(b);
             return Ok(true);
         }
         Ok(false)
@@ -121,6 +260,9 @@ impl BlockPool {
             });
         }
         self.refs.truncate(new_len);
+        if let Some(sl) = &mut self.sliding {
+            sl.attached.truncate(new_len);
+        }
         self.rebuild_free_list();
         Ok(())
     }
@@ -132,6 +274,9 @@ impl BlockPool {
         }
         check_slot_range(new_len, self.block_size)?;
         self.refs.resize(new_len, 0);
+        if let Some(sl) = &mut self.sliding {
+            sl.attached.resize(new_len, None);
+        }
         self.rebuild_free_list();
         Ok(())
     }
@@ -141,6 +286,12 @@ impl BlockPool {
         debug_assert_eq!(self.refs[dst.index()], 0);
         self.refs[dst.index()] = self.refs[src.index()];
         self.refs[src.index()] = 0;
+        if let Some(sl) = &mut self.sliding {
+            if let Some(s) = sl.attached[src.index()].take() {
+                sl.attached[dst.index()] = Some(s);
+                sl.owner[s.index()] = Some(dst);
+            }
+        }
     }
 
     /// Rebuilds the free stack so that the lowest ids are allocated first,
@@ -197,6 +348,33 @@ impl BlockPool {
             return bad(format!(
                 "block b{i} has count 0 but is not in the free list (leaked)"
             ));
+        }
+        let Some(sl) = &self.sliding else {
+            return Ok(());
+        };
+        if sl.attached.len() != self.refs.len() {
+            return bad("sliding attachments do not cover the pool".into());
+        }
+        for (g, a) in sl.attached.iter().enumerate() {
+            let Some(s) = *a else { continue };
+            if self.refs[g] == 0 {
+                return bad(format!("free block b{g} keeps sliding block {s:?}"));
+            }
+            if sl.owner.get(s.index()).copied().flatten() != Some(BlockId(g as u32)) {
+                return bad(format!("sliding block {s:?} of b{g} names another owner"));
+            }
+        }
+        let owned = sl.owner.iter().filter(|o| o.is_some()).count();
+        let attached = sl.attached.iter().filter(|a| a.is_some()).count();
+        if owned != attached || owned + sl.free.len() != sl.owner.len() {
+            return bad(format!(
+                "sliding pool: {owned} owned, {attached} attached, {} free of {}",
+                sl.free.len(),
+                sl.owner.len()
+            ));
+        }
+        if let Some(s) = sl.free.iter().find(|s| sl.owner[s.index()].is_some()) {
+            return bad(format!("sliding block {s:?} is both free and attached"));
         }
         Ok(())
     }

@@ -74,6 +74,10 @@ struct Node {
     lock_ref: u32,
     /// Locks taken on this node itself.
     own_locks: u32,
+    /// Its end is a point requests resume from (the end of a prompt, of a
+    /// generation, a branch point): the sliding-window blocks of the
+    /// positions just before it are kept as long as the node is.
+    tail: bool,
 }
 
 impl Node {
@@ -236,7 +240,34 @@ impl PrefixTree {
     /// tokens leave the cached paths; the new leaf takes a reference on each
     /// of its blocks. Returns how much was cached already: the caller's blocks
     /// for that part are duplicates it may release.
+    ///
+    /// `boundary`: the tokens end where requests resume (the end of a
+    /// prompt or a generation), so their last node keeps its tail (see
+    /// [`PrefixTree::for_each_tail_block`]); a branch point always does.
     pub fn insert(
+        &mut self,
+        pool: &mut BlockPool,
+        ns: Namespace,
+        tokens: &[TokenId],
+        blocks: &[BlockId],
+        boundary: bool,
+    ) -> Result<InsertOutcome, KvError> {
+        let mut out = self.insert_tokens(pool, ns, tokens, blocks)?;
+        if let (true, Some(id)) = (boundary, out.node) {
+            let node = self.n(id);
+            let inside = tokens.len() - node.start;
+            let id = if inside < node.tokens.len() {
+                self.split(pool, id, inside)?
+            } else {
+                id
+            };
+            self.nm(id).tail = true;
+            out.node = Some(id);
+        }
+        Ok(out)
+    }
+
+    fn insert_tokens(
         &mut self,
         pool: &mut BlockPool,
         ns: Namespace,
@@ -294,6 +325,8 @@ impl PrefixTree {
                 });
             }
             let top = self.split(pool, c, common)?;
+            // Requests branch here: later ones resume from this point.
+            self.nm(top).tail = true;
             let at = pos + common;
             let leaf = self.add_leaf(pool, top, at, &tokens[at..], &blocks[at / bs..], now)?;
             return Ok(InsertOutcome {
@@ -362,6 +395,52 @@ impl PrefixTree {
             }
         }
         Ok(freed)
+    }
+
+    /// Calls `f` for the blocks holding the `window - 1` positions before
+    /// the end of every tail node (along its root path): what a request
+    /// resuming there reads in its sliding-window layers. A block may come
+    /// up more than once.
+    pub fn for_each_tail_block(&self, window: usize, mut f: impl FnMut(BlockId)) {
+        let bs = self.block_size;
+        for (i, node) in self.nodes.iter().enumerate() {
+            let Some(node) = node.as_ref().filter(|n| n.tail && n.parent.is_some()) else {
+                continue;
+            };
+            let end = node.end();
+            let lo = (end + 1).saturating_sub(window) / bs;
+            let mut hi = (end - 1) / bs + 1;
+            let mut cur = NodeId(i as u32);
+            while hi > lo {
+                let n = self.n(cur);
+                if n.parent.is_none() {
+                    break;
+                }
+                let first = n.start / bs;
+                for j in first.max(lo)..hi {
+                    f(n.blocks[j - first]);
+                }
+                hi = hi.min(first);
+                cur = n.parent.expect("checked above");
+            }
+        }
+    }
+
+    /// Every block the tree holds, least recently used node first, each
+    /// node's from its first position on.
+    pub fn blocks_by_age(&self) -> Vec<BlockId> {
+        let mut nodes: Vec<(u64, &Node)> = self
+            .nodes
+            .iter()
+            .flatten()
+            .filter(|n| n.parent.is_some())
+            .map(|n| (n.last_access, n))
+            .collect();
+        nodes.sort_by_key(|&(t, _)| t);
+        nodes
+            .into_iter()
+            .flat_map(|(_, n)| n.blocks.iter().copied())
+            .collect()
     }
 
     /// Every root-to-leaf path with the blocks a match of it returns.
@@ -589,6 +668,7 @@ impl PrefixTree {
             last_access: 0,
             lock_ref: 0,
             own_locks: 0,
+            tail: false,
         });
         self.roots.insert(ns, id);
         id
@@ -618,6 +698,7 @@ impl PrefixTree {
             last_access: now,
             lock_ref: 0,
             own_locks: 0,
+            tail: false,
         });
         self.nm(parent).children.insert(tokens[0], id);
         self.cached_tokens += tokens.len();
@@ -644,6 +725,7 @@ impl PrefixTree {
             last_access: node.last_access,
             lock_ref: node.lock_ref,
             own_locks: 0,
+            tail: false,
         };
         if !split_at.is_multiple_of(bs) {
             // The block holding the split point now has two holders.

@@ -136,6 +136,8 @@ pub enum SchedError {
 pub enum KvOp {
     /// Copy whole blocks (copy-on-write).
     Copy(Vec<CopyOp>),
+    /// The same in the sliding-window layers' pool.
+    CopySliding(Vec<CopyOp>),
     /// A context shift of `req`: its copies, then the moves with K rotated.
     Shift { req: ReqId, plan: ShiftPlan },
 }
@@ -151,6 +153,10 @@ pub struct StepItem {
     pub slots: Vec<Slot>,
     /// The sequence's block table after this step's appends.
     pub block_table: Vec<BlockId>,
+    /// With sliding-window layers: their slots for the tokens, and their
+    /// blocks (`None` before the window); empty otherwise.
+    pub sliding_slots: Vec<Slot>,
+    pub sliding_table: Vec<Option<BlockId>>,
     /// The last token ends what is known: the engine samples from it.
     pub wants_logits: bool,
 }
@@ -446,7 +452,17 @@ impl Scheduler {
             };
             let n_keep = keep.min(self.cfg.context_length / 2);
             let n_discard = ((len - n_keep) / 2).max(1);
-            match self.kv.plan_shift(seq, n_keep, n_discard)? {
+            let shift = match self.kv.plan_shift(seq, n_keep, n_discard) {
+                // The sliding-window layers no longer hold what it keeps
+                // (it was matched from the cache with those positions
+                // evicted): it ends as if shifting were off.
+                Err(KvError::ShiftLosesWindow { .. }) => {
+                    plan.ended.push((id, EndReason::ContextFull));
+                    return Ok(Placed::Ended);
+                }
+                other => other?,
+            };
+            match shift {
                 Admission::Ok(shift) => {
                     self.reqs
                         .get_mut(&id)
@@ -461,6 +477,17 @@ impl Scheduler {
                     len -= n_discard;
                 }
                 Admission::Never { needed, total } => {
+                    plan.ended
+                        .push((id, EndReason::OutOfKvMemory { needed, total }));
+                    return Ok(Placed::Ended);
+                }
+                Admission::Later { needed, .. }
+                    if self.running.len() == 1 && self.reqs[&id].starved =>
+                {
+                    // Alone, started over once on an empty cache, and the
+                    // shift's copies still do not fit: it would start over
+                    // forever.
+                    let total = self.kv.pool().num_blocks();
                     plan.ended
                         .push((id, EndReason::OutOfKvMemory { needed, total }));
                     return Ok(Placed::Ended);
@@ -504,12 +531,22 @@ impl Scheduler {
         if !admitted.copies.is_empty() {
             plan.ops.push(KvOp::Copy(admitted.copies));
         }
+        if !admitted.sliding_copies.is_empty() {
+            plan.ops.push(KvOp::CopySliding(admitted.sliding_copies));
+        }
+        let sliding_table = if self.kv.window().is_some() {
+            self.kv.sliding_table(seq)?
+        } else {
+            Vec::new()
+        };
         plan.items.push(StepItem {
             req,
             seq,
             start,
             slots: admitted.slots,
             block_table: self.kv.sequence(seq)?.block_table().to_vec(),
+            sliding_slots: admitted.sliding_slots,
+            sliding_table,
             wants_logits,
             tokens,
         });
@@ -584,6 +621,13 @@ impl Scheduler {
                 break;
             }
             let r = &self.reqs[&id];
+            if r.tokens.len() > self.cfg.context_length && r.shift_keep.is_none() {
+                // Preempted with a sampled token past a full context: it
+                // ends as it would have had it kept running.
+                self.waiting.retain(|&w| w != id);
+                plan.ended.push((id, EndReason::ContextFull));
+                continue;
+            }
             let reusable = if self.cfg.prefix_cache && r.reuse {
                 &r.tokens[..r.tokens.len() - 1]
             } else {
@@ -594,11 +638,16 @@ impl Scheduler {
             if self.cfg.prefix_cache
                 && r.reuse
                 && !solo
-                && self.in_flight(reusable) > self.kv.tree().peek_prefix(r.ns, reusable).len
+                && self.in_flight(reusable) > self.kv.cached_prefix_len(r.ns, reusable)
             {
                 continue;
             }
             let (seq, cached) = self.kv.add_sequence(r.ns, reusable);
+            if let Some(keep) = r.shift_keep {
+                // A context shift keeps these: their sliding-window K/V stays.
+                self.kv
+                    .keep_front(seq, keep.min(self.cfg.context_length / 2))?;
+            }
             let end = r.tokens.len().min(cached.saturating_add(*budget));
             let chunk = r.tokens[cached..end].to_vec();
             match self.kv.append(seq, &chunk)? {
@@ -658,7 +707,7 @@ impl Scheduler {
                 let overdue = self.step.saturating_sub(since) > self.cfg.max_wait_steps;
                 let hit = if self.cfg.prefix_cache && r.reuse && !overdue {
                     let n = r.tokens.len() - 1;
-                    self.kv.tree().peek_prefix(r.ns, &r.tokens[..n]).len
+                    self.kv.cached_prefix_len(r.ns, &r.tokens[..n])
                 } else {
                     0
                 };
@@ -682,7 +731,12 @@ impl Scheduler {
             self.kv.mark_computed(item.seq, computed)?;
             let prefill = item.tokens.len() > 1 || !item.wants_logits;
             if self.cfg.prefix_cache && prefill {
-                self.kv.insert_whole_blocks(item.seq)?;
+                // The end of a prompt is a point requests resume from.
+                if item.wants_logits {
+                    self.kv.insert_prompt(item.seq)?;
+                } else {
+                    self.kv.insert_whole_blocks(item.seq)?;
+                }
             }
             if let Some(r) = self.reqs.get_mut(&item.req) {
                 if r.solo_until.is_some_and(|until| computed >= until) {

@@ -16,6 +16,8 @@ const NS: Namespace = Namespace(7);
 struct Sim {
     sched: Scheduler,
     slots: HashMap<u32, (TokenId, usize)>,
+    /// The sliding-window layers' pool, when there is one.
+    sliding: HashMap<u32, (TokenId, usize)>,
     /// Generated tokens per request, and how many each may make.
     out: HashMap<ReqId, (Vec<u32>, usize)>,
     /// Samples draw from `hash(context) + salt` (forks use different salts).
@@ -34,14 +36,22 @@ fn hash(ctx: &[TokenId], salt: u64) -> u32 {
 
 impl Sim {
     fn new(num_blocks: usize, block_size: usize, cfg: SchedConfig) -> Sim {
-        let kv = KvCache::new(KvConfig {
-            num_blocks,
-            block_size,
-        })
-        .unwrap();
+        Sim::with_pool(
+            KvConfig {
+                num_blocks,
+                block_size,
+                sliding: None,
+            },
+            cfg,
+        )
+    }
+
+    fn with_pool(pool: KvConfig, cfg: SchedConfig) -> Sim {
+        let kv = KvCache::new(pool).unwrap();
         Sim {
             sched: Scheduler::new(kv, cfg),
             slots: HashMap::new(),
+            sliding: HashMap::new(),
             out: HashMap::new(),
             salt: HashMap::new(),
             done: Vec::new(),
@@ -76,14 +86,7 @@ impl Sim {
 
     fn copy_block(&mut self, src: BlockId, dst: BlockId) {
         let bs = self.bs();
-        for o in 0..bs {
-            let from = Slot::of(src, o, bs).0;
-            let to = Slot::of(dst, o, bs).0;
-            match self.slots.get(&from).copied() {
-                Some(v) => self.slots.insert(to, v),
-                None => self.slots.remove(&to),
-            };
-        }
+        copy_in(&mut self.slots, bs, src, dst);
     }
 
     /// One step: plan, apply, check every sampled context, sample.
@@ -92,21 +95,24 @@ impl Sim {
         for op in &plan.ops {
             match op {
                 KvOp::Copy(copies) => copies.iter().for_each(|c| self.copy_block(c.src, c.dst)),
+                KvOp::CopySliding(copies) => {
+                    let bs = self.bs();
+                    copies
+                        .iter()
+                        .for_each(|c| copy_in(&mut self.sliding, bs, c.src, c.dst));
+                }
                 KvOp::Shift { plan: s, .. } => {
                     s.copies.iter().for_each(|c| self.copy_block(c.src, c.dst));
-                    for m in &s.moves {
-                        let (t, p) = self.slots[&m.src.0];
-                        let p = (p as i64 + s.position_delta) as usize;
-                        self.slots.insert(m.dst.0, (t, p));
-                    }
+                    move_in(&mut self.slots, &s.moves, s.position_delta);
+                    let bs = self.bs();
+                    s.sliding_copies
+                        .iter()
+                        .for_each(|c| copy_in(&mut self.sliding, bs, c.src, c.dst));
+                    move_in(&mut self.sliding, &s.sliding_moves, s.position_delta);
                 }
             }
         }
-        for item in &plan.items {
-            for (j, (t, s)) in item.tokens.iter().zip(&item.slots).enumerate() {
-                self.slots.insert(s.0, (*t, item.start + j));
-            }
-        }
+        write_items(self, &plan);
         self.sched.step_done(&plan).unwrap();
         for &(req, _) in &plan.ended {
             let toks = self.sched.finish(req).unwrap();
@@ -133,6 +139,20 @@ impl Sim {
                 })
                 .collect();
             assert_eq!(ctx, self.sched.tokens(item.req).unwrap(), "{}", item.req);
+            // The sliding-window layers read the window through their table.
+            if let Some(w) = self.sched.kv().window() {
+                for (p, &t) in ctx.iter().enumerate().skip(len.saturating_sub(w)) {
+                    let b = item.sliding_table[p / bs]
+                        .unwrap_or_else(|| panic!("{}: no sliding block at {p}", item.req));
+                    let slot = Slot::of(b, p % bs, bs).0;
+                    assert_eq!(
+                        self.sliding.get(&slot),
+                        Some(&(t, p)),
+                        "{}: sliding slot {slot} at {p}",
+                        item.req
+                    );
+                }
+            }
             let salt = self.salt.get(&item.req).copied().unwrap_or(0);
             let next = hash(&ctx, salt);
             let (out, max) = self.out.get_mut(&item.req).unwrap();
@@ -476,6 +496,55 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(500))]
+
+    /// With sliding-window layers, a sliding pool just big enough for one
+    /// request's window and chunk gives every request the output of a pool
+    /// with no sliding layers (the sampler checks each window's content).
+    /// With context shifts (whose arithmetic a preemption at the limit
+    /// changes) every request still finishes reading whole windows.
+    #[test]
+    fn sliding_pools_of_any_size_give_the_outputs_of_full_attention(
+        reqs in prop::collection::vec((0u32..4, 1usize..30, 1usize..20, any::<bool>()), 1..8),
+        budget in 1usize..24,
+        running in 1usize..6,
+        shared in 0usize..20,
+        window in prop::sample::select(vec![2usize, 3, 5, 9]),
+        extra in 0usize..12,
+    ) {
+        let bs = 4;
+        let mut c = cfg(budget, running);
+        c.context_length = 40;
+        let need = reqs.iter().map(|&(_, p, n, _)| (shared + p + n).min(40).div_ceil(bs)).max().unwrap();
+        // A window, a chunk, and the block of the 3 tokens a shift keeps.
+        let least = (window + budget).div_ceil(bs) + 2;
+        let run = |sliding: Option<usize>, shifts: bool| {
+            let pool = KvConfig {
+                num_blocks: 2 * need + 4,
+                block_size: bs,
+                sliding: sliding.map(|num_blocks| tessera_kv::SlidingConfig { window, num_blocks }),
+            };
+            let mut sim = Sim::with_pool(pool, c.clone());
+            let ids: Vec<ReqId> = reqs
+                .iter()
+                .map(|&(seed, len, max_new, shift)| {
+                    let mut p = prompt(0, shared);
+                    p.extend(prompt(seed + 1, len));
+                    p.truncate(40);
+                    sim.add_with(&p, max_new, (shift && shifts).then_some(3))
+                })
+                .collect();
+            sim.run();
+            assert_no_leak(&sim);
+            let outs = sim.outputs();
+            ids.iter().map(|i| outs[i].clone()).collect::<Vec<_>>()
+        };
+        prop_assert_eq!(run(Some(least + extra), false), run(None, false));
+        run(Some(least + extra), true);
+    }
+}
+
 /// Writes the plan's tokens into the shadow pool as a forward pass would,
 /// without marking anything computed.
 fn write_items(sim: &mut Sim, plan: &StepPlan) {
@@ -483,6 +552,29 @@ fn write_items(sim: &mut Sim, plan: &StepPlan) {
         for (j, (t, s)) in item.tokens.iter().zip(&item.slots).enumerate() {
             sim.slots.insert(s.0, (*t, item.start + j));
         }
+        for (j, (t, s)) in item.tokens.iter().zip(&item.sliding_slots).enumerate() {
+            if s.0 != u32::MAX {
+                sim.sliding.insert(s.0, (*t, item.start + j));
+            }
+        }
+    }
+}
+
+fn copy_in(cells: &mut HashMap<u32, (TokenId, usize)>, bs: usize, src: BlockId, dst: BlockId) {
+    for o in 0..bs {
+        let from = Slot::of(src, o, bs).0;
+        let to = Slot::of(dst, o, bs).0;
+        match cells.get(&from).copied() {
+            Some(v) => cells.insert(to, v),
+            None => cells.remove(&to),
+        };
+    }
+}
+
+fn move_in(cells: &mut HashMap<u32, (TokenId, usize)>, moves: &[tessera_kv::SlotMove], delta: i64) {
+    for m in moves {
+        let (t, p) = cells[&m.src.0];
+        cells.insert(m.dst.0, (t, (p as i64 + delta) as usize));
     }
 }
 

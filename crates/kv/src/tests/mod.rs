@@ -5,6 +5,7 @@
 
 mod model;
 mod scenarios;
+mod sliding;
 
 use crate::{Admission, AppendPlan, CopyOp, KvCache, Namespace, SeqId, ShiftPlan, Slot, TokenId};
 
@@ -14,34 +15,54 @@ pub(crate) type Cell = Option<(TokenId, usize)>;
 /// A stand-in for the K/V tensors.
 pub(crate) struct Shadow {
     pub cells: Vec<Cell>,
+    /// The sliding-window layers' pool.
+    pub sliding: Vec<Cell>,
     pub bs: usize,
+}
+
+fn copy_cells(cells: &mut [Cell], bs: usize, ops: &[CopyOp]) {
+    for op in ops {
+        for o in 0..bs {
+            cells[op.dst.index() * bs + o] = cells[op.src.index() * bs + o];
+        }
+    }
+}
+
+fn move_cells(cells: &mut [Cell], moves: &[crate::SlotMove], delta: i64) {
+    for m in moves {
+        let (t, p) = cells[m.src.index()].expect("moved slot holds content");
+        cells[m.dst.index()] = Some((t, (p as i64 + delta) as usize));
+    }
 }
 
 impl Shadow {
     pub fn new(kv: &KvCache) -> Self {
         Shadow {
             cells: vec![None; kv.pool().num_blocks() * kv.block_size()],
+            sliding: vec![None; kv.pool().num_sliding_blocks() * kv.block_size()],
             bs: kv.block_size(),
         }
     }
 
-    pub fn copy_blocks(&mut self, ops: &[CopyOp]) {
-        for op in ops {
-            for o in 0..self.bs {
-                self.cells[op.dst.index() * self.bs + o] = self.cells[op.src.index() * self.bs + o];
-            }
-        }
+    /// Carries out an append plan's copies (both pools).
+    pub fn copy_append(&mut self, plan: &AppendPlan) {
+        copy_cells(&mut self.cells, self.bs, &plan.copies);
+        copy_cells(&mut self.sliding, self.bs, &plan.sliding_copies);
+    }
+
+    /// Carries out a defragmentation plan (both pools).
+    pub fn defrag(&mut self, plan: &crate::DefragPlan) {
+        copy_cells(&mut self.cells, self.bs, &plan.moves);
+        copy_cells(&mut self.sliding, self.bs, &plan.sliding_moves);
     }
 
     /// Carries out a shift plan: copies, then moves in order; a moved cell's
     /// position changes by the delta (the K rotation).
     pub fn shift(&mut self, plan: &ShiftPlan) {
-        self.copy_blocks(&plan.copies);
-        for m in &plan.moves {
-            let (t, p) = self.cells[m.src.index()].expect("moved slot holds content");
-            let p = (p as i64 + plan.position_delta) as usize;
-            self.cells[m.dst.index()] = Some((t, p));
-        }
+        copy_cells(&mut self.cells, self.bs, &plan.copies);
+        move_cells(&mut self.cells, &plan.moves, plan.position_delta);
+        copy_cells(&mut self.sliding, self.bs, &plan.sliding_copies);
+        move_cells(&mut self.sliding, &plan.sliding_moves, plan.position_delta);
     }
 
     /// Computes the pending tokens of `seq` into their slots.
@@ -51,6 +72,9 @@ impl Shadow {
         for (p, &t) in toks.iter().enumerate().skip(done) {
             let slot = kv.slot(seq, p).unwrap();
             self.cells[slot.index()] = Some((t, p));
+            if let Some(s) = kv.sliding_slot(seq, p).unwrap() {
+                self.sliding[s.index()] = Some((t, p));
+            }
         }
         kv.mark_computed(seq, toks.len()).unwrap();
     }
@@ -65,6 +89,24 @@ impl Shadow {
                 return Err(format!(
                     "{seq:?} position {p}: slot {slot:?} holds {:?}, want {want:?}",
                     self.cells[slot.index()]
+                ));
+            }
+        }
+        // The sliding layers: the window of the next query.
+        let from = kv.window().map_or(s.num_computed(), |w| {
+            (s.num_computed() + 1).saturating_sub(w)
+        });
+        for p in from..s.num_computed() {
+            let want = Some((s.tokens()[p], p));
+            let Some(slot) = kv.sliding_slot(seq, p).unwrap() else {
+                return Err(format!(
+                    "{seq:?} position {p}: no sliding block in its window"
+                ));
+            };
+            if self.sliding[slot.index()] != want {
+                return Err(format!(
+                    "{seq:?} position {p}: sliding {slot:?} holds {:?}, want {want:?}",
+                    self.sliding[slot.index()]
                 ));
             }
         }
@@ -84,6 +126,15 @@ impl Shadow {
                         &path.tokens[..path.tokens.len().min(8)],
                         (t, p)
                     ));
+                }
+                // A sliding block, where there is one, holds every position.
+                if let Some(sb) = kv.pool().sliding_of(b) {
+                    let cell = self.sliding[Slot::of(sb, p % self.bs, self.bs).index()];
+                    if cell != Some((t, p)) {
+                        return Err(format!(
+                            "cached path position {p}: sliding {sb:?} of {b:?} holds {cell:?}"
+                        ));
+                    }
                 }
             }
         }
@@ -108,7 +159,7 @@ pub(crate) fn append_compute(
         Admission::Ok(p) => p,
         other => panic!("append of {} tokens not admitted: {other:?}", raw.len()),
     };
-    sh.copy_blocks(&plan.copies);
+    sh.copy_append(&plan);
     sh.compute(kv, seq);
     plan
 }

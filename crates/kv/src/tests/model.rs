@@ -203,7 +203,7 @@ impl World {
                 let new = toks(tokens);
                 match self.kv.append(s.id, &new).unwrap() {
                     Admission::Ok(plan) => {
-                        self.sh.copy_blocks(&plan.copies);
+                        self.sh.copy_append(&plan);
                         prop_assert_eq!(plan.slots.len(), new.len());
                         for (k, slot) in plan.slots.iter().enumerate() {
                             prop_assert_eq!(*slot, self.kv.slot(s.id, s.tokens.len() + k).unwrap());
@@ -328,7 +328,7 @@ impl World {
             }
             Op::Defrag => {
                 let plan = self.kv.plan_defrag();
-                self.sh.copy_blocks(&plan.moves);
+                self.sh.defrag(&plan);
                 prop_assert_eq!(plan.live_blocks, self.kv.pool().num_live());
                 if let Some(h) = self.kv.pool().highest_live() {
                     prop_assert!(h.index() < plan.live_blocks, "defrag left a hole");
@@ -402,7 +402,7 @@ proptest! {
         num_blocks in 1usize..48,
         ops in prop::collection::vec(op(), 1..60),
     ) {
-        let kv = KvCache::new(KvConfig { num_blocks, block_size }).unwrap();
+        let kv = KvCache::new(KvConfig { num_blocks, block_size, sliding: None }).unwrap();
         let sh = Shadow::new(&kv);
         let mut w = World { kv, sh, seqs: Vec::new(), cached: Vec::new(), locks: Vec::new() };
         for op in &ops {

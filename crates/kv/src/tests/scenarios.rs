@@ -10,6 +10,7 @@ fn cache(num_blocks: usize, block_size: usize) -> (KvCache, Shadow) {
     let kv = KvCache::new(KvConfig {
         num_blocks,
         block_size,
+        sliding: None,
     })
     .unwrap();
     let sh = Shadow::new(&kv);
@@ -276,7 +277,7 @@ fn defrag_compacts_and_reads_back() {
             }
         ]
     );
-    sh.copy_blocks(&plan.moves);
+    sh.defrag(&plan);
     assert_eq!(kv.sequence(ids[2]).unwrap().block_table(), b(&[0, 1]));
     checked(&kv, &sh);
     assert_eq!(kv.plan_defrag().moves, vec![]);
@@ -399,7 +400,7 @@ fn misuse_returns_typed_errors() {
     let mut tree = crate::PrefixTree::new(4);
     let blk = pool.allocate().unwrap();
     assert_eq!(
-        tree.insert(&mut pool, NS, &toks(&[1, 2, 3, 4, 5]), &[blk]),
+        tree.insert(&mut pool, NS, &toks(&[1, 2, 3, 4, 5]), &[blk], false),
         Err(KvError::BlockCountMismatch {
             tokens: 5,
             expected: 2,
@@ -408,7 +409,7 @@ fn misuse_returns_typed_errors() {
     );
     pool.release(blk).unwrap();
     assert_eq!(
-        tree.insert(&mut pool, NS, &toks(&[1]), &[blk]),
+        tree.insert(&mut pool, NS, &toks(&[1]), &[blk], false),
         Err(KvError::RetainFree(blk))
     );
     kv.check_invariants().unwrap();

@@ -1,0 +1,386 @@
+//! Sliding-window layers on the paged cache: random operation sequences
+//! over a pool with a sliding pool, checked after every operation with
+//! `check_invariants()` and a shadow read-back of both pools (every
+//! running sequence's window, every cached block's sliding content), and
+//! stories for the rules (window let go of, reuse at any point without
+//! pressure, tails kept under pressure, shifts).
+
+use proptest::prelude::*;
+
+use super::{append_compute, toks, Shadow, NS};
+use crate::{Admission, KvCache, KvConfig, KvError, SeqId, SlidingConfig, TokenId};
+
+fn cache(num_blocks: usize, block_size: usize, window: usize, sliding: usize) -> KvCache {
+    KvCache::new(KvConfig {
+        num_blocks,
+        block_size,
+        sliding: Some(SlidingConfig {
+            window,
+            num_blocks: sliding,
+        }),
+    })
+    .unwrap()
+}
+
+fn checked(kv: &KvCache, sh: &Shadow) {
+    kv.check_invariants().unwrap();
+    sh.check_tree(kv).unwrap();
+    for s in kv.sequence_ids().collect::<Vec<_>>() {
+        sh.check_seq(kv, s).unwrap();
+    }
+}
+
+/// Runs `prompt` as a request would: reuse what the cache allows, compute
+/// the rest, insert at the end; returns (sequence, tokens reused).
+fn request(kv: &mut KvCache, sh: &mut Shadow, prompt: &[u32]) -> (SeqId, usize) {
+    let t = toks(prompt);
+    let (seq, got) = kv.add_sequence(NS, &t[..t.len() - 1]);
+    let raw: Vec<u32> = prompt[got..].to_vec();
+    append_compute(kv, sh, seq, &raw);
+    kv.insert_sequence(seq).unwrap();
+    checked(kv, sh);
+    (seq, got)
+}
+
+fn run(from: u32, n: usize) -> Vec<u32> {
+    (from..from + n as u32).collect()
+}
+
+#[test]
+fn a_running_sequence_lets_go_of_blocks_behind_its_window() {
+    // Window 8, blocks of 4: a query at p reads p-7..=p, so a sequence of
+    // 40 computed tokens keeps blocks 8 and 9 (positions 32..40) and block
+    // 8's predecessor only while position 32 is read (33 - 8 = 25 -> 6).
+    let mut kv = cache(32, 4, 8, 32);
+    let mut sh = Shadow::new(&kv);
+    let (seq, _) = kv.add_sequence(NS, &[]);
+    append_compute(&mut kv, &mut sh, seq, &run(1, 40));
+    // The next append lets go of what no query reads any more.
+    append_compute(&mut kv, &mut sh, seq, &[99]);
+    let table = kv.sliding_table(seq).unwrap();
+    let held: Vec<usize> = (0..table.len()).filter(|&j| table[j].is_some()).collect();
+    // 41 tokens, next query at 41 reads 34..41: blocks 8..=10.
+    assert_eq!(held, vec![8, 9, 10]);
+    assert_eq!(kv.pool().num_free_sliding(), 32 - 3);
+    checked(&kv, &sh);
+}
+
+#[test]
+fn without_pressure_any_cached_point_is_reused() {
+    // A prompt computed in chunks enters the tree chunk by chunk; with room
+    // in the sliding pool every block keeps its sliding K/V, so a request
+    // branching anywhere reuses everything before the branch.
+    let mut kv = cache(64, 4, 8, 64);
+    let mut sh = Shadow::new(&kv);
+    let (seq, _) = kv.add_sequence(NS, &[]);
+    let prompt = run(1, 60);
+    for chunk in prompt.chunks(16) {
+        append_compute(&mut kv, &mut sh, seq, chunk);
+        kv.insert_whole_blocks(seq).unwrap();
+    }
+    kv.insert_sequence(seq).unwrap();
+    kv.free_sequence(seq).unwrap();
+    checked(&kv, &sh);
+    for cut in [13, 22, 37, 50] {
+        let mut p = prompt[..cut].to_vec();
+        p.extend([500 + cut as u32, 7]);
+        let (s, got) = request(&mut kv, &mut sh, &p);
+        assert_eq!(got, cut, "branch at {cut}");
+        kv.free_sequence(s).unwrap();
+    }
+    checked(&kv, &sh);
+}
+
+#[test]
+fn under_pressure_the_tails_stay_and_the_rest_is_recomputed() {
+    // 40-token prompt, window 8, blocks of 4; a sliding pool of 12 blocks
+    // cannot keep the sliding K/V of both prompts.
+    let mut kv = cache(64, 4, 8, 12);
+    let mut sh = Shadow::new(&kv);
+    let prompt = run(1, 40);
+    let (a, _) = request(&mut kv, &mut sh, &prompt);
+    kv.free_sequence(a).unwrap();
+    // Another long request takes the sliding pool over.
+    let (b, _) = request(&mut kv, &mut sh, &run(1000, 30));
+    kv.free_sequence(b).unwrap();
+    // The prompt's end is a tail: the same prompt plus more reuses all of
+    // it (the tail was kept under pressure).
+    let mut longer = prompt.clone();
+    longer.extend([77, 78]);
+    let (c, got) = request(&mut kv, &mut sh, &longer);
+    assert_eq!(got, 40);
+    kv.free_sequence(c).unwrap();
+    // A branch in the middle whose window lost its sliding blocks falls
+    // back to the last point whose window is whole (here: none).
+    let mut branch = prompt[..20].to_vec();
+    branch.extend([55, 56]);
+    let global = kv.tree().peek_prefix(NS, &toks(&branch)).len;
+    assert_eq!(global, 20, "the global layers still have the branch point");
+    let resumable = kv.cached_prefix_len(NS, &toks(&branch));
+    assert!(resumable < 20, "window of position 20 was evicted");
+    let (d, got) = request(&mut kv, &mut sh, &branch);
+    assert_eq!(got, resumable);
+    kv.free_sequence(d).unwrap();
+    checked(&kv, &sh);
+    assert!(kv.stats().evicted_sliding_blocks > 0);
+}
+
+#[test]
+fn a_shift_keeps_the_window_and_the_kept_prefix() {
+    let mut kv = cache(64, 4, 8, 64);
+    let mut sh = Shadow::new(&kv);
+    let (seq, _) = kv.add_sequence(NS, &[]);
+    kv.keep_front(seq, 10).unwrap();
+    append_compute(&mut kv, &mut sh, seq, &run(1, 30));
+    append_compute(&mut kv, &mut sh, seq, &[31]);
+    // Keep 10, drop 16: 15 tokens left, the next query reads 8..=15, kept
+    // positions 8 and 9 among them.
+    let plan = kv.plan_shift(seq, 10, 16).unwrap().ok().unwrap();
+    sh.shift(&plan);
+    checked(&kv, &sh);
+    // Without keep_front the kept positions' sliding K/V is gone: refused.
+    let (s2, _) = kv.add_sequence(NS, &[]);
+    append_compute(&mut kv, &mut sh, s2, &run(200, 30));
+    append_compute(&mut kv, &mut sh, s2, &[9]);
+    assert!(matches!(
+        kv.plan_shift(s2, 10, 16),
+        Err(KvError::ShiftLosesWindow { .. })
+    ));
+    checked(&kv, &sh);
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Add {
+        from: Option<usize>,
+        cut: usize,
+        extra: Vec<u32>,
+        reuse: bool,
+    },
+    Append {
+        seq: usize,
+        tokens: Vec<u32>,
+        compute: bool,
+    },
+    Compute {
+        seq: usize,
+    },
+    Fork {
+        seq: usize,
+    },
+    Free {
+        seq: usize,
+    },
+    Insert {
+        seq: usize,
+        how: u8,
+    },
+    Keep {
+        seq: usize,
+        n: usize,
+    },
+    Evict {
+        n: usize,
+    },
+    Defrag,
+    Shift {
+        seq: usize,
+        keep: usize,
+        discard: usize,
+    },
+    ClearCache,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let extra = || prop::collection::vec(0u32..4, 0..12);
+    prop_oneof![
+        4 => (prop::option::of(0usize..8), 0usize..40, extra(), any::<bool>())
+            .prop_map(|(from, cut, extra, reuse)| Op::Add { from, cut, extra, reuse }),
+        5 => (0usize..8, prop::collection::vec(0u32..4, 1..20), any::<bool>())
+            .prop_map(|(seq, tokens, compute)| Op::Append { seq, tokens, compute }),
+        2 => (0usize..8).prop_map(|seq| Op::Compute { seq }),
+        1 => (0usize..8).prop_map(|seq| Op::Fork { seq }),
+        2 => (0usize..8).prop_map(|seq| Op::Free { seq }),
+        3 => (0usize..8, 0u8..3).prop_map(|(seq, how)| Op::Insert { seq, how }),
+        1 => (0usize..8, 0usize..10).prop_map(|(seq, n)| Op::Keep { seq, n }),
+        1 => (0usize..8).prop_map(|n| Op::Evict { n }),
+        1 => Just(Op::Defrag),
+        1 => (0usize..8, 0usize..12, 0usize..40)
+            .prop_map(|(seq, keep, discard)| Op::Shift { seq, keep, discard }),
+        1 => Just(Op::ClearCache),
+    ]
+}
+
+struct World {
+    kv: KvCache,
+    sh: Shadow,
+    /// Each sequence with every token it ever had (queries draw on them).
+    seqs: Vec<(SeqId, Vec<TokenId>)>,
+}
+
+impl World {
+    fn apply(&mut self, op: &Op) -> Result<(), TestCaseError> {
+        let kv = &mut self.kv;
+        let n = self.seqs.len();
+        let pick = |i: usize| (n > 0).then(|| i % n);
+        match op {
+            Op::Add {
+                from,
+                cut,
+                extra,
+                reuse,
+            } => {
+                let mut q: Vec<TokenId> = match from.and_then(pick) {
+                    Some(i) => {
+                        let t = &self.seqs[i].1;
+                        t[..(*cut).min(t.len())].to_vec()
+                    }
+                    None => Vec::new(),
+                };
+                q.extend(toks(extra));
+                let reusable = if *reuse { &q[..] } else { &[][..] };
+                let want = kv.cached_prefix_len(NS, reusable);
+                let global = kv.tree().peek_prefix(NS, reusable).len;
+                let (id, got) = kv.add_sequence(NS, reusable);
+                prop_assert_eq!(got, want);
+                prop_assert!(got <= global);
+                self.seqs.push((id, q[..got].to_vec()));
+            }
+            Op::Append {
+                seq,
+                tokens,
+                compute,
+            } => {
+                let Some(i) = pick(*seq) else {
+                    return Ok(());
+                };
+                let id = self.seqs[i].0;
+                match kv.append(id, &toks(tokens)).unwrap() {
+                    Admission::Ok(plan) => {
+                        self.sh.copy_append(&plan);
+                        prop_assert_eq!(plan.sliding_slots.len(), tokens.len());
+                        self.seqs[i].1 = kv.sequence(id).unwrap().tokens().to_vec();
+                        if *compute {
+                            self.sh.compute(kv, id);
+                        }
+                    }
+                    Admission::Later { needed, free } => prop_assert!(free < needed),
+                    Admission::Never { needed, total } => prop_assert!(needed > total),
+                }
+            }
+            Op::Compute { seq } => {
+                if let Some(i) = pick(*seq) {
+                    self.sh.compute(kv, self.seqs[i].0);
+                }
+            }
+            Op::Fork { seq } => {
+                if let Some(i) = pick(*seq) {
+                    if let Ok(id) = kv.fork(self.seqs[i].0) {
+                        let t = self.seqs[i].1.clone();
+                        self.seqs.push((id, t));
+                    }
+                }
+            }
+            Op::Free { seq } => {
+                if let Some(i) = pick(*seq) {
+                    kv.free_sequence(self.seqs.swap_remove(i).0).unwrap();
+                }
+            }
+            Op::Insert { seq, how } => {
+                if let Some(i) = pick(*seq) {
+                    let id = self.seqs[i].0;
+                    let r = match how {
+                        0 => kv.insert_sequence(id),
+                        1 => kv.insert_prompt(id),
+                        _ => kv.insert_whole_blocks(id),
+                    };
+                    match r {
+                        Ok(_) | Err(KvError::PendingTokens { .. }) => {}
+                        Err(e) => return Err(TestCaseError::fail(e.to_string())),
+                    }
+                }
+            }
+            Op::Keep { seq, n } => {
+                if let Some(i) = pick(*seq) {
+                    kv.keep_front(self.seqs[i].0, *n).unwrap();
+                }
+            }
+            Op::Evict { n } => {
+                kv.evict(*n).unwrap();
+            }
+            Op::Defrag => {
+                let plan = kv.plan_defrag();
+                self.sh.defrag(&plan);
+                prop_assert_eq!(
+                    plan.sliding_live,
+                    kv.pool().num_sliding_blocks() - kv.pool().num_free_sliding()
+                );
+            }
+            Op::Shift { seq, keep, discard } => {
+                let Some(i) = pick(*seq) else {
+                    return Ok(());
+                };
+                let id = self.seqs[i].0;
+                let len = kv.sequence(id).unwrap().len();
+                let n_keep = keep % (len + 1);
+                if len == n_keep {
+                    return Ok(());
+                }
+                let n_discard = 1 + discard % (len - n_keep);
+                match kv.plan_shift(id, n_keep, n_discard) {
+                    Ok(Admission::Ok(plan)) => {
+                        self.sh.shift(&plan);
+                        self.seqs[i].1 = kv.sequence(id).unwrap().tokens().to_vec();
+                    }
+                    Ok(_)
+                    | Err(KvError::PendingTokens { .. })
+                    | Err(KvError::ShiftLosesWindow { .. }) => {}
+                    Err(e) => return Err(TestCaseError::fail(e.to_string())),
+                }
+            }
+            Op::ClearCache => {
+                kv.clear_cache().unwrap();
+            }
+        }
+        Ok(())
+    }
+
+    fn check(&self) -> Result<(), TestCaseError> {
+        let fail = |e: String| TestCaseError::fail(e);
+        self.kv
+            .check_invariants()
+            .map_err(|e| fail(e.to_string()))?;
+        for (id, _) in &self.seqs {
+            self.sh.check_seq(&self.kv, *id).map_err(fail)?;
+        }
+        self.sh.check_tree(&self.kv).map_err(fail)
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 3000, ..ProptestConfig::default() })]
+
+    #[test]
+    fn both_pools_hold_what_every_reader_reads(
+        block_size in prop::sample::select(vec![1usize, 2, 3, 4, 16]),
+        window in prop::sample::select(vec![1usize, 2, 5, 8, 17]),
+        num_blocks in 1usize..48,
+        sliding in 1usize..48,
+        ops in prop::collection::vec(op(), 1..60),
+    ) {
+        let kv = cache(num_blocks, block_size, window, sliding);
+        let sh = Shadow::new(&kv);
+        let mut w = World { kv, sh, seqs: Vec::new() };
+        for op in &ops {
+            w.apply(op)?;
+            w.check()?;
+        }
+        for (id, _) in std::mem::take(&mut w.seqs) {
+            w.kv.free_sequence(id).unwrap();
+        }
+        w.kv.clear_cache().unwrap();
+        w.kv.check_invariants().map_err(|e| TestCaseError::fail(e.to_string()))?;
+        prop_assert_eq!(w.kv.pool().num_free(), num_blocks);
+        prop_assert_eq!(w.kv.pool().num_free_sliding(), sliding);
+    }
+}
