@@ -283,10 +283,11 @@ impl KvCache {
             // The window before `n`, and at least the block of `n - 1`: a
             // partly matched block is copied with its sliding block.
             let lo = (n + 1).saturating_sub(w).min(n - 1);
-            match (lo / bs..=(n - 1) / bs)
-                .rev()
-                .find(|&j| self.pool.sliding_of(blocks[j]).is_none())
-            {
+            match (lo / bs..=(n - 1) / bs).rev().find(|&j| {
+                !self
+                    .pool
+                    .sliding_holds(blocks[j], lo.saturating_sub(j * bs))
+            }) {
                 None => return n,
                 Some(k) => n = k * bs,
             }
@@ -458,7 +459,7 @@ impl KvCache {
         let need_total = new_len.div_ceil(bs);
         // Sliding blocks from the first one the new tokens read or write.
         let sliding = self.window().map(|w| {
-            let lo = (len + 1).saturating_sub(w).max(sliding_from.min(len)) / bs;
+            let lo = (len + 1).saturating_sub(w).max(sliding_from.min(new_len)) / bs;
             lo..need_total
         });
         // The positions a shift keeps hold theirs too.
@@ -508,6 +509,7 @@ impl KvCache {
         if let Some(src) = cow {
             let dst = pool.allocate().expect("room was made");
             let src_sliding = pool.sliding_of(src);
+            let from = pool.sliding_valid_from(src);
             pool.release(src)?;
             s.table[len / bs] = dst;
             plan.copies.push(CopyOp { src, dst });
@@ -515,7 +517,7 @@ impl KvCache {
                 src_sliding,
                 sliding.as_ref().is_some_and(|r| r.contains(&(len / bs))),
             ) {
-                let sd = pool.attach(dst).expect("room was made");
+                let sd = pool.attach_from(dst, from).expect("room was made");
                 plan.sliding_copies.push(CopyOp { src: ss, dst: sd });
             }
             self.stats.cow_copies += 1;
@@ -526,7 +528,14 @@ impl KvCache {
         if let Some(range) = sliding {
             for j in range {
                 if pool.sliding_of(s.table[j]).is_none() {
-                    pool.attach(s.table[j]).expect("room was made");
+                    // A restored session's sliding K/V begins at
+                    // `sliding_from`, maybe mid-block.
+                    let from = if j == sliding_from / bs {
+                        sliding_from % bs
+                    } else {
+                        0
+                    };
+                    pool.attach_from(s.table[j], from).expect("room was made");
                     // Positions already in the block have no sliding K/V
                     // there (they were behind every window): never read,
                     // never cached.
@@ -536,10 +545,12 @@ impl KvCache {
                     }
                 }
             }
-            plan.sliding_slots.extend((len..new_len).map(|p| {
-                let b = pool.sliding_of(s.table[p / bs]);
-                b.map_or(Slot(u32::MAX), |b| Slot::of(b, p % bs, bs))
-            }));
+            plan.sliding_slots.extend((len..new_len).map(
+                |p| match pool.sliding_of(s.table[p / bs]) {
+                    Some(b) if p >= sliding_from => Slot::of(b, p % bs, bs),
+                    _ => Slot(u32::MAX),
+                },
+            ));
         }
         plan.slots
             .extend((len..new_len).map(|p| Slot::of(s.table[p / bs], p % bs, bs)));
@@ -824,7 +835,7 @@ impl KvCache {
         let window = self.window().map(|w| (new_len + 1).saturating_sub(w));
         if let Some(lo) = window.filter(|&lo| lo < n_keep) {
             let missing = (lo..n_keep)
-                .find(|&p| self.pool.sliding_of(s.table[p / bs]).is_none() || s.in_gap(p));
+                .find(|&p| !self.pool.sliding_holds(s.table[p / bs], p % bs) || s.in_gap(p));
             if let Some(position) = missing {
                 return Err(KvError::ShiftLosesWindow {
                     seq,
@@ -1027,10 +1038,14 @@ impl KvCache {
                     return bad(format!("{id:?} reads its stale position {p}"));
                 }
             }
-            if let Some(j) = reads
-                .clone()
-                .find(|&j| self.pool.sliding_of(s.table[j]).is_none())
-            {
+            let lo = self
+                .window()
+                .map_or(0, |w| (s.computed + 1).saturating_sub(w));
+            if let Some(j) = reads.clone().find(|&j| {
+                !self
+                    .pool
+                    .sliding_holds(s.table[j], lo.saturating_sub(j * bs))
+            }) {
                 return bad(format!(
                     "{id:?} reads block {j} in its sliding window but it has no sliding block"
                 ));

@@ -46,6 +46,9 @@ struct Sliding {
     attached: Vec<Option<BlockId>>,
     /// Sliding block id -> the global block it belongs to.
     owner: Vec<Option<BlockId>>,
+    /// Sliding block id -> the first offset in it holding K/V (a restored
+    /// session's sliding K/V begins mid-block; 0 otherwise).
+    valid_from: Vec<u32>,
     free: Vec<BlockId>,
 }
 
@@ -91,6 +94,7 @@ impl BlockPool {
             window,
             attached: vec![None; self.refs.len()],
             owner: vec![None; num_blocks],
+            valid_from: vec![0; num_blocks],
             free: Vec::with_capacity(num_blocks),
         };
         sl.rebuild_free_list();
@@ -128,13 +132,45 @@ impl BlockPool {
     /// Attaches a free sliding block to the live global block `b` (which
     /// has none); `None` when the sliding pool is empty or absent.
     pub fn attach(&mut self, b: BlockId) -> Option<BlockId> {
+        self.attach_from(b, 0)
+    }
+
+    /// [`attach`](Self::attach) of a block whose K/V will begin at offset
+    /// `from` (the offsets before it are never written).
+    pub fn attach_from(&mut self, b: BlockId, from: usize) -> Option<BlockId> {
         debug_assert!(self.ref_count(b) > 0, "attach to free block {b:?}");
         let sl = self.sliding.as_mut()?;
         debug_assert!(sl.attached[b.index()].is_none(), "{b:?} attached twice");
         let s = sl.free.pop()?;
         sl.owner[s.index()] = Some(b);
+        sl.valid_from[s.index()] = from as u32;
         sl.attached[b.index()] = Some(s);
         Some(s)
+    }
+
+    /// Whether global block `b` has a sliding block holding K/V from
+    /// offset `at` on.
+    #[inline]
+    pub fn sliding_holds(&self, b: BlockId, at: usize) -> bool {
+        let Some(sl) = self.sliding.as_ref() else {
+            return false;
+        };
+        match sl.attached.get(b.index()).copied().flatten() {
+            Some(s) => sl.valid_from[s.index()] as usize <= at,
+            None => false,
+        }
+    }
+
+    /// The first offset of `b`'s sliding block that holds K/V (0 without
+    /// one).
+    pub fn sliding_valid_from(&self, b: BlockId) -> usize {
+        self.sliding
+            .as_ref()
+            .and_then(|sl| {
+                let s = sl.attached.get(b.index()).copied().flatten()?;
+                Some(sl.valid_from[s.index()] as usize)
+            })
+            .unwrap_or(0)
     }
 
     /// Frees the sliding block of `b`, if it has one; returns it.
@@ -175,6 +211,7 @@ impl BlockPool {
         for (src, dst) in strays.into_iter().zip(holes) {
             let g = sl.owner[src].take().expect("stray is attached");
             sl.owner[dst] = Some(g);
+            sl.valid_from[dst] = sl.valid_from[src];
             sl.attached[g.index()] = Some(BlockId(dst as u32));
             moves.push(crate::CopyOp {
                 src: BlockId(src as u32),

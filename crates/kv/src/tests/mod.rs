@@ -127,8 +127,13 @@ impl Shadow {
                         (t, p)
                     ));
                 }
-                // A sliding block, where there is one, holds every position.
-                if let Some(sb) = kv.pool().sliding_of(b) {
+                // A sliding block, where there is one, holds every position
+                // from where its K/V begins.
+                if let Some(sb) = kv
+                    .pool()
+                    .sliding_of(b)
+                    .filter(|_| p % self.bs >= kv.pool().sliding_valid_from(b))
+                {
                     let cell = self.sliding[Slot::of(sb, p % self.bs, self.bs).index()];
                     if cell != Some((t, p)) {
                         return Err(format!(

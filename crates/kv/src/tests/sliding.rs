@@ -384,3 +384,45 @@ proptest! {
         prop_assert_eq!(w.kv.pool().num_free_sliding(), sliding);
     }
 }
+
+#[test]
+fn a_restored_session_keeps_the_sliding_tail_only_and_resumes_at_its_end() {
+    // Window 8, blocks of 4: 30 saved tokens bring sliding K/V for their
+    // last 7 positions (23..30), from mid-block 5 on.
+    let mut kv = cache(32, 4, 8, 16);
+    let mut sh = Shadow::new(&kv);
+    let saved = run(1, 30);
+    let (seq, _) = kv.add_sequence(NS, &[]);
+    let plan = kv
+        .append_from(seq, &toks(&saved), 23)
+        .unwrap()
+        .ok()
+        .unwrap();
+    for (p, (&t, (g, s))) in saved
+        .iter()
+        .zip(plan.slots.iter().zip(&plan.sliding_slots))
+        .enumerate()
+    {
+        sh.cells[g.index()] = Some((crate::TokenId(t), p));
+        if p >= 23 {
+            sh.sliding[s.index()] = Some((crate::TokenId(t), p));
+        } else {
+            assert_eq!(s.0, u32::MAX, "no sliding slot before the tail");
+        }
+    }
+    kv.mark_computed(seq, 30).unwrap();
+    assert_eq!(kv.pool().num_free_sliding(), 16 - 3, "blocks 5, 6, 7 only");
+    kv.insert_sequence(seq).unwrap();
+    kv.free_sequence(seq).unwrap();
+    checked(&kv, &sh);
+    let mut more = saved.clone();
+    more.extend([91, 92]);
+    let (s, got) = request(&mut kv, &mut sh, &more);
+    assert_eq!(got, 30, "resumes at the saved end");
+    kv.free_sequence(s).unwrap();
+    // Inside the saved part, before the tail: nothing to resume from.
+    let mut branch = saved[..20].to_vec();
+    branch.push(93);
+    assert_eq!(kv.cached_prefix_len(NS, &toks(&branch)), 0);
+    checked(&kv, &sh);
+}
