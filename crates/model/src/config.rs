@@ -137,6 +137,26 @@ impl ModelConfig {
         sliding.then_some(b.sliding_window)
     }
 
+    /// The widest sliding window of the layers (`None`: every layer is
+    /// global).
+    pub fn sliding_window(&self) -> Option<usize> {
+        (0..self.n_layers)
+            .filter_map(|l| self.layer_window(l))
+            .max()
+    }
+
+    /// Whether some layer has a sliding window.
+    pub fn has_sliding_layers(&self) -> bool {
+        self.sliding_window().is_some()
+    }
+
+    /// Layers with a sliding window.
+    pub fn num_sliding_layers(&self) -> usize {
+        (0..self.n_layers)
+            .filter(|&l| self.layer_window(l).is_some())
+            .count()
+    }
+
     /// The inverse frequencies of layer `l`: Gemma 3's sliding layers
     /// use their own base, unscaled (llama.cpp's `rope_freq_base_train_swa`
     /// and `rope_freq_scale_train_swa = 1`); every other layer the file's.

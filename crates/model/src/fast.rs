@@ -440,6 +440,36 @@ fn check_batch(b: &Batch, num_slots: usize, num_blocks: usize) -> Result<usize> 
     Ok(seqs)
 }
 
+/// Checks the sliding-window layers' own slots and tables: every slot in
+/// their pool of `num_blocks`, and every block a token's `window` reads
+/// there (entries before it are never read).
+fn check_sliding(b: &Batch, num_blocks: usize, window: usize) -> Result<()> {
+    let Some(s) = b.sliding else { return Ok(()) };
+    let t = b.tokens.len();
+    if s.slots.len() != t || s.block_tables.len() != b.block_tables.len() {
+        return Err(bad(
+            "the sliding layers' slots or tables differ in size from the batch".into(),
+        ));
+    }
+    let num_slots = num_blocks * b.block_size;
+    if let Some(&x) = s.slots.iter().find(|&&x| x as usize >= num_slots) {
+        return Err(bad(format!(
+            "sliding slot {x} outside the sliding pool of {num_slots} slots"
+        )));
+    }
+    for i in 0..t {
+        let (seq, pos) = (b.token_seq[i] as usize, b.positions[i] as usize);
+        let row = &s.block_tables[seq * b.max_blocks..(seq + 1) * b.max_blocks];
+        let first = tessera_kernels::window_start(pos, window) / b.block_size;
+        if let Some(j) = (first..=pos / b.block_size).find(|&j| row[j] as usize >= num_blocks) {
+            return Err(bad(format!(
+                "token {i} at position {pos} reads block {j} of its window, which the sliding pool does not hold"
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// candle's `rms_norm`: `x / sqrt(mean(x²) + eps) · w`, the sum of
 /// squares in 16 lanes and a fixed tree.
 #[inline]
@@ -638,7 +668,7 @@ impl Llama {
         for l in cache {
             raw.push((cache_raw(&l.k)?, cache_raw(&l.v)?));
         }
-        let (nb, bs, ckvh, chd) = cache.first().map(|l| l.k.dims4()).transpose()?.unwrap_or((
+        let (_, bs, ckvh, chd) = cache.first().map(|l| l.k.dims4()).transpose()?.unwrap_or((
             0,
             batch.block_size,
             kvh,
@@ -647,7 +677,24 @@ impl Llama {
         if (ckvh, chd) != (kvh, hd) || bs != batch.block_size {
             return Err(bad("cache geometry does not match the model".into()));
         }
-        check_batch(batch, nb * bs, nb)?;
+        // Sliding-window layers may have a pool of their own.
+        let windows: Vec<usize> = (0..cache.len())
+            .map(|l| cfg.layer_window(l).unwrap_or(0))
+            .collect();
+        let mut pools = [usize::MAX; 2];
+        for (l, c) in cache.iter().enumerate() {
+            let own = usize::from(windows[l] > 0 && batch.sliding.is_some());
+            pools[own] = pools[own].min(c.k.dims4()?.0);
+        }
+        // (No layer of the global pool: its indices go unused.)
+        let global = pools[0]
+            .checked_mul(bs)
+            .map_or((usize::MAX, usize::MAX), |s| (s, pools[0]));
+        check_batch(batch, global.0, global.1)?;
+        if pools[1] != usize::MAX {
+            let widest = windows.iter().copied().max().unwrap_or(0);
+            check_sliding(batch, pools[1], widest)?;
+        }
         if let Some(&tok) = batch.tokens.iter().find(|&&x| x as usize >= vocab) {
             return Err(bad(format!(
                 "token id {tok} outside the vocabulary of {vocab}"
@@ -814,6 +861,7 @@ impl Llama {
                 let (ck, cv) = raw[l];
                 let (cos, sin) = (&cos[lc.rope][..t * half], &sin[lc.rope][..t * half]);
                 let sh = shapes[lc.wset];
+                let (slots, tables) = batch.pool_for(sh.window);
                 // SAFETY (all `Shared` accesses below): each phase writes
                 // disjoint ranges (split by worker or by item), and phases
                 // that read what another wrote are separated by barriers.
@@ -869,7 +917,7 @@ impl Llama {
                                 &sin[i * half..(i + 1) * half],
                             );
                         }
-                        let slot = batch.slots[i] as usize;
+                        let slot = slots[i] as usize;
                         match which {
                             0 => unsafe {
                                 q.part((i * nh + head) * hd, (i * nh + head + 1) * hd)
@@ -892,7 +940,7 @@ impl Llama {
                         q: unsafe { &q.all()[g0 * nh * hd..g1 * nh * hd] },
                         positions: &batch.positions[g0..g1],
                         token_seq: &batch.token_seq[g0..g1],
-                        block_tables: batch.block_tables,
+                        block_tables: tables,
                         max_blocks: batch.max_blocks,
                         k: unsafe { rows_of(ck) },
                         v: unsafe { rows_of(cv) },

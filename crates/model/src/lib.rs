@@ -21,7 +21,9 @@ mod tokenizer;
 
 pub use config::{Activation, Arch, Block, ModelConfig, RopeScaling};
 pub use error::{without_backtrace, ModelError, Result};
-pub use llama::{Attention, Batch, DenseKv, LayerKv, Llama, PagedAttention};
+pub use llama::{
+    Attention, Batch, DenseKv, LayerKv, Llama, PagedAttention, SlidingBatch, NO_BLOCK,
+};
 pub use loader::{GgufFile, HfDir};
 pub use model::{Model, ModelFormat};
 pub use qlinear::QLinear;

@@ -108,6 +108,32 @@ pub struct Batch<'a> {
     pub block_size: usize,
     /// Indices into `tokens` whose logits are wanted.
     pub logits_for: &'a [u32],
+    /// Slots and tables of the sliding-window layers' own pool (Gemma 3's
+    /// local layers); `None`: they use `slots` and `block_tables` too.
+    pub sliding: Option<SlidingBatch<'a>>,
+}
+
+/// A batch's place in the sliding-window layers' pool: one slot per token,
+/// and `[num_seqs, max_blocks]` tables whose entries before a token's
+/// window may be [`NO_BLOCK`] (never read).
+#[derive(Debug, Clone, Copy)]
+pub struct SlidingBatch<'a> {
+    pub slots: &'a [u32],
+    pub block_tables: &'a [u32],
+}
+
+/// A block-table entry that holds nothing (sliding layers, before the
+/// window).
+pub const NO_BLOCK: u32 = u32::MAX;
+
+impl<'a> Batch<'a> {
+    /// The slots and block tables that layers with `window` read and write.
+    pub fn pool_for(&self, window: usize) -> (&'a [u32], &'a [u32]) {
+        match (window, self.sliding) {
+            (w, Some(s)) if w > 0 => (s.slots, s.block_tables),
+            _ => (self.slots, self.block_tables),
+        }
+    }
 }
 
 /// Stores one layer's new K/V and returns the attention output.
@@ -129,16 +155,18 @@ pub struct PagedAttention<'a> {
 impl Attention for PagedAttention<'_> {
     fn attend(&mut self, layer: usize, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
         let c = &self.cache[layer];
-        write_kv(&c.k, k, self.batch.slots)?;
-        write_kv(&c.v, v, self.batch.slots)?;
+        let window = self.windows.get(layer).copied().unwrap_or(0);
+        let (slots, block_tables) = self.batch.pool_for(window);
+        write_kv(&c.k, k, slots)?;
+        write_kv(&c.v, v, slots)?;
         let meta = PagedMeta {
             block_size: self.batch.block_size,
-            block_tables: self.batch.block_tables,
+            block_tables,
             max_blocks: self.batch.max_blocks,
             token_seq: self.batch.token_seq,
             token_pos: self.batch.positions,
             scale: self.scale,
-            window: self.windows.get(layer).copied().unwrap_or(0),
+            window,
         };
         Ok(paged_attention(q, &c.k, &c.v, &meta)?)
     }
@@ -340,14 +368,26 @@ impl Llama {
         block_size: usize,
         dtype: DType,
     ) -> Result<Vec<LayerKv>> {
-        let shape = (
-            num_blocks,
-            block_size,
-            self.cfg.n_kv_heads,
-            self.cfg.head_dim,
-        );
+        self.new_split_cache(num_blocks, None, block_size, dtype)
+    }
+
+    /// [`new_cache`](Self::new_cache) with `sliding_blocks` blocks (when
+    /// given) for the sliding-window layers, which then read and write
+    /// [`Batch::sliding`].
+    pub fn new_split_cache(
+        &self,
+        num_blocks: usize,
+        sliding_blocks: Option<usize>,
+        block_size: usize,
+        dtype: DType,
+    ) -> Result<Vec<LayerKv>> {
         (0..self.cfg.n_layers)
-            .map(|_| {
+            .map(|l| {
+                let blocks = match (self.cfg.layer_window(l), sliding_blocks) {
+                    (Some(_), Some(n)) => n,
+                    _ => num_blocks,
+                };
+                let shape = (blocks, block_size, self.cfg.n_kv_heads, self.cfg.head_dim);
                 Ok(LayerKv {
                     k: Tensor::zeros(shape, dtype, &self.device)?,
                     v: Tensor::zeros(shape, dtype, &self.device)?,

@@ -443,6 +443,7 @@ impl ScatteredPrompt {
             max_blocks: self.num_blocks,
             block_size: self.block_size,
             logits_for: picks,
+            sliding: None,
         }
     }
 }
@@ -458,10 +459,28 @@ pub fn paged_greedy(
     chunk: usize,
     cache_dtype: DType,
 ) -> Result<(Vec<u32>, Vec<Vec<f32>>)> {
+    paged_greedy_with(model, prompt, steps, chunk, cache_dtype, None, false)
+}
+
+/// [`paged_greedy`] with the sliding-window layers on a pool of their own
+/// of `ring` blocks (when given), reused round robin: block `j` of the
+/// sequence lives in sliding block `j % ring`, and every table entry
+/// before the window of the step's first token is [`crate::NO_BLOCK`].
+/// `reference`: the candle forward instead of [`crate::Llama::forward`].
+pub fn paged_greedy_with(
+    model: &crate::Llama,
+    prompt: &[u32],
+    steps: usize,
+    chunk: usize,
+    cache_dtype: DType,
+    ring: Option<usize>,
+    reference: bool,
+) -> Result<(Vec<u32>, Vec<Vec<f32>>)> {
     let bs = 4;
     let nb = (prompt.len() + steps).div_ceil(bs) + 1;
-    let cache = model.new_cache(nb, bs, cache_dtype)?;
+    let cache = model.new_split_cache(nb, ring, bs, cache_dtype)?;
     let table: Vec<u32> = (0..nb as u32).rev().collect();
+    let window = model.windows().into_iter().max().unwrap_or(0);
     let mut toks = prompt.to_vec();
     let (mut out, mut all) = (Vec::new(), Vec::new());
     let mut done = 0;
@@ -476,6 +495,26 @@ pub fn paged_greedy(
             .iter()
             .map(|&p| table[p as usize / bs] * bs as u32 + p % bs as u32)
             .collect();
+        let (sliding_slots, sliding_table) = match ring {
+            Some(r) => {
+                let first = tessera_kernels::window_start(done, window) / bs;
+                let t: Vec<u32> = (0..nb)
+                    .map(|j| {
+                        if j < first {
+                            crate::NO_BLOCK
+                        } else {
+                            (j % r) as u32
+                        }
+                    })
+                    .collect();
+                let s = positions
+                    .iter()
+                    .map(|&p| t[p as usize / bs] * bs as u32 + p % bs as u32)
+                    .collect();
+                (s, t)
+            }
+            None => (Vec::new(), Vec::new()),
+        };
         let token_seq = vec![0; end - done];
         let last = [(end - done - 1) as u32];
         let batch = crate::Batch {
@@ -487,8 +526,17 @@ pub fn paged_greedy(
             max_blocks: nb,
             block_size: bs,
             logits_for: &last,
+            sliding: ring.map(|_| crate::SlidingBatch {
+                slots: &sliding_slots,
+                block_tables: &sliding_table,
+            }),
         };
-        let logits = model.forward(&batch, &cache)?.squeeze(0)?;
+        let logits = if reference {
+            model.forward_reference(&batch, &cache)?
+        } else {
+            model.forward(&batch, &cache)?
+        }
+        .squeeze(0)?;
         done = end;
         if done == toks.len() {
             let t = crate::Llama::argmax(&logits)?;
@@ -522,6 +570,7 @@ pub fn prefill_logits(
         max_blocks: nb,
         block_size: bs,
         logits_for: &positions,
+        sliding: None,
     };
     Ok(model.forward(&batch, &cache)?.to_vec2::<f32>()?)
 }
@@ -782,6 +831,7 @@ pub fn batch_invariance_case(
             max_blocks,
             block_size: bs,
             logits_for: &want,
+            sliding: None,
         };
         let logits = model
             .forward_threads(&batch, cache, threads)?

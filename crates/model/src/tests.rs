@@ -119,6 +119,24 @@ fn gemma3_block_paged_equals_dense_and_the_window_holds() {
                 d < 1e-3,
                 "{layers} layers, chunk {chunk}: logits differ by {d}"
             );
+            // The sliding layers on a small pool of their own, reused
+            // round robin, nothing before the window in their tables.
+            let ring = (chunk.min(prompt.len()) + TINY_WINDOW).div_ceil(4) + 1;
+            for reference in [false, true] {
+                let (split, sl) = crate::testing::paged_greedy_with(
+                    &m.llama,
+                    &prompt,
+                    16,
+                    chunk,
+                    DType::F32,
+                    Some(ring),
+                    reference,
+                )
+                .unwrap();
+                assert_eq!(split, dense, "{layers} layers, chunk {chunk}, ring {ring}");
+                let d = max_diff(&sl, &dl);
+                assert!(d < 1e-3, "{layers} layers, chunk {chunk}, ring: {d}");
+            }
         }
         if layers == 2 {
             // Each sliding layer reaches TINY_WINDOW - 1 positions back.
@@ -342,6 +360,7 @@ fn several_sequences_in_one_forward_equal_each_alone() {
             max_blocks: 8,
             block_size: bs,
             logits_for: &last,
+            sliding: None,
         };
         m.llama
             .forward(&batch, cache)
@@ -378,6 +397,7 @@ fn several_sequences_in_one_forward_equal_each_alone() {
             max_blocks: 8,
             block_size: bs,
             logits_for: &last,
+            sliding: None,
         };
         m.llama
             .forward(&batch, &c2)
