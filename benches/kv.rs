@@ -50,6 +50,7 @@ fn big_tree(num_blocks: usize) -> (KvCache, Vec<Vec<TokenId>>, Vec<Vec<TokenId>>
     let mut kv = KvCache::new(KvConfig {
         num_blocks,
         block_size: 16,
+        sliding: None,
     })
     .unwrap();
     let prefixes: Vec<_> = (0..GROUPS).map(|_| rng.tokens(SHARED)).collect();
@@ -139,6 +140,7 @@ fn bench_pool(c: &mut Criterion) {
     let mut kv = KvCache::new(KvConfig {
         num_blocks: 65_536,
         block_size: 16,
+        sliding: None,
     })
     .unwrap();
     let one = [TokenId(7)];
@@ -162,6 +164,7 @@ fn bench_defrag(c: &mut Criterion) {
     let mut kv = KvCache::new(KvConfig {
         num_blocks: 65_536,
         block_size: 16,
+        sliding: None,
     })
     .unwrap();
     let mut rng = Rng(7);

@@ -87,3 +87,125 @@ fn gemma3_paged_cache_matches_a_dense_cache_past_the_window() {
         assert!(d < 2e-3 * big, "chunk {chunk}: logits differ by {d}");
     }
 }
+
+fn gemma_engine(cfg: tessera_engine::EngineConfig) -> tessera_engine::Engine {
+    let m = Model::load(&gemma_path(), &mut |_, _| {}).expect("Gemma 3 loads");
+    tessera_engine::Engine::from_model(m, cfg).unwrap()
+}
+
+/// Greedy completion of `ids`: the tokens and the prompt tokens served
+/// from the cache.
+fn complete(e: &tessera_engine::Engine, ids: &[u32], n: usize) -> (Vec<u32>, usize) {
+    use tessera_engine::{GenerateRequest, Prompt, SamplingParams};
+    let c = e
+        .complete(
+            &GenerateRequest {
+                max_tokens: n,
+                sampling: SamplingParams::greedy(),
+                ignore_eos: true,
+                ..GenerateRequest::new(Prompt::Tokens(ids.to_vec()))
+            },
+            &mut |_| {},
+        )
+        .unwrap();
+    (c.tokens, c.usage.cached_tokens)
+}
+
+/// A pool whose sliding-window layers have room for little more than one
+/// request's window and chunk: cached content loses its sliding blocks
+/// under pressure, tails excepted.
+fn tight() -> tessera_engine::EngineConfig {
+    tessera_engine::EngineConfig {
+        kv_memory: 64 << 20,
+        prefill_chunk: 256,
+        ..tessera_engine::EngineConfig::default()
+    }
+}
+
+/// A second request sharing a prefix of more than two windows computes
+/// only its own tokens and gives the tokens of a run without reuse;
+/// after other long requests have taken the sliding pool over, the
+/// branch point (a tail) still serves it whole, while a branch inside the
+/// prefix falls back to the last point whose window is whole.
+#[test]
+fn gemma3_a_long_shared_prefix_is_reused_exactly_before_and_after_eviction() {
+    let m = gemma_f32();
+    let text = text_tokens(m, 1500);
+    let prefix = &text[..1200];
+    let with_suffix = |s: &[u32]| -> Vec<u32> { prefix.iter().chain(s).copied().collect() };
+    let (a, b, c) = (
+        with_suffix(&[651, 3303, 576]),
+        with_suffix(&[818, 1979]),
+        with_suffix(&[1018, 506, 2270, 8974]),
+    );
+    let cold = gemma_engine(tessera_engine::EngineConfig {
+        prefix_cache: false,
+        ..tight()
+    });
+    let warm = gemma_engine(tight());
+    let stats = warm.stats();
+    assert!(
+        stats.kv.sliding_blocks * 4 < stats.kv.num_blocks,
+        "the sliding pool is the small one: {} of {} blocks",
+        stats.kv.sliding_blocks,
+        stats.kv.num_blocks
+    );
+    let n = 12;
+    assert_eq!(complete(&warm, &a, n).0, complete(&cold, &a, n).0);
+    let (got, cached) = complete(&warm, &b, n);
+    assert_eq!(got, complete(&cold, &b, n).0);
+    assert_eq!(cached, prefix.len(), "the second request reuses the prefix");
+    // Other long requests: the sliding pool evicts cached content.
+    let before = warm.stats().kv.evicted_sliding_blocks;
+    for k in 0..2 {
+        let other: Vec<u32> = text[..1100 + 150 * k].iter().rev().copied().collect();
+        complete(&warm, &other[..1100], 4);
+    }
+    assert!(warm.stats().kv.evicted_sliding_blocks > before);
+    let (got, cached) = complete(&warm, &c, n);
+    assert_eq!(got, complete(&cold, &c, n).0);
+    assert_eq!(cached, prefix.len(), "the branch point's tail survived");
+    // A branch in the middle of the prefix: its window was evicted.
+    let mid: Vec<u32> = text[..700].iter().chain(&[9, 10, 11]).copied().collect();
+    let (got, cached) = complete(&warm, &mid, n);
+    assert_eq!(got, complete(&cold, &mid, n).0);
+    assert!(cached < 700, "{cached} of the 700 shared tokens served");
+    warm.check_kv().unwrap();
+}
+
+/// A Gemma 3 chat session saved to disk keeps every token's K/V in the
+/// global layers and only the last window's in the sliding ones, and
+/// resumes in a new engine from the cache with the same tokens.
+#[test]
+fn gemma3_a_saved_session_resumes_from_its_sliding_tail() {
+    let m = gemma_f32();
+    let text = text_tokens(m, 800);
+    let e = gemma_engine(tessera_engine::EngineConfig::default());
+    let snap = e.export_kv(&text).unwrap();
+    let row = 256 * 2;
+    assert_eq!(snap.sliding_from, 800 + 1 - 512);
+    for (l, layer) in snap.layers.iter().enumerate() {
+        let rows = if l % 6 == 5 {
+            800
+        } else {
+            800 - snap.sliding_from
+        };
+        assert_eq!(layer.k.len(), rows * row, "layer {l}");
+    }
+    let dir = std::env::temp_dir().join(format!("tessera-gemma-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    e.save_cache_dir(&dir).unwrap();
+    let more: Vec<u32> = text.iter().chain(&[1018, 506]).copied().collect();
+    let (want, _) = complete(&e, &more, 10);
+    drop(e);
+    let second = gemma_engine(tessera_engine::EngineConfig {
+        cache_dir: Some(dir.clone()),
+        ..tessera_engine::EngineConfig::default()
+    });
+    let (got, cached) = complete(&second, &more, 10);
+    assert_eq!(got, want);
+    assert_eq!(cached, 800, "resumed from the saved tail");
+    second.check_kv().unwrap();
+    drop(second);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -21,7 +21,7 @@ use crate::types::{
     Completion, ContextShift, EngineConfig, EngineStats, FinishReason, GenerateRequest, Prompt,
     TokenEvent,
 };
-use crate::worker::{Command, Worker};
+use crate::worker::{Command, KvLayout, Worker};
 use crate::{EngineError, ModelSource, Result};
 
 /// A model with its paged K/V pool and prefix cache, served by one worker
@@ -105,10 +105,11 @@ impl Engine {
         }
         model.llama.prepare()?;
         let mc = model.config();
-        let per_block = cfg.block_size * mc.kv_bytes_per_token(cfg.cache_dtype.bytes());
+        let layout = KvLayout::new(mc, &cfg)?;
+        let per_block = layout.block_bytes;
         let ctx = cfg.context_length.unwrap_or(mc.context_length);
         let model = Arc::new(model);
-        let core = Worker::new(model.clone(), &cfg, ctx, per_block)?;
+        let core = Worker::new(model.clone(), &cfg, ctx, &layout)?;
         let (tx, rx) = mpsc::channel();
         let worker = std::thread::Builder::new()
             .name("tessera-engine".into())
@@ -144,7 +145,8 @@ impl Engine {
         self.inner.ctx
     }
 
-    /// Bytes of one KV block (all layers, K and V).
+    /// Bytes of one KV block (all layers, K and V; with sliding-window
+    /// layers on a pool of their own, the other layers').
     pub fn block_bytes(&self) -> usize {
         self.inner.per_block
     }

@@ -7,13 +7,17 @@
 //! layer l:  k[l], v[l]  [num_blocks, block_size, kv_heads, head_dim]
 //! slot s  = block · block_size + offset    (a row of kv_heads · head_dim)
 //! ```
+//!
+//! With sliding-window layers (Gemma 3's local layers) on a pool of their
+//! own, those layers' tensors have that pool's blocks, and every operation
+//! takes their slots, tables, copies and moves apart from the others'.
 
 use std::sync::Arc;
 
 use candle_core::{DType, Tensor};
 use tessera_kernels::{copy_blocks, shift_kv, write_kv, Rotation};
 use tessera_kv::{CopyOp, ShiftPlan, TokenId};
-use tessera_model::{Batch, LayerKv, Model};
+use tessera_model::{Batch, LayerKv, Model, SlidingBatch, NO_BLOCK};
 
 use crate::snapshot::LayerBytes;
 use crate::{EngineError, Result};
@@ -30,27 +34,61 @@ pub(crate) struct Part<'a> {
     /// Return the logits of the tokens from this index on (`Some(len - 1)`:
     /// the last token's).
     pub logits_from: Option<usize>,
+    /// The sliding-window layers' slots and block table (entries before
+    /// the window: [`NO_BLOCK`]), when they have a pool of their own.
+    pub sliding: Option<(Vec<u32>, Vec<u32>)>,
+}
+
+/// Slots of both pools: every layer's rows of some positions.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Rows {
+    pub slots: Vec<u32>,
+    /// The sliding-window layers' slots (their own pool), or empty.
+    pub sliding: Vec<u32>,
 }
 
 pub(crate) struct Runner {
     model: Arc<Model>,
     cache: Vec<LayerKv>,
+    /// Per layer: its tensors are the sliding pool's.
+    in_sliding: Vec<bool>,
     block_size: usize,
 }
 
 impl Runner {
+    /// `sliding_blocks`: a pool of their own for the sliding-window layers.
     pub(crate) fn new(
         model: Arc<Model>,
         num_blocks: usize,
+        sliding_blocks: Option<usize>,
         block_size: usize,
         dtype: DType,
     ) -> Result<Runner> {
-        let cache = model.llama.new_cache(num_blocks, block_size, dtype)?;
+        let cache = model
+            .llama
+            .new_split_cache(num_blocks, sliding_blocks, block_size, dtype)?;
+        let in_sliding = (0..cache.len())
+            .map(|l| sliding_blocks.is_some() && model.config().layer_window(l).is_some())
+            .collect();
         Ok(Runner {
             model,
             cache,
+            in_sliding,
             block_size,
         })
+    }
+
+    /// Whether the sliding-window layers have a pool of their own.
+    fn split(&self) -> bool {
+        self.in_sliding.iter().any(|&s| s)
+    }
+
+    /// The layers of one pool, with their indices.
+    fn layers(&self, sliding: bool) -> impl Iterator<Item = (usize, &LayerKv)> {
+        self.cache
+            .iter()
+            .enumerate()
+            .filter(move |(l, _)| self.in_sliding[*l] == sliding)
     }
 
     pub(crate) fn model(&self) -> &Model {
@@ -67,12 +105,23 @@ impl Runner {
         c.n_kv_heads * c.head_dim * self.dtype().size_in_bytes()
     }
 
+    /// Block copies in the global pool (every layer without a pool of its
+    /// own).
     pub(crate) fn apply_copies(&self, copies: &[CopyOp]) -> Result<()> {
+        self.copy_in(false, copies)
+    }
+
+    /// Block copies in the sliding-window layers' pool.
+    pub(crate) fn apply_sliding_copies(&self, copies: &[CopyOp]) -> Result<()> {
+        self.copy_in(true, copies)
+    }
+
+    fn copy_in(&self, sliding: bool, copies: &[CopyOp]) -> Result<()> {
         if copies.is_empty() {
             return Ok(());
         }
         let pairs: Vec<(u32, u32)> = copies.iter().map(|c| (c.src.0, c.dst.0)).collect();
-        for layer in &self.cache {
+        for (_, layer) in self.layers(sliding) {
             copy_blocks(&layer.k, &pairs)?;
             copy_blocks(&layer.v, &pairs)?;
         }
@@ -80,19 +129,31 @@ impl Runner {
     }
 
     /// A context shift: its copies, then the moves with K rotated by the
-    /// position delta.
+    /// position delta, in each pool.
     pub(crate) fn apply_shift(&self, plan: &ShiftPlan) -> Result<()> {
         self.apply_copies(&plan.copies)?;
-        let moves: Vec<(u32, u32)> = plan.moves.iter().map(|m| (m.src.0, m.dst.0)).collect();
+        self.apply_sliding_copies(&plan.sliding_copies)?;
+        let pairs = |moves: &[tessera_kv::SlotMove]| -> Vec<(u32, u32)> {
+            moves.iter().map(|m| (m.src.0, m.dst.0)).collect()
+        };
+        let (global, sliding) = (pairs(&plan.moves), pairs(&plan.sliding_moves));
         // Each layer by its own RoPE frequencies (Gemma 3's sliding layers
         // have their own base).
         for (l, layer) in self.cache.iter().enumerate() {
+            let moves = if self.in_sliding[l] {
+                &sliding
+            } else {
+                &global
+            };
+            if moves.is_empty() {
+                continue;
+            }
             let rotation = Rotation {
                 style: self.model.config().rope_style,
                 inv_freq: self.model.llama.inv_freq(l).to_vec(),
                 delta: plan.position_delta,
             };
-            shift_kv(&layer.k, &layer.v, &moves, &rotation)?;
+            shift_kv(&layer.k, &layer.v, moves, &rotation)?;
         }
         Ok(())
     }
@@ -108,6 +169,7 @@ impl Runner {
         let (mut tokens, mut positions, mut slots, mut token_seq) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let mut tables = Vec::with_capacity(parts.len() * max_blocks);
+        let (mut sliding_slots, mut sliding_tables) = (Vec::new(), Vec::new());
         let mut logits_for = Vec::new();
         for (i, p) in parts.iter().enumerate() {
             tokens.extend(p.tokens.iter().map(|t| t.0));
@@ -116,6 +178,16 @@ impl Runner {
             token_seq.extend(std::iter::repeat_n(i as u32, p.tokens.len()));
             tables.extend_from_slice(&p.table);
             tables.extend(std::iter::repeat_n(0, max_blocks - p.table.len()));
+            if self.split() {
+                let Some((s, t)) = &p.sliding else {
+                    return Err(EngineError::Step(
+                        "a part without the sliding layers' slots".into(),
+                    ));
+                };
+                sliding_slots.extend_from_slice(s);
+                sliding_tables.extend_from_slice(t);
+                sliding_tables.extend(std::iter::repeat_n(NO_BLOCK, max_blocks - t.len()));
+            }
             if let Some(from) = p.logits_from {
                 let end = tokens.len() as u32;
                 logits_for.extend(end - (p.tokens.len() - from) as u32..end);
@@ -130,6 +202,10 @@ impl Runner {
             max_blocks,
             block_size: self.block_size,
             logits_for: &logits_for,
+            sliding: self.split().then_some(SlidingBatch {
+                slots: &sliding_slots,
+                block_tables: &sliding_tables,
+            }),
         };
         let logits = self.model.llama.forward(&batch, &self.cache)?;
         if logits_for.is_empty() {
@@ -138,28 +214,45 @@ impl Runner {
         Ok(logits.to_vec2::<f32>()?)
     }
 
-    /// The K/V rows of `slots`, per layer.
-    pub(crate) fn read_rows(&self, slots: &[u32]) -> Result<Vec<LayerBytes>> {
-        let idx = Tensor::new(slots, self.model.llama.device())?;
-        let rows = |t: &Tensor| -> Result<Vec<u8>> {
+    /// The K/V rows of `rows`, per layer (the sliding-window layers' from
+    /// their own slots when they have a pool).
+    pub(crate) fn read_rows(&self, rows: &Rows) -> Result<Vec<LayerBytes>> {
+        let dev = self.model.llama.device();
+        let (global, sliding) = (
+            Tensor::new(rows.slots.as_slice(), dev)?,
+            Tensor::new(rows.sliding.as_slice(), dev)?,
+        );
+        let read = |t: &Tensor, idx: &Tensor| -> Result<Vec<u8>> {
             let (nb, bs, h, d) = t.dims4()?;
-            let picked = t.reshape((nb * bs, h, d))?.index_select(&idx, 0)?;
+            let picked = t.reshape((nb * bs, h, d))?.index_select(idx, 0)?;
             tensor_bytes(&picked)
         };
         self.cache
             .iter()
-            .map(|l| {
+            .enumerate()
+            .map(|(l, layer)| {
+                let idx = if self.in_sliding[l] {
+                    &sliding
+                } else {
+                    &global
+                };
                 Ok(LayerBytes {
-                    k: rows(&l.k)?,
-                    v: rows(&l.v)?,
+                    k: read(&layer.k, idx)?,
+                    v: read(&layer.v, idx)?,
                 })
             })
             .collect()
     }
 
     /// Checks that every layer holds exactly `tokens` K and V rows of this
-    /// pool's dtype and geometry.
-    pub(crate) fn check_rows(&self, layers: &[LayerBytes], tokens: usize) -> Result<()> {
+    /// pool's dtype and geometry (`sliding_tokens` in sliding-window layers
+    /// with a pool of their own).
+    pub(crate) fn check_rows(
+        &self,
+        layers: &[LayerBytes],
+        tokens: usize,
+        sliding_tokens: usize,
+    ) -> Result<()> {
         if layers.len() != self.cache.len() {
             return Err(EngineError::Invalid(format!(
                 "K/V for {} layers; the model has {}",
@@ -167,42 +260,55 @@ impl Runner {
                 self.cache.len()
             )));
         }
-        let want = tokens
-            .checked_mul(self.row_bytes())
-            .ok_or_else(|| EngineError::Invalid("K/V size overflows".into()))?;
-        if let Some((i, l)) = layers
-            .iter()
-            .enumerate()
-            .find(|(_, l)| l.k.len() != want || l.v.len() != want)
-        {
-            return Err(EngineError::Invalid(format!(
-                "layer {i} holds {} K and {} V bytes; {tokens} tokens need {want} each",
-                l.k.len(),
-                l.v.len(),
-            )));
+        for (i, l) in layers.iter().enumerate() {
+            let n = if self.in_sliding[i] {
+                sliding_tokens
+            } else {
+                tokens
+            };
+            let want = n
+                .checked_mul(self.row_bytes())
+                .ok_or_else(|| EngineError::Invalid("K/V size overflows".into()))?;
+            if l.k.len() != want || l.v.len() != want {
+                return Err(EngineError::Invalid(format!(
+                    "layer {i} holds {} K and {} V bytes; {n} tokens need {want} each",
+                    l.k.len(),
+                    l.v.len(),
+                )));
+            }
         }
         Ok(())
     }
 
-    /// Writes rows `skip..skip + slots.len()` of `layers` into `slots`,
-    /// after [`check_rows`](Self::check_rows) for `skip + slots.len()`
-    /// tokens: nothing is written unless every layer has its rows.
+    /// Writes rows `skip..` of `layers` into `rows.slots` (and rows
+    /// `sliding_skip..` of the sliding-window layers into `rows.sliding`),
+    /// after [`check_rows`](Self::check_rows): nothing is written unless
+    /// every layer has its rows.
     pub(crate) fn write_rows(
         &self,
-        slots: &[u32],
+        rows: &Rows,
         layers: &[LayerBytes],
         skip: usize,
+        sliding_skip: usize,
     ) -> Result<()> {
         let row = self.row_bytes();
-        let n = slots.len();
-        self.check_rows(layers, skip + n)?;
-        if n == 0 {
-            return Ok(());
-        }
+        self.check_rows(
+            layers,
+            skip + rows.slots.len(),
+            sliding_skip + rows.sliding.len(),
+        )?;
         let dev = self.model.llama.device();
         let c = self.model.config();
-        let shape = [n, c.n_kv_heads, c.head_dim];
-        for (layer, bytes) in self.cache.iter().zip(layers) {
+        for (l, (layer, bytes)) in self.cache.iter().zip(layers).enumerate() {
+            let (slots, skip) = if self.in_sliding[l] {
+                (&rows.sliding, sliding_skip)
+            } else {
+                (&rows.slots, skip)
+            };
+            if slots.is_empty() {
+                continue;
+            }
+            let shape = [slots.len(), c.n_kv_heads, c.head_dim];
             let from =
                 |b: &[u8]| Tensor::from_raw_buffer(&b[skip * row..], self.dtype(), &shape, dev);
             write_kv(&layer.k, &from(&bytes.k)?, slots)?;
@@ -211,29 +317,38 @@ impl Runner {
         Ok(())
     }
 
-    /// Fills `slots` with NaN in every layer (injected faults).
-    pub(crate) fn poison(&self, slots: &[u32]) -> Result<()> {
-        if slots.is_empty() {
-            return Ok(());
-        }
+    /// Fills `rows` with NaN in every layer (injected faults).
+    pub(crate) fn poison(&self, rows: &Rows) -> Result<()> {
         let c = self.model.config();
-        let nan = Tensor::full(
-            f32::NAN,
-            (slots.len(), c.n_kv_heads, c.head_dim),
-            self.model.llama.device(),
-        )?
-        .to_dtype(self.dtype())?;
-        for layer in &self.cache {
+        for (l, layer) in self.cache.iter().enumerate() {
+            let slots = if self.in_sliding[l] {
+                &rows.sliding
+            } else {
+                &rows.slots
+            };
+            if slots.is_empty() {
+                continue;
+            }
+            let nan = Tensor::full(
+                f32::NAN,
+                (slots.len(), c.n_kv_heads, c.head_dim),
+                self.model.llama.device(),
+            )?
+            .to_dtype(self.dtype())?;
             write_kv(&layer.k, &nan, slots)?;
             write_kv(&layer.v, &nan, slots)?;
         }
         Ok(())
     }
 
-    /// Gives the pool `blocks` blocks: the first ones are kept (the caller
-    /// compacted live blocks below `blocks` first), new ones are zero.
+    /// Gives the global pool `blocks` blocks: the first ones are kept (the
+    /// caller compacted live blocks below `blocks` first), new ones are
+    /// zero. (A sliding-window layers' pool keeps its size.)
     pub(crate) fn resize(&mut self, blocks: usize) -> Result<()> {
-        for layer in &mut self.cache {
+        for (l, layer) in self.cache.iter_mut().enumerate() {
+            if self.in_sliding[l] {
+                continue;
+            }
             let (now, bs, h, d) = layer.k.dims4()?;
             if blocks < now {
                 layer.k = layer.k.narrow(0, 0, blocks)?.copy()?;

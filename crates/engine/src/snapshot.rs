@@ -6,12 +6,19 @@
 //! version  u32 LE   FORMAT_VERSION
 //! hlen     u32 LE   length of the header
 //! header   JSON     kind, model fingerprint, architecture, cache dtype,
-//!                   geometry (layers, KV heads, head dim), entry lengths,
-//!                   and for a session its messages
+//!                   geometry (layers, KV heads, head dim, each layer's
+//!                   sliding window), entry lengths, where each entry's
+//!                   sliding-window K/V begins, and for a session its
+//!                   messages
 //! entries  for each entry: token ids (u32 LE), then per layer K then V
-//!          ([tokens, kv_heads, head_dim] in the cache dtype, LE)
+//!          ([rows, kv_heads, head_dim] in the cache dtype, LE): every
+//!          token's in a global layer, the tail's (tokens from
+//!          `sliding_from` on) in a sliding-window layer
 //! crc32    u32 LE   of everything before it
 //! ```
+//!
+//! Version 2 added the sliding-window tails; files of version 1 are
+//! refused with a message saying so.
 //!
 //! Loading checks each part and names what is wrong; nothing reaches the
 //! engine until the whole file is validated.
@@ -25,7 +32,7 @@ use crate::types::CacheDType;
 use crate::{EngineError, Result};
 
 const MAGIC: &[u8; 8] = b"TSRKV\0\0\0";
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
 /// The prefix cache's file inside `--cache-dir`.
 pub const CACHE_FILE: &str = "prefix-cache.tkv";
 
@@ -36,11 +43,14 @@ pub struct LayerBytes {
     pub v: Vec<u8>,
 }
 
-/// Token ids and the K/V of every one of them.
+/// Token ids and their K/V: every one's in global layers, those from
+/// `sliding_from` on in sliding-window layers (what a request resuming at
+/// the end reads there).
 #[derive(Debug, Clone, PartialEq)]
 pub struct KvSnapshot {
     pub tokens: Vec<u32>,
     pub layers: Vec<LayerBytes>,
+    pub sliding_from: usize,
 }
 
 /// What must match between the file and the engine loading it (all but
@@ -55,6 +65,9 @@ pub struct Geometry {
     pub n_layers: usize,
     pub n_kv_heads: usize,
     pub head_dim: usize,
+    /// Each layer's sliding window (0: global); empty when none has one.
+    #[serde(default)]
+    pub windows: Vec<usize>,
 }
 
 impl Geometry {
@@ -71,7 +84,19 @@ impl Geometry {
             n_layers: c.n_layers,
             n_kv_heads: c.n_kv_heads,
             head_dim: c.head_dim,
+            windows: if c.has_sliding_layers() {
+                (0..c.n_layers)
+                    .map(|l| c.layer_window(l).unwrap_or(0))
+                    .collect()
+            } else {
+                Vec::new()
+            },
         }
+    }
+
+    /// Whether layer `l` stores only the sliding tail.
+    fn sliding(&self, l: usize) -> bool {
+        self.windows.get(l).is_some_and(|&w| w > 0)
     }
 
     /// Bytes of one token's K (or V) in one layer; `None` for a dtype this
@@ -101,6 +126,9 @@ struct Header {
     geometry: Geometry,
     /// Tokens per entry.
     entries: Vec<usize>,
+    /// Per entry, the first token of its sliding-window tail.
+    #[serde(default)]
+    sliding_from: Vec<usize>,
     #[serde(default)]
     meta: serde_json::Value,
 }
@@ -124,6 +152,7 @@ pub fn write_file(
         kind: kind.to_string(),
         geometry: geometry.clone(),
         entries: snaps.iter().map(|s| s.tokens.len()).collect(),
+        sliding_from: snaps.iter().map(|s| s.sliding_from).collect(),
         meta,
     })
     .map_err(|e| bad(path, e.to_string()))?;
@@ -220,9 +249,14 @@ pub fn read_file(
     }
     let version = u32::from_le_bytes(data[8..12].try_into().expect("4 bytes"));
     if version != FORMAT_VERSION {
+        let hint = if version < FORMAT_VERSION {
+            " (an older Tessera wrote it; save it again with this one)"
+        } else {
+            ""
+        };
         return Err(bad(
             path,
-            format!("format version {version}; this build reads version {FORMAT_VERSION}"),
+            format!("format version {version}; this build reads version {FORMAT_VERSION}{hint}"),
         ));
     }
     let hlen = u32::from_le_bytes(data[12..16].try_into().expect("4 bytes")) as usize;
@@ -247,17 +281,33 @@ pub fn read_file(
             ),
         )
     })?;
+    let g = &header.geometry;
+    if header.sliding_from.len() != header.entries.len()
+        || header
+            .sliding_from
+            .iter()
+            .zip(&header.entries)
+            .any(|(&f, &n)| f > n)
+        || g.windows.len() > g.n_layers
+    {
+        return Err(bad(
+            path,
+            "corrupted header: sliding tails do not fit their entries",
+        ));
+    }
     let huge = || bad(path, "corrupted header: sizes overflow");
-    let per_token = header
-        .geometry
-        .n_layers
-        .checked_mul(row)
-        .and_then(|x| x.checked_mul(2))
-        .and_then(|x| x.checked_add(4))
-        .ok_or_else(huge)?;
-    let body = header.entries.iter().try_fold(0usize, |acc, &n| {
-        n.checked_mul(per_token).and_then(|b| acc.checked_add(b))
-    });
+    // Rows per layer of an entry of `n` tokens with its tail from `from`.
+    let rows = |l: usize, n: usize, from: usize| if g.sliding(l) { n - from } else { n };
+    let entry_bytes = |n: usize, from: usize| -> Option<usize> {
+        (0..g.n_layers).try_fold(n.checked_mul(4)?, |acc, l| {
+            acc.checked_add(rows(l, n, from).checked_mul(row)?.checked_mul(2)?)
+        })
+    };
+    let body = header
+        .entries
+        .iter()
+        .zip(&header.sliding_from)
+        .try_fold(0usize, |acc, (&n, &f)| acc.checked_add(entry_bytes(n, f)?));
     let expected = body
         .and_then(|b| b.checked_add(fixed + hlen + 4))
         .ok_or_else(huge)?;
@@ -283,7 +333,6 @@ pub fn read_file(
     if header.kind != kind {
         return Err(bad(path, format!("holds a {}, not a {kind}", header.kind)));
     }
-    let g = &header.geometry;
     if g.fingerprint != geometry.fingerprint {
         let name = |g: &Geometry| {
             if g.model.is_empty() {
@@ -325,18 +374,23 @@ pub fn read_file(
     let snaps = header
         .entries
         .iter()
-        .map(|&n| {
+        .zip(&header.sliding_from)
+        .map(|(&n, &from)| {
             let tokens = take(4 * n)
                 .chunks_exact(4)
                 .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
                 .collect();
             let layers = (0..g.n_layers)
-                .map(|_| LayerBytes {
-                    k: take(n * row).to_vec(),
-                    v: take(n * row).to_vec(),
+                .map(|l| LayerBytes {
+                    k: take(rows(l, n, from) * row).to_vec(),
+                    v: take(rows(l, n, from) * row).to_vec(),
                 })
                 .collect();
-            KvSnapshot { tokens, layers }
+            KvSnapshot {
+                tokens,
+                layers,
+                sliding_from: from,
+            }
         })
         .collect();
     Ok((snaps, header.meta))

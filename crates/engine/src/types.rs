@@ -72,6 +72,17 @@ pub struct EngineConfig {
     pub activations: Option<Activations>,
     /// Faults injected into chosen steps (tests and the soak benchmark).
     pub faults: Option<FaultHook>,
+    /// Models with sliding-window layers (Gemma 3): give those layers as
+    /// many blocks as the others (llama.cpp's `--swa-full`), so no cached
+    /// position ever loses them. Off, they get a quarter as many (at least
+    /// one request's window and chunk): the same memory holds about three
+    /// times the context, and cached content loses its sliding-window K/V
+    /// first under pressure (see `tessera_kv::SlidingConfig`).
+    pub swa_full: bool,
+    /// Blocks of the sliding-window layers' pool, when set (at least one
+    /// request's window and prompt chunk); the rest of `kv_memory` goes to
+    /// the other layers. Overrides the quarter, not `swa_full`.
+    pub swa_blocks: Option<usize>,
 }
 
 impl Default for EngineConfig {
@@ -89,6 +100,8 @@ impl Default for EngineConfig {
             threads: None,
             activations: None,
             faults: None,
+            swa_full: false,
+            swa_blocks: None,
         }
     }
 }
@@ -249,6 +262,11 @@ pub struct EngineStats {
     pub running: usize,
     /// Sequences waiting for admission (new, or preempted).
     pub waiting: usize,
+    /// Bytes of the K/V tensors (both pools).
+    pub kv_bytes: usize,
+    /// Bytes of the blocks with a holder (running sequences or the
+    /// prefix cache), both pools.
+    pub kv_bytes_held: usize,
 }
 
 impl EngineStats {

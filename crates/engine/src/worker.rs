@@ -23,7 +23,9 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Instant;
 
-use tessera_kv::{token_ids, Admission, AppendPlan, KvCache, KvConfig, Namespace, SeqId, TokenId};
+use tessera_kv::{
+    token_ids, Admission, AppendPlan, KvCache, KvConfig, Namespace, SeqId, SlidingConfig, TokenId,
+};
 use tessera_model::Model;
 use tessera_sched::{
     EndReason, KvOp, NewRequest, ReqId, SchedConfig, SchedError, Scheduler, StepPlan,
@@ -31,7 +33,7 @@ use tessera_sched::{
 use tracing::{debug, debug_span, error, warn};
 
 use crate::request::{Active, Group, Next};
-use crate::runner::{Part, Runner};
+use crate::runner::{Part, Rows, Runner};
 use crate::snapshot::KvSnapshot;
 use crate::stream::Event;
 use crate::types::{
@@ -74,6 +76,7 @@ pub(crate) struct Worker {
     sched: Scheduler,
     ns: Namespace,
     cfg: EngineConfig,
+    layout: KvLayout,
     active: HashMap<ReqId, Active>,
     totals: EngineStats,
 }
@@ -125,28 +128,93 @@ fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "a panic".into())
 }
 
+/// How the KV memory budget is split: the pool of every layer, or, for a
+/// model with sliding-window layers, the global layers' pool and a smaller
+/// one for the sliding layers (see [`EngineConfig::swa_full`]).
+#[derive(Debug, Clone)]
+pub(crate) struct KvLayout {
+    pub num_blocks: usize,
+    pub sliding: Option<SlidingConfig>,
+    /// Bytes of one block of the first pool (its layers, K and V).
+    pub block_bytes: usize,
+    /// Bytes of one block of the sliding layers' pool.
+    pub sliding_block_bytes: usize,
+}
+
+impl KvLayout {
+    pub(crate) fn new(mc: &tessera_model::ModelConfig, cfg: &EngineConfig) -> Result<KvLayout> {
+        let bs = cfg.block_size.max(1);
+        let per_layer = bs * mc.kv_bytes_per_token(cfg.cache_dtype.bytes()) / mc.n_layers.max(1);
+        let budget = cfg.kv_memory;
+        let too_small = |per_block: usize| EngineError::KvBudgetTooSmall {
+            bytes: budget,
+            block_size: cfg.block_size,
+            per_block,
+        };
+        let Some(window) = mc.sliding_window() else {
+            let g = per_layer * mc.n_layers;
+            let num_blocks = budget / g.max(1);
+            if num_blocks == 0 {
+                return Err(too_small(g));
+            }
+            return Ok(KvLayout {
+                num_blocks,
+                sliding: None,
+                block_bytes: g,
+                sliding_block_bytes: 0,
+            });
+        };
+        let n_sliding = mc.num_sliding_layers();
+        let (g, sl) = (per_layer * (mc.n_layers - n_sliding), per_layer * n_sliding);
+        // One request: its window, a prompt chunk, a copied tail block and
+        // the block of the tokens a context shift keeps.
+        let least = (window + cfg.prefill_chunk.max(1)).div_ceil(bs) + 3;
+        let share = if cfg.swa_full { 1 } else { 4 };
+        let n = budget / (g + sl / share).max(1);
+        let m = match cfg.swa_blocks {
+            Some(k) if !cfg.swa_full => k,
+            _ => n / share,
+        }
+        .max(least);
+        let rest = budget
+            .checked_sub(m * sl)
+            .ok_or_else(|| too_small(g + least * sl))?;
+        let n = rest.checked_div(g).unwrap_or(n.max(m));
+        if n == 0 {
+            return Err(too_small(g + least * sl));
+        }
+        Ok(KvLayout {
+            num_blocks: n,
+            sliding: Some(SlidingConfig {
+                window,
+                num_blocks: m.min(n.max(least)),
+            }),
+            block_bytes: g,
+            sliding_block_bytes: sl,
+        })
+    }
+
+    fn kv_config(&self, block_size: usize) -> KvConfig {
+        KvConfig {
+            num_blocks: self.num_blocks,
+            block_size,
+            sliding: self.sliding,
+        }
+    }
+}
+
 impl Worker {
     pub(crate) fn new(
         model: Arc<Model>,
         cfg: &EngineConfig,
         ctx: usize,
-        per_block: usize,
+        layout: &KvLayout,
     ) -> Result<Worker> {
-        let num_blocks = cfg.kv_memory / per_block.max(1);
-        if num_blocks == 0 {
-            return Err(EngineError::KvBudgetTooSmall {
-                bytes: cfg.kv_memory,
-                block_size: cfg.block_size,
-                per_block,
-            });
-        }
-        let kv = KvCache::new(KvConfig {
-            num_blocks,
-            block_size: cfg.block_size,
-        })?;
+        let kv = KvCache::new(layout.kv_config(cfg.block_size))?;
         let runner = Runner::new(
             model.clone(),
-            num_blocks,
+            layout.num_blocks,
+            layout.sliding.map(|s| s.num_blocks),
             cfg.block_size,
             cfg.cache_dtype.dtype(),
         )?;
@@ -165,6 +233,7 @@ impl Worker {
             runner,
             sched,
             cfg: cfg.clone(),
+            layout: layout.clone(),
             active: HashMap::new(),
             totals: EngineStats::default(),
         })
@@ -208,9 +277,15 @@ impl Worker {
     fn check_or_reset(&mut self) {
         if let Err(e) = self.sched.kv().check_invariants() {
             error!("KV bookkeeping broken ({e}): the prefix cache starts over");
+            let old = self.sched.kv();
+            let sliding = old.window().map(|window| SlidingConfig {
+                window,
+                num_blocks: old.pool().num_sliding_blocks(),
+            });
             let kv = KvCache::new(KvConfig {
-                num_blocks: self.sched.kv().pool().num_blocks(),
-                block_size: self.sched.kv().block_size(),
+                num_blocks: old.pool().num_blocks(),
+                block_size: old.block_size(),
+                sliding,
             })
             .expect("the same configuration was valid");
             self.sched = Scheduler::new(kv, self.sched.config().clone());
@@ -266,8 +341,13 @@ impl Worker {
 
     fn stats(&self) -> EngineStats {
         let s = self.sched.stats();
+        let kv = self.sched.kv().stats();
+        let (g, sl) = (self.layout.block_bytes, self.layout.sliding_block_bytes);
         EngineStats {
-            kv: self.sched.kv().stats(),
+            kv,
+            kv_bytes: kv.num_blocks * g + kv.sliding_blocks * sl,
+            kv_bytes_held: (kv.num_blocks - kv.free_blocks) * g
+                + (kv.sliding_blocks - kv.free_sliding_blocks) * sl,
             preemptions: s.preemptions,
             active_samples: self.active.len(),
             running: self.sched.num_running(),
@@ -407,9 +487,11 @@ impl Worker {
         for op in &plan.ops {
             match op {
                 KvOp::Copy(copies) => self.runner.apply_copies(copies)?,
+                KvOp::CopySliding(copies) => self.runner.apply_sliding_copies(copies)?,
                 KvOp::Shift { plan, .. } => self.runner.apply_shift(plan)?,
             }
         }
+        let split = self.sched.kv().window().is_some();
         let parts: Vec<Part> = plan
             .items
             .iter()
@@ -419,6 +501,7 @@ impl Worker {
                 slots: i.slots.iter().map(|s| s.0).collect(),
                 table: i.block_table.iter().map(|b| b.0).collect(),
                 logits_from: i.wants_logits.then(|| i.tokens.len() - 1),
+                sliding: split.then(|| sliding_part(&i.sliding_slots, &i.sliding_table)),
             })
             .collect();
         self.inject_fault(plan, &parts)?;
@@ -447,8 +530,15 @@ impl Worker {
         let Some(fault) = (hook.0)(&sites) else {
             return Ok(());
         };
-        let slots: Vec<u32> = parts.iter().flat_map(|p| p.slots.iter().copied()).collect();
-        self.runner.poison(&slots)?;
+        let rows = Rows {
+            slots: parts.iter().flat_map(|p| p.slots.iter().copied()).collect(),
+            sliding: parts
+                .iter()
+                .filter_map(|p| p.sliding.as_ref())
+                .flat_map(|(s, _)| s.iter().copied())
+                .collect(),
+        };
+        self.runner.poison(&rows)?;
         match fault {
             Fault::Error => Err(EngineError::Injected),
             Fault::Panic => std::panic::panic_any(INJECTED_PANIC),
@@ -553,10 +643,11 @@ impl Worker {
     fn defragment(&mut self) -> Result<usize> {
         let plan = self.sched.kv_mut().plan_defrag();
         self.runner.apply_copies(&plan.moves)?;
-        if !plan.moves.is_empty() {
+        self.runner.apply_sliding_copies(&plan.sliding_moves)?;
+        if !plan.moves.is_empty() || !plan.sliding_moves.is_empty() {
             self.totals.defrags += 1;
         }
-        Ok(plan.moves.len())
+        Ok(plan.moves.len() + plan.sliding_moves.len())
     }
 
     /// Resizes the pool to `blocks`; returns the new number of blocks. A
@@ -623,8 +714,19 @@ impl Worker {
     /// Reserves slots for `toks` on `seq` outside the scheduler (sessions,
     /// exports): out of blocks is an error, not a wait.
     fn append_now(&mut self, seq: SeqId, toks: &[TokenId]) -> Result<AppendPlan> {
+        self.append_now_from(seq, toks, 0)
+    }
+
+    /// [`append_now`](Self::append_now) of K/V written from a file, whose
+    /// sliding-window layers hold positions from `sliding_from` on.
+    fn append_now_from(
+        &mut self,
+        seq: SeqId,
+        toks: &[TokenId],
+        sliding_from: usize,
+    ) -> Result<AppendPlan> {
         let kv = self.sched.kv_mut();
-        match kv.append(seq, toks)? {
+        match kv.append_from(seq, toks, sliding_from)? {
             Admission::Ok(p) => Ok(p),
             Admission::Later { needed, .. } | Admission::Never { needed, .. } => {
                 Err(EngineError::OutOfKvMemory {
@@ -636,12 +738,31 @@ impl Worker {
         }
     }
 
+    /// Carries out an append plan's copies in both pools.
+    fn apply_append(&self, plan: &AppendPlan) -> Result<()> {
+        self.runner.apply_copies(&plan.copies)?;
+        self.runner.apply_sliding_copies(&plan.sliding_copies)
+    }
+
+    /// `seq`'s part in the sliding-window layers' pool after `plan`, when
+    /// they have one.
+    fn sliding_part(&self, seq: SeqId, plan: &AppendPlan) -> Result<Option<(Vec<u32>, Vec<u32>)>> {
+        let kv = self.sched.kv();
+        if kv.window().is_none() {
+            return Ok(None);
+        }
+        Ok(Some(sliding_part(
+            &plan.sliding_slots,
+            &kv.sliding_table(seq)?,
+        )))
+    }
+
     /// Appends and computes `toks` on `seq`, in chunks. On an error the
     /// sequence holds tokens not computed; the caller frees it uncached.
     fn compute_on(&mut self, seq: SeqId, toks: &[TokenId]) -> Result<()> {
         for chunk in toks.chunks(self.cfg.prefill_chunk.max(1)) {
             let plan = self.append_now(seq, chunk)?;
-            self.runner.apply_copies(&plan.copies)?;
+            self.apply_append(&plan)?;
             let s = self.sched.kv().sequence(seq)?;
             let part = Part {
                 tokens: chunk,
@@ -649,6 +770,7 @@ impl Worker {
                 slots: plan.slots.iter().map(|s| s.0).collect(),
                 table: s.block_table().iter().map(|b| b.0).collect(),
                 logits_from: None,
+                sliding: self.sliding_part(seq, &plan)?,
             };
             let len = s.len();
             self.runner.forward(&[part])?;
@@ -668,7 +790,7 @@ impl Worker {
             let mut at = 0;
             for chunk in toks.chunks(w.cfg.prefill_chunk.max(1)) {
                 let plan = w.append_now(seq, chunk)?;
-                w.runner.apply_copies(&plan.copies)?;
+                w.apply_append(&plan)?;
                 let s = w.sched.kv().sequence(seq)?;
                 // Logits of positions first..len-1 (the last predicts nothing).
                 let lo = first.max(at);
@@ -679,6 +801,7 @@ impl Worker {
                     slots: plan.slots.iter().map(|s| s.0).collect(),
                     table: s.block_table().iter().map(|b| b.0).collect(),
                     logits_from: (lo < hi).then_some(lo - at),
+                    sliding: w.sliding_part(seq, &plan)?,
                 };
                 let rows = w.runner.forward(&[part])?;
                 // The part's logits run to its end; the last token's
@@ -694,13 +817,26 @@ impl Worker {
         result.map(|()| out)
     }
 
-    /// The K/V of `seq`'s positions `0..n`.
-    fn read_kv(&self, seq: SeqId, n: usize) -> Result<Vec<crate::snapshot::LayerBytes>> {
+    /// The K/V of `seq`'s positions `0..n`: every one's in global layers,
+    /// and in sliding-window layers those a request resuming at `n` reads
+    /// (from the returned position on).
+    fn read_kv(&self, seq: SeqId, n: usize) -> Result<(Vec<crate::snapshot::LayerBytes>, usize)> {
         let kv = self.sched.kv();
         let slots: Vec<u32> = (0..n)
             .map(|p| kv.slot(seq, p).map(|s| s.0))
             .collect::<std::result::Result<_, _>>()?;
-        self.runner.read_rows(&slots)
+        let from = kv.window().map_or(n, |w| (n + 1).saturating_sub(w));
+        let mut sliding = Vec::new();
+        if kv.window().is_some() {
+            for p in from..n {
+                let slot = kv.sliding_slot(seq, p)?.ok_or_else(|| {
+                    EngineError::Step(format!("position {p} lost its sliding-window K/V"))
+                })?;
+                sliding.push(slot.0);
+            }
+        }
+        let layers = self.runner.read_rows(&Rows { slots, sliding })?;
+        Ok((layers, from))
     }
 
     fn export(&mut self, ids: &[u32]) -> Result<KvSnapshot> {
@@ -708,12 +844,15 @@ impl Worker {
             return Ok(KvSnapshot {
                 tokens: Vec::new(),
                 layers: Vec::new(),
+                sliding_from: 0,
             });
         }
         self.with_computed(ids, |w, seq| {
+            let (layers, sliding_from) = w.read_kv(seq, ids.len())?;
             Ok(KvSnapshot {
                 tokens: ids.to_vec(),
-                layers: w.read_kv(seq, ids.len())?,
+                layers,
+                sliding_from,
             })
         })
     }
@@ -748,14 +887,36 @@ impl Worker {
                 )));
             }
             // The byte counts, before the pool is touched.
-            self.runner.check_rows(&snap.layers, snap.tokens.len())?;
+            let n = snap.tokens.len();
+            let from = snap.sliding_from.min(n);
+            self.runner.check_rows(&snap.layers, n, n - from)?;
             let toks = token_ids(&snap.tokens);
             let (seq, cached) = self.sched.kv_mut().add_sequence(self.ns, &toks);
-            let result = self.append_now(seq, &toks[cached..]).and_then(|plan| {
-                self.runner.apply_copies(&plan.copies)?;
-                let slots: Vec<u32> = plan.slots.iter().map(|s| s.0).collect();
-                self.runner.write_rows(&slots, &snap.layers, cached)
-            });
+            let result = self
+                .append_now_from(seq, &toks[cached..], from)
+                .and_then(|plan| {
+                    self.apply_append(&plan)?;
+                    // Sliding rows of positions `first..` (the tail past
+                    // what the cache held).
+                    let first = cached.max(from);
+                    let rows = Rows {
+                        slots: plan.slots.iter().map(|s| s.0).collect(),
+                        sliding: plan
+                            .sliding_slots
+                            .get(first - cached..)
+                            .unwrap_or_default()
+                            .iter()
+                            .map(|s| s.0)
+                            .collect(),
+                    };
+                    if rows.sliding.contains(&u32::MAX) {
+                        return Err(EngineError::Step(
+                            "a restored tail has no sliding-window block".into(),
+                        ));
+                    }
+                    self.runner
+                        .write_rows(&rows, &snap.layers, cached, first - from)
+                });
             let kv = self.sched.kv_mut();
             if result.is_ok() {
                 kv.mark_computed(seq, toks.len())?;
@@ -776,6 +937,21 @@ impl Worker {
     fn shutdown(mut self) {
         self.cancel_all();
     }
+}
+
+/// A sequence's slots and table in the sliding-window layers' pool, as
+/// the runner takes them (entries before the window: no block).
+fn sliding_part(
+    slots: &[tessera_kv::Slot],
+    table: &[Option<tessera_kv::BlockId>],
+) -> (Vec<u32>, Vec<u32>) {
+    (
+        slots.iter().map(|s| s.0).collect(),
+        table
+            .iter()
+            .map(|b| b.map_or(tessera_model::NO_BLOCK, |b| b.0))
+            .collect(),
+    )
 }
 
 #[cfg(test)]

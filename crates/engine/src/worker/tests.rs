@@ -16,8 +16,8 @@ fn tiny_worker(dtype: CacheDType) -> (Worker, std::path::PathBuf) {
         prefill_chunk: 7,
         ..EngineConfig::default()
     };
-    let per = cfg.block_size * model.config().kv_bytes_per_token(dtype.bytes());
-    (Worker::new(model, &cfg, 512, per).unwrap(), dir)
+    let layout = KvLayout::new(model.config(), &cfg).unwrap();
+    (Worker::new(model, &cfg, 512, &layout).unwrap(), dir)
 }
 
 fn computed(core: &mut Worker, ids: &[u32]) -> SeqId {
@@ -55,7 +55,7 @@ fn shifted_layer_zero_kv_equals_a_fresh_computation() {
         .ok()
         .unwrap();
     core.runner.apply_shift(&plan).unwrap();
-    let shifted = core.read_kv(seq, ids.len() - discard).unwrap();
+    let (shifted, _) = core.read_kv(seq, ids.len() - discard).unwrap();
 
     let kept: Vec<u32> = ids[..keep]
         .iter()
@@ -63,7 +63,7 @@ fn shifted_layer_zero_kv_equals_a_fresh_computation() {
         .copied()
         .collect();
     let fresh_seq = computed(&mut core, &kept);
-    let fresh = core.read_kv(fresh_seq, kept.len()).unwrap();
+    let (fresh, _) = core.read_kv(fresh_seq, kept.len()).unwrap();
     let dk = max_abs(&shifted[0].k, &fresh[0].k);
     let dv = max_abs(&shifted[0].v, &fresh[0].v);
     assert!(
@@ -434,6 +434,7 @@ fn big_snapshot(version: u32) -> (Geometry, Vec<KvSnapshot>) {
         n_layers: 4,
         n_kv_heads: 2,
         head_dim: 64,
+        windows: Vec::new(),
     };
     let n = 4096;
     let row = 2 * 64 * 4;
@@ -448,6 +449,7 @@ fn big_snapshot(version: u32) -> (Geometry, Vec<KvSnapshot>) {
         vec![KvSnapshot {
             tokens: vec![version; n],
             layers,
+            sliding_from: n,
         }],
     )
 }
