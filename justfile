@@ -70,6 +70,14 @@ bench-engine: model
     for s in chat shared-prefix interleaved shift; do ./target/release/tessera bench --model models/SmolLM2-135M-Instruct.Q4_1.gguf --scenario $s --runs 3 --json | tee -a target/bench/engine.jsonl; done
     python3 scripts/readme_tables.py engine
 
+# Gemma 3's sliding-window layers on their own pool: an 8,192-token request on the smallest pool beside
+# full attention's memory, and a 12-turn conversation's cache hits (target/bench/swa.json, then the README).
+bench-swa: (model "gemma3")
+    cargo build --release -p tessera
+    mkdir -p target/bench
+    ./target/release/tessera bench --model models/gemma-3-270m-q4_k_m.gguf --scenario sliding-window --runs 3 --json | tee target/bench/swa.jsonl
+    python3 scripts/readme_tables.py swa
+
 # 2,000 random requests with injected faults: leaks, errors, RSS (target/bench/soak.json, then the README's soak table).
 bench-soak requests="2000": model
     cargo build --release -p tessera

@@ -40,6 +40,11 @@ pub enum Scenario {
     /// throughput, cached share of the history. Tessera's own server
     /// beside itself with reuse off, or any server at --url.
     Server,
+    /// Models with sliding-window layers (Gemma 3): an 8,192-token request
+    /// on the smallest sliding pool beside full attention's memory (KV
+    /// bytes, speed, same tokens), and a 12-turn conversation's share of
+    /// prompt tokens served from the cache on that pool.
+    SlidingWindow,
     /// A long random mix of requests (lengths, n > 1, cancellations,
     /// context shifts, sessions, defragment, shrink and grow, injected
     /// faults): errors, leaked blocks, RSS.
@@ -102,6 +107,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         Scenario::Interleaved => return crate::scenarios::interleaved(model, &args),
         Scenario::Shift => return crate::scenarios::shift(model, &args),
         Scenario::Soak => return crate::soak::soak(model, &args),
+        Scenario::SlidingWindow => return crate::sliding::sliding_window(model, &args),
         Scenario::Server => return crate::serving::server(model, &args),
         Scenario::Fidelity => return crate::fidelity::fidelity(model, &args),
         Scenario::DecodeLong | Scenario::DecodeBatch => {

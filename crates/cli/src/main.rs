@@ -11,6 +11,7 @@ mod perplexity;
 mod scenarios;
 mod serve;
 mod serving;
+mod sliding;
 mod soak;
 
 use std::io::{IsTerminal, Read, Write};
@@ -90,6 +91,12 @@ pub(crate) struct KvArgs {
     /// the default), f32, or int8 (one level: faster, less exact).
     #[arg(long, value_parser = parse_activations)]
     activations: Option<Activations>,
+    /// Models with sliding-window layers (Gemma 3): as many blocks for
+    /// those layers as for the others, so cached content never loses them
+    /// (llama.cpp's --swa-full). Off, they get a quarter as many and the
+    /// same memory holds about three times the context.
+    #[arg(long)]
+    swa_full: bool,
 }
 
 fn parse_activations(s: &str) -> Result<Activations, String> {
@@ -106,6 +113,7 @@ impl KvArgs {
             prefix_cache,
             context_length: self.ctx,
             activations: self.activations,
+            swa_full: self.swa_full,
             ..EngineConfig::default()
         }
     }
