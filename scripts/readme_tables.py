@@ -179,7 +179,7 @@ def swa():
         "",
         "| | sliding layers on their own pool | full attention (`--swa-full`) | |",
         "|---|---|---|---|",
-        f"| KV memory for a {r['prompt_tokens']:,}-token prompt + {r['new_tokens']} greedy tokens | "
+        f"| KV memory for an {r['prompt_tokens']:,}-token prompt + {r['new_tokens']} greedy tokens | "
         f"{mib(r['kv_bytes_sliding_pool']):.1f} MiB (peak held {mib(r['peak_held_sliding_pool']):.1f} MiB) | "
         f"{mib(r['kv_bytes_full_attention']):.1f} MiB (peak held {mib(r['peak_held_full_attention']):.1f} MiB) | "
         f"**{r['kv_ratio'] * 100:.1f}%**; {'the same' if r['same_tokens'] else 'different'} tokens |",
@@ -189,7 +189,8 @@ def swa():
         f"On the same small pool, a 12-turn conversation (a 600-token start, ~150 new tokens a turn, "
         f"32-token greedy replies, up to {turns[-1]['prompt_tokens']:,} tokens) gets "
         f"**{r['chat_hit_ratio'] * 100:.1f}%** of its prompt tokens from the cache from turn 2 on "
-        f"(new tokens per turn {min(new)}–{max(new)}; {r['evicted_sliding_blocks']:,} sliding blocks "
+        f"(new tokens per turn {min(new) if min(new) == max(new) else f'{min(new)}–{max(new)}'}; "
+        f"{r['evicted_sliding_blocks']:,} sliding blocks "
         f"evicted meanwhile, the tails kept); TTFT of turn 12 "
         f"{turns[-1]['ttft_ms_reuse']:,.0f} ms with reuse, {turns[-1]['ttft_ms_no_reuse']:,.0f} ms without; "
         f"{'identical' if r['chat_same_replies'] else 'different'} greedy replies.",
