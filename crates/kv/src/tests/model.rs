@@ -8,7 +8,7 @@ use super::{toks, Shadow};
 use crate::{Admission, KvCache, KvConfig, KvError, Namespace, NodeId, SeqId, TokenId};
 
 #[derive(Debug, Clone)]
-enum Op {
+pub(super) enum Op {
     /// Start a sequence: (a prefix of an existing sequence's tokens) + extra.
     Add {
         ns: u8,
@@ -66,7 +66,7 @@ fn tokens(max: usize) -> impl Strategy<Value = Vec<u32>> {
     prop::collection::vec(0u32..3, 0..max)
 }
 
-fn op() -> impl Strategy<Value = Op> {
+pub(super) fn op() -> impl Strategy<Value = Op> {
     let from = prop::option::weighted(0.7, 0usize..8);
     prop_oneof![
         4 => (0u8..2, from.clone(), 0usize..64, tokens(20), prop::bool::weighted(0.9))

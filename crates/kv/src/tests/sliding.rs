@@ -149,65 +149,22 @@ fn a_shift_keeps_the_window_and_the_kept_prefix() {
     checked(&kv, &sh);
 }
 
+/// The operations of the model-based test, and those only sliding pools
+/// have.
 #[derive(Debug, Clone)]
 enum Op {
-    Add {
-        from: Option<usize>,
-        cut: usize,
-        extra: Vec<u32>,
-        reuse: bool,
-    },
-    Append {
-        seq: usize,
-        tokens: Vec<u32>,
-        compute: bool,
-    },
-    Compute {
-        seq: usize,
-    },
-    Fork {
-        seq: usize,
-    },
-    Free {
-        seq: usize,
-    },
-    Insert {
-        seq: usize,
-        how: u8,
-    },
-    Keep {
-        seq: usize,
-        n: usize,
-    },
-    Evict {
-        n: usize,
-    },
-    Defrag,
-    Shift {
-        seq: usize,
-        keep: usize,
-        discard: usize,
-    },
-    ClearCache,
+    Base(super::model::Op),
+    Keep { seq: usize, n: usize },
+    InsertPrompt { seq: usize },
+    InsertWhole { seq: usize },
 }
 
 fn op() -> impl Strategy<Value = Op> {
-    let extra = || prop::collection::vec(0u32..4, 0..12);
     prop_oneof![
-        4 => (prop::option::of(0usize..8), 0usize..40, extra(), any::<bool>())
-            .prop_map(|(from, cut, extra, reuse)| Op::Add { from, cut, extra, reuse }),
-        5 => (0usize..8, prop::collection::vec(0u32..4, 1..20), any::<bool>())
-            .prop_map(|(seq, tokens, compute)| Op::Append { seq, tokens, compute }),
-        2 => (0usize..8).prop_map(|seq| Op::Compute { seq }),
-        1 => (0usize..8).prop_map(|seq| Op::Fork { seq }),
-        2 => (0usize..8).prop_map(|seq| Op::Free { seq }),
-        3 => (0usize..8, 0u8..3).prop_map(|(seq, how)| Op::Insert { seq, how }),
+        16 => super::model::op().prop_map(Op::Base),
         1 => (0usize..8, 0usize..10).prop_map(|(seq, n)| Op::Keep { seq, n }),
-        1 => (0usize..8).prop_map(|n| Op::Evict { n }),
-        1 => Just(Op::Defrag),
-        1 => (0usize..8, 0usize..12, 0usize..40)
-            .prop_map(|(seq, keep, discard)| Op::Shift { seq, keep, discard }),
-        1 => Just(Op::ClearCache),
+        1 => (0usize..8).prop_map(|seq| Op::InsertPrompt { seq }),
+        1 => (0usize..8).prop_map(|seq| Op::InsertWhole { seq }),
     ]
 }
 
@@ -220,33 +177,87 @@ struct World {
 
 impl World {
     fn apply(&mut self, op: &Op) -> Result<(), TestCaseError> {
+        use super::model::Op as B;
         let kv = &mut self.kv;
         let n = self.seqs.len();
         let pick = |i: usize| (n > 0).then(|| i % n);
+        let insert = |kv: &mut KvCache, id: SeqId, how: u8| -> Result<(), TestCaseError> {
+            let r = match how {
+                0 => kv.insert_sequence(id),
+                1 => kv.insert_prompt(id),
+                _ => kv.insert_whole_blocks(id),
+            };
+            match r {
+                Ok(_) | Err(KvError::PendingTokens { .. }) => Ok(()),
+                Err(e) => Err(TestCaseError::fail(e.to_string())),
+            }
+        };
+        let op = match op {
+            Op::Base(op) => op,
+            Op::Keep { seq, n } => {
+                if let Some(i) = pick(*seq) {
+                    kv.keep_front(self.seqs[i].0, *n).unwrap();
+                }
+                return Ok(());
+            }
+            Op::InsertPrompt { seq } | Op::InsertWhole { seq } => {
+                let how = if matches!(op, Op::InsertPrompt { .. }) {
+                    1
+                } else {
+                    2
+                };
+                return match pick(*seq) {
+                    Some(i) => insert(kv, self.seqs[i].0, how),
+                    None => Ok(()),
+                };
+            }
+        };
+        // A query: a prefix of a sequence's tokens (or none) and more.
+        let query = |from: &Option<usize>, cut: usize, extra: &[u32]| -> Vec<TokenId> {
+            let mut q: Vec<TokenId> = match from.and_then(pick) {
+                Some(i) => {
+                    let t = &self.seqs[i].1;
+                    t[..cut.min(t.len())].to_vec()
+                }
+                None => Vec::new(),
+            };
+            q.extend(toks(extra));
+            q
+        };
         match op {
-            Op::Add {
+            B::Add {
+                ns,
                 from,
                 cut,
                 extra,
                 reuse,
             } => {
-                let mut q: Vec<TokenId> = match from.and_then(pick) {
-                    Some(i) => {
-                        let t = &self.seqs[i].1;
-                        t[..(*cut).min(t.len())].to_vec()
-                    }
-                    None => Vec::new(),
-                };
-                q.extend(toks(extra));
+                let ns = crate::Namespace(*ns as u64);
+                let q = query(from, *cut, extra);
                 let reusable = if *reuse { &q[..] } else { &[][..] };
-                let want = kv.cached_prefix_len(NS, reusable);
-                let global = kv.tree().peek_prefix(NS, reusable).len;
-                let (id, got) = kv.add_sequence(NS, reusable);
+                let want = kv.cached_prefix_len(ns, reusable);
+                let global = kv.tree().peek_prefix(ns, reusable).len;
+                let (id, got) = kv.add_sequence(ns, reusable);
                 prop_assert_eq!(got, want);
                 prop_assert!(got <= global);
                 self.seqs.push((id, q[..got].to_vec()));
             }
-            Op::Append {
+            B::Match {
+                ns,
+                from,
+                cut,
+                extra,
+                touch,
+            } => {
+                let ns = crate::Namespace(*ns as u64);
+                let q = query(from, *cut, extra);
+                let want = kv.cached_prefix_len(ns, &q);
+                prop_assert!(want <= kv.tree().peek_prefix(ns, &q).len);
+                if *touch {
+                    prop_assert_eq!(kv.match_prefix(ns, &q).len, want);
+                }
+            }
+            B::Append {
                 seq,
                 tokens,
                 compute,
@@ -268,12 +279,12 @@ impl World {
                     Admission::Never { needed, total } => prop_assert!(needed > total),
                 }
             }
-            Op::Compute { seq } => {
+            B::Compute { seq } => {
                 if let Some(i) = pick(*seq) {
                     self.sh.compute(kv, self.seqs[i].0);
                 }
             }
-            Op::Fork { seq } => {
+            B::Fork { seq } => {
                 if let Some(i) = pick(*seq) {
                     if let Ok(id) = kv.fork(self.seqs[i].0) {
                         let t = self.seqs[i].1.clone();
@@ -281,34 +292,23 @@ impl World {
                     }
                 }
             }
-            Op::Free { seq } => {
+            B::Free { seq } => {
                 if let Some(i) = pick(*seq) {
                     kv.free_sequence(self.seqs.swap_remove(i).0).unwrap();
                 }
             }
-            Op::Insert { seq, how } => {
+            B::Insert { seq } => {
                 if let Some(i) = pick(*seq) {
-                    let id = self.seqs[i].0;
-                    let r = match how {
-                        0 => kv.insert_sequence(id),
-                        1 => kv.insert_prompt(id),
-                        _ => kv.insert_whole_blocks(id),
-                    };
-                    match r {
-                        Ok(_) | Err(KvError::PendingTokens { .. }) => {}
-                        Err(e) => return Err(TestCaseError::fail(e.to_string())),
-                    }
+                    insert(kv, self.seqs[i].0, 0)?;
                 }
             }
-            Op::Keep { seq, n } => {
-                if let Some(i) = pick(*seq) {
-                    kv.keep_front(self.seqs[i].0, *n).unwrap();
-                }
-            }
-            Op::Evict { n } => {
+            // External locks are the model-based test's; here they add
+            // nothing the sequences' own locks do not.
+            B::Lock { .. } | B::Unlock { .. } => {}
+            B::Evict { n } => {
                 kv.evict(*n).unwrap();
             }
-            Op::Defrag => {
+            B::Defrag => {
                 let plan = kv.plan_defrag();
                 self.sh.defrag(&plan);
                 prop_assert_eq!(
@@ -316,7 +316,7 @@ impl World {
                     kv.pool().num_sliding_blocks() - kv.pool().num_free_sliding()
                 );
             }
-            Op::Shift { seq, keep, discard } => {
+            B::Shift { seq, keep, discard } => {
                 let Some(i) = pick(*seq) else {
                     return Ok(());
                 };
@@ -338,7 +338,7 @@ impl World {
                     Err(e) => return Err(TestCaseError::fail(e.to_string())),
                 }
             }
-            Op::ClearCache => {
+            B::ClearCache => {
                 kv.clear_cache().unwrap();
             }
         }
