@@ -97,8 +97,9 @@ def main():
         f"The same model in the formats llama.cpp repacks for its fastest kernels ({meta['variants']}):",
         variants, True)
     out += table(
-        "Gemma 3 270M Q4_K_M (`just model gemma3`: sliding-window layers, K-quants; "
-        "its sliding layers keep every block for now, as llama.cpp's `--swa-full`):",
+        "Gemma 3 270M Q4_K_M (`just model gemma3`: sliding-window layers, K-quants; Tessera's "
+        "sliding layers on their own pool, a quarter of the blocks; llama.cpp's library default, "
+        "`swa_full`):",
         gemma, False)
     out += ["", "Agreement of the two engines (greedy tokens of the timed runs; the completions "
             "diverge at near-ties, where llama.cpp's 8-bit activations tip the balance):", ""]

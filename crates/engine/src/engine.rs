@@ -237,7 +237,10 @@ impl Engine {
 
     /// Resizes the pool to `bytes` (whole blocks). Shrinking evicts cached
     /// blocks as needed, defragments, and gives the memory back; it fails,
-    /// changing nothing, when running requests hold more than fits.
+    /// changing nothing, when running requests hold more than fits. With
+    /// sliding-window layers on a pool of their own, `bytes` is the other
+    /// layers' pool ([`block_bytes`](Self::block_bytes) a block); the
+    /// sliding pool keeps its size.
     pub fn resize_kv(&self, bytes: usize) -> Result<usize> {
         self.call(|tx| Command::Resize(bytes / self.inner.per_block, tx))?
     }
