@@ -106,7 +106,7 @@ impl Metrics {
         let kv = &s.kv;
         let usage = kv.used_blocks as f64 / kv.num_blocks.max(1) as f64;
         let (gauge, counter) = ("gauge", "counter");
-        let lines: [(&str, &str, &str, String); 8] = [
+        let lines: [(&str, &str, &str, String); 10] = [
             (
                 "num_requests_running",
                 gauge,
@@ -155,6 +155,18 @@ impl Metrics {
                 "Generated tokens of all requests.",
                 s.completion_tokens.to_string(),
             ),
+            (
+                "kv_cache_bytes_held",
+                gauge,
+                "Bytes of KV blocks held by sequences or the prefix cache (both pools).",
+                s.kv_bytes_held.to_string(),
+            ),
+            (
+                "sliding_window_evictions_total",
+                counter,
+                "Sliding-window blocks taken from cached content under pressure.",
+                kv.evicted_sliding_blocks.to_string(),
+            ),
         ];
         for (name, kind, help, v) in lines {
             let _ = writeln!(
@@ -165,8 +177,8 @@ impl Metrics {
         let _ = writeln!(
             out,
             "# HELP {p}:cache_config_info The KV cache's geometry.\n# TYPE {p}:cache_config_info gauge\n\
-             {p}:cache_config_info{{block_size=\"{}\",num_blocks=\"{}\"}} 1",
-            kv.block_size, kv.num_blocks
+             {p}:cache_config_info{{block_size=\"{}\",num_blocks=\"{}\",sliding_blocks=\"{}\"}} 1",
+            kv.block_size, kv.num_blocks, kv.sliding_blocks
         );
         let h = self.hist.lock().unwrap_or_else(|e| e.into_inner());
         h[TTFT].write(

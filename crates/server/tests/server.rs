@@ -284,10 +284,13 @@ fn chat_and_completions_match_the_engine_streamed_or_not() {
     assert!(m["tessera:inter_token_latency_seconds_count"] > 0.0);
     let kv = s.engine.kv_stats();
     let info = format!(
-        "tessera:cache_config_info{{block_size=\"{}\",num_blocks=\"{}\"}}",
+        "tessera:cache_config_info{{block_size=\"{}\",num_blocks=\"{}\",sliding_blocks=\"0\"}}",
         kv.block_size, kv.num_blocks
     );
     assert_eq!(m[&info], 1.0);
+    // The finished requests' tokens stay cached: their blocks are held.
+    assert!(m["tessera:kv_cache_bytes_held"] > 0.0);
+    assert_eq!(m["tessera:sliding_window_evictions_total"], 0.0);
 }
 
 /// `/metrics` as name (with labels) → value.
