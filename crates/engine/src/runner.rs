@@ -47,6 +47,17 @@ pub(crate) struct Rows {
     pub sliding: Vec<u32>,
 }
 
+impl Rows {
+    /// The slots of the layers of one pool.
+    fn of(&self, sliding: bool) -> &[u32] {
+        if sliding {
+            &self.sliding
+        } else {
+            &self.slots
+        }
+    }
+}
+
 pub(crate) struct Runner {
     model: Arc<Model>,
     cache: Vec<LayerKv>,
@@ -218,10 +229,10 @@ impl Runner {
     /// their own slots when they have a pool).
     pub(crate) fn read_rows(&self, rows: &Rows) -> Result<Vec<LayerBytes>> {
         let dev = self.model.llama.device();
-        let (global, sliding) = (
-            Tensor::new(rows.slots.as_slice(), dev)?,
-            Tensor::new(rows.sliding.as_slice(), dev)?,
-        );
+        let idx = [
+            Tensor::new(rows.of(false), dev)?,
+            Tensor::new(rows.of(true), dev)?,
+        ];
         let read = |t: &Tensor, idx: &Tensor| -> Result<Vec<u8>> {
             let (nb, bs, h, d) = t.dims4()?;
             let picked = t.reshape((nb * bs, h, d))?.index_select(idx, 0)?;
@@ -231,11 +242,7 @@ impl Runner {
             .iter()
             .enumerate()
             .map(|(l, layer)| {
-                let idx = if self.in_sliding[l] {
-                    &sliding
-                } else {
-                    &global
-                };
+                let idx = &idx[usize::from(self.in_sliding[l])];
                 Ok(LayerBytes {
                     k: read(&layer.k, idx)?,
                     v: read(&layer.v, idx)?,
@@ -300,10 +307,11 @@ impl Runner {
         let dev = self.model.llama.device();
         let c = self.model.config();
         for (l, (layer, bytes)) in self.cache.iter().zip(layers).enumerate() {
-            let (slots, skip) = if self.in_sliding[l] {
-                (&rows.sliding, sliding_skip)
+            let slots = rows.of(self.in_sliding[l]);
+            let skip = if self.in_sliding[l] {
+                sliding_skip
             } else {
-                (&rows.slots, skip)
+                skip
             };
             if slots.is_empty() {
                 continue;
@@ -321,11 +329,7 @@ impl Runner {
     pub(crate) fn poison(&self, rows: &Rows) -> Result<()> {
         let c = self.model.config();
         for (l, layer) in self.cache.iter().enumerate() {
-            let slots = if self.in_sliding[l] {
-                &rows.sliding
-            } else {
-                &rows.slots
-            };
+            let slots = rows.of(self.in_sliding[l]);
             if slots.is_empty() {
                 continue;
             }

@@ -277,15 +277,10 @@ impl Worker {
     fn check_or_reset(&mut self) {
         if let Err(e) = self.sched.kv().check_invariants() {
             error!("KV bookkeeping broken ({e}): the prefix cache starts over");
-            let old = self.sched.kv();
-            let sliding = old.window().map(|window| SlidingConfig {
-                window,
-                num_blocks: old.pool().num_sliding_blocks(),
-            });
+            // The layout's pools, the global one at its current size.
             let kv = KvCache::new(KvConfig {
-                num_blocks: old.pool().num_blocks(),
-                block_size: old.block_size(),
-                sliding,
+                num_blocks: self.sched.kv().pool().num_blocks(),
+                ..self.layout.kv_config(self.cfg.block_size)
             })
             .expect("the same configuration was valid");
             self.sched = Scheduler::new(kv, self.sched.config().clone());
@@ -825,7 +820,7 @@ impl Worker {
         let slots: Vec<u32> = (0..n)
             .map(|p| kv.slot(seq, p).map(|s| s.0))
             .collect::<std::result::Result<_, _>>()?;
-        let from = kv.window().map_or(n, |w| (n + 1).saturating_sub(w));
+        let from = kv.window_start(n).unwrap_or(n);
         let mut sliding = Vec::new();
         if kv.window().is_some() {
             for p in from..n {

@@ -272,9 +272,10 @@ impl KvCache {
     /// The longest `n <= len` such that the blocks of the window before
     /// position `n` all have their sliding blocks.
     fn resumable(&self, blocks: &[BlockId], len: usize) -> usize {
-        let (Some(w), bs) = (self.window(), self.block_size()) else {
+        if self.window().is_none() {
             return len;
-        };
+        }
+        let bs = self.block_size();
         let mut n = len;
         loop {
             if n == 0 {
@@ -282,7 +283,7 @@ impl KvCache {
             }
             // The window before `n`, and at least the block of `n - 1`: a
             // partly matched block is copied with its sliding block.
-            let lo = (n + 1).saturating_sub(w).min(n - 1);
+            let lo = self.window_start(n).unwrap_or(0).min(n - 1);
             match (lo / bs..=(n - 1) / bs).rev().find(|&j| {
                 !self
                     .pool
@@ -294,11 +295,16 @@ impl KvCache {
         }
     }
 
+    /// The first position a query at `pos` reads in the sliding-window
+    /// layers, `None` without them.
+    pub fn window_start(&self, pos: usize) -> Option<usize> {
+        self.window().map(|w| (pos + 1).saturating_sub(w))
+    }
+
     /// The first block index that a sequence with `computed` tokens still
     /// reads in its sliding-window layers (0 without them).
     fn window_first_block(&self, computed: usize) -> usize {
-        self.window()
-            .map_or(0, |w| (computed + 1).saturating_sub(w) / self.block_size())
+        self.window_start(computed).unwrap_or(0) / self.block_size()
     }
 
     /// Where the sliding-window K/V that a sequence of `len` computed tokens
@@ -458,8 +464,8 @@ impl KvCache {
         let new_len = len + tokens.len();
         let need_total = new_len.div_ceil(bs);
         // Sliding blocks from the first one the new tokens read or write.
-        let sliding = self.window().map(|w| {
-            let lo = (len + 1).saturating_sub(w).max(sliding_from.min(new_len)) / bs;
+        let sliding = self.window_start(len).map(|lo| {
+            let lo = lo.max(sliding_from.min(new_len)) / bs;
             lo..need_total
         });
         // The positions a shift keeps hold theirs too.
@@ -487,15 +493,7 @@ impl KvCache {
             .count()
         });
         if !self.make_room(needed, needed_s)? {
-            let short_global = self.pool.num_free() < needed;
-            return Ok(Admission::Later {
-                needed: if short_global { needed } else { needed_s },
-                free: if short_global {
-                    self.pool.num_free()
-                } else {
-                    self.pool.num_free_sliding()
-                },
-            });
+            return Ok(self.later(needed, needed_s));
         }
         // Eviction may have dropped the tail's other holders.
         let cow = shared_tail(&self.pool);
@@ -832,7 +830,7 @@ impl KvCache {
             0..0
         };
         // Sliding layers: the positions the next query reads.
-        let window = self.window().map(|w| (new_len + 1).saturating_sub(w));
+        let window = self.window_start(new_len);
         if let Some(lo) = window.filter(|&lo| lo < n_keep) {
             let missing = (lo..n_keep)
                 .find(|&p| !self.pool.sliding_holds(s.table[p / bs], p % bs) || s.in_gap(p));
@@ -846,10 +844,12 @@ impl KvCache {
         }
         let shared = |cache: &KvCache, j: usize| cache.pool.ref_count(s.table[j]) > 1;
         let needed = written.clone().filter(|&j| shared(self, j)).count();
-        let needed_s = window.map_or(0, |lo| {
+        // Whether block `j` holds a position the new window reads.
+        let in_window = |j: usize| window.is_some_and(|lo| (j + 1) * bs > lo);
+        let needed_s = window.map_or(0, |_| {
             written
                 .clone()
-                .filter(|&j| (j + 1) * bs > lo)
+                .filter(|&j| in_window(j))
                 .filter(|&j| shared(self, j) || self.pool.sliding_of(s.table[j]).is_none())
                 .count()
         });
@@ -858,15 +858,7 @@ impl KvCache {
             s.table[(lo / bs).min(new_blocks)..new_blocks].to_vec()
         });
         if !self.make_room_keeping(needed, needed_s, &kept)? {
-            let short_global = self.pool.num_free() < needed;
-            return Ok(Admission::Later {
-                needed: if short_global { needed } else { needed_s },
-                free: if short_global {
-                    self.pool.num_free()
-                } else {
-                    self.pool.num_free_sliding()
-                },
-            });
+            return Ok(self.later(needed, needed_s));
         }
         let s = self.seqs.get_mut(&seq).expect("checked above");
         let old_table = s.table.clone();
@@ -885,8 +877,7 @@ impl KvCache {
                 let fresh = self.pool.allocate().expect("room was made");
                 s.table[j] = fresh;
                 released.push(old);
-                let in_window = window.is_some_and(|lo| (j + 1) * bs > lo);
-                if in_window {
+                if in_window(j) {
                     let sd = self.pool.attach(fresh).expect("room was made");
                     if partial_keep == Some(j) {
                         match old_sliding[j] {
@@ -901,9 +892,7 @@ impl KvCache {
                         dst: fresh,
                     });
                 }
-            } else if window.is_some_and(|lo| (j + 1) * bs > lo)
-                && self.pool.sliding_of(old).is_none()
-            {
+            } else if in_window(j) && self.pool.sliding_of(old).is_none() {
                 self.pool.attach(old).expect("room was made");
                 if partial_keep == Some(j) {
                     unwritten = Some(j * bs);
@@ -1024,31 +1013,25 @@ impl KvCache {
             if let Some(node) = s.lock {
                 *locks.entry(node).or_default() += 1;
             }
-            // Blocks the next queries read, and those of pending tokens.
-            let reads = self.window().map_or(0..0, |w| {
-                let lo = (s.computed + 1).saturating_sub(w);
-                lo / bs
-                    ..s.table
-                        .len()
-                        .min(if lo < s.tokens.len() { usize::MAX } else { 0 })
-            });
-            if let Some(w) = self.window() {
-                let lo = (s.computed + 1).saturating_sub(w);
+            if let Some(lo) = self.window_start(s.computed) {
                 if let Some(p) = (lo..s.computed).find(|&p| s.in_gap(p)) {
                     return bad(format!("{id:?} reads its stale position {p}"));
                 }
-            }
-            let lo = self
-                .window()
-                .map_or(0, |w| (s.computed + 1).saturating_sub(w));
-            if let Some(j) = reads.clone().find(|&j| {
-                !self
-                    .pool
-                    .sliding_holds(s.table[j], lo.saturating_sub(j * bs))
-            }) {
-                return bad(format!(
-                    "{id:?} reads block {j} in its sliding window but it has no sliding block"
-                ));
+                // Blocks the next queries read, and those of pending tokens.
+                let reads = if lo < s.tokens.len() {
+                    lo / bs..s.table.len()
+                } else {
+                    0..0
+                };
+                if let Some(j) = reads.clone().find(|&j| {
+                    !self
+                        .pool
+                        .sliding_holds(s.table[j], lo.saturating_sub(j * bs))
+                }) {
+                    return bad(format!(
+                        "{id:?} reads block {j} in its sliding window but it has no sliding block"
+                    ));
+                }
             }
         }
         self.tree.check_invariants(n)?;
@@ -1098,28 +1081,46 @@ impl KvCache {
         if free < needed {
             self.evict(needed - free)?;
         }
-        let free_s = self.pool.num_free_sliding();
-        if free_s < needed_s {
-            self.evict_sliding(needed_s - free_s, protect, true);
-        }
-        // What is left is read by sequences or is a tail: only whole
-        // cached leaves can give it back.
+        // Sliding blocks of nothing read and no tail go first; what is left
+        // is read by sequences or is a tail: only whole cached leaves can
+        // give it back (a shorter leaf pins another tail).
+        let spare_tails = true;
+        self.evict_sliding_short(needed_s, protect, spare_tails);
         while self.pool.num_free_sliding() < needed_s {
             if self.evict(1)?.is_empty() && self.tree.num_evictable_leaves() == 0 {
                 break;
             }
-            // A shorter leaf pins another tail.
-            let free_s = self.pool.num_free_sliding();
-            if free_s < needed_s {
-                self.evict_sliding(needed_s - free_s, protect, true);
-            }
+            self.evict_sliding_short(needed_s, protect, spare_tails);
         }
         // Locked paths' tails last: running sequences come first.
+        self.evict_sliding_short(needed_s, protect, !spare_tails);
+        Ok(self.pool.num_free() >= needed && self.pool.num_free_sliding() >= needed_s)
+    }
+
+    /// [`evict_sliding`](Self::evict_sliding) of what `needed_s` free
+    /// sliding blocks still lack.
+    fn evict_sliding_short(&mut self, needed_s: usize, protect: &[BlockId], spare_tails: bool) {
         let free_s = self.pool.num_free_sliding();
         if free_s < needed_s {
-            self.evict_sliding(needed_s - free_s, protect, false);
+            self.evict_sliding(needed_s - free_s, protect, spare_tails);
         }
-        Ok(self.pool.num_free() >= needed && self.pool.num_free_sliding() >= needed_s)
+    }
+
+    /// `Later` for an append or shift that needed `needed` blocks and
+    /// `needed_s` sliding blocks after evicting: the numbers of the pool
+    /// that was short.
+    fn later<T>(&self, needed: usize, needed_s: usize) -> Admission<T> {
+        if self.pool.num_free() < needed {
+            Admission::Later {
+                needed,
+                free: self.pool.num_free(),
+            }
+        } else {
+            Admission::Later {
+                needed: needed_s,
+                free: self.pool.num_free_sliding(),
+            }
+        }
     }
 }
 

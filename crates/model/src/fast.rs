@@ -678,12 +678,9 @@ impl Llama {
             return Err(bad("cache geometry does not match the model".into()));
         }
         // Sliding-window layers may have a pool of their own.
-        let windows: Vec<usize> = (0..cache.len())
-            .map(|l| cfg.layer_window(l).unwrap_or(0))
-            .collect();
         let mut pools = [usize::MAX; 2];
-        for (l, c) in cache.iter().enumerate() {
-            let own = usize::from(windows[l] > 0 && batch.sliding.is_some());
+        for (lc, c) in fast.layers.iter().zip(cache) {
+            let own = usize::from(fast.windows[lc.wset] > 0 && batch.sliding.is_some());
             pools[own] = pools[own].min(c.k.dims4()?.0);
         }
         // (No layer of the global pool: its indices go unused.)
@@ -692,7 +689,7 @@ impl Llama {
             .map_or((usize::MAX, usize::MAX), |s| (s, pools[0]));
         check_batch(batch, global.0, global.1)?;
         if pools[1] != usize::MAX {
-            let widest = windows.iter().copied().max().unwrap_or(0);
+            let widest = fast.windows.iter().copied().max().unwrap_or(0);
             check_sliding(batch, pools[1], widest)?;
         }
         if let Some(&tok) = batch.tokens.iter().find(|&&x| x as usize >= vocab) {
