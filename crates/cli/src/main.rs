@@ -195,7 +195,8 @@ pub(crate) fn parse_size(s: &str) -> std::result::Result<usize, String> {
 }
 
 fn parse_cache_dtype(s: &str) -> std::result::Result<CacheDType, String> {
-    CacheDType::parse(s).ok_or_else(|| format!("{s:?} is not a cache dtype (f16, bf16, f32)"))
+    CacheDType::parse(s)
+        .ok_or_else(|| format!("{s:?} is not a cache dtype (f16, bf16, f32, q8_0, q4_0)"))
 }
 
 /// Loads a model, with a progress bar when stderr is a terminal.
@@ -415,8 +416,18 @@ fn inspect(args: ModelArg) -> Result<()> {
     }
     println!("context length: {}", c.context_length);
     println!("quantization:   {}", storage.join(", "));
-    for (name, bytes) in [("f32", 4), ("f16", 2), ("bf16", 2)] {
-        println!("KV bytes/token: {:>6} B with a {name} cache (2 · {} layers · {} kv_heads · {} head_dim · {bytes} B)", c.kv_bytes_per_token(bytes), c.n_layers, c.n_kv_heads, c.head_dim);
+    for t in CacheDType::ALL {
+        if t.is_quantized() && !c.head_dim.is_multiple_of(32) {
+            continue;
+        }
+        println!(
+            "KV bytes/token: {:>6} B with a {t} cache (2 · {} layers · {} kv_heads · {} B per head of {} values)",
+            c.kv_bytes_per_token(t),
+            c.n_layers,
+            c.n_kv_heads,
+            t.bytes_for(c.head_dim),
+            c.head_dim
+        );
     }
     Ok(())
 }

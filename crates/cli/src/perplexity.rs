@@ -233,7 +233,7 @@ pub(crate) fn perplexity(args: PerplexityArgs) -> Result<()> {
         n_chunks = n_chunks.min(n.max(1));
     }
     let name = model.path.display().to_string();
-    let per_token = model.config().kv_bytes_per_token(args.cache_dtype.bytes());
+    let per_token = model.config().kv_bytes_per_token(args.cache_dtype);
     let engine = Engine::from_model(
         model,
         EngineConfig {
@@ -361,7 +361,7 @@ pub(crate) fn perplexity(args: PerplexityArgs) -> Result<()> {
                 "seconds": secs,
                 "tok_s": tok_s,
                 "activations": engine.model().llama.activations().name(),
-                "cache_dtype": format!("{:?}", args.cache_dtype).to_lowercase(),
+                "cache_dtype": args.cache_dtype.name(),
                 "kl_divergence": kl_json,
             })
         );

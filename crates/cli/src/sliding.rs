@@ -83,7 +83,7 @@ pub fn sliding_window(model: Model, args: &BenchArgs) -> Result<()> {
     let runs = args.runs.max(1);
     let prompt = tokens(&model, 0, PROMPT)?;
     let bs = args.kv.config(true).block_size;
-    let row = mc.kv_bytes_per_token(args.kv.config(true).cache_dtype.bytes()) / mc.n_layers;
+    let row = mc.kv_bytes_per_token(args.kv.config(true).cache_dtype) / mc.n_layers;
     let n_sliding = mc.num_sliding_layers();
     let blocks = (PROMPT + NEW).div_ceil(bs) + 1;
     let chunk = EngineConfig::default().prefill_chunk;

@@ -15,7 +15,7 @@
 use std::sync::Arc;
 
 use candle_core::{DType, Tensor};
-use tessera_kernels::{copy_blocks, shift_kv, write_kv, Rotation};
+use tessera_kernels::{copy_blocks, dequantize_cache, shift_kv, write_kv, KvType, Rotation};
 use tessera_kv::{CopyOp, ShiftPlan, TokenId};
 use tessera_model::{Batch, LayerKv, Model, SlidingBatch, NO_BLOCK};
 
@@ -73,7 +73,7 @@ impl Runner {
         num_blocks: usize,
         sliding_blocks: Option<usize>,
         block_size: usize,
-        dtype: DType,
+        dtype: KvType,
     ) -> Result<Runner> {
         let cache = model
             .llama
@@ -106,14 +106,17 @@ impl Runner {
         &self.model
     }
 
-    fn dtype(&self) -> DType {
-        self.cache.first().map_or(DType::F32, |l| l.k.dtype())
+    fn dtype(&self) -> KvType {
+        self.cache
+            .first()
+            .and_then(|l| KvType::of(&l.k).ok())
+            .unwrap_or(KvType::F32)
     }
 
     /// Bytes of one token's K (or V) in one layer.
     pub(crate) fn row_bytes(&self) -> usize {
         let c = self.model.config();
-        c.n_kv_heads * c.head_dim * self.dtype().size_in_bytes()
+        c.n_kv_heads * self.dtype().bytes_for(c.head_dim)
     }
 
     /// Block copies in the global pool (every layer without a pool of its
@@ -234,8 +237,10 @@ impl Runner {
             Tensor::new(rows.of(true), dev)?,
         ];
         let read = |t: &Tensor, idx: &Tensor| -> Result<Vec<u8>> {
-            let (nb, bs, h, d) = t.dims4()?;
-            let picked = t.reshape((nb * bs, h, d))?.index_select(idx, 0)?;
+            let slots = t.dim(0)? * t.dim(1)?;
+            let picked = t
+                .reshape((slots, t.elem_count() / slots.max(1)))?
+                .index_select(idx, 0)?;
             tensor_bytes(&picked)
         };
         self.cache
@@ -317,8 +322,20 @@ impl Runner {
                 continue;
             }
             let shape = [slots.len(), c.n_kv_heads, c.head_dim];
-            let from =
-                |b: &[u8]| Tensor::from_raw_buffer(&b[skip * row..], self.dtype(), &shape, dev);
+            let t = self.dtype();
+            // Quantized rows go through f32: whole blocks quantize back to
+            // the same bytes.
+            let from = |b: &[u8]| -> Result<Tensor> {
+                let b = &b[skip * row..];
+                if t.is_quantized() {
+                    let rows = t.shape(slots.len(), 1, c.n_kv_heads, c.head_dim)?;
+                    let q = Tensor::from_raw_buffer(b, DType::U8, rows.dims(), dev)?;
+                    let f = dequantize_cache(&q)?;
+                    Ok(f.reshape((slots.len(), c.n_kv_heads, c.head_dim))?)
+                } else {
+                    Ok(Tensor::from_raw_buffer(b, t.storage_dtype(), &shape, dev)?)
+                }
+            };
             write_kv(&layer.k, &from(&bytes.k)?, slots)?;
             write_kv(&layer.v, &from(&bytes.v)?, slots)?;
         }
@@ -337,8 +354,7 @@ impl Runner {
                 f32::NAN,
                 (slots.len(), c.n_kv_heads, c.head_dim),
                 self.model.llama.device(),
-            )?
-            .to_dtype(self.dtype())?;
+            )?;
             write_kv(&layer.k, &nan, slots)?;
             write_kv(&layer.v, &nan, slots)?;
         }
@@ -353,13 +369,14 @@ impl Runner {
             if self.in_sliding[l] {
                 continue;
             }
-            let (now, bs, h, d) = layer.k.dims4()?;
+            let now = layer.k.dim(0)?;
             if blocks < now {
                 layer.k = layer.k.narrow(0, 0, blocks)?.copy()?;
                 layer.v = layer.v.narrow(0, 0, blocks)?.copy()?;
             } else if blocks > now {
-                let extra =
-                    Tensor::zeros((blocks - now, bs, h, d), layer.k.dtype(), layer.k.device())?;
+                let mut dims = layer.k.dims().to_vec();
+                dims[0] = blocks - now;
+                let extra = Tensor::zeros(dims, layer.k.dtype(), layer.k.device())?;
                 layer.k = Tensor::cat(&[&layer.k, &extra], 0)?;
                 layer.v = Tensor::cat(&[&layer.v, &extra], 0)?;
             }
@@ -387,6 +404,7 @@ fn tensor_bytes(t: &Tensor) -> Result<Vec<u8>> {
             .iter()
             .flat_map(|x| x.to_le_bytes())
             .collect(),
+        DType::U8 => flat.to_vec1::<u8>()?,
         other => {
             return Err(EngineError::Invalid(format!(
                 "K/V of dtype {other:?} cannot be saved"

@@ -80,7 +80,7 @@ impl Geometry {
                 .map_or_else(String::new, |n| n.to_string_lossy().into_owned()),
             fingerprint: model.fingerprint,
             arch: format!("{:?}", c.arch).to_lowercase(),
-            cache_dtype: format!("{:?}", dtype).to_lowercase(),
+            cache_dtype: dtype.name().to_string(),
             n_layers: c.n_layers,
             n_kv_heads: c.n_kv_heads,
             head_dim: c.head_dim,
@@ -103,9 +103,10 @@ impl Geometry {
     /// build does not know.
     fn row_bytes(&self) -> Option<usize> {
         let dtype = CacheDType::parse(&self.cache_dtype)?;
-        self.n_kv_heads
-            .checked_mul(self.head_dim)?
-            .checked_mul(dtype.bytes())
+        if dtype.is_quantized() && !self.head_dim.is_multiple_of(32) {
+            return None;
+        }
+        self.n_kv_heads.checked_mul(dtype.bytes_for(self.head_dim))
     }
 
     /// Equal in everything that decides whether the K/V fits.

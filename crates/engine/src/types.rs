@@ -4,42 +4,14 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use candle_core::DType;
 use tessera_kv::KvStats;
 use tessera_model::{Activations, Message};
 
 use crate::sampler::{SamplingParams, TokenLogprob};
 
-/// Element type of the K/V cache.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CacheDType {
-    F32,
-    F16,
-    BF16,
-}
-
-impl CacheDType {
-    pub fn dtype(self) -> DType {
-        match self {
-            CacheDType::F32 => DType::F32,
-            CacheDType::F16 => DType::F16,
-            CacheDType::BF16 => DType::BF16,
-        }
-    }
-
-    pub fn bytes(self) -> usize {
-        self.dtype().size_in_bytes()
-    }
-
-    pub fn parse(s: &str) -> Option<CacheDType> {
-        match s {
-            "f32" => Some(CacheDType::F32),
-            "f16" => Some(CacheDType::F16),
-            "bf16" => Some(CacheDType::BF16),
-            _ => None,
-        }
-    }
-}
+/// Element type of the K/V cache: `f16` (the default), `bf16`, `f32`, or
+/// GGML's block-quantized `q8_0` and `q4_0` (see `tessera_kernels::quant`).
+pub use tessera_kernels::KvType as CacheDType;
 
 /// How the engine is set up.
 #[derive(Debug, Clone)]

@@ -144,7 +144,13 @@ pub(crate) struct KvLayout {
 impl KvLayout {
     pub(crate) fn new(mc: &tessera_model::ModelConfig, cfg: &EngineConfig) -> Result<KvLayout> {
         let bs = cfg.block_size.max(1);
-        let per_layer = bs * mc.kv_bytes_per_token(cfg.cache_dtype.bytes()) / mc.n_layers.max(1);
+        if cfg.cache_dtype.is_quantized() && !mc.head_dim.is_multiple_of(32) {
+            return Err(EngineError::Invalid(format!(
+                "a {} KV cache quantizes each head's row in blocks of 32 values; this model's head_dim is {} (use --cache-dtype f16, bf16 or f32)",
+                cfg.cache_dtype, mc.head_dim
+            )));
+        }
+        let per_layer = bs * mc.kv_bytes_per_token(cfg.cache_dtype) / mc.n_layers.max(1);
         let budget = cfg.kv_memory;
         let too_small = |per_block: usize| EngineError::KvBudgetTooSmall {
             bytes: budget,
@@ -216,7 +222,7 @@ impl Worker {
             layout.num_blocks,
             layout.sliding.map(|s| s.num_blocks),
             cfg.block_size,
-            cfg.cache_dtype.dtype(),
+            cfg.cache_dtype,
         )?;
         let sched = Scheduler::new(
             kv,

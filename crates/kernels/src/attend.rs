@@ -36,6 +36,7 @@ use crate::attention::{exp_nonpositive, window_start};
 use crate::lanes::x86;
 use crate::lanes::{reduce16, Lanes, Portable};
 use crate::matvec::{f16_to_f32, Isa};
+use crate::quant::{BlockQ4_0, BlockQ8_0, QK};
 
 /// Positions per chunk of context.
 pub const CHUNK: usize = 128;
@@ -48,6 +49,9 @@ pub enum KvRows<'a> {
     F32(&'a [f32]),
     F16(&'a [u16]),
     Bf16(&'a [u16]),
+    /// Quantized blocks of 32 values (offsets below are still in values).
+    Q8_0(&'a [BlockQ8_0]),
+    Q4_0(&'a [BlockQ4_0]),
 }
 
 impl KvRows<'_> {
@@ -57,6 +61,8 @@ impl KvRows<'_> {
         let (p, bytes) = match self {
             KvRows::F32(v) => (v.as_ptr().wrapping_add(at) as *const u8, 4 * n),
             KvRows::F16(v) | KvRows::Bf16(v) => (v.as_ptr().wrapping_add(at) as *const u8, 2 * n),
+            KvRows::Q8_0(v) => (v.as_ptr().wrapping_add(at / QK) as *const u8, n / QK * 34),
+            KvRows::Q4_0(v) => (v.as_ptr().wrapping_add(at / QK) as *const u8, n / QK * 18),
         };
         for l in (0..bytes).step_by(64) {
             L::prefetch(p.wrapping_add(l));
@@ -72,6 +78,11 @@ impl KvRows<'_> {
                 let src = &v[at..at + out.len()];
                 for (s, d) in src.chunks_exact(16).zip(out.chunks_exact_mut(16)) {
                     L::f16x16(s.try_into().expect("16"), d.try_into().expect("16"));
+                }
+            }
+            KvRows::Q8_0(_) | KvRows::Q4_0(_) => {
+                for (c, d) in out.chunks_exact_mut(16).enumerate() {
+                    self.lanes::<L>(at, c).store(d.try_into().expect("16"));
                 }
             }
             _ => self.load(at, out),
@@ -92,6 +103,16 @@ impl KvRows<'_> {
                 let n = out.len();
                 for (o, &h) in out.iter_mut().zip(&v[at..at + n]) {
                     *o = f32::from_bits(u32::from(h) << 16);
+                }
+            }
+            KvRows::Q8_0(v) => {
+                for (b, o) in v[at / QK..].iter().zip(out.chunks_exact_mut(QK)) {
+                    b.dequantize(o)
+                }
+            }
+            KvRows::Q4_0(v) => {
+                for (b, o) in v[at / QK..].iter().zip(out.chunks_exact_mut(QK)) {
+                    b.dequantize(o)
                 }
             }
         }
@@ -398,6 +419,15 @@ impl KvRows<'_> {
                 let mut x = [0f32; 16];
                 self.load(p, &mut x);
                 L::load(&x)
+            }
+            KvRows::Q8_0(v) => {
+                let b = v.get_unchecked(p / QK);
+                let q = &*(b.qs.as_ptr().add(p % QK) as *const [i8; 16]);
+                L::load_q8(q, L::f16(u16::from_le_bytes(b.d)))
+            }
+            KvRows::Q4_0(v) => {
+                let b = v.get_unchecked(p / QK);
+                L::load_q4(&b.qs, p % QK != 0, L::f16(u16::from_le_bytes(b.d)))
             }
         }
     }
@@ -784,7 +814,8 @@ mod tests {
     use candle_core::{DType, Tensor};
 
     use super::*;
-    use crate::testing::seeded;
+    use crate::testing::{seeded, seeded_cache};
+    use crate::KvType;
     use crate::{paged_attention_slow, PagedMeta};
 
     /// Runs a whole batch through plan, items and merge with `isa`.
@@ -822,7 +853,7 @@ mod tests {
     /// outside the cache.
     #[test]
     fn items_match_the_reference_across_chunks_and_instruction_sets() {
-        for (hd, window) in [
+        for case in [
             (64, 0),
             (24, 0),
             (128, 0),
@@ -832,10 +863,17 @@ mod tests {
             (256, 200),
             (24, 150),
             (128, 512),
-        ] {
+        ]
+        .into_iter()
+        .flat_map(|c| [KvType::F16, KvType::Q8_0, KvType::Q4_0].map(|t| (c, t)))
+        {
+            let ((hd, window), kind) = case;
+            if kind.is_quantized() && hd % QK != 0 {
+                continue;
+            }
             let (nh, kvh, bs, nb) = (6, 2, 16, 48);
-            let k = seeded(&[nb, bs, kvh, hd], 1, DType::F16).unwrap();
-            let v = seeded(&[nb, bs, kvh, hd], 2, DType::F16).unwrap();
+            let k = seeded_cache(&[nb, bs, kvh, hd], 1, kind).unwrap();
+            let v = seeded_cache(&[nb, bs, kvh, hd], 2, kind).unwrap();
             let max_blocks = 24;
             let mut tables: Vec<u32> = (0..max_blocks as u32).rev().collect();
             tables.extend((max_blocks as u32..2 * max_blocks as u32).map(|b| b % nb as u32));
@@ -856,6 +894,9 @@ mod tests {
             let q = seeded(&[t, nh, hd], 3, DType::F32).unwrap();
             let qv = q.flatten_all().unwrap().to_vec1::<f32>().unwrap();
             let bits = |x: &Tensor| -> Vec<u16> {
+                if kind.is_quantized() {
+                    return Vec::new();
+                }
                 x.flatten_all()
                     .unwrap()
                     .to_vec1::<half::f16>()
@@ -864,7 +905,22 @@ mod tests {
                     .map(|h| h.to_bits())
                     .collect()
             };
+            let bytes = |x: &Tensor| -> Vec<u8> {
+                if !kind.is_quantized() {
+                    return Vec::new();
+                }
+                x.flatten_all().unwrap().to_vec1::<u8>().unwrap()
+            };
             let (kb, vb) = (bits(&k), bits(&v));
+            let (kq, vq) = (bytes(&k), bytes(&v));
+            fn pick<'a>(kind: KvType, h: &'a [u16], q: &'a [u8]) -> KvRows<'a> {
+                match kind {
+                    KvType::Q8_0 => KvRows::Q8_0(crate::quant::blocks(q)),
+                    KvType::Q4_0 => KvRows::Q4_0(crate::quant::blocks(q)),
+                    _ => KvRows::F16(h),
+                }
+            }
+            let rows = |h, q| pick(kind, h, q);
             let shape = AttnShape::new(nh, kvh, hd, bs).with_window(window);
             let inp = AttnInput {
                 shape,
@@ -873,8 +929,8 @@ mod tests {
                 token_seq: &seqs,
                 block_tables: &tables,
                 max_blocks,
-                k: KvRows::F16(&kb),
-                v: KvRows::F16(&vb),
+                k: rows(&kb, &kq),
+                v: rows(&vb, &vq),
             };
             let mut plan = AttnPlan::default();
             plan.build(&shape, &seqs, &positions);
@@ -885,7 +941,7 @@ mod tests {
                     got.iter()
                         .zip(&want)
                         .all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "{isa:?} hd={hd} window={window}"
+                    "{isa:?} {kind} hd={hd} window={window}"
                 );
                 let row = nh * hd;
                 for i in 0..t {
@@ -922,7 +978,7 @@ mod tests {
                 .zip(&want)
                 .map(|(a, b)| (a - b).abs())
                 .fold(0f32, f32::max);
-            assert!(d < 1e-4, "hd={hd} window={window}: {d}");
+            assert!(d < 1e-4, "{kind} hd={hd} window={window}: {d}");
         }
     }
 }

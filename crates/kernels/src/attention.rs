@@ -208,8 +208,9 @@ fn walk_tile<T: KvElem, K: BlockKernel>(
         let loaded = bs.min(last + 1 - j * bs);
         for o in 0..loaded {
             let row = ((b as usize * bs + o) * kvh + g) * hd;
-            T::load(&k[row..row + hd], &mut kbuf[o * hd..(o + 1) * hd]);
-            T::load(&v[row..row + hd], &mut vbuf[o * hd..(o + 1) * hd]);
+            let (a, b) = (row / T::PER, (row + hd) / T::PER);
+            T::load(&k[a..b], &mut kbuf[o * hd..(o + 1) * hd]);
+            T::load(&v[a..b], &mut vbuf[o * hd..(o + 1) * hd]);
         }
         kernel.prepare(loaded, kbuf);
         for ti in 0..nt {
@@ -503,8 +504,21 @@ impl CustomOp3 for PagedAttention<'_> {
                 contiguous(k, l2, "K cache")?,
                 contiguous(v, l3, "V cache")?,
             ),
+            (CpuStorage::U8(k), CpuStorage::U8(v)) => {
+                let (k, v) = (contiguous(k, l2, "K cache")?, contiguous(v, l3, "V cache")?);
+                match crate::KvType::of_dims(DType::U8, l2.dims())? {
+                    crate::KvType::Q8_0 => {
+                        use crate::quant::{blocks, BlockQ8_0};
+                        self.run(q, blocks::<BlockQ8_0>(k), blocks::<BlockQ8_0>(v))
+                    }
+                    _ => {
+                        use crate::quant::{blocks, BlockQ4_0};
+                        self.run(q, blocks::<BlockQ4_0>(k), blocks::<BlockQ4_0>(v))
+                    }
+                }
+            }
             (k, v) => bail!(
-                "paged_attention: K/V caches must share an f32/f16/bf16 dtype, got {:?}/{:?}",
+                "paged_attention: K/V caches must share an f32/f16/bf16/q8_0/q4_0 dtype, got {:?}/{:?}",
                 candle_core::backend::BackendStorage::dtype(k),
                 candle_core::backend::BackendStorage::dtype(v)
             ),
@@ -591,9 +605,9 @@ pub fn paged_attention_slow(
     meta: &PagedMeta,
 ) -> Result<Tensor> {
     let (nh, kvh, hd) = check(q, k_cache, v_cache, meta)?;
-    let (nb, bs, _, _) = k_cache.dims4()?;
-    let kf = k_cache.to_dtype(DType::F32)?.reshape((nb * bs, kvh, hd))?;
-    let vf = v_cache.to_dtype(DType::F32)?.reshape((nb * bs, kvh, hd))?;
+    let (nb, bs, _, _) = crate::cache_geometry(k_cache)?;
+    let kf = crate::dequantize_cache(k_cache)?.reshape((nb * bs, kvh, hd))?;
+    let vf = crate::dequantize_cache(v_cache)?.reshape((nb * bs, kvh, hd))?;
     let head_map = Tensor::new(
         (0..nh as u32)
             .map(|h| h / (nh / kvh) as u32)
@@ -674,9 +688,9 @@ mod tests {
         seqs.push(1);
         let mut pos: Vec<u32> = (30..51).collect();
         pos.push(70);
-        for dtype in [DType::F32, DType::F16] {
-            let k = seeded(&[nb, bs, kvh, hd], 13, dtype)?;
-            let v = seeded(&[nb, bs, kvh, hd], 14, dtype)?;
+        for dtype in crate::KvType::ALL {
+            let k = crate::testing::seeded_cache(&[nb, bs, kvh, hd], 13, dtype)?;
+            let v = crate::testing::seeded_cache(&[nb, bs, kvh, hd], 14, dtype)?;
             let q = seeded(&[seqs.len(), nh, hd], 15, DType::F32)?;
             let meta = PagedMeta {
                 block_size: bs,

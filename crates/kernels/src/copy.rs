@@ -3,14 +3,15 @@
 
 use candle_core::{bail, CpuStorage, InplaceOp1, Layout, Result, Tensor};
 
-use crate::elem::with_cache_mut;
+use crate::elem::{with_cache_mut, KvElem};
 
 struct CopyBlocks<'a> {
     pairs: &'a [(u32, u32)],
     block_len: usize,
 }
 
-fn copy<T: Copy>(cache: &mut [T], pairs: &[(u32, u32)], n: usize) {
+fn copy<T: KvElem>(cache: &mut [T], pairs: &[(u32, u32)], values: usize) {
+    let n = values / T::PER;
     for &(src, dst) in pairs {
         cache.copy_within(src as usize * n..(src as usize + 1) * n, dst as usize * n);
     }
@@ -59,6 +60,7 @@ pub fn copy_blocks(cache: &Tensor, pairs: &[(u32, u32)]) -> Result<()> {
 pub fn copy_blocks_slow(cache: &Tensor, pairs: &[(u32, u32)]) -> Result<Tensor> {
     check(cache, pairs)?;
     let nb = cache.dim(0)?;
+    // Any type: whole blocks of the pool are moved as they are.
     let mut pick: Vec<u32> = (0..nb as u32).collect();
     for &(s, d) in pairs {
         pick[d as usize] = s;
@@ -74,8 +76,8 @@ mod tests {
 
     #[test]
     fn matches_reference() -> Result<()> {
-        for dtype in [DType::F32, DType::F16, DType::BF16] {
-            let cache = seeded(&[8, 4, 2, 8], 9, dtype)?;
+        for dtype in crate::KvType::ALL {
+            let cache = crate::testing::seeded_cache(&[8, 4, 2, 32], 9, dtype)?;
             let pairs = [(7, 0), (3, 1), (5, 6)];
             let want = copy_blocks_slow(&cache, &pairs)?;
             copy_blocks(&cache, &pairs)?;

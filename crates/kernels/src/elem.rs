@@ -4,9 +4,30 @@
 use candle_core::{bail, CpuStorage, Layout, Result};
 use half::{bf16, f16, slice::HalfFloatSliceExt};
 
+use crate::quant::{QBlock, QK};
+
+/// A cache storage unit: one value, or one quantized block of
+/// [`KvElem::PER`] values. Slices of units map to `PER` times as many f32s;
+/// value offsets into a cache are multiples of a head row, so of `PER`.
 pub(crate) trait KvElem: Copy + Send + Sync + 'static {
+    /// Values per unit.
+    const PER: usize = 1;
     fn load(src: &[Self], dst: &mut [f32]);
     fn store(src: &[f32], dst: &mut [Self]);
+}
+
+impl<B: QBlock> KvElem for B {
+    const PER: usize = QK;
+    fn load(src: &[Self], dst: &mut [f32]) {
+        for (b, d) in src.iter().zip(dst.chunks_exact_mut(QK)) {
+            b.dequantize(d)
+        }
+    }
+    fn store(src: &[f32], dst: &mut [Self]) {
+        for (b, s) in dst.iter_mut().zip(src.chunks_exact(QK)) {
+            *b = B::quantize(s)
+        }
+    }
 }
 
 impl KvElem for f32 {
@@ -82,8 +103,19 @@ macro_rules! with_cache_mut {
                 let $v = $crate::elem::contiguous_mut(d, $layout, "KV cache")?;
                 $body
             }
+            candle_core::CpuStorage::U8(d) => {
+                let t = $crate::KvType::of_dims(candle_core::DType::U8, $layout.dims())?;
+                let bytes = $crate::elem::contiguous_mut(d, $layout, "KV cache")?;
+                if t == $crate::KvType::Q8_0 {
+                    let $v = $crate::quant::blocks_mut::<$crate::quant::BlockQ8_0>(bytes);
+                    $body
+                } else {
+                    let $v = $crate::quant::blocks_mut::<$crate::quant::BlockQ4_0>(bytes);
+                    $body
+                }
+            }
             other => candle_core::bail!(
-                "KV cache dtype {:?} is not supported (f32, f16, bf16)",
+                "KV cache dtype {:?} is not supported (f32, f16, bf16, q8_0, q4_0)",
                 candle_core::backend::BackendStorage::dtype(other)
             ),
         }

@@ -86,6 +86,30 @@ pub(crate) trait Lanes: Copy {
         Self::f16x16(src, &mut v);
         Self::load(&v)
     }
+    /// Sixteen q8_0 values `q · d` (exact products, rounded once).
+    /// # Safety
+    /// As [`Lanes::zero`].
+    #[inline(always)]
+    unsafe fn load_q8(q: &[i8; 16], d: f32) -> Self {
+        let mut v = [0f32; 16];
+        for j in 0..16 {
+            v[j] = f32::from(q[j]) * d;
+        }
+        Self::load(&v)
+    }
+    /// Sixteen q4_0 values `(nibble − 8) · d`: the low nibbles of `q`, or
+    /// the high ones.
+    /// # Safety
+    /// As [`Lanes::zero`].
+    #[inline(always)]
+    unsafe fn load_q4(q: &[u8; 16], high: bool, d: f32) -> Self {
+        let mut v = [0f32; 16];
+        let sh = if high { 4 } else { 0 };
+        for j in 0..16 {
+            v[j] = f32::from(((q[j] >> sh) & 0xF) as i8 - 8) * d;
+        }
+        Self::load(&v)
+    }
 }
 
 #[derive(Clone, Copy)]
@@ -168,6 +192,21 @@ pub(crate) mod x86 {
             )))
         }
         #[inline(always)]
+        unsafe fn load_q8(q: &[i8; 16], d: f32) -> Self {
+            let i = _mm512_cvtepi8_epi32(_mm_loadu_si128(q.as_ptr() as *const __m128i));
+            Avx512(_mm512_mul_ps(_mm512_cvtepi32_ps(i), _mm512_set1_ps(d)))
+        }
+        #[inline(always)]
+        unsafe fn load_q4(q: &[u8; 16], high: bool, d: f32) -> Self {
+            let mut b = _mm_loadu_si128(q.as_ptr() as *const __m128i);
+            if high {
+                b = _mm_srli_epi16(b, 4);
+            }
+            let b = _mm_sub_epi8(_mm_and_si128(b, _mm_set1_epi8(0xF)), _mm_set1_epi8(8));
+            let i = _mm512_cvtepi8_epi32(b);
+            Avx512(_mm512_mul_ps(_mm512_cvtepi32_ps(i), _mm512_set1_ps(d)))
+        }
+        #[inline(always)]
         unsafe fn prefetch(p: *const u8) {
             _mm_prefetch(p as *const i8, _MM_HINT_T0)
         }
@@ -237,6 +276,17 @@ pub(crate) mod x86 {
     #[derive(Clone, Copy)]
     pub(crate) struct Avx2(__m256, __m256);
 
+    impl Avx2 {
+        /// Sixteen signed bytes times `d`.
+        #[inline(always)]
+        unsafe fn bytes(b: __m128i, d: f32) -> Avx2 {
+            let d = _mm256_set1_ps(d);
+            let lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+            let hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+            Avx2(_mm256_mul_ps(lo, d), _mm256_mul_ps(hi, d))
+        }
+    }
+
     impl Lanes for Avx2 {
         #[inline(always)]
         unsafe fn zero() -> Self {
@@ -277,6 +327,20 @@ pub(crate) mod x86 {
             let lo = _mm_loadu_si128(src.as_ptr() as *const __m128i);
             let hi = _mm_loadu_si128(src.as_ptr().add(8) as *const __m128i);
             Avx2(_mm256_cvtph_ps(lo), _mm256_cvtph_ps(hi))
+        }
+        #[inline(always)]
+        unsafe fn load_q8(q: &[i8; 16], d: f32) -> Self {
+            let b = _mm_loadu_si128(q.as_ptr() as *const __m128i);
+            Avx2::bytes(b, d)
+        }
+        #[inline(always)]
+        unsafe fn load_q4(q: &[u8; 16], high: bool, d: f32) -> Self {
+            let mut b = _mm_loadu_si128(q.as_ptr() as *const __m128i);
+            if high {
+                b = _mm_srli_epi16(b, 4);
+            }
+            let b = _mm_sub_epi8(_mm_and_si128(b, _mm_set1_epi8(0xF)), _mm_set1_epi8(8));
+            Avx2::bytes(b, d)
         }
         #[inline(always)]
         unsafe fn prefetch(p: *const u8) {

@@ -5,7 +5,9 @@
 //! kernels check shapes with `candle::bail!`, never decide.
 //!
 //! The KV cache of one layer is a pair of tensors (K and V) of shape
-//! `[num_blocks, block_size, n_kv_heads, head_dim]`, dtype f32, f16 or bf16.
+//! `[num_blocks, block_size, n_kv_heads, head_dim]`, dtype f32, f16 or bf16,
+//! or block-quantized q8_0 / q4_0 ([`quant`]: each head row as GGML blocks
+//! of 32 values).
 //! A slot is `block * block_size + offset`, so viewed flat the cache is
 //! `[num_slots, n_kv_heads, head_dim]`:
 //!
@@ -43,6 +45,7 @@ mod lanes;
 mod matvec;
 pub mod pool;
 mod qdot;
+pub mod quant;
 mod rope;
 mod shift;
 mod simd;
@@ -55,6 +58,7 @@ pub use attention::{
 pub use copy::{copy_blocks, copy_blocks_slow};
 pub use matvec::{f16_to_f32, matvec, matvec_slow, Isa, WeightFormat, Weights};
 pub use qdot::{qmatvec, qmatvec_slow, quantize_row, ActBlock, Activations, Packed, QIsa, GROUP};
+pub use quant::{dequantize_cache, quantize_cache, KvType};
 pub use rope::{RopeStyle, Rotation};
 pub use shift::{shift_kv, shift_kv_slow};
 pub use simd::portable_forced;
@@ -62,14 +66,21 @@ pub use write::{write_kv, write_kv_slow};
 
 use candle_core::{bail, Result, Tensor};
 
-/// `(num_slots, n_kv_heads, head_dim)` of a cache tensor
-/// `[num_blocks, block_size, n_kv_heads, head_dim]`.
+/// `(num_blocks, block_size, n_kv_heads, head_dim)` of a cache tensor
+/// `[num_blocks, block_size, n_kv_heads, head_dim]` (or, quantized,
+/// `[.., n_kv_heads, head_dim / 32, block bytes]`: see [`quant`]).
 pub fn cache_geometry(cache: &Tensor) -> Result<(usize, usize, usize, usize)> {
-    let (nb, bs, kvh, hd) = cache.dims4()?;
+    let t = KvType::of(cache)?;
     if !cache.is_contiguous() {
         bail!("KV cache tensor must be contiguous")
     }
-    Ok((nb, bs, kvh, hd))
+    let d = cache.dims();
+    let hd = if t.is_quantized() {
+        d[3] * quant::QK
+    } else {
+        d[3]
+    };
+    Ok((d[0], d[1], d[2], hd))
 }
 
 /// Deterministic tensors for tests and benches.
@@ -91,6 +102,12 @@ pub mod testing {
         Tensor::from_vec(v, shape, &Device::Cpu)?.to_dtype(dtype)
     }
 
+    /// A seeded cache tensor `[nb, bs, kvh, hd]` of type `t` (quantized
+    /// from the seeded f32 values).
+    pub fn seeded_cache(shape: &[usize], seed: u64, t: crate::KvType) -> Result<Tensor> {
+        crate::quantize_cache(&seeded(shape, seed, DType::F32)?, t)
+    }
+
     pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
         let a = a.to_dtype(DType::F32)?;
         let b = b.to_dtype(DType::F32)?;
@@ -105,6 +122,9 @@ pub enum CacheRaw {
     F32(*mut f32, usize),
     F16(*mut u16, usize),
     Bf16(*mut u16, usize),
+    /// Blocks (not values) and their count.
+    Q8_0(*mut quant::BlockQ8_0, usize),
+    Q4_0(*mut quant::BlockQ4_0, usize),
 }
 
 // SAFETY: a plain address; whoever dereferences it upholds `cache_raw`'s
@@ -133,8 +153,19 @@ impl candle_core::InplaceOp1 for Capture {
                 let v = elem::contiguous_mut(v, l, "KV cache")?;
                 CacheRaw::Bf16(v.as_mut_ptr() as *mut u16, v.len())
             }
+            S::U8(v) => {
+                let t = KvType::of_dims(candle_core::DType::U8, l.dims())?;
+                let v = elem::contiguous_mut(v, l, "KV cache")?;
+                if t == KvType::Q8_0 {
+                    let b = quant::blocks_mut::<quant::BlockQ8_0>(v);
+                    CacheRaw::Q8_0(b.as_mut_ptr(), b.len())
+                } else {
+                    let b = quant::blocks_mut::<quant::BlockQ4_0>(v);
+                    CacheRaw::Q4_0(b.as_mut_ptr(), b.len())
+                }
+            }
             other => bail!(
-                "KV cache dtype {:?} is not supported (f32, f16, bf16)",
+                "KV cache dtype {:?} is not supported (f32, f16, bf16, q8_0, q4_0)",
                 candle_core::backend::BackendStorage::dtype(other)
             ),
         };

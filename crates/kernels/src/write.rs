@@ -9,8 +9,9 @@ struct WriteKv<'a> {
 }
 
 fn write_rows<T: KvElem>(cache: &mut [T], new: &[f32], slots: &[u32], row: usize) {
+    let units = row / T::PER;
     for (i, &s) in slots.iter().enumerate() {
-        let dst = &mut cache[s as usize * row..(s as usize + 1) * row];
+        let dst = &mut cache[s as usize * units..(s as usize + 1) * units];
         T::store(&new[i * row..(i + 1) * row], dst);
     }
 }
@@ -66,6 +67,12 @@ pub fn write_kv(cache: &Tensor, new: &Tensor, slots: &[u32]) -> Result<()> {
 /// replaced, as a new tensor.
 pub fn write_kv_slow(cache: &Tensor, new: &Tensor, slots: &[u32]) -> Result<Tensor> {
     check(cache, new, slots)?;
+    let t = crate::KvType::of(cache)?;
+    if t.is_quantized() {
+        // Whole blocks quantize to themselves, so only the new rows change.
+        let f = write_kv_slow(&crate::dequantize_cache(cache)?, new, slots)?;
+        return crate::quantize_cache(&f, t);
+    }
     let (nb, bs, kvh, hd) = cache.dims4()?;
     let n = nb * bs;
     let flat = cache.reshape((n, kvh * hd))?;
@@ -89,9 +96,9 @@ mod tests {
 
     #[test]
     fn matches_reference_for_every_cache_dtype() -> Result<()> {
-        for dtype in [DType::F32, DType::F16, DType::BF16] {
-            let cache = seeded(&[6, 4, 3, 8], 1, dtype)?;
-            let new = seeded(&[5, 3, 8], 2, DType::F32)?;
+        for dtype in crate::KvType::ALL {
+            let cache = crate::testing::seeded_cache(&[6, 4, 3, 32], 1, dtype)?;
+            let new = seeded(&[5, 3, 32], 2, DType::F32)?;
             let slots = [0, 7, 9, 23, 12];
             let want = write_kv_slow(&cache, &new, &slots)?;
             write_kv(&cache, &new, &slots)?;

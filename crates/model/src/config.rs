@@ -172,10 +172,11 @@ impl ModelConfig {
         self.inv_freq()
     }
 
-    /// Bytes of K and V per token in a cache of `dtype_bytes` per element:
-    /// 2 · layers · kv_heads · head_dim · bytes.
-    pub fn kv_bytes_per_token(&self, dtype_bytes: usize) -> usize {
-        2 * self.n_layers * self.n_kv_heads * self.head_dim * dtype_bytes
+    /// Bytes of K and V per token in a cache of type `t`: 2 · layers ·
+    /// kv_heads · (bytes of head_dim values: 2·head_dim for f16,
+    /// 34·head_dim/32 for q8_0, 18·head_dim/32 for q4_0).
+    pub fn kv_bytes_per_token(&self, t: tessera_kernels::KvType) -> usize {
+        2 * self.n_layers * self.n_kv_heads * t.bytes_for(self.head_dim)
     }
 
     /// The `head_dim / 2` RoPE inverse frequencies, scaling applied.
@@ -428,6 +429,9 @@ mod tests {
         };
         // 628 > 64: the low frequency is divided by the factor.
         assert_eq!(cfg(l3).inv_freq(), vec![1.0, 0.00125]);
-        assert_eq!(cfg(RopeScaling::None).kv_bytes_per_token(2), 2 * 4 * 2);
+        assert_eq!(
+            cfg(RopeScaling::None).kv_bytes_per_token(tessera_kernels::KvType::F16),
+            2 * 4 * 2
+        );
     }
 }

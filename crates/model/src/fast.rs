@@ -39,10 +39,11 @@ use std::sync::Mutex;
 
 use candle_core::Tensor;
 use tessera_kernels::pool::{Shared, StepPool, Team};
+use tessera_kernels::quant::{BlockQ4_0, BlockQ8_0, QK};
 use tessera_kernels::{
-    attend_item, cache_raw, exp_nonpositive, matvec, merge, qmatvec, quantize_row, ActBlock,
-    Activations, AttnInput, AttnPlan, AttnScratch, AttnShape, CacheRaw, Isa, KvRows, Packed, QIsa,
-    RopeStyle, WeightFormat, Weights, GROUP,
+    attend_item, cache_geometry, cache_raw, exp_nonpositive, matvec, merge, qmatvec, quantize_row,
+    ActBlock, Activations, AttnInput, AttnPlan, AttnScratch, AttnShape, CacheRaw, Isa, KvRows,
+    Packed, QIsa, RopeStyle, WeightFormat, Weights, GROUP,
 };
 
 use crate::config::Activation;
@@ -625,6 +626,23 @@ unsafe fn store_row(cache: CacheRaw, at: usize, src: &[f32]) {
             let dst = std::slice::from_raw_parts_mut(p.add(at) as *mut half::bf16, src.len());
             half::slice::HalfFloatSliceExt::convert_from_f32_slice(dst, src);
         }
+        // A head row is whole blocks (head_dim is a multiple of 32).
+        CacheRaw::Q8_0(p, len) => {
+            let (b, n) = (at / QK, src.len() / QK);
+            assert!(at % QK == 0 && src.len() % QK == 0 && b + n <= len);
+            let dst = std::slice::from_raw_parts_mut(p.add(b), n);
+            for (d, s) in dst.iter_mut().zip(src.chunks_exact(QK)) {
+                *d = BlockQ8_0::quantize(s);
+            }
+        }
+        CacheRaw::Q4_0(p, len) => {
+            let (b, n) = (at / QK, src.len() / QK);
+            assert!(at % QK == 0 && src.len() % QK == 0 && b + n <= len);
+            let dst = std::slice::from_raw_parts_mut(p.add(b), n);
+            for (d, s) in dst.iter_mut().zip(src.chunks_exact(QK)) {
+                *d = BlockQ4_0::quantize(s);
+            }
+        }
     }
 }
 
@@ -635,6 +653,8 @@ unsafe fn rows_of(cache: CacheRaw) -> KvRows<'static> {
         CacheRaw::F32(p, n) => KvRows::F32(std::slice::from_raw_parts(p, n)),
         CacheRaw::F16(p, n) => KvRows::F16(std::slice::from_raw_parts(p, n)),
         CacheRaw::Bf16(p, n) => KvRows::Bf16(std::slice::from_raw_parts(p, n)),
+        CacheRaw::Q8_0(p, n) => KvRows::Q8_0(std::slice::from_raw_parts(p, n)),
+        CacheRaw::Q4_0(p, n) => KvRows::Q4_0(std::slice::from_raw_parts(p, n)),
     }
 }
 
@@ -668,12 +688,11 @@ impl Llama {
         for l in cache {
             raw.push((cache_raw(&l.k)?, cache_raw(&l.v)?));
         }
-        let (_, bs, ckvh, chd) = cache.first().map(|l| l.k.dims4()).transpose()?.unwrap_or((
-            0,
-            batch.block_size,
-            kvh,
-            hd,
-        ));
+        let (_, bs, ckvh, chd) = cache
+            .first()
+            .map(|l| cache_geometry(&l.k))
+            .transpose()?
+            .unwrap_or((0, batch.block_size, kvh, hd));
         if (ckvh, chd) != (kvh, hd) || bs != batch.block_size {
             return Err(bad("cache geometry does not match the model".into()));
         }
@@ -681,7 +700,7 @@ impl Llama {
         let mut pools = [usize::MAX; 2];
         for (lc, c) in fast.layers.iter().zip(cache) {
             let own = usize::from(fast.windows[lc.wset] > 0 && batch.sliding.is_some());
-            pools[own] = pools[own].min(c.k.dims4()?.0);
+            pools[own] = pools[own].min(c.k.dim(0)?);
         }
         // (No layer of the global pool: its indices go unused.)
         let global = pools[0]

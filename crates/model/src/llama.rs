@@ -13,7 +13,7 @@ use std::sync::atomic::AtomicUsize;
 use std::sync::{Mutex, OnceLock};
 
 use candle_core::{DType, Device, Tensor, D};
-use tessera_kernels::{paged_attention, write_kv, Activations, PagedMeta, RopeStyle};
+use tessera_kernels::{paged_attention, write_kv, Activations, KvType, PagedMeta, RopeStyle};
 
 use crate::config::{Activation, ModelConfig};
 use crate::fast::Fast;
@@ -366,7 +366,7 @@ impl Llama {
         &self,
         num_blocks: usize,
         block_size: usize,
-        dtype: DType,
+        dtype: impl Into<KvType>,
     ) -> Result<Vec<LayerKv>> {
         self.new_split_cache(num_blocks, None, block_size, dtype)
     }
@@ -379,18 +379,19 @@ impl Llama {
         num_blocks: usize,
         sliding_blocks: Option<usize>,
         block_size: usize,
-        dtype: DType,
+        dtype: impl Into<KvType>,
     ) -> Result<Vec<LayerKv>> {
+        let t: KvType = dtype.into();
         (0..self.cfg.n_layers)
             .map(|l| {
                 let blocks = match (self.cfg.layer_window(l), sliding_blocks) {
                     (Some(_), Some(n)) => n,
                     _ => num_blocks,
                 };
-                let shape = (blocks, block_size, self.cfg.n_kv_heads, self.cfg.head_dim);
+                let (kvh, hd) = (self.cfg.n_kv_heads, self.cfg.head_dim);
                 Ok(LayerKv {
-                    k: Tensor::zeros(shape, dtype, &self.device)?,
-                    v: Tensor::zeros(shape, dtype, &self.device)?,
+                    k: t.zeros(blocks, block_size, kvh, hd, &self.device)?,
+                    v: t.zeros(blocks, block_size, kvh, hd, &self.device)?,
                 })
             })
             .collect()

@@ -457,7 +457,7 @@ pub fn paged_greedy(
     prompt: &[u32],
     steps: usize,
     chunk: usize,
-    cache_dtype: DType,
+    cache_dtype: impl Into<tessera_kernels::KvType> + Copy,
 ) -> Result<(Vec<u32>, Vec<Vec<f32>>)> {
     paged_greedy_with(model, prompt, steps, chunk, cache_dtype, None, false)
 }
@@ -472,7 +472,7 @@ pub fn paged_greedy_with(
     prompt: &[u32],
     steps: usize,
     chunk: usize,
-    cache_dtype: DType,
+    cache_dtype: impl Into<tessera_kernels::KvType> + Copy,
     ring: Option<usize>,
     reference: bool,
 ) -> Result<(Vec<u32>, Vec<Vec<f32>>)> {
@@ -553,7 +553,7 @@ pub fn paged_greedy_with(
 pub fn prefill_logits(
     model: &crate::Llama,
     tokens: &[u32],
-    cache_dtype: DType,
+    cache_dtype: impl Into<tessera_kernels::KvType> + Copy,
 ) -> Result<Vec<Vec<f32>>> {
     let bs = 16;
     let nb = tokens.len().div_ceil(bs) + 1;
@@ -770,7 +770,7 @@ pub fn batch_invariance_case(
     seed: u64,
     vocab: u32,
     share: bool,
-    cache_dtype: DType,
+    cache_dtype: impl Into<tessera_kernels::KvType> + Copy,
 ) -> Result<usize> {
     let mut rng = Mutator::new(seed);
     let bs = 4usize;

@@ -7,7 +7,16 @@ fn tiny_worker(dtype: CacheDType) -> (Worker, std::path::PathBuf) {
     static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let n = N.fetch_add(1, Ordering::SeqCst);
     let dir = std::env::temp_dir().join(format!("tessera-worker-{}-{n}", std::process::id()));
-    write_tiny_model(&dir, TinySpec::default()).unwrap();
+    // Quantized caches need head_dim a multiple of 32.
+    let hidden = if dtype.is_quantized() { 128 } else { 64 };
+    write_tiny_model(
+        &dir,
+        TinySpec {
+            hidden,
+            ..TinySpec::default()
+        },
+    )
+    .unwrap();
     let model = Arc::new(Model::load(&dir, &mut |_, _| {}).unwrap());
     let cfg = EngineConfig {
         kv_memory: 1 << 20,
@@ -78,7 +87,7 @@ fn shifted_layer_zero_kv_equals_a_fresh_computation() {
 /// Exported K/V imported into another pool reads back byte for byte.
 #[test]
 fn snapshots_round_trip_between_pools() {
-    for dtype in [CacheDType::F16, CacheDType::F32] {
+    for dtype in CacheDType::ALL {
         let (mut a, d1) = tiny_worker(dtype);
         let (mut b, d2) = tiny_worker(dtype);
         let ids: Vec<u32> = (0..19).map(|i| 3 + (i * 5) % 80).collect();
@@ -297,6 +306,27 @@ fn resize_keeps_room_for_the_requests_it_holds() {
     ));
     drop(engine);
     std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// A quantized cache on a model whose heads are not whole blocks of 32 is
+/// refused with a message, not a panic.
+#[test]
+fn a_quantized_cache_needs_whole_blocks_per_head() {
+    let (engine, d) = tiny_engine(small_cfg());
+    drop(engine);
+    for t in [CacheDType::Q8_0, CacheDType::Q4_0] {
+        let model = Model::load(&d, &mut |_, _| {}).unwrap();
+        let cfg = EngineConfig {
+            cache_dtype: t,
+            ..small_cfg()
+        };
+        let err = Engine::from_model(model, cfg).err().unwrap().to_string();
+        assert!(
+            err.contains("head_dim is 16") && err.contains(t.name()),
+            "{err}"
+        );
+    }
+    std::fs::remove_dir_all(d).unwrap();
 }
 
 /// A cache directory the engine cannot read (saved with another cache
