@@ -78,6 +78,13 @@ bench-swa: (model "gemma3")
     ./target/release/tessera bench --model models/gemma-3-270m-q4_k_m.gguf --scenario sliding-window --runs 3 --json | tee target/bench/swa.jsonl
     python3 scripts/readme_tables.py swa
 
+# The KV cache types (f16, q8_0, q4_0) in the same run: tokens per MiB, decode speed, and perplexity
+# beside llama.cpp's llama-perplexity with the same cache type; then the README's table.
+bench-kv-types: model bench-deps
+    sh scripts/build_llama_tools.sh
+    CARGO_TARGET_DIR=target/native RUSTFLAGS="-C target-cpu=native" cargo build --release -p tessera
+    python3 scripts/kv_types.py
+
 # 2,000 random requests with injected faults: leaks, errors, RSS (target/bench/soak.json, then the README's soak table).
 bench-soak requests="2000": model
     cargo build --release -p tessera

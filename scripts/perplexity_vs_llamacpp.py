@@ -47,8 +47,8 @@ def stamp(log, message):
     return mi * 60 + s + ms / 1e3 + us / 1e6
 
 
-def llama(model, ctx, chunks):
-    more = ["--chunks", str(chunks)] if chunks else []
+def llama(model, ctx, chunks, extra=()):
+    more = (["--chunks", str(chunks)] if chunks else []) + list(extra)
     out = subprocess.run([str(LLAMA), "-m", str(model), "-f", str(TEXT), "-c", str(ctx),
                           "-t", str(THREADS), "-tb", str(THREADS)] + more,
                          capture_output=True, text=True)
@@ -64,9 +64,9 @@ def llama(model, ctx, chunks):
             "seconds": end - start, "tok_s": n * ctx / (end - start)}
 
 
-def tessera(model, ctx, chunks):
+def tessera(model, ctx, chunks, extra=()):
     env = dict(os.environ, RAYON_NUM_THREADS=str(THREADS))
-    more = ["--chunks", str(chunks)] if chunks else []
+    more = (["--chunks", str(chunks)] if chunks else []) + list(extra)
     out = subprocess.run([str(TESSERA), "perplexity", "--model", str(model), "--file", str(TEXT),
                           "--ctx", str(ctx), "--json"] + more,
                          capture_output=True, text=True, env=env)

@@ -45,6 +45,9 @@ pub enum Scenario {
     /// bytes, speed, same tokens), and a 12-turn conversation's share of
     /// prompt tokens served from the cache on that pool.
     SlidingWindow,
+    /// Each KV cache type (f16, q8_0, q4_0) in the same run: cached tokens
+    /// per MiB of KV memory, and decode tok/s after 16 and 2,048 tokens.
+    KvTypes,
     /// A long random mix of requests (lengths, n > 1, cancellations,
     /// context shifts, sessions, defragment, shrink and grow, injected
     /// faults): errors, leaked blocks, RSS.
@@ -107,6 +110,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         Scenario::Interleaved => return crate::scenarios::interleaved(model, &args),
         Scenario::Shift => return crate::scenarios::shift(model, &args),
         Scenario::Soak => return crate::soak::soak(model, &args),
+        Scenario::KvTypes => return crate::scenarios::kv_types(model, &args),
         Scenario::SlidingWindow => return crate::sliding::sliding_window(model, &args),
         Scenario::Server => return crate::serving::server(model, &args),
         Scenario::Fidelity => return crate::fidelity::fidelity(model, &args),

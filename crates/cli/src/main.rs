@@ -81,7 +81,7 @@ pub(crate) struct KvArgs {
     /// Context length (default: the model's).
     #[arg(long)]
     ctx: Option<usize>,
-    /// KV cache element type: f16, bf16 or f32.
+    /// KV cache element type: f16, bf16, f32, q8_0 or q4_0 (GGML blocks of 32 values per head row with an f16 scale: 53% and 28% of f16's bytes).
     #[arg(long, default_value = "f16", value_parser = parse_cache_dtype)]
     cache_dtype: CacheDType,
     /// Tokens per KV block.
@@ -97,6 +97,32 @@ pub(crate) struct KvArgs {
     /// same memory holds about three times the context.
     #[arg(long)]
     swa_full: bool,
+    #[command(flatten)]
+    self_extend: SelfExtendArgs,
+}
+
+/// SelfExtend, as llama.cpp's options of the same names.
+#[derive(Args, Clone, Copy)]
+pub(crate) struct SelfExtendArgs {
+    /// SelfExtend group size: positions of tokens beyond the last
+    /// --grp-attn-w are divided by it, so the model reads past its trained
+    /// context (raise --ctx too). 1: off.
+    #[arg(long, default_value_t = 1)]
+    grp_attn_n: usize,
+    /// SelfExtend window: the most recent tokens that keep exact positions
+    /// (a multiple of --grp-attn-n).
+    #[arg(long, default_value_t = 512)]
+    grp_attn_w: usize,
+}
+
+impl SelfExtendArgs {
+    /// The setting, or `None` when off (n = 1). Checked by the engine.
+    pub(crate) fn get(self) -> Option<tessera_engine::SelfExtend> {
+        (self.grp_attn_n != 1).then_some(tessera_engine::SelfExtend {
+            n: self.grp_attn_n,
+            w: self.grp_attn_w,
+        })
+    }
 }
 
 fn parse_activations(s: &str) -> Result<Activations, String> {
@@ -114,6 +140,7 @@ impl KvArgs {
             context_length: self.ctx,
             activations: self.activations,
             swa_full: self.swa_full,
+            self_extend: self.self_extend.get(),
             ..EngineConfig::default()
         }
     }

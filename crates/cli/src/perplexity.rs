@@ -33,7 +33,7 @@ pub(crate) struct PerplexityArgs {
     /// Score only the first N chunks (default: all of the text).
     #[arg(long)]
     chunks: Option<usize>,
-    /// KV cache element type: f16, bf16 or f32.
+    /// KV cache element type: f16, bf16, f32, q8_0 or q4_0 (GGML blocks of 32 values per head row with an f16 scale: 53% and 28% of f16's bytes).
     #[arg(long, default_value = "f16", value_parser = parse_cache_dtype)]
     cache_dtype: CacheDType,
     /// Activations of quantized layers: int8x2 (default), f32 or int8.
@@ -48,6 +48,8 @@ pub(crate) struct PerplexityArgs {
     /// divergence from it and top-1 agreement.
     #[arg(long, value_name = "FILE")]
     kl_divergence: Option<PathBuf>,
+    #[command(flatten)]
+    self_extend: crate::SelfExtendArgs,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -242,6 +244,7 @@ pub(crate) fn perplexity(args: PerplexityArgs) -> Result<()> {
             prefix_cache: false,
             context_length: Some(ctx),
             activations: args.activations,
+            self_extend: args.self_extend.get(),
             ..EngineConfig::default()
         },
     )?;
@@ -362,6 +365,7 @@ pub(crate) fn perplexity(args: PerplexityArgs) -> Result<()> {
                 "tok_s": tok_s,
                 "activations": engine.model().llama.activations().name(),
                 "cache_dtype": args.cache_dtype.name(),
+                "self_extend": args.self_extend.get().map(|g| json!({"n": g.n, "w": g.w})),
                 "kl_divergence": kl_json,
             })
         );

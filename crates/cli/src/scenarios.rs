@@ -398,3 +398,125 @@ pub fn decode_depth_and_width(model: Model, args: &BenchArgs) -> Result<()> {
     emit(args, v, &lines);
     Ok(())
 }
+
+/// Budget of the capacity part of `kv-types`.
+const KV_TYPES_MIB: usize = 64;
+
+/// `kv-types`: each KV cache type beside f16 in the same run. Capacity:
+/// distinct 256-token prompts go through an engine with a 64 MiB pool until
+/// it has had to evict (one and a half times what it can hold), then the
+/// tokens its prefix tree still holds are counted. Speed: greedy decode
+/// after 16 tokens and after 2,048 (`decode-long`), the types alternating
+/// run by run (medians).
+pub fn kv_types(model: Model, args: &BenchArgs) -> Result<()> {
+    use tessera_engine::CacheDType;
+    let path = model.path.display().to_string();
+    let short = tessera_bench::decode_prompt(&model)?;
+    let long = tessera_bench::long_prompt(&model)?;
+    let head_dim = model.config().head_dim;
+    let types: Vec<CacheDType> = [CacheDType::F16, CacheDType::Q8_0, CacheDType::Q4_0]
+        .into_iter()
+        .filter(|t| !t.is_quantized() || head_dim.is_multiple_of(32))
+        .collect();
+    let per_token: Vec<usize> = types
+        .iter()
+        .map(|&t| model.config().kv_bytes_per_token(t))
+        .collect();
+    drop(model);
+    let mut rows = Vec::new();
+    for &t in &types {
+        let cfg = EngineConfig {
+            kv_memory: KV_TYPES_MIB << 20,
+            cache_dtype: t,
+            ..args.kv.config(true)
+        };
+        let engine = Engine::from_model(load_model(&path)?, cfg)?;
+        let s = engine.stats().kv;
+        let capacity = s.num_blocks * s.block_size;
+        let (mut fed, mut i) = (0, 0u64);
+        while fed < capacity * 3 / 2 {
+            let ids = engine.model().tokenizer.encode(
+                &text(engine.model(), 9000 + i, 256)?,
+                Special::AsText,
+                true,
+            )?;
+            let req = GenerateRequest {
+                max_tokens: 1,
+                sampling: SamplingParams::greedy(),
+                ..GenerateRequest::new(Prompt::Tokens(ids))
+            };
+            fed += engine.complete(&req, &mut |_| {})?.usage.prompt_tokens;
+            i += 1;
+        }
+        let s = engine.stats().kv;
+        rows.push((capacity, s.cached_tokens, s.evicted_blocks));
+    }
+    let engines = types
+        .iter()
+        .map(|&t| {
+            let cfg = EngineConfig {
+                cache_dtype: t,
+                ..args.kv.config(false)
+            };
+            Ok(Engine::from_model(load_model(&path)?, cfg)?)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let (mut dec, mut deep) = (vec![Vec::new(); types.len()], vec![Vec::new(); types.len()]);
+    for _ in 0..args.runs {
+        for (k, e) in engines.iter().enumerate() {
+            dec[k].push(tessera_bench::decode_together(
+                e,
+                std::slice::from_ref(&short),
+            )?);
+            deep[k].push(tessera_bench::decode_together(
+                e,
+                std::slice::from_ref(&long),
+            )?);
+        }
+    }
+    let base_tpm = rows[0].1 as f64 / KV_TYPES_MIB as f64;
+    let (base_dec, base_deep) = (median(dec[0].clone()), median(deep[0].clone()));
+    let mut json = Vec::new();
+    let mut lines = vec![format!(
+        "kv-types: {KV_TYPES_MIB} MiB pool filled with distinct 256-token prompts; decode after {} and {} tokens",
+        short.len(),
+        long.len()
+    )];
+    for (k, &t) in types.iter().enumerate() {
+        let (capacity, cached, evicted) = rows[k];
+        let tpm = cached as f64 / KV_TYPES_MIB as f64;
+        let (d, l) = (median(dec[k].clone()), median(deep[k].clone()));
+        lines.push(format!(
+            "{t:>5}: {} B/token | holds {cached} of {capacity} tokens ({tpm:.0}/MiB, {:.2}× f16) | decode {d:.1} tok/s ({:.2}× f16) | after {}: {l:.1} tok/s ({:.2}× f16, {:.0}% of its short decode)",
+            per_token[k],
+            tpm / base_tpm,
+            d / base_dec,
+            long.len(),
+            l / base_deep,
+            100.0 * l / d
+        ));
+        json.push(serde_json::json!({
+            "type": t.name(),
+            "bytes_per_token": per_token[k],
+            "capacity_tokens": capacity,
+            "cached_tokens": cached,
+            "evicted_blocks": evicted,
+            "tokens_per_mib": tpm,
+            "tokens_per_mib_vs_f16": tpm / base_tpm,
+            "decode": d,
+            "decode_vs_f16": d / base_dec,
+            "decode_long": l,
+            "decode_long_vs_f16": l / base_deep,
+            "decode_long_to_short": l / d,
+        }));
+    }
+    let v = serde_json::json!({
+        "scenario": "kv-types",
+        "budget_mib": KV_TYPES_MIB,
+        "context": long.len(),
+        "runs": args.runs,
+        "types": json,
+    });
+    emit(args, v, &lines);
+    Ok(())
+}

@@ -15,7 +15,9 @@
 use std::sync::Arc;
 
 use candle_core::{DType, Tensor};
-use tessera_kernels::{copy_blocks, dequantize_cache, shift_kv, write_kv, KvType, Rotation};
+use tessera_kernels::{
+    copy_blocks, dequantize_cache, rotate_k, shift_kv, write_kv, KvType, Rotation,
+};
 use tessera_kv::{CopyOp, ShiftPlan, TokenId};
 use tessera_model::{Batch, LayerKv, Model, SlidingBatch, NO_BLOCK};
 
@@ -37,6 +39,9 @@ pub(crate) struct Part<'a> {
     /// The sliding-window layers' slots and block table (entries before
     /// the window: [`NO_BLOCK`]), when they have a pool of their own.
     pub sliding: Option<(Vec<u32>, Vec<u32>)>,
+    /// RoPE positions of the tokens when they are not their positions
+    /// (SelfExtend); empty otherwise.
+    pub rope: Vec<u32>,
 }
 
 /// Slots of both pools: every layer's rows of some positions.
@@ -142,6 +147,29 @@ impl Runner {
         Ok(())
     }
 
+    /// Rotates the cached keys of `slots` (global pool) in place, each by
+    /// its delta: a SelfExtend position map that moved. Each layer by its
+    /// own RoPE frequencies.
+    pub(crate) fn rotate_keys(&self, slots: &[u32], deltas: &[i64]) -> Result<()> {
+        if slots.is_empty() {
+            return Ok(());
+        }
+        for (l, layer) in self.cache.iter().enumerate() {
+            if self.in_sliding[l] {
+                return Err(EngineError::Invalid(
+                    "SelfExtend on a sliding-window layer's pool".into(),
+                ));
+            }
+            let rotation = Rotation {
+                style: self.model.config().rope_style,
+                inv_freq: self.model.llama.inv_freq(l).to_vec(),
+                delta: 0,
+            };
+            rotate_k(&layer.k, slots, deltas, &rotation)?;
+        }
+        Ok(())
+    }
+
     /// A context shift: its copies, then the moves with K rotated by the
     /// position delta, in each pool.
     pub(crate) fn apply_shift(&self, plan: &ShiftPlan) -> Result<()> {
@@ -182,12 +210,21 @@ impl Runner {
         let max_blocks = parts.iter().map(|p| p.table.len()).max().unwrap_or(0);
         let (mut tokens, mut positions, mut slots, mut token_seq) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let mapped = parts.iter().any(|p| !p.rope.is_empty());
+        let mut rope = Vec::new();
         let mut tables = Vec::with_capacity(parts.len() * max_blocks);
         let (mut sliding_slots, mut sliding_tables) = (Vec::new(), Vec::new());
         let mut logits_for = Vec::new();
         for (i, p) in parts.iter().enumerate() {
             tokens.extend(p.tokens.iter().map(|t| t.0));
             positions.extend((p.start..p.start + p.tokens.len()).map(|x| x as u32));
+            if mapped {
+                if p.rope.is_empty() {
+                    rope.extend((p.start..p.start + p.tokens.len()).map(|x| x as u32));
+                } else {
+                    rope.extend_from_slice(&p.rope);
+                }
+            }
             slots.extend_from_slice(&p.slots);
             token_seq.extend(std::iter::repeat_n(i as u32, p.tokens.len()));
             tables.extend_from_slice(&p.table);
@@ -210,6 +247,7 @@ impl Runner {
         let batch = Batch {
             tokens: &tokens,
             positions: &positions,
+            rope_positions: (!rope.is_empty()).then_some(&rope[..]),
             slots: &slots,
             token_seq: &token_seq,
             block_tables: &tables,

@@ -8,6 +8,7 @@ use tessera_kv::KvStats;
 use tessera_model::{Activations, Message};
 
 use crate::sampler::{SamplingParams, TokenLogprob};
+pub use crate::self_extend::SelfExtend;
 
 /// Element type of the K/V cache: `f16` (the default), `bf16`, `f32`, or
 /// GGML's block-quantized `q8_0` and `q4_0` (see `tessera_kernels::quant`).
@@ -55,6 +56,11 @@ pub struct EngineConfig {
     /// request's window and prompt chunk); the rest of `kv_memory` goes to
     /// the other layers. Overrides the quarter, not `swa_full`.
     pub swa_blocks: Option<usize>,
+    /// SelfExtend for every request (llama.cpp's `--grp-attn-n`,
+    /// `--grp-attn-w`): distant tokens' RoPE positions divided by the group
+    /// size, so a model reads past its trained context. Such requests
+    /// neither read nor fill the prefix cache.
+    pub self_extend: Option<SelfExtend>,
 }
 
 impl Default for EngineConfig {
@@ -74,6 +80,7 @@ impl Default for EngineConfig {
             faults: None,
             swa_full: false,
             swa_blocks: None,
+            self_extend: None,
         }
     }
 }
@@ -111,6 +118,9 @@ pub struct GenerateRequest {
     /// Partitions the prefix cache: requests see only cached K/V of
     /// requests with the same salt (`None` is a partition of its own).
     pub cache_salt: Option<String>,
+    /// SelfExtend for this request (instead of the engine's
+    /// [`EngineConfig::self_extend`]).
+    pub self_extend: Option<SelfExtend>,
 }
 
 /// Context-shift policy at the context limit.
@@ -137,6 +147,7 @@ impl GenerateRequest {
             logprobs: None,
             reuse_prefix: true,
             cache_salt: None,
+            self_extend: None,
         }
     }
 }

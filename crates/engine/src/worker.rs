@@ -34,6 +34,7 @@ use tracing::{debug, debug_span, error, warn};
 
 use crate::request::{Active, Group, Next};
 use crate::runner::{Part, Rows, Runner};
+use crate::self_extend::{PositionMap, SelfExtend};
 use crate::snapshot::KvSnapshot;
 use crate::stream::Event;
 use crate::types::{
@@ -79,6 +80,8 @@ pub(crate) struct Worker {
     layout: KvLayout,
     active: HashMap<ReqId, Active>,
     totals: EngineStats,
+    /// SelfExtend requests: each one's RoPE position map.
+    maps: HashMap<ReqId, PositionMap>,
 }
 
 fn sched_error(e: SchedError) -> EngineError {
@@ -99,6 +102,41 @@ fn sched_error(e: SchedError) -> EngineError {
         SchedError::Kv(e) => EngineError::Kv(e),
         other => EngineError::Invalid(other.to_string()),
     }
+}
+
+/// Moves `map` to a forward of `k` tokens from `start`: llama.cpp's
+/// SelfExtend loop, the cached keys whose positions moved rotated in place
+/// (slots from `table`); returns the new tokens' RoPE positions. A map
+/// longer than `start` (a step undone) keeps its first `start` tokens; a
+/// sequence restarted from 0 starts a fresh map.
+fn advance(
+    runner: &Runner,
+    map: &mut PositionMap,
+    start: usize,
+    k: usize,
+    table: &[u32],
+    bs: usize,
+) -> Result<Vec<u32>> {
+    if start == 0 {
+        *map = PositionMap::new(map.settings());
+    } else if map.len() > start {
+        map.truncate(start);
+    } else if map.len() < start {
+        return Err(EngineError::Step(format!(
+            "SelfExtend map of {} tokens for a sequence of {start}",
+            map.len()
+        )));
+    }
+    let moved = map.compress();
+    if !moved.is_empty() {
+        let slots: Vec<u32> = moved
+            .iter()
+            .map(|&(i, _)| table[i / bs] * bs as u32 + (i % bs) as u32)
+            .collect();
+        let deltas: Vec<i64> = moved.iter().map(|&(_, d)| d).collect();
+        runner.rotate_keys(&slots, &deltas)?;
+    }
+    Ok(map.append(k))
 }
 
 /// The prefix-cache partition of requests with this salt: the model's own
@@ -144,6 +182,14 @@ pub(crate) struct KvLayout {
 impl KvLayout {
     pub(crate) fn new(mc: &tessera_model::ModelConfig, cfg: &EngineConfig) -> Result<KvLayout> {
         let bs = cfg.block_size.max(1);
+        if let Some(ga) = cfg.self_extend {
+            SelfExtend::new(ga.n, ga.w).map_err(EngineError::Invalid)?;
+            if mc.sliding_window().is_some() {
+                return Err(EngineError::Invalid(
+                    "SelfExtend does not work with a model with sliding-window layers yet".into(),
+                ));
+            }
+        }
         if cfg.cache_dtype.is_quantized() && !mc.head_dim.is_multiple_of(32) {
             return Err(EngineError::Invalid(format!(
                 "a {} KV cache quantizes each head's row in blocks of 32 values; this model's head_dim is {} (use --cache-dtype f16, bf16 or f32)",
@@ -241,6 +287,7 @@ impl Worker {
             cfg: cfg.clone(),
             layout: layout.clone(),
             active: HashMap::new(),
+            maps: HashMap::new(),
             totals: EngineStats::default(),
         })
     }
@@ -368,6 +415,25 @@ impl Worker {
             ContextShift::Off => None,
             ContextShift::Keep(n) => Some(n),
         };
+        let self_extend = req.self_extend.or(self.cfg.self_extend);
+        if let Some(ga) = self_extend {
+            SelfExtend::new(ga.n, ga.w).map_err(EngineError::Invalid)?;
+            let why = if req.n > 1 {
+                Some("n > 1 (its samples would share keys that each one rotates)")
+            } else if shift_keep.is_some() {
+                Some("a context shift (use one or the other)")
+            } else if self.sched.kv().window().is_some() {
+                Some("a model with sliding-window layers")
+            } else {
+                None
+            };
+            if let Some(why) = why {
+                return Err(EngineError::Invalid(format!(
+                    "SelfExtend (grp_attn_n {}, grp_attn_w {}) does not work with {why}",
+                    ga.n, ga.w
+                )));
+            }
+        }
         let id = self
             .sched
             .add(NewRequest {
@@ -376,8 +442,12 @@ impl Worker {
                 max_new_tokens: req.max_tokens,
                 shift_keep,
                 reuse_prefix: req.reuse_prefix,
+                private: self_extend.is_some(),
             })
             .map_err(sched_error)?;
+        if let Some(ga) = self_extend {
+            self.maps.insert(id, PositionMap::new(ga));
+        }
         let group = Arc::new(Group {
             req,
             prompt: ids,
@@ -483,7 +553,7 @@ impl Worker {
 
     /// Applies the plan's KV operations and runs the forward pass; returns
     /// the logits of the items that want them, in order.
-    fn execute(&self, plan: &StepPlan) -> Result<Vec<Vec<f32>>> {
+    fn execute(&mut self, plan: &StepPlan) -> Result<Vec<Vec<f32>>> {
         let _span = debug_span!("execute", tokens = plan.num_tokens()).entered();
         for op in &plan.ops {
             match op {
@@ -493,16 +563,31 @@ impl Worker {
             }
         }
         let split = self.sched.kv().window().is_some();
+        self.maps.retain(|id, _| self.active.contains_key(id));
+        let mut ropes = Vec::with_capacity(plan.items.len());
+        for i in &plan.items {
+            let rope = match self.maps.get_mut(&i.req) {
+                Some(map) => {
+                    let table: Vec<u32> = i.block_table.iter().map(|b| b.0).collect();
+                    let bs = self.sched.kv().block_size();
+                    advance(&self.runner, map, i.start, i.tokens.len(), &table, bs)?
+                }
+                None => Vec::new(),
+            };
+            ropes.push(rope);
+        }
         let parts: Vec<Part> = plan
             .items
             .iter()
-            .map(|i| Part {
+            .zip(ropes)
+            .map(|(i, rope)| Part {
                 tokens: &i.tokens,
                 start: i.start,
                 slots: i.slots.iter().map(|s| s.0).collect(),
                 table: i.block_table.iter().map(|b| b.0).collect(),
                 logits_from: i.wants_logits.then(|| i.tokens.len() - 1),
                 sliding: split.then(|| sliding_part(&i.sliding_slots, &i.sliding_table)),
+                rope,
             })
             .collect();
         self.inject_fault(plan, &parts)?;
@@ -772,6 +857,7 @@ impl Worker {
                 table: s.block_table().iter().map(|b| b.0).collect(),
                 logits_from: None,
                 sliding: self.sliding_part(seq, &plan)?,
+                rope: Vec::new(),
             };
             let len = s.len();
             self.runner.forward(&[part])?;
@@ -787,12 +873,21 @@ impl Worker {
         let toks = token_ids(tokens);
         let (seq, _) = self.sched.kv_mut().add_sequence(self.ns, &[]);
         let mut out = Vec::new();
+        let mut map = self.cfg.self_extend.map(PositionMap::new);
         let mut run = |w: &mut Self| -> Result<()> {
             let mut at = 0;
             for chunk in toks.chunks(w.cfg.prefill_chunk.max(1)) {
                 let plan = w.append_now(seq, chunk)?;
                 w.apply_append(&plan)?;
                 let s = w.sched.kv().sequence(seq)?;
+                let table: Vec<u32> = s.block_table().iter().map(|b| b.0).collect();
+                let rope = match map.as_mut() {
+                    Some(m) => {
+                        let bs = w.sched.kv().block_size();
+                        advance(&w.runner, m, at, chunk.len(), &table, bs)?
+                    }
+                    None => Vec::new(),
+                };
                 // Logits of positions first..len-1 (the last predicts nothing).
                 let lo = first.max(at);
                 let hi = (at + chunk.len()).min(toks.len() - 1);
@@ -803,6 +898,7 @@ impl Worker {
                     table: s.block_table().iter().map(|b| b.0).collect(),
                     logits_from: (lo < hi).then_some(lo - at),
                     sliding: w.sliding_part(seq, &plan)?,
+                    rope,
                 };
                 let rows = w.runner.forward(&[part])?;
                 // The part's logits run to its end; the last token's

@@ -60,7 +60,7 @@ pub use matvec::{f16_to_f32, matvec, matvec_slow, Isa, WeightFormat, Weights};
 pub use qdot::{qmatvec, qmatvec_slow, quantize_row, ActBlock, Activations, Packed, QIsa, GROUP};
 pub use quant::{dequantize_cache, quantize_cache, KvType};
 pub use rope::{RopeStyle, Rotation};
-pub use shift::{shift_kv, shift_kv_slow};
+pub use shift::{rotate_k, rotate_k_slow, shift_kv, shift_kv_slow};
 pub use simd::portable_forced;
 pub use write::{write_kv, write_kv_slow};
 

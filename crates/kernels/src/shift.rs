@@ -177,6 +177,129 @@ pub fn shift_kv_slow(
     Ok((gather(k_cache, rotated)?, gather(v_cache, v_rows)?))
 }
 
+/// Rotates K rows in place, each by its own position delta.
+struct RotateSlots<'a> {
+    slots: &'a [u32],
+    deltas: &'a [i64],
+    rotation: &'a Rotation,
+    n_kv_heads: usize,
+    head_dim: usize,
+}
+
+impl RotateSlots<'_> {
+    fn run<T: KvElem>(&self, cache: &mut [T]) {
+        let row = self.n_kv_heads * self.head_dim;
+        let units = row / T::PER;
+        let mut buf = vec![0f32; row];
+        let mut tables: std::collections::HashMap<i64, (Vec<f32>, Vec<f32>)> =
+            std::collections::HashMap::new();
+        for (&slot, &delta) in self.slots.iter().zip(self.deltas) {
+            if delta == 0 {
+                continue;
+            }
+            let r = Rotation {
+                delta,
+                ..self.rotation.clone()
+            };
+            let (cos, sin) = tables.entry(delta).or_insert_with(|| r.cos_sin());
+            let at = slot as usize * units;
+            T::load(&cache[at..at + units], &mut buf);
+            for head in buf.chunks_exact_mut(self.head_dim) {
+                r.apply(head, cos, sin);
+            }
+            T::store(&buf, &mut cache[at..at + units]);
+        }
+    }
+}
+
+impl InplaceOp1 for RotateSlots<'_> {
+    fn name(&self) -> &'static str {
+        "rotate_k"
+    }
+
+    fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout) -> Result<()> {
+        with_cache_mut!(s, l, |cache| self.run(cache));
+        Ok(())
+    }
+}
+
+fn check_rotate(
+    k_cache: &Tensor,
+    slots: &[u32],
+    deltas: &[i64],
+    rotation: &Rotation,
+) -> Result<(usize, usize)> {
+    let (kvh, hd) = check(k_cache, k_cache, &[], rotation)?;
+    let n = k_cache.dim(0)? * k_cache.dim(1)?;
+    if slots.len() != deltas.len() {
+        bail!(
+            "rotate_k: {} slots and {} deltas",
+            slots.len(),
+            deltas.len()
+        )
+    }
+    if let Some(s) = slots.iter().find(|&&s| s as usize >= n) {
+        bail!("rotate_k: slot {s} outside the cache of {n} slots")
+    }
+    let mut seen = std::collections::HashSet::with_capacity(slots.len());
+    if let Some(s) = slots.iter().find(|s| !seen.insert(**s)) {
+        bail!("rotate_k: slot {s} appears twice")
+    }
+    Ok((kvh, hd))
+}
+
+/// Rotates the K rows of `slots` in place, row `i` by `deltas[i]` positions
+/// (`rotation.delta` is ignored): the cached keys of a position map that
+/// changed (SelfExtend's add and divide). Each row is rotated once, so a
+/// slot may appear only once.
+pub fn rotate_k(
+    k_cache: &Tensor,
+    slots: &[u32],
+    deltas: &[i64],
+    rotation: &Rotation,
+) -> Result<()> {
+    let (n_kv_heads, head_dim) = check_rotate(k_cache, slots, deltas, rotation)?;
+    if slots.is_empty() {
+        return Ok(());
+    }
+    k_cache.inplace_op1(&RotateSlots {
+        slots,
+        deltas,
+        rotation,
+        n_kv_heads,
+        head_dim,
+    })
+}
+
+/// Reference for [`rotate_k`]: the slots of each delta as in-place moves of
+/// [`shift_kv_slow`], one delta after another; a new K tensor.
+pub fn rotate_k_slow(
+    k_cache: &Tensor,
+    slots: &[u32],
+    deltas: &[i64],
+    rotation: &Rotation,
+) -> Result<Tensor> {
+    check_rotate(k_cache, slots, deltas, rotation)?;
+    let mut k = k_cache.copy()?;
+    let mut seen: Vec<i64> = deltas.to_vec();
+    seen.sort_unstable();
+    seen.dedup();
+    for d in seen.into_iter().filter(|&d| d != 0) {
+        let moves: Vec<(u32, u32)> = slots
+            .iter()
+            .zip(deltas)
+            .filter(|(_, &x)| x == d)
+            .map(|(&s, _)| (s, s))
+            .collect();
+        let r = Rotation {
+            delta: d,
+            ..rotation.clone()
+        };
+        k = shift_kv_slow(&k, &k, &moves, &r)?.0;
+    }
+    Ok(k)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -264,6 +387,53 @@ mod tests {
             err.to_string().contains("destination 3 appears twice"),
             "{err}"
         );
+        Ok(())
+    }
+
+    /// Per-slot deltas (several rows per delta, zeros, any order) against
+    /// the reference, for every cache type; rotating by a then by b equals
+    /// one rotation by a + b.
+    #[test]
+    fn rotate_k_matches_reference_and_composes() -> Result<()> {
+        let inv_freq: Vec<f32> = (0..16)
+            .map(|i| 10000f32.powf(-(2 * i) as f32 / 32.0))
+            .collect();
+        let slots: Vec<u32> = vec![9, 0, 3, 15, 4, 11, 7];
+        let deltas: Vec<i64> = vec![-5, 12, -5, 0, -300, 12, 4095];
+        for style in [RopeStyle::Interleaved, RopeStyle::Neox] {
+            let rot = Rotation {
+                style,
+                inv_freq: inv_freq.clone(),
+                delta: 0,
+            };
+            for t in KvType::ALL {
+                let k = seeded_cache(&[4, 4, 2, 32], 31, t)?;
+                let want = rotate_k_slow(&k, &slots, &deltas, &rot)?;
+                rotate_k(&k, &slots, &deltas, &rot)?;
+                let tol = match t {
+                    KvType::F32 => 1e-6,
+                    KvType::Q8_0 => 1.0 / 127.0 + 1e-3,
+                    KvType::Q4_0 => 1.0 / 8.0 + 1e-3,
+                    _ => 1e-2,
+                };
+                let d = max_abs_diff(&dequantize_cache(&k)?, &dequantize_cache(&want)?)?;
+                assert!(d <= tol, "{style:?} {t}: {d}");
+            }
+            let k = seeded(&[4, 4, 2, 32], 32, DType::F32)?;
+            let once = rotate_k_slow(&k, &[1, 2], &[7, -40], &rot)?;
+            rotate_k(&k, &[1, 2], &[3, -16], &rot)?;
+            rotate_k(&k, &[2, 1], &[-24, 4], &rot)?;
+            assert!(max_abs_diff(&k, &once)? < 1e-5);
+        }
+        let k = seeded(&[4, 4, 2, 32], 1, DType::F32)?;
+        let rot = Rotation {
+            style: RopeStyle::Neox,
+            inv_freq,
+            delta: 0,
+        };
+        assert!(rotate_k(&k, &[1, 1], &[2, 3], &rot).is_err());
+        assert!(rotate_k(&k, &[16], &[2], &rot).is_err());
+        assert!(rotate_k(&k, &[1], &[2, 3], &rot).is_err());
         Ok(())
     }
 

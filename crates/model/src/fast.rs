@@ -395,7 +395,11 @@ fn bad(msg: String) -> ModelError {
 /// Checks every index of the batch against the cache before any is used.
 fn check_batch(b: &Batch, num_slots: usize, num_blocks: usize) -> Result<usize> {
     let t = b.tokens.len();
-    if b.positions.len() != t || b.slots.len() != t || b.token_seq.len() != t {
+    if b.positions.len() != t
+        || b.slots.len() != t
+        || b.token_seq.len() != t
+        || b.rope_positions.is_some_and(|r| r.len() != t)
+    {
         return Err(bad(
             "tokens, positions, slots and sequences differ in length".into(),
         ));
@@ -737,7 +741,7 @@ impl Llama {
         for ((c, s), f) in fast.cos.iter_mut().zip(&mut fast.sin).zip(&self.inv_freqs) {
             grow(c, t * half);
             grow(s, t * half);
-            rope_angles(f, batch.positions, &mut c[..t * half], &mut s[..t * half]);
+            rope_angles(f, batch.rope(), &mut c[..t * half], &mut s[..t * half]);
         }
         grow(&mut fast.logits, picks * vocab);
         let levels = fast.acts.levels();

@@ -96,8 +96,12 @@ pub struct LayerKv {
 pub struct Batch<'a> {
     /// New tokens of all sequences, concatenated.
     pub tokens: &'a [u32],
-    /// Position of each new token in its sequence.
+    /// Position of each new token in its sequence (its row in the block
+    /// table; attention is causal by it).
     pub positions: &'a [u32],
+    /// The RoPE position of each new token where it is not `positions`
+    /// (SelfExtend's position map); `None`: `positions`.
+    pub rope_positions: Option<&'a [u32]>,
     /// Cache slot receiving each new token's K/V.
     pub slots: &'a [u32],
     /// Sequence index of each new token (row of `block_tables`).
@@ -127,6 +131,11 @@ pub struct SlidingBatch<'a> {
 pub const NO_BLOCK: u32 = u32::MAX;
 
 impl<'a> Batch<'a> {
+    /// The positions RoPE rotates each new token's Q and K by.
+    pub fn rope(&self) -> &'a [u32] {
+        self.rope_positions.unwrap_or(self.positions)
+    }
+
     /// The slots and block tables that layers with `window` read and write.
     pub fn pool_for(&self, window: usize) -> (&'a [u32], &'a [u32]) {
         match (window, self.sliding) {
@@ -481,7 +490,7 @@ impl Llama {
             windows: &windows,
         };
         let picks = Tensor::new(batch.logits_for, &self.device)?;
-        self.run(batch.tokens, batch.positions, &mut attn, &picks)
+        self.run(batch.tokens, batch.rope(), &mut attn, &picks)
     }
 
     /// Reference forward of one sequence over a dense f32 cache: logits of

@@ -437,6 +437,7 @@ impl ScatteredPrompt {
         crate::Batch {
             tokens,
             positions: &self.positions,
+            rope_positions: None,
             slots: &self.slots,
             token_seq: &self.seq,
             block_tables: &self.table,
@@ -520,6 +521,7 @@ pub fn paged_greedy_with(
         let batch = crate::Batch {
             tokens: &toks[done..end],
             positions: &positions,
+            rope_positions: None,
             slots: &slots,
             token_seq: &token_seq,
             block_tables: &table,
@@ -564,6 +566,7 @@ pub fn prefill_logits(
     let batch = crate::Batch {
         tokens,
         positions: &positions,
+        rope_positions: None,
         slots: &positions,
         token_seq: &seq,
         block_tables: &table,
@@ -825,6 +828,7 @@ pub fn batch_invariance_case(
         let batch = crate::Batch {
             tokens: &tokens,
             positions: &positions,
+            rope_positions: None,
             slots: &slots,
             token_seq: &seq_ids,
             block_tables: &flat,

@@ -354,6 +354,7 @@ fn several_sequences_in_one_forward_equal_each_alone() {
         let batch = Batch {
             tokens,
             positions: &positions,
+            rope_positions: None,
             slots: &sl,
             token_seq: &seq,
             block_tables: table,
@@ -391,6 +392,7 @@ fn several_sequences_in_one_forward_equal_each_alone() {
         let batch = Batch {
             tokens,
             positions: &positions,
+            rope_positions: None,
             slots: &sl,
             token_seq: &seq,
             block_tables: &tables,
@@ -740,4 +742,43 @@ fn logits_are_the_same_bits_in_any_batch() {
             assert!(n > 0);
         }
     }
+}
+
+/// RoPE positions apart from the tokens' positions (SelfExtend's map): both
+/// forwards rotate by them, and they change the result.
+#[test]
+fn rope_positions_drive_both_forwards() {
+    let (_d, m) = tiny(TinySpec::default());
+    let ids: Vec<u32> = (0..30).map(|i| (i * 5 + 1) % 200).collect();
+    let layout = crate::testing::ScatteredPrompt::new(ids.len(), 16, 4);
+    let picks: Vec<u32> = (0..ids.len() as u32).collect();
+    let batch = layout.batch(&ids, &picks);
+    let rope: Vec<u32> = batch.positions.iter().map(|&p| p / 3 + 2).collect();
+    let mapped = crate::Batch {
+        rope_positions: Some(&rope),
+        ..batch
+    };
+    let run = |b: &crate::Batch, reference: bool| {
+        let cache = m.llama.new_cache(16, 4, DType::F32).unwrap();
+        let out = if reference {
+            m.llama.forward_reference(b, &cache)
+        } else {
+            m.llama.forward_threads(b, &cache, 2)
+        };
+        out.unwrap().to_vec2::<f32>().unwrap()
+    };
+    let (fast, reference) = (run(&mapped, false), run(&mapped, true));
+    let big = reference.iter().flatten().fold(1f32, |a, v| a.max(v.abs()));
+    assert!(max_diff(&fast, &reference) < 2e-4 * big);
+    assert!(
+        max_diff(&fast, &run(&batch, false)) > 1e-3 * big,
+        "the map is used"
+    );
+    let short = [0u32; 3];
+    let bad = crate::Batch {
+        rope_positions: Some(&short),
+        ..batch
+    };
+    let cache = m.llama.new_cache(16, 4, DType::F32).unwrap();
+    assert!(m.llama.forward_threads(&bad, &cache, 2).is_err());
 }

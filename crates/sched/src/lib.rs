@@ -106,6 +106,9 @@ pub struct NewRequest {
     /// Start from the longest cached prefix (when the prefix cache is on).
     /// Off, every token is computed; what it computed is still cached.
     pub reuse_prefix: bool,
+    /// Its K/V is its own (keys rotated for its own position map:
+    /// SelfExtend): it neither reads the prefix tree nor adds to it.
+    pub private: bool,
 }
 
 /// Why a request was refused at [`Scheduler::add`].
@@ -215,6 +218,8 @@ struct Request {
     shift_keep: Option<usize>,
     /// Matches the prefix tree at admission.
     reuse: bool,
+    /// Never reads or adds to the prefix tree.
+    private: bool,
     /// Prompt tokens served from the cache at first admission.
     cached: Option<usize>,
     /// Blocks it holds at most (prompt and new tokens, within the context).
@@ -337,7 +342,8 @@ impl Scheduler {
                 ns: r.namespace,
                 tokens: r.prompt,
                 shift_keep: r.shift_keep,
-                reuse: r.reuse_prefix,
+                reuse: r.reuse_prefix && !r.private,
+                private: r.private,
                 cached: None,
                 most_blocks: needed,
                 solo_until: None,
@@ -594,7 +600,7 @@ impl Scheduler {
         if let State::Running { seq, .. } = self.get(req)?.state {
             let s = self.kv.sequence(seq)?;
             let computed = s.num_computed() == s.len();
-            let cached = if self.cfg.prefix_cache && computed {
+            let cached = if self.cfg.prefix_cache && computed && !self.get(req)?.private {
                 self.kv.insert_sequence(seq).map(drop)
             } else {
                 Ok(())
@@ -730,7 +736,8 @@ impl Scheduler {
             let computed = item.start + item.tokens.len();
             self.kv.mark_computed(item.seq, computed)?;
             let prefill = item.tokens.len() > 1 || !item.wants_logits;
-            if self.cfg.prefix_cache && prefill {
+            let private = self.reqs.get(&item.req).is_some_and(|r| r.private);
+            if self.cfg.prefix_cache && prefill && !private {
                 // The end of a prompt is a point requests resume from.
                 if item.wants_logits {
                     self.kv.insert_prompt(item.seq)?;
@@ -834,12 +841,14 @@ impl Scheduler {
         }
         let (ns, tokens, shift_keep, cached) = (r.ns, r.tokens.clone(), r.shift_keep, r.cached);
         let (most_blocks, solo_until, reuse) = (r.most_blocks, r.solo_until, r.reuse);
+        let private = r.private;
         let child_seq = self.kv.fork(seq)?;
         let child = Request {
             ns,
             tokens,
             shift_keep,
             reuse,
+            private,
             cached,
             most_blocks,
             solo_until,

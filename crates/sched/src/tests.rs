@@ -70,6 +70,7 @@ impl Sim {
             max_new_tokens: max_new,
             shift_keep,
             reuse_prefix: true,
+            private: false,
         })
     }
 
@@ -258,6 +259,7 @@ fn a_request_without_prefix_reuse_computes_everything_and_the_cache_keeps_one_co
         max_new_tokens: 2,
         shift_keep: None,
         reuse_prefix: false,
+        private: false,
     });
     sim.step();
     let item = &sim.log.last().unwrap().items[0];
@@ -344,6 +346,7 @@ fn requests_that_cannot_fit_alone_are_rejected_with_numbers() {
             max_new_tokens: 20,
             shift_keep: None,
             reuse_prefix: true,
+            private: false,
         })
         .unwrap_err();
     assert_eq!(
@@ -366,6 +369,7 @@ fn requests_that_cannot_fit_alone_are_rejected_with_numbers() {
             max_new_tokens: 1,
             shift_keep: None,
             reuse_prefix: true,
+            private: false,
         })
         .unwrap_err();
     assert_eq!(
@@ -900,4 +904,35 @@ fn finishing_requests_with_unwritten_tokens_frees_them_uncached() {
         sim.sched.finish(a),
         Err(SchedError::UnknownRequest(r)) if r == a
     ));
+}
+
+/// A private request (SelfExtend's rotated keys) computes its whole prompt
+/// though the tree holds it, and leaves nothing in the tree; the same
+/// outputs as a shared one.
+#[test]
+fn private_requests_neither_read_nor_fill_the_prefix_tree() {
+    let mut sim = Sim::new(64, 4, cfg(64, 8));
+    let shared = sim.add(&prompt(1, 12), 4);
+    sim.run();
+    let held = sim.sched.kv().stats().cached_tokens;
+    assert!(held >= 12);
+    let private = sim.add_req(NewRequest {
+        namespace: NS,
+        prompt: token_ids(&prompt(1, 12)),
+        max_new_tokens: 4,
+        shift_keep: None,
+        reuse_prefix: true,
+        private: true,
+    });
+    sim.run();
+    let computed: usize = sim
+        .log
+        .iter()
+        .flat_map(|p| &p.items)
+        .filter(|i| i.req == private)
+        .map(|i| i.tokens.len())
+        .sum();
+    assert_eq!(computed, 12 + 3, "every prompt token computed");
+    assert_eq!(sim.sched.kv().stats().cached_tokens, held, "nothing added");
+    assert_eq!(sim.outputs()[&private], sim.outputs()[&shared]);
 }

@@ -670,3 +670,149 @@ fn scores_are_the_prefills_log_probabilities() {
     drop(engine);
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// SelfExtend: a sequence computed in chunks, its cached keys rotated in
+/// place each time the map moves, ends with the layer-0 K and V of a fresh
+/// computation at the final positions (layer 0 sees only the token and its
+/// position), and its positions did move.
+#[test]
+fn self_extend_rotations_equal_a_fresh_computation_at_the_final_positions() {
+    let (mut core, dir) = tiny_worker(CacheDType::F32);
+    let ids: Vec<u32> = (0..90).map(|i| 5 + (i * 11) % 90).collect();
+    let toks = token_ids(&ids);
+    let ga = SelfExtend::new(4, 16).unwrap().unwrap();
+    let bs = core.sched.kv().block_size();
+    let (seq, _) = core.sched.kv_mut().add_sequence(core.ns, &[]);
+    let mut map = PositionMap::new(ga);
+    let mut at = 0;
+    for chunk in toks.chunks(7) {
+        let plan = core.append_now(seq, chunk).unwrap();
+        core.apply_append(&plan).unwrap();
+        let table: Vec<u32> = core
+            .sched
+            .kv()
+            .sequence(seq)
+            .unwrap()
+            .block_table()
+            .iter()
+            .map(|b| b.0)
+            .collect();
+        let rope = advance(&core.runner, &mut map, at, chunk.len(), &table, bs).unwrap();
+        let part = Part {
+            tokens: chunk,
+            start: at,
+            slots: plan.slots.iter().map(|s| s.0).collect(),
+            table,
+            logits_from: None,
+            sliding: None,
+            rope,
+        };
+        core.runner.forward(&[part]).unwrap();
+        at += chunk.len();
+        core.sched.kv_mut().mark_computed(seq, at).unwrap();
+    }
+    // The last chunk's tokens came after the final move: move once more so
+    // that every key has been rotated to the final map.
+    let moved = map.compress();
+    let table: Vec<u32> = core
+        .sched
+        .kv()
+        .sequence(seq)
+        .unwrap()
+        .block_table()
+        .iter()
+        .map(|b| b.0)
+        .collect();
+    let slots: Vec<u32> = moved
+        .iter()
+        .map(|&(i, _)| table[i / bs] * bs as u32 + (i % bs) as u32)
+        .collect();
+    let deltas: Vec<i64> = moved.iter().map(|&(_, d)| d).collect();
+    core.runner.rotate_keys(&slots, &deltas).unwrap();
+    let finals: Vec<u32> = map.positions().iter().map(|&p| p as u32).collect();
+    assert!(
+        finals.iter().enumerate().any(|(i, &p)| p as usize != i),
+        "positions moved"
+    );
+    let (extended, _) = core.read_kv(seq, ids.len()).unwrap();
+
+    let (fresh, _) = core.sched.kv_mut().add_sequence(core.ns, &[]);
+    let plan = core.append_now(fresh, &toks).unwrap();
+    core.apply_append(&plan).unwrap();
+    let table: Vec<u32> = core
+        .sched
+        .kv()
+        .sequence(fresh)
+        .unwrap()
+        .block_table()
+        .iter()
+        .map(|b| b.0)
+        .collect();
+    let part = Part {
+        tokens: &toks,
+        start: 0,
+        slots: plan.slots.iter().map(|s| s.0).collect(),
+        table,
+        logits_from: None,
+        sliding: None,
+        rope: finals,
+    };
+    core.runner.forward(&[part]).unwrap();
+    core.sched.kv_mut().mark_computed(fresh, ids.len()).unwrap();
+    let (want, _) = core.read_kv(fresh, ids.len()).unwrap();
+    let dk = max_abs(&extended[0].k, &want[0].k);
+    let dv = max_abs(&extended[0].v, &want[0].v);
+    assert!(
+        dk < 1e-4 && dv < 1e-4,
+        "layer 0: K differs by {dk}, V by {dv}"
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// A SelfExtend request neither reads the prefix cache nor adds to it; one
+/// whose tokens stay within the window computes what a request without it
+/// does; settings llama.cpp refuses, n > 1 and a context shift are refused
+/// with a message.
+#[test]
+fn self_extend_requests_are_private_and_checked() {
+    let (engine, dir) = tiny_engine(small_cfg());
+    let p = prompts()[0].clone();
+    let plain = engine.complete(&greedy(&p, 6), &mut |_| {}).unwrap();
+    let cached_before = engine.stats().kv.cached_tokens;
+    let mut req = greedy(&p, 6);
+    req.self_extend = Some(SelfExtend { n: 2, w: 256 });
+    let within = engine.complete(&req, &mut |_| {}).unwrap();
+    assert_eq!(within.usage.cached_tokens, 0, "no reuse");
+    assert_eq!(
+        within.tokens, plain.tokens,
+        "nothing moves inside the window"
+    );
+    assert_eq!(
+        engine.stats().kv.cached_tokens,
+        cached_before,
+        "nothing cached"
+    );
+    req.self_extend = Some(SelfExtend { n: 2, w: 4 });
+    let moved = engine.complete(&req, &mut |_| {}).unwrap();
+    assert_eq!(moved.usage.cached_tokens, 0);
+    assert_eq!(engine.stats().kv.cached_tokens, cached_before);
+    for (ga, n, shift, want) in [
+        (SelfExtend { n: 4, w: 10 }, 1, ContextShift::Off, "multiple"),
+        (SelfExtend { n: 2, w: 8 }, 2, ContextShift::Off, "n > 1"),
+        (
+            SelfExtend { n: 2, w: 8 },
+            1,
+            ContextShift::Keep(4),
+            "context shift",
+        ),
+    ] {
+        let mut r = greedy(&p, 4);
+        r.self_extend = Some(ga);
+        r.n = n;
+        r.context_shift = shift;
+        let err = engine.complete_n(&r, &mut |_| {}).unwrap_err().to_string();
+        assert!(err.contains(want), "{err}");
+    }
+    drop(engine);
+    std::fs::remove_dir_all(dir).unwrap();
+}
