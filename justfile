@@ -85,6 +85,13 @@ bench-kv-types: model bench-deps
     CARGO_TARGET_DIR=target/native RUSTFLAGS="-C target-cpu=native" cargo build --release -p tessera
     python3 scripts/kv_types.py
 
+# SelfExtend past the default model's trained context: perplexity at 16,384 tokens with and without
+# it, beside llama.cpp's llama-perplexity (which has none); then the README's table.
+bench-self-extend: model bench-deps
+    sh scripts/build_llama_tools.sh
+    CARGO_TARGET_DIR=target/native RUSTFLAGS="-C target-cpu=native" cargo build --release -p tessera
+    python3 scripts/self_extend.py
+
 # 2,000 random requests with injected faults: leaks, errors, RSS (target/bench/soak.json, then the README's soak table).
 bench-soak requests="2000": model
     cargo build --release -p tessera

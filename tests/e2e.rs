@@ -4,7 +4,6 @@
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-use candle_core::DType;
 use tessera_engine::{Engine, EngineConfig, GenerateRequest, Message, Prompt, SamplingParams};
 use tessera_kernels::Activations;
 use tessera_model::testing::{dense_greedy, max_diff, paged_greedy, ScatteredPrompt};
@@ -75,7 +74,8 @@ fn paged_cache_matches_a_dense_f32_cache() {
             m.tokenizer.encode(p, Special::AsText, true).unwrap()
         };
         let (dense, dl) = dense_greedy(&m.llama, &ids, 64).unwrap();
-        let (paged, pl) = paged_greedy(&m.llama, &ids, 64, usize::MAX, DType::F32).unwrap();
+        let (paged, pl) =
+            paged_greedy(&m.llama, &ids, 64, usize::MAX, tessera_kernels::KvType::F32).unwrap();
         assert_eq!(paged, dense, "prompt {p:?}");
         // Same weights, same f32 arithmetic; only the attention's summation
         // order differs (blockwise online softmax versus one softmax), which
@@ -104,7 +104,10 @@ fn fast_forward_matches_the_candle_reference_on_the_real_model() {
     let layout = ScatteredPrompt::new(n, nb, bs);
     let picks: Vec<u32> = (0..n as u32).collect();
     let batch = layout.batch(&ids, &picks);
-    let cache = m.llama.new_cache(nb, bs, DType::F32).unwrap();
+    let cache = m
+        .llama
+        .new_cache(nb, bs, tessera_kernels::KvType::F32)
+        .unwrap();
     let reference = m.llama.forward_reference(&batch, &cache).unwrap();
     let r = reference.to_vec2::<f32>().unwrap();
     let argmax = |v: &[f32]| (0..v.len()).max_by(|&a, &b| v[a].total_cmp(&v[b])).unwrap();
@@ -142,7 +145,7 @@ fn real_model_logits_are_the_same_bits_in_any_batch() {
                 100 + seed,
                 m.tokenizer.vocab_size() as u32,
                 share,
-                DType::F16,
+                tessera_kernels::KvType::F16,
             )
             .unwrap();
             assert!(n > 0);
@@ -157,9 +160,10 @@ fn chunked_and_token_by_token_prefill_continue_identically() {
         .template
         .encode(&m.tokenizer, &[Message::new("user", PROMPTS[2])], true)
         .unwrap();
-    let (whole, _) = paged_greedy(&m.llama, &ids, 32, usize::MAX, DType::F16).unwrap();
-    let (sevens, _) = paged_greedy(&m.llama, &ids, 32, 7, DType::F16).unwrap();
-    let (ones, _) = paged_greedy(&m.llama, &ids, 32, 1, DType::F16).unwrap();
+    let (whole, _) =
+        paged_greedy(&m.llama, &ids, 32, usize::MAX, tessera_kernels::KvType::F16).unwrap();
+    let (sevens, _) = paged_greedy(&m.llama, &ids, 32, 7, tessera_kernels::KvType::F16).unwrap();
+    let (ones, _) = paged_greedy(&m.llama, &ids, 32, 1, tessera_kernels::KvType::F16).unwrap();
     assert_eq!(sevens, whole);
     assert_eq!(ones, whole);
     // And through the engine with its own chunking.

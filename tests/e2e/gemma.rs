@@ -4,7 +4,6 @@
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-use candle_core::DType;
 use tessera_kernels::Activations;
 use tessera_model::testing::{dense_greedy, max_diff, paged_greedy, ScatteredPrompt};
 use tessera_model::{Model, Special};
@@ -50,7 +49,10 @@ fn gemma3_fast_forward_matches_the_reference_past_the_window() {
     let layout = ScatteredPrompt::new(n, nb, bs);
     let picks: Vec<u32> = vec![0, 100, 511, 512, 513, 560, 599];
     let batch = layout.batch(&ids, &picks);
-    let cache = m.llama.new_cache(nb, bs, DType::F32).unwrap();
+    let cache = m
+        .llama
+        .new_cache(nb, bs, tessera_kernels::KvType::F32)
+        .unwrap();
     let r = m
         .llama
         .forward_reference(&batch, &cache)
@@ -80,7 +82,8 @@ fn gemma3_paged_cache_matches_a_dense_cache_past_the_window() {
     let ids = text_tokens(m, 530);
     let (dense, dl) = dense_greedy(&m.llama, &ids, 12).unwrap();
     for chunk in [usize::MAX, 100] {
-        let (paged, pl) = paged_greedy(&m.llama, &ids, 12, chunk, DType::F32).unwrap();
+        let (paged, pl) =
+            paged_greedy(&m.llama, &ids, 12, chunk, tessera_kernels::KvType::F32).unwrap();
         assert_eq!(paged, dense, "chunk {chunk}");
         let big = dl.iter().flatten().fold(1f32, |m, v| m.max(v.abs()));
         let d = max_diff(&pl, &dl);

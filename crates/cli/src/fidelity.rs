@@ -9,7 +9,6 @@
 //! writes its own greedy replies, compared with f32's token by token.
 
 use anyhow::Result;
-use candle_core::DType;
 use tessera_model::testing::{paged_greedy, prefill_logits};
 use tessera_model::{Activations, Message, Model};
 
@@ -76,7 +75,7 @@ pub fn fidelity(model: Model, args: &BenchArgs) -> Result<()> {
                     ids,
                     REPLY,
                     usize::MAX,
-                    DType::F16,
+                    tessera_engine::CacheDType::F16,
                 )?
                 .0))
             })
@@ -88,7 +87,7 @@ pub fn fidelity(model: Model, args: &BenchArgs) -> Result<()> {
         let mut out = Vec::new();
         for (ids, reply) in corpus {
             let all: Vec<u32> = ids.iter().chain(reply).copied().collect();
-            let rows = prefill_logits(llama, &all, DType::F16)?;
+            let rows = prefill_logits(llama, &all, tessera_engine::CacheDType::F16)?;
             out.extend(rows.into_iter().skip(ids.len() - 1).take(reply.len()));
         }
         Ok(out)

@@ -313,14 +313,6 @@ impl KvType {
     }
 }
 
-/// A float dtype as a cache type (the quantized types have no dtype of
-/// their own; any other dtype is a programming error).
-impl From<DType> for KvType {
-    fn from(d: DType) -> KvType {
-        KvType::from_dtype(d).unwrap_or_else(|| panic!("{d:?} is not a KV cache dtype"))
-    }
-}
-
 impl std::fmt::Display for KvType {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())

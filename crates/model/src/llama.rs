@@ -375,7 +375,7 @@ impl Llama {
         &self,
         num_blocks: usize,
         block_size: usize,
-        dtype: impl Into<KvType>,
+        dtype: KvType,
     ) -> Result<Vec<LayerKv>> {
         self.new_split_cache(num_blocks, None, block_size, dtype)
     }
@@ -388,9 +388,9 @@ impl Llama {
         num_blocks: usize,
         sliding_blocks: Option<usize>,
         block_size: usize,
-        dtype: impl Into<KvType>,
+        dtype: KvType,
     ) -> Result<Vec<LayerKv>> {
-        let t: KvType = dtype.into();
+        let t = dtype;
         (0..self.cfg.n_layers)
             .map(|l| {
                 let blocks = match (self.cfg.layer_window(l), sliding_blocks) {

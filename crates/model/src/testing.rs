@@ -458,7 +458,7 @@ pub fn paged_greedy(
     prompt: &[u32],
     steps: usize,
     chunk: usize,
-    cache_dtype: impl Into<tessera_kernels::KvType> + Copy,
+    cache_dtype: tessera_kernels::KvType,
 ) -> Result<(Vec<u32>, Vec<Vec<f32>>)> {
     paged_greedy_with(model, prompt, steps, chunk, cache_dtype, None, false)
 }
@@ -473,7 +473,7 @@ pub fn paged_greedy_with(
     prompt: &[u32],
     steps: usize,
     chunk: usize,
-    cache_dtype: impl Into<tessera_kernels::KvType> + Copy,
+    cache_dtype: tessera_kernels::KvType,
     ring: Option<usize>,
     reference: bool,
 ) -> Result<(Vec<u32>, Vec<Vec<f32>>)> {
@@ -555,7 +555,7 @@ pub fn paged_greedy_with(
 pub fn prefill_logits(
     model: &crate::Llama,
     tokens: &[u32],
-    cache_dtype: impl Into<tessera_kernels::KvType> + Copy,
+    cache_dtype: tessera_kernels::KvType,
 ) -> Result<Vec<Vec<f32>>> {
     let bs = 16;
     let nb = tokens.len().div_ceil(bs) + 1;
@@ -773,7 +773,7 @@ pub fn batch_invariance_case(
     seed: u64,
     vocab: u32,
     share: bool,
-    cache_dtype: impl Into<tessera_kernels::KvType> + Copy,
+    cache_dtype: tessera_kernels::KvType,
 ) -> Result<usize> {
     let mut rng = Mutator::new(seed);
     let bs = 4usize;

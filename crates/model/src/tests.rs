@@ -3,7 +3,6 @@
 //! errors.
 
 use candle_core::quantized::GgmlDType;
-use candle_core::DType;
 use tessera_kernels::{Activations, KvType};
 
 use crate::testing::{dense_greedy, paged_greedy, write_tiny_gguf, write_tiny_model, TinySpec};
@@ -64,7 +63,8 @@ fn paged_equals_dense_and_chunking_does_not_matter() {
             .unwrap();
         let (dense, dl) = dense_greedy(&m.llama, &prompt, 24).unwrap();
         for chunk in [usize::MAX, 7, 1] {
-            let (paged, pl) = paged_greedy(&m.llama, &prompt, 24, chunk, DType::F32).unwrap();
+            let (paged, pl) =
+                paged_greedy(&m.llama, &prompt, 24, chunk, tessera_kernels::KvType::F32).unwrap();
             assert_eq!(paged, dense, "{} chunk {chunk}", spec.arch);
             // Same f32 math in another summation order: ~1e-5 relative.
             let d = max_diff(&pl, &dl);
@@ -112,7 +112,8 @@ fn gemma3_block_paged_equals_dense_and_the_window_holds() {
         let prompt: Vec<u32> = (0..21).map(|i| (i * 11 + 4) % 150).collect();
         let (dense, dl) = dense_greedy(&m.llama, &prompt, 16).unwrap();
         for chunk in [usize::MAX, 7, 1] {
-            let (paged, pl) = paged_greedy(&m.llama, &prompt, 16, chunk, DType::F32).unwrap();
+            let (paged, pl) =
+                paged_greedy(&m.llama, &prompt, 16, chunk, tessera_kernels::KvType::F32).unwrap();
             assert_eq!(paged, dense, "{layers} layers, chunk {chunk}");
             let d = max_diff(&pl, &dl);
             assert!(
@@ -128,7 +129,7 @@ fn gemma3_block_paged_equals_dense_and_the_window_holds() {
                     &prompt,
                     16,
                     chunk,
-                    DType::F32,
+                    tessera_kernels::KvType::F32,
                     Some(ring),
                     reference,
                 )
@@ -143,8 +144,8 @@ fn gemma3_block_paged_equals_dense_and_the_window_holds() {
             let reach = layers * (TINY_WINDOW - 1);
             let mut other = prompt.clone();
             other[0] = (other[0] + 1) % 150;
-            let a = prefill_logits(&m.llama, &prompt, DType::F32).unwrap();
-            let b = prefill_logits(&m.llama, &other, DType::F32).unwrap();
+            let a = prefill_logits(&m.llama, &prompt, tessera_kernels::KvType::F32).unwrap();
+            let b = prefill_logits(&m.llama, &other, tessera_kernels::KvType::F32).unwrap();
             for p in 0..prompt.len() {
                 let same = a[p] == b[p];
                 assert_eq!(same, p > reach, "position {p}, reach {reach}");
@@ -371,13 +372,19 @@ fn several_sequences_in_one_forward_equal_each_alone() {
             .to_vec1::<f32>()
             .unwrap()
     };
-    let c1 = m.llama.new_cache(16, bs, DType::F32).unwrap();
+    let c1 = m
+        .llama
+        .new_cache(16, bs, tessera_kernels::KvType::F32)
+        .unwrap();
     let want_a = alone(&a, &ta, 0, &c1);
     let want_b = alone(&b, &tb, 0, &c1);
     let want_a2 = alone(&[5], &ta, a.len(), &c1);
     let want_b2 = alone(&[9], &tb, b.len(), &c1);
     // Together: both prompts in one call, then one decode token each.
-    let c2 = m.llama.new_cache(16, bs, DType::F32).unwrap();
+    let c2 = m
+        .llama
+        .new_cache(16, bs, tessera_kernels::KvType::F32)
+        .unwrap();
     let tables: Vec<u32> = ta.iter().chain(&tb).copied().collect();
     let together = |tokens: &[u32], starts: [usize; 2], lens: [usize; 2]| {
         let mut positions = Vec::new();
@@ -737,8 +744,14 @@ fn logits_are_the_same_bits_in_any_batch() {
             // batches run their attention in several token groups.
             let budget = if seed % 3 == 0 { 1000 } else { usize::MAX };
             m.llama.set_attention_budget(budget);
-            let n = crate::testing::batch_invariance_case(&m.llama, seed, 200, share, DType::F16)
-                .unwrap();
+            let n = crate::testing::batch_invariance_case(
+                &m.llama,
+                seed,
+                200,
+                share,
+                tessera_kernels::KvType::F16,
+            )
+            .unwrap();
             assert!(n > 0);
         }
     }
@@ -759,7 +772,10 @@ fn rope_positions_drive_both_forwards() {
         ..batch
     };
     let run = |b: &crate::Batch, reference: bool| {
-        let cache = m.llama.new_cache(16, 4, DType::F32).unwrap();
+        let cache = m
+            .llama
+            .new_cache(16, 4, tessera_kernels::KvType::F32)
+            .unwrap();
         let out = if reference {
             m.llama.forward_reference(b, &cache)
         } else {
@@ -779,6 +795,9 @@ fn rope_positions_drive_both_forwards() {
         rope_positions: Some(&short),
         ..batch
     };
-    let cache = m.llama.new_cache(16, 4, DType::F32).unwrap();
+    let cache = m
+        .llama
+        .new_cache(16, 4, tessera_kernels::KvType::F32)
+        .unwrap();
     assert!(m.llama.forward_threads(&bad, &cache, 2).is_err());
 }

@@ -610,7 +610,7 @@ fn logprobs_salts_and_prefix_reuse_off() {
     let all = tessera_model::testing::prefill_logits(
         &engine.model().llama,
         &prompt,
-        candle_core::DType::F32,
+        tessera_kernels::KvType::F32,
     )
     .unwrap();
     let logits = all.last().unwrap();
@@ -651,7 +651,7 @@ fn scores_are_the_prefills_log_probabilities() {
     let all = tessera_model::testing::prefill_logits(
         &engine.model().llama,
         &ids,
-        candle_core::DType::F32,
+        tessera_kernels::KvType::F32,
     )
     .unwrap();
     for (k, &(lp, top)) in got.iter().enumerate() {
