@@ -444,7 +444,7 @@ fn inspect(args: ModelArg) -> Result<()> {
     println!("context length: {}", c.context_length);
     println!("quantization:   {}", storage.join(", "));
     for t in CacheDType::ALL {
-        if t.is_quantized() && !c.head_dim.is_multiple_of(32) {
+        if t.is_quantized() && !c.head_dim.is_multiple_of(64) {
             continue;
         }
         println!(

@@ -416,7 +416,7 @@ pub fn kv_types(model: Model, args: &BenchArgs) -> Result<()> {
     let head_dim = model.config().head_dim;
     let types: Vec<CacheDType> = [CacheDType::F16, CacheDType::Q8_0, CacheDType::Q4_0]
         .into_iter()
-        .filter(|t| !t.is_quantized() || head_dim.is_multiple_of(32))
+        .filter(|t| !t.is_quantized() || head_dim.is_multiple_of(64))
         .collect();
     let per_token: Vec<usize> = types
         .iter()

@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Tensor};
 use tessera_kernels::{
-    copy_blocks, dequantize_cache, rotate_k, shift_kv, write_kv, KvType, Rotation,
+    copy_blocks, rotate_k, shift_kv, write_kv, write_kv_raw, KvType, Rotation,
 };
 use tessera_kv::{CopyOp, ShiftPlan, TokenId};
 use tessera_model::{Batch, LayerKv, Model, SlidingBatch, NO_BLOCK};
@@ -361,18 +361,15 @@ impl Runner {
             }
             let shape = [slots.len(), c.n_kv_heads, c.head_dim];
             let t = self.dtype();
-            // Quantized rows go through f32: whole blocks quantize back to
-            // the same bytes.
-            let from = |b: &[u8]| -> Result<Tensor> {
-                let b = &b[skip * row..];
-                if t.is_quantized() {
-                    let rows = t.shape(slots.len(), 1, c.n_kv_heads, c.head_dim)?;
-                    let q = Tensor::from_raw_buffer(b, DType::U8, rows.dims(), dev)?;
-                    let f = dequantize_cache(&q)?;
-                    Ok(f.reshape((slots.len(), c.n_kv_heads, c.head_dim))?)
-                } else {
-                    Ok(Tensor::from_raw_buffer(b, t.storage_dtype(), &shape, dev)?)
-                }
+            if t.is_quantized() {
+                // Quantized rows go back byte for byte.
+                let n = slots.len() * row;
+                write_kv_raw(&layer.k, &bytes.k[skip * row..][..n], slots)?;
+                write_kv_raw(&layer.v, &bytes.v[skip * row..][..n], slots)?;
+                continue;
+            }
+            let from = |b: &[u8]| {
+                Tensor::from_raw_buffer(&b[skip * row..], t.storage_dtype(), &shape, dev)
             };
             write_kv(&layer.k, &from(&bytes.k)?, slots)?;
             write_kv(&layer.v, &from(&bytes.v)?, slots)?;

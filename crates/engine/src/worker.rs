@@ -190,9 +190,9 @@ impl KvLayout {
                 ));
             }
         }
-        if cfg.cache_dtype.is_quantized() && !mc.head_dim.is_multiple_of(32) {
+        if cfg.cache_dtype.is_quantized() && !mc.head_dim.is_multiple_of(64) {
             return Err(EngineError::Invalid(format!(
-                "a {} KV cache quantizes each head's row in blocks of 32 values; this model's head_dim is {} (use --cache-dtype f16, bf16 or f32)",
+                "a {} KV cache rotates and quantizes each head's row 64 values at a time; this model's head_dim is {} (use --cache-dtype f16, bf16 or f32)",
                 cfg.cache_dtype, mc.head_dim
             )));
         }

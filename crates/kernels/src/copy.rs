@@ -77,7 +77,7 @@ mod tests {
     #[test]
     fn matches_reference() -> Result<()> {
         for dtype in crate::KvType::ALL {
-            let cache = crate::testing::seeded_cache(&[8, 4, 2, 32], 9, dtype)?;
+            let cache = crate::testing::seeded_cache(&[8, 4, 2, 64], 9, dtype)?;
             let pairs = [(7, 0), (3, 1), (5, 6)];
             let want = copy_blocks_slow(&cache, &pairs)?;
             copy_blocks(&cache, &pairs)?;

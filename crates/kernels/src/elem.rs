@@ -4,7 +4,7 @@
 use candle_core::{bail, CpuStorage, Layout, Result};
 use half::{bf16, f16, slice::HalfFloatSliceExt};
 
-use crate::quant::{QBlock, QK};
+use crate::quant::{decode_row, encode_row, QBlock, QK};
 
 /// A cache storage unit: one value, or one quantized block of
 /// [`KvElem::PER`] values. Slices of units map to `PER` times as many f32s;
@@ -16,17 +16,14 @@ pub(crate) trait KvElem: Copy + Send + Sync + 'static {
     fn store(src: &[f32], dst: &mut [Self]);
 }
 
+/// Whole head rows of blocks, stored rotated (see [`crate::quant`]).
 impl<B: QBlock> KvElem for B {
     const PER: usize = QK;
     fn load(src: &[Self], dst: &mut [f32]) {
-        for (b, d) in src.iter().zip(dst.chunks_exact_mut(QK)) {
-            b.dequantize(d)
-        }
+        decode_row(src, dst)
     }
     fn store(src: &[f32], dst: &mut [Self]) {
-        for (b, s) in dst.iter_mut().zip(src.chunks_exact(QK)) {
-            *b = B::quantize(s)
-        }
+        encode_row(src, dst)
     }
 }
 

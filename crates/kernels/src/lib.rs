@@ -62,7 +62,7 @@ pub use quant::{dequantize_cache, quantize_cache, KvType};
 pub use rope::{RopeStyle, Rotation};
 pub use shift::{rotate_k, rotate_k_slow, shift_kv, shift_kv_slow};
 pub use simd::portable_forced;
-pub use write::{write_kv, write_kv_slow};
+pub use write::{write_kv, write_kv_raw, write_kv_slow};
 
 use candle_core::{bail, Result, Tensor};
 

@@ -14,8 +14,18 @@
 //! ```
 //!
 //! Quantizing a dequantized block gives the same block back (the largest
-//! value maps to ±127, or to −8, exactly), so moving a row through f32 (a
-//! context shift's V, a reference op on a dequantized copy) loses nothing.
+//! value maps to ±127, or to −8, exactly).
+//!
+//! **Rows are stored rotated**, as llama.cpp stores a quantized cache: each
+//! 64 values of a head row go through the orthonormal Walsh–Hadamard
+//! transform `H` (entries ±1/8, `H = Hᵀ = H⁻¹`) before they are quantized.
+//! It spreads a row's outliers over its blocks, so fewer values are lost to
+//! a block's one scale. `q·k = (Hq)·(Hk)` and `Σ p·v = H(Σ p·Hv)`, so the
+//! fast attention reads the blocks as they are, with `Hq` for queries and
+//! `H` applied to its output; every other reader (the reference attention,
+//! a context shift, sessions) un-rotates a row as it dequantizes it
+//! ([`decode_row`]), and RoPE always acts on un-rotated keys. Hence a
+//! quantized cache needs `head_dim` divisible by 64.
 //!
 //! A quantized cache tensor is `u8` of shape `[num_blocks, block_size,
 //! n_kv_heads, head_dim / 32, block bytes]`: its last dimension (34 or 18)
@@ -26,6 +36,52 @@ use half::f16;
 
 /// Values per quantized block.
 pub const QK: usize = 32;
+/// Values per Walsh–Hadamard rotation (two blocks).
+pub const ROT: usize = 64;
+
+/// The orthonormal Walsh–Hadamard transform of every 64 values of `x`
+/// (Sylvester order; its own inverse): butterflies `(a + b, a − b)` over
+/// strides 1 to 32, then a scale of 1/8 (exact).
+pub fn hadamard64(x: &mut [f32]) {
+    assert!(x.len().is_multiple_of(ROT), "rows of 64 values");
+    for c in x.chunks_exact_mut(ROT) {
+        let mut h = 1;
+        while h < ROT {
+            for i in (0..ROT).step_by(2 * h) {
+                for j in i..i + h {
+                    let (a, b) = (c[j], c[j + h]);
+                    c[j] = a + b;
+                    c[j + h] = a - b;
+                }
+            }
+            h *= 2;
+        }
+        for v in c.iter_mut() {
+            *v *= 0.125;
+        }
+    }
+}
+
+/// Quantizes whole head rows (`x.len()` a multiple of 64): rotated, then
+/// one block per 32 values.
+pub fn encode_row<B: QBlock>(x: &[f32], out: &mut [B]) {
+    let mut t = [0f32; ROT];
+    for (c, o) in x.chunks_exact(ROT).zip(out.chunks_exact_mut(2)) {
+        t.copy_from_slice(c);
+        hadamard64(&mut t);
+        o[0] = B::quantize(&t[..QK]);
+        o[1] = B::quantize(&t[QK..]);
+    }
+}
+
+/// The values of whole head rows of blocks (an even number), un-rotated.
+pub fn decode_row<B: QBlock>(blocks: &[B], out: &mut [f32]) {
+    for (b, o) in blocks.chunks_exact(2).zip(out.chunks_exact_mut(ROT)) {
+        b[0].dequantize(&mut o[..QK]);
+        b[1].dequantize(&mut o[QK..]);
+        hadamard64(o);
+    }
+}
 
 /// 32 values as signed bytes times an f16 scale (34 bytes, no padding).
 #[repr(C)]
@@ -145,7 +201,7 @@ pub(crate) fn blocks_mut<B: QBlock>(bytes: &mut [u8]) -> &mut [B] {
 }
 
 /// A quantized block type.
-pub(crate) trait QBlock: Copy + Send + Sync + 'static {
+pub trait QBlock: Copy + Send + Sync + 'static {
     const BYTES: usize;
     fn quantize(x: &[f32]) -> Self;
     fn dequantize(&self, out: &mut [f32]);
@@ -260,9 +316,9 @@ impl KvType {
         hd: usize,
     ) -> Result<Shape> {
         if self.is_quantized() {
-            if !hd.is_multiple_of(QK) {
+            if !hd.is_multiple_of(ROT) {
                 bail!(
-                    "a {} KV cache needs head_dim divisible by {QK}, the model has {hd}",
+                    "a {} KV cache needs head_dim divisible by {ROT}, the model has {hd}",
                     self.name()
                 )
             }
@@ -337,9 +393,7 @@ pub fn dequantize_cache(cache: &Tensor) -> Result<Tensor> {
 }
 
 fn decode_all<B: QBlock>(bytes: &[u8], out: &mut [f32]) {
-    for (b, o) in blocks::<B>(bytes).iter().zip(out.chunks_exact_mut(QK)) {
-        b.dequantize(o)
-    }
+    decode_row(blocks::<B>(bytes), out)
 }
 
 /// A cache tensor of type `to` holding `values` (`[num_blocks, block_size,
@@ -363,9 +417,7 @@ pub fn quantize_cache(values: &Tensor, to: KvType) -> Result<Tensor> {
 }
 
 fn encode_all<B: QBlock>(x: &[f32], bytes: &mut [u8]) {
-    for (b, v) in blocks_mut::<B>(bytes).iter_mut().zip(x.chunks_exact(QK)) {
-        *b = B::quantize(v)
-    }
+    encode_row(x, blocks_mut::<B>(bytes))
 }
 
 #[cfg(test)]
@@ -430,17 +482,64 @@ mod tests {
             assert_eq!(KvType::of(&q)?, t);
             assert_eq!(q.elem_count(), t.bytes_for(3 * 4 * 2 * 64));
             let back = dequantize_cache(&q)?;
-            let tol = if t == KvType::Q8_0 { 0.01 } else { 0.15 };
-            assert!(crate::testing::max_abs_diff(&x, &back)? < tol);
-            let again = quantize_cache(&back, t)?;
-            assert_eq!(again.to_vec1_flat()?, q.to_vec1_flat()?);
+            // Root-mean-square error (the rotation is orthonormal: it keeps
+            // the rounding's energy, spread over the row).
+            let tol = if t == KvType::Q8_0 { 0.005 } else { 0.08 };
+            let rms = (&x - &back)?.sqr()?.mean_all()?.sqrt()?.to_scalar::<f32>()?;
+            assert!(rms < tol, "{t}: rms error {rms}");
+            // Rotated and back: the same bytes but where a value sits on a
+            // rounding boundary.
+            let again = quantize_cache(&back, t)?.to_vec1_flat()?;
+            let q = q.to_vec1_flat()?;
+            let same = again.iter().zip(&q).filter(|(a, b)| a == b).count();
+            assert!(same * 100 >= again.len() * 99, "{same} of {}", again.len());
         }
-        assert!(KvType::Q8_0.shape(1, 1, 1, 48).is_err());
+        assert!(KvType::Q8_0.shape(1, 1, 1, 96).is_err());
         for t in KvType::ALL {
             assert_eq!(KvType::parse(t.name()), Some(t));
             assert_eq!(KvType::of(&t.zeros(2, 4, 1, 64, &Device::Cpu)?)?, t);
         }
         Ok(())
+    }
+
+    #[test]
+    fn hadamard_is_orthonormal_and_its_own_inverse() {
+        let x: Vec<f32> = (0..128)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+            .collect();
+        let mut y = x.clone();
+        hadamard64(&mut y);
+        for (a, b) in [(&x[..64], &y[..64]), (&x[64..], &y[64..])] {
+            let na: f32 = a.iter().map(|v| v * v).sum();
+            let nb: f32 = b.iter().map(|v| v * v).sum();
+            assert!((na - nb).abs() < 1e-3 * na);
+        }
+        // Row 1 of Sylvester's matrix: +, −, +, −, …
+        let mut e = vec![0f32; 64];
+        e[1] = 1.0;
+        hadamard64(&mut e);
+        let want = |i: usize| if i % 2 == 0 { 0.125 } else { -0.125 };
+        assert!(e.iter().enumerate().all(|(i, v)| *v == want(i)));
+        hadamard64(&mut y);
+        assert!(x.iter().zip(&y).all(|(a, b)| (a - b).abs() < 1e-5));
+        // An outlier spreads over the row: q4_0 keeps the row far better.
+        let mut row: Vec<f32> = (0..64)
+            .map(|i| ((i * 13 % 17) as f32 - 8.0) / 80.0)
+            .collect();
+        row[5] = 4.0;
+        let plain = [
+            BlockQ4_0::quantize(&row[..32]),
+            BlockQ4_0::quantize(&row[32..]),
+        ];
+        let mut rotated = plain;
+        encode_row(&row, &mut rotated);
+        let mut a = vec![0f32; 64];
+        plain[0].dequantize(&mut a[..32]);
+        plain[1].dequantize(&mut a[32..]);
+        let mut b = vec![0f32; 64];
+        decode_row(&rotated, &mut b);
+        let err = |v: &[f32]| -> f32 { v.iter().zip(&row).map(|(p, q)| (p - q) * (p - q)).sum() };
+        assert!(err(&b) < err(&a), "rotated {} vs plain {}", err(&b), err(&a));
     }
 
     trait Flat {

@@ -21,10 +21,21 @@ struct MoveSlots<'a> {
 impl MoveSlots<'_> {
     fn run<T: KvElem>(&self, cache: &mut [T]) {
         let row = self.n_kv_heads * self.head_dim;
+        let units = row / T::PER;
+        if self.rotation.is_none() {
+            // Unrotated rows move as they are (a quantized row exactly).
+            let mut raw = Vec::with_capacity(units * self.moves.len());
+            for &(src, _) in self.moves {
+                raw.extend_from_slice(&cache[src as usize * units..(src as usize + 1) * units]);
+            }
+            for (&(_, dst), r) in self.moves.iter().zip(raw.chunks_exact(units)) {
+                cache[dst as usize * units..(dst as usize + 1) * units].copy_from_slice(r);
+            }
+            return;
+        }
         let mut scratch = vec![0f32; row * self.moves.len()];
         let (cos, sin) = self.rotation.map(|r| r.cos_sin()).unwrap_or_default();
         // Gather (and rotate) every source first…
-        let units = row / T::PER;
         for (&(src, _), buf) in self.moves.iter().zip(scratch.chunks_exact_mut(row)) {
             let src = src as usize * units;
             T::load(&cache[src..src + units], buf);
@@ -121,15 +132,34 @@ pub fn shift_kv_slow(
     let (kvh, hd) = check(k_cache, v_cache, moves, rotation)?;
     let t = crate::KvType::of(k_cache)?;
     if t.is_quantized() {
-        // Dequantize, shift, quantize: what the kernel does row by row
-        // (rows that do not move quantize back to themselves).
-        let (k, v) = shift_kv_slow(
+        // What the kernel does row by row: moved K rows dequantized, shifted
+        // and quantized again; V rows and the rest as they are.
+        let (k, _) = shift_kv_slow(
             &crate::dequantize_cache(k_cache)?,
             &crate::dequantize_cache(v_cache)?,
             moves,
             rotation,
         )?;
-        return Ok((crate::quantize_cache(&k, t)?, crate::quantize_cache(&v, t)?));
+        let (nb, bs, _, _) = crate::cache_geometry(k_cache)?;
+        let n = nb * bs;
+        let dst: Vec<u32> = moves.iter().map(|m| m.1).collect();
+        let dev = k_cache.device();
+        let moved_k = crate::quantize_cache(&k, t)?
+            .reshape((n, ()))?
+            .index_select(&Tensor::new(dst, dev)?, 0)?;
+        let src = Tensor::new(moves.iter().map(|m| m.0).collect::<Vec<_>>(), dev)?;
+        let moved_v = v_cache.reshape((n, ()))?.index_select(&src, 0)?;
+        let mut pick: Vec<u32> = (0..n as u32).collect();
+        for (i, m) in moves.iter().enumerate() {
+            pick[m.1 as usize] = (n + i) as u32;
+        }
+        let pick = Tensor::new(pick, dev)?;
+        let splice = |c: &Tensor, rows: &Tensor| -> Result<Tensor> {
+            Tensor::cat(&[&c.reshape((n, ()))?, rows], 0)?
+                .index_select(&pick, 0)?
+                .reshape(c.shape())
+        };
+        return Ok((splice(k_cache, &moved_k)?, splice(v_cache, &moved_v)?));
     }
     let (nb, bs, _, _) = k_cache.dims4()?;
     let n = nb * bs;
@@ -313,8 +343,8 @@ mod tests {
     fn matches_reference_for_both_rope_styles() -> Result<()> {
         // Positions 6..10 move down by 4 (a plan_shift of keep 2, discard 4).
         let moves: Vec<(u32, u32)> = (6..10).map(|p| (p, p - 4)).collect();
-        let inv_freq: Vec<f32> = (0..16)
-            .map(|i| 10000f32.powf(-(2 * i) as f32 / 32.0))
+        let inv_freq: Vec<f32> = (0..32)
+            .map(|i| 10000f32.powf(-(2 * i) as f32 / 64.0))
             .collect();
         for style in [RopeStyle::Interleaved, RopeStyle::Neox] {
             for dtype in KvType::ALL {
@@ -323,8 +353,8 @@ mod tests {
                     inv_freq: inv_freq.clone(),
                     delta: -4,
                 };
-                let k = seeded_cache(&[3, 4, 2, 32], 11, dtype)?;
-                let v = seeded_cache(&[3, 4, 2, 32], 12, dtype)?;
+                let k = seeded_cache(&[3, 4, 2, 64], 11, dtype)?;
+                let v = seeded_cache(&[3, 4, 2, 64], 12, dtype)?;
                 let (wk, wv) = shift_kv_slow(&k, &v, &moves, &rot)?;
                 shift_kv(&k, &v, &moves, &rot)?;
                 // Rotations that differ in the last bit may round to the
@@ -395,8 +425,8 @@ mod tests {
     /// one rotation by a + b.
     #[test]
     fn rotate_k_matches_reference_and_composes() -> Result<()> {
-        let inv_freq: Vec<f32> = (0..16)
-            .map(|i| 10000f32.powf(-(2 * i) as f32 / 32.0))
+        let inv_freq: Vec<f32> = (0..32)
+            .map(|i| 10000f32.powf(-(2 * i) as f32 / 64.0))
             .collect();
         let slots: Vec<u32> = vec![9, 0, 3, 15, 4, 11, 7];
         let deltas: Vec<i64> = vec![-5, 12, -5, 0, -300, 12, 4095];
@@ -407,7 +437,7 @@ mod tests {
                 delta: 0,
             };
             for t in KvType::ALL {
-                let k = seeded_cache(&[4, 4, 2, 32], 31, t)?;
+                let k = seeded_cache(&[4, 4, 2, 64], 31, t)?;
                 let want = rotate_k_slow(&k, &slots, &deltas, &rot)?;
                 rotate_k(&k, &slots, &deltas, &rot)?;
                 let tol = match t {
@@ -419,13 +449,13 @@ mod tests {
                 let d = max_abs_diff(&dequantize_cache(&k)?, &dequantize_cache(&want)?)?;
                 assert!(d <= tol, "{style:?} {t}: {d}");
             }
-            let k = seeded(&[4, 4, 2, 32], 32, DType::F32)?;
+            let k = seeded(&[4, 4, 2, 64], 32, DType::F32)?;
             let once = rotate_k_slow(&k, &[1, 2], &[7, -40], &rot)?;
             rotate_k(&k, &[1, 2], &[3, -16], &rot)?;
             rotate_k(&k, &[2, 1], &[-24, 4], &rot)?;
             assert!(max_abs_diff(&k, &once)? < 1e-5);
         }
-        let k = seeded(&[4, 4, 2, 32], 1, DType::F32)?;
+        let k = seeded(&[4, 4, 2, 64], 1, DType::F32)?;
         let rot = Rotation {
             style: RopeStyle::Neox,
             inv_freq,

@@ -1,6 +1,6 @@
 //! `write_kv`: scatter the K (or V) rows of new tokens into their slots.
 
-use candle_core::{bail, CpuStorage, DType, InplaceOp2, Layout, Result, Tensor};
+use candle_core::{bail, CpuStorage, DType, InplaceOp1, InplaceOp2, Layout, Result, Tensor};
 
 use crate::elem::{f32_data, with_cache_mut, KvElem};
 
@@ -63,15 +63,68 @@ pub fn write_kv(cache: &Tensor, new: &Tensor, slots: &[u32]) -> Result<()> {
     cache.inplace_op2(&new, &WriteKv { slots })
 }
 
+/// `cache` with rows `rows` (`[slots.len(), row]` of its storage dtype) at
+/// `slots`, as a new tensor.
+fn splice_rows(cache: &Tensor, rows: &Tensor, slots: &[u32]) -> Result<Tensor> {
+    let n = cache.dim(0)? * cache.dim(1)?;
+    let mut pick: Vec<u32> = (0..n as u32).collect();
+    for (i, &s) in slots.iter().enumerate() {
+        pick[s as usize] = (n + i) as u32;
+    }
+    let pick = Tensor::new(pick, cache.device())?;
+    Tensor::cat(&[&cache.reshape((n, ()))?, rows], 0)?
+        .index_select(&pick, 0)?
+        .reshape(cache.shape())
+}
+
+/// Stores raw rows (`rows`: `slots.len()` rows of the cache's own bytes,
+/// as [`crate::quant`] lays them out) at `slots`: a saved quantized row
+/// goes back byte for byte.
+pub fn write_kv_raw(cache: &Tensor, rows: &[u8], slots: &[u32]) -> Result<()> {
+    let (nb, bs, kvh, hd) = crate::cache_geometry(cache)?;
+    let t = crate::KvType::of(cache)?;
+    let row = t.bytes_for(kvh * hd);
+    if !t.is_quantized() || rows.len() != row * slots.len() {
+        bail!(
+            "write_kv_raw: {} bytes for {} rows of a {t} cache ({row} bytes each)",
+            rows.len(),
+            slots.len()
+        )
+    }
+    if let Some(&s) = slots.iter().find(|&&s| s as usize >= nb * bs) {
+        bail!("write_kv_raw: slot {s} outside the cache of {} slots", nb * bs)
+    }
+    struct Raw<'a>(&'a [u8], &'a [u32], usize);
+    impl InplaceOp1 for Raw<'_> {
+        fn name(&self) -> &'static str {
+            "write_kv_raw"
+        }
+        fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout) -> Result<()> {
+            let CpuStorage::U8(d) = s else {
+                bail!("write_kv_raw: not a quantized cache")
+            };
+            let d = crate::elem::contiguous_mut(d, l, "KV cache")?;
+            let row = self.2;
+            for (i, &s) in self.1.iter().enumerate() {
+                d[s as usize * row..(s as usize + 1) * row]
+                    .copy_from_slice(&self.0[i * row..(i + 1) * row]);
+            }
+            Ok(())
+        }
+    }
+    cache.inplace_op1(&Raw(rows, slots, row))
+}
+
 /// Reference for [`write_kv`] in plain candle ops: the cache with the rows
 /// replaced, as a new tensor.
 pub fn write_kv_slow(cache: &Tensor, new: &Tensor, slots: &[u32]) -> Result<Tensor> {
     check(cache, new, slots)?;
     let t = crate::KvType::of(cache)?;
     if t.is_quantized() {
-        // Whole blocks quantize to themselves, so only the new rows change.
-        let f = write_kv_slow(&crate::dequantize_cache(cache)?, new, slots)?;
-        return crate::quantize_cache(&f, t);
+        // The new rows quantized, spliced into the cache's bytes.
+        let (_, _, kvh, hd) = crate::cache_geometry(cache)?;
+        let rows = crate::quantize_cache(&new.reshape((slots.len(), 1, kvh, hd))?, t)?;
+        return splice_rows(cache, &rows.reshape((slots.len(), ()))?, slots);
     }
     let (nb, bs, kvh, hd) = cache.dims4()?;
     let n = nb * bs;
@@ -97,8 +150,8 @@ mod tests {
     #[test]
     fn matches_reference_for_every_cache_dtype() -> Result<()> {
         for dtype in crate::KvType::ALL {
-            let cache = crate::testing::seeded_cache(&[6, 4, 3, 32], 1, dtype)?;
-            let new = seeded(&[5, 3, 32], 2, DType::F32)?;
+            let cache = crate::testing::seeded_cache(&[6, 4, 3, 64], 1, dtype)?;
+            let new = seeded(&[5, 3, 64], 2, DType::F32)?;
             let slots = [0, 7, 9, 23, 12];
             let want = write_kv_slow(&cache, &new, &slots)?;
             write_kv(&cache, &new, &slots)?;

@@ -39,7 +39,7 @@ use std::sync::Mutex;
 
 use candle_core::Tensor;
 use tessera_kernels::pool::{Shared, StepPool, Team};
-use tessera_kernels::quant::{BlockQ4_0, BlockQ8_0, QK};
+use tessera_kernels::quant::{encode_row, hadamard64, QK, ROT};
 use tessera_kernels::{
     attend_item, cache_geometry, cache_raw, exp_nonpositive, matvec, merge, qmatvec, quantize_row,
     ActBlock, Activations, AttnInput, AttnPlan, AttnScratch, AttnShape, CacheRaw, Isa, KvRows,
@@ -630,22 +630,17 @@ unsafe fn store_row(cache: CacheRaw, at: usize, src: &[f32]) {
             let dst = std::slice::from_raw_parts_mut(p.add(at) as *mut half::bf16, src.len());
             half::slice::HalfFloatSliceExt::convert_from_f32_slice(dst, src);
         }
-        // A head row is whole blocks (head_dim is a multiple of 32).
+        // A head row is whole rotations of 64 values (head_dim is a
+        // multiple of 64): rotated, then quantized.
         CacheRaw::Q8_0(p, len) => {
             let (b, n) = (at / QK, src.len() / QK);
-            assert!(at % QK == 0 && src.len() % QK == 0 && b + n <= len);
-            let dst = std::slice::from_raw_parts_mut(p.add(b), n);
-            for (d, s) in dst.iter_mut().zip(src.chunks_exact(QK)) {
-                *d = BlockQ8_0::quantize(s);
-            }
+            assert!(at % QK == 0 && src.len() % ROT == 0 && b + n <= len);
+            encode_row(src, std::slice::from_raw_parts_mut(p.add(b), n));
         }
         CacheRaw::Q4_0(p, len) => {
             let (b, n) = (at / QK, src.len() / QK);
-            assert!(at % QK == 0 && src.len() % QK == 0 && b + n <= len);
-            let dst = std::slice::from_raw_parts_mut(p.add(b), n);
-            for (d, s) in dst.iter_mut().zip(src.chunks_exact(QK)) {
-                *d = BlockQ4_0::quantize(s);
-            }
+            assert!(at % QK == 0 && src.len() % ROT == 0 && b + n <= len);
+            encode_row(src, std::slice::from_raw_parts_mut(p.add(b), n));
         }
     }
 }
@@ -879,6 +874,7 @@ impl Llama {
             };
             for (l, (lc, w)) in layers.iter().zip(&weights).enumerate() {
                 let (ck, cv) = raw[l];
+                let rotated = matches!(ck, CacheRaw::Q8_0(..) | CacheRaw::Q4_0(..));
                 let (cos, sin) = (&cos[lc.rope][..t * half], &sin[lc.rope][..t * half]);
                 let sh = shapes[lc.wset];
                 let (slots, tables) = batch.pool_for(sh.window);
@@ -940,6 +936,10 @@ impl Llama {
                         let slot = slots[i] as usize;
                         match which {
                             0 => unsafe {
+                                // Against a quantized cache's rotated keys.
+                                if rotated {
+                                    hadamard64(row);
+                                }
                                 q.part((i * nh + head) * hd, (i * nh + head + 1) * hd)
                                     .copy_from_slice(row)
                             },
@@ -985,6 +985,9 @@ impl Llama {
                         let at = (g0 * nh + p) * hd;
                         let out = unsafe { a.part(at, at + hd) };
                         merge(&st[first..], chunks, nh * rec, hd, out);
+                        if rotated {
+                            hadamard64(out);
+                        }
                     }
                     team.barrier();
                 }

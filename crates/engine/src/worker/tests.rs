@@ -7,8 +7,8 @@ fn tiny_worker(dtype: CacheDType) -> (Worker, std::path::PathBuf) {
     static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let n = N.fetch_add(1, Ordering::SeqCst);
     let dir = std::env::temp_dir().join(format!("tessera-worker-{}-{n}", std::process::id()));
-    // Quantized caches need head_dim a multiple of 32.
-    let hidden = if dtype.is_quantized() { 128 } else { 64 };
+    // Quantized caches need head_dim a multiple of 64.
+    let hidden = if dtype.is_quantized() { 256 } else { 64 };
     write_tiny_model(
         &dir,
         TinySpec {
