@@ -187,6 +187,8 @@ fn inspect_reports_geometry_and_kv_cost() {
         "9 query, 3 KV, head_dim 64",
         "Q4_1 ×210",
         "23040 B with a f16 cache",
+        "12240 B with a q8_0 cache",
+        "6480 B with a q4_0 cache",
         "context length: 8192",
     ] {
         assert!(s.contains(needle), "{needle:?} missing in:\n{s}");
@@ -220,6 +222,38 @@ fn tiny_safetensors_model_runs() {
 #[test]
 fn bad_input_gives_clear_errors() {
     let dir = scratch("bad");
+    fails_with(
+        &tessera(
+            &[
+                "run",
+                "--model",
+                &model(),
+                "--prompt",
+                "x",
+                "--grp-attn-n",
+                "4",
+                "--grp-attn-w",
+                "10",
+            ],
+            None,
+        ),
+        "grp_attn_w (10) must be a positive multiple of grp_attn_n (4)",
+    );
+    fails_with(
+        &tessera(
+            &[
+                "run",
+                "--model",
+                &model(),
+                "--prompt",
+                "x",
+                "--cache-dtype",
+                "q5_1",
+            ],
+            None,
+        ),
+        "is not a cache dtype (f16, bf16, f32, q8_0, q4_0)",
+    );
     fails_with(
         &tessera(
             &["run", "--model", "/nonexistent/model.gguf", "--prompt", "x"],

@@ -15,9 +15,7 @@
 use std::sync::Arc;
 
 use candle_core::{DType, Tensor};
-use tessera_kernels::{
-    copy_blocks, rotate_k, shift_kv, write_kv, write_kv_raw, KvType, Rotation,
-};
+use tessera_kernels::{copy_blocks, rotate_k, shift_kv, write_kv, write_kv_raw, KvType, Rotation};
 use tessera_kv::{CopyOp, ShiftPlan, TokenId};
 use tessera_model::{Batch, LayerKv, Model, SlidingBatch, NO_BLOCK};
 

@@ -427,7 +427,11 @@ impl KvRows<'_> {
             }
             KvRows::Q4_0(v) => {
                 let b = v.get_unchecked(p / QK);
-                L::load_q4(&b.qs, p % QK != 0, L::f16(u16::from_le_bytes(b.d)))
+                L::load_q4(
+                    &b.qs,
+                    !p.is_multiple_of(QK),
+                    L::f16(u16::from_le_bytes(b.d)),
+                )
             }
         }
     }

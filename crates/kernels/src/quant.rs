@@ -183,7 +183,7 @@ impl BlockQ4_0 {
 /// reads back as NaN (as an f16 cache would keep it) instead of as zeros.
 #[inline]
 fn finite(x: &[f32; QK]) -> bool {
-    x.iter().fold(0f32, |s, &v| s + (v - v)) == 0.0
+    x.iter().all(|v| v.is_finite())
 }
 
 /// Reinterprets bytes as blocks (both block types are byte arrays: align 1).
@@ -485,7 +485,11 @@ mod tests {
             // Root-mean-square error (the rotation is orthonormal: it keeps
             // the rounding's energy, spread over the row).
             let tol = if t == KvType::Q8_0 { 0.005 } else { 0.08 };
-            let rms = (&x - &back)?.sqr()?.mean_all()?.sqrt()?.to_scalar::<f32>()?;
+            let rms = (&x - &back)?
+                .sqr()?
+                .mean_all()?
+                .sqrt()?
+                .to_scalar::<f32>()?;
             assert!(rms < tol, "{t}: rms error {rms}");
             // Rotated and back: the same bytes but where a value sits on a
             // rounding boundary.
@@ -518,7 +522,7 @@ mod tests {
         let mut e = vec![0f32; 64];
         e[1] = 1.0;
         hadamard64(&mut e);
-        let want = |i: usize| if i % 2 == 0 { 0.125 } else { -0.125 };
+        let want = |i: usize| if i.is_multiple_of(2) { 0.125 } else { -0.125 };
         assert!(e.iter().enumerate().all(|(i, v)| *v == want(i)));
         hadamard64(&mut y);
         assert!(x.iter().zip(&y).all(|(a, b)| (a - b).abs() < 1e-5));
@@ -539,7 +543,12 @@ mod tests {
         let mut b = vec![0f32; 64];
         decode_row(&rotated, &mut b);
         let err = |v: &[f32]| -> f32 { v.iter().zip(&row).map(|(p, q)| (p - q) * (p - q)).sum() };
-        assert!(err(&b) < err(&a), "rotated {} vs plain {}", err(&b), err(&a));
+        assert!(
+            err(&b) < err(&a),
+            "rotated {} vs plain {}",
+            err(&b),
+            err(&a)
+        );
     }
 
     trait Flat {

@@ -92,7 +92,10 @@ pub fn write_kv_raw(cache: &Tensor, rows: &[u8], slots: &[u32]) -> Result<()> {
         )
     }
     if let Some(&s) = slots.iter().find(|&&s| s as usize >= nb * bs) {
-        bail!("write_kv_raw: slot {s} outside the cache of {} slots", nb * bs)
+        bail!(
+            "write_kv_raw: slot {s} outside the cache of {} slots",
+            nb * bs
+        )
     }
     struct Raw<'a>(&'a [u8], &'a [u32], usize);
     impl InplaceOp1 for Raw<'_> {

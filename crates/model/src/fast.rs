@@ -634,12 +634,12 @@ unsafe fn store_row(cache: CacheRaw, at: usize, src: &[f32]) {
         // multiple of 64): rotated, then quantized.
         CacheRaw::Q8_0(p, len) => {
             let (b, n) = (at / QK, src.len() / QK);
-            assert!(at % QK == 0 && src.len() % ROT == 0 && b + n <= len);
+            assert!(at.is_multiple_of(QK) && src.len().is_multiple_of(ROT) && b + n <= len);
             encode_row(src, std::slice::from_raw_parts_mut(p.add(b), n));
         }
         CacheRaw::Q4_0(p, len) => {
             let (b, n) = (at / QK, src.len() / QK);
-            assert!(at % QK == 0 && src.len() % ROT == 0 && b + n <= len);
+            assert!(at.is_multiple_of(QK) && src.len().is_multiple_of(ROT) && b + n <= len);
             encode_row(src, std::slice::from_raw_parts_mut(p.add(b), n));
         }
     }
