@@ -156,6 +156,17 @@ pub(crate) mod x86 {
 
     use super::Lanes;
 
+    /// The low (or high) nibbles of sixteen q4_0 bytes, less 8, as signed
+    /// bytes.
+    #[inline(always)]
+    unsafe fn nibbles(q: &[u8; 16], high: bool) -> __m128i {
+        let mut b = _mm_loadu_si128(q.as_ptr() as *const __m128i);
+        if high {
+            b = _mm_srli_epi16(b, 4);
+        }
+        _mm_sub_epi8(_mm_and_si128(b, _mm_set1_epi8(0xF)), _mm_set1_epi8(8))
+    }
+
     #[derive(Clone, Copy)]
     pub(crate) struct Avx512(__m512);
 
@@ -198,12 +209,7 @@ pub(crate) mod x86 {
         }
         #[inline(always)]
         unsafe fn load_q4(q: &[u8; 16], high: bool, d: f32) -> Self {
-            let mut b = _mm_loadu_si128(q.as_ptr() as *const __m128i);
-            if high {
-                b = _mm_srli_epi16(b, 4);
-            }
-            let b = _mm_sub_epi8(_mm_and_si128(b, _mm_set1_epi8(0xF)), _mm_set1_epi8(8));
-            let i = _mm512_cvtepi8_epi32(b);
+            let i = _mm512_cvtepi8_epi32(nibbles(q, high));
             Avx512(_mm512_mul_ps(_mm512_cvtepi32_ps(i), _mm512_set1_ps(d)))
         }
         #[inline(always)]
@@ -335,12 +341,7 @@ pub(crate) mod x86 {
         }
         #[inline(always)]
         unsafe fn load_q4(q: &[u8; 16], high: bool, d: f32) -> Self {
-            let mut b = _mm_loadu_si128(q.as_ptr() as *const __m128i);
-            if high {
-                b = _mm_srli_epi16(b, 4);
-            }
-            let b = _mm_sub_epi8(_mm_and_si128(b, _mm_set1_epi8(0xF)), _mm_set1_epi8(8));
-            Avx2::bytes(b, d)
+            Avx2::bytes(nibbles(q, high), d)
         }
         #[inline(always)]
         unsafe fn prefetch(p: *const u8) {

@@ -671,6 +671,11 @@ fn scores_are_the_prefills_log_probabilities() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
+fn table_of(core: &Worker, seq: SeqId) -> Vec<u32> {
+    let s = core.sched.kv().sequence(seq).unwrap();
+    s.block_table().iter().map(|b| b.0).collect()
+}
+
 /// SelfExtend: a sequence computed in chunks, its cached keys rotated in
 /// place each time the map moves, ends with the layer-0 K and V of a fresh
 /// computation at the final positions (layer 0 sees only the token and its
@@ -688,15 +693,7 @@ fn self_extend_rotations_equal_a_fresh_computation_at_the_final_positions() {
     for chunk in toks.chunks(7) {
         let plan = core.append_now(seq, chunk).unwrap();
         core.apply_append(&plan).unwrap();
-        let table: Vec<u32> = core
-            .sched
-            .kv()
-            .sequence(seq)
-            .unwrap()
-            .block_table()
-            .iter()
-            .map(|b| b.0)
-            .collect();
+        let table = table_of(&core, seq);
         let rope = advance(&core.runner, &mut map, at, chunk.len(), &table, bs).unwrap();
         let part = Part {
             tokens: chunk,
@@ -714,15 +711,7 @@ fn self_extend_rotations_equal_a_fresh_computation_at_the_final_positions() {
     // The last chunk's tokens came after the final move: move once more so
     // that every key has been rotated to the final map.
     let moved = map.compress();
-    let table: Vec<u32> = core
-        .sched
-        .kv()
-        .sequence(seq)
-        .unwrap()
-        .block_table()
-        .iter()
-        .map(|b| b.0)
-        .collect();
+    let table = table_of(&core, seq);
     let slots: Vec<u32> = moved
         .iter()
         .map(|&(i, _)| table[i / bs] * bs as u32 + (i % bs) as u32)
@@ -739,15 +728,7 @@ fn self_extend_rotations_equal_a_fresh_computation_at_the_final_positions() {
     let (fresh, _) = core.sched.kv_mut().add_sequence(core.ns, &[]);
     let plan = core.append_now(fresh, &toks).unwrap();
     core.apply_append(&plan).unwrap();
-    let table: Vec<u32> = core
-        .sched
-        .kv()
-        .sequence(fresh)
-        .unwrap()
-        .block_table()
-        .iter()
-        .map(|b| b.0)
-        .collect();
+    let table = table_of(&core, fresh);
     let part = Part {
         tokens: &toks,
         start: 0,
