@@ -48,6 +48,24 @@ impl SelfExtend {
         }
         Ok(Some(SelfExtend { n, w }))
     }
+
+    /// Whether the engine can run this setting: llama.cpp's checks, and
+    /// no sliding-window layers (their pool's keys are not re-rotated).
+    pub(crate) fn check(self, sliding_layers: bool) -> Result<(), String> {
+        SelfExtend::new(self.n, self.w)?;
+        if sliding_layers {
+            return Err(self.refusal("a model with sliding-window layers"));
+        }
+        Ok(())
+    }
+
+    /// The message refusing this setting together with `what`.
+    pub(crate) fn refusal(self, what: &str) -> String {
+        format!(
+            "SelfExtend (grp_attn_n {}, grp_attn_w {}) does not work with {what}",
+            self.n, self.w
+        )
+    }
 }
 
 /// One sequence's RoPE positions under SelfExtend.

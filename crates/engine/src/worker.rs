@@ -34,7 +34,7 @@ use tracing::{debug, debug_span, error, warn};
 
 use crate::request::{Active, Group, Next};
 use crate::runner::{Part, Rows, Runner};
-use crate::self_extend::{PositionMap, SelfExtend};
+use crate::self_extend::PositionMap;
 use crate::snapshot::KvSnapshot;
 use crate::stream::Event;
 use crate::types::{
@@ -183,12 +183,8 @@ impl KvLayout {
     pub(crate) fn new(mc: &tessera_model::ModelConfig, cfg: &EngineConfig) -> Result<KvLayout> {
         let bs = cfg.block_size.max(1);
         if let Some(ga) = cfg.self_extend {
-            SelfExtend::new(ga.n, ga.w).map_err(EngineError::Invalid)?;
-            if mc.sliding_window().is_some() {
-                return Err(EngineError::Invalid(
-                    "SelfExtend does not work with a model with sliding-window layers yet".into(),
-                ));
-            }
+            ga.check(mc.sliding_window().is_some())
+                .map_err(EngineError::Invalid)?;
         }
         if cfg.cache_dtype.is_quantized() && !mc.head_dim.is_multiple_of(64) {
             return Err(EngineError::Invalid(format!(
@@ -417,21 +413,17 @@ impl Worker {
         };
         let self_extend = req.self_extend.or(self.cfg.self_extend);
         if let Some(ga) = self_extend {
-            SelfExtend::new(ga.n, ga.w).map_err(EngineError::Invalid)?;
+            ga.check(self.sched.kv().window().is_some())
+                .map_err(EngineError::Invalid)?;
             let why = if req.n > 1 {
                 Some("n > 1 (its samples would share keys that each one rotates)")
             } else if shift_keep.is_some() {
                 Some("a context shift (use one or the other)")
-            } else if self.sched.kv().window().is_some() {
-                Some("a model with sliding-window layers")
             } else {
                 None
             };
             if let Some(why) = why {
-                return Err(EngineError::Invalid(format!(
-                    "SelfExtend (grp_attn_n {}, grp_attn_w {}) does not work with {why}",
-                    ga.n, ga.w
-                )));
+                return Err(EngineError::Invalid(ga.refusal(why)));
             }
         }
         let id = self
@@ -563,33 +555,33 @@ impl Worker {
             }
         }
         let split = self.sched.kv().window().is_some();
-        self.maps.retain(|id, _| self.active.contains_key(id));
-        let mut ropes = Vec::with_capacity(plan.items.len());
-        for i in &plan.items {
-            let rope = match self.maps.get_mut(&i.req) {
-                Some(map) => {
-                    let table: Vec<u32> = i.block_table.iter().map(|b| b.0).collect();
-                    let bs = self.sched.kv().block_size();
-                    advance(&self.runner, map, i.start, i.tokens.len(), &table, bs)?
-                }
-                None => Vec::new(),
-            };
-            ropes.push(rope);
-        }
-        let parts: Vec<Part> = plan
+        let mut parts: Vec<Part> = plan
             .items
             .iter()
-            .zip(ropes)
-            .map(|(i, rope)| Part {
+            .map(|i| Part {
                 tokens: &i.tokens,
                 start: i.start,
                 slots: i.slots.iter().map(|s| s.0).collect(),
                 table: i.block_table.iter().map(|b| b.0).collect(),
                 logits_from: i.wants_logits.then(|| i.tokens.len() - 1),
                 sliding: split.then(|| sliding_part(&i.sliding_slots, &i.sliding_table)),
-                rope,
+                rope: Vec::new(),
             })
             .collect();
+        self.maps.retain(|id, _| self.active.contains_key(id));
+        let bs = self.sched.kv().block_size();
+        for (i, part) in plan.items.iter().zip(&mut parts) {
+            if let Some(map) = self.maps.get_mut(&i.req) {
+                part.rope = advance(
+                    &self.runner,
+                    map,
+                    part.start,
+                    part.tokens.len(),
+                    &part.table,
+                    bs,
+                )?;
+            }
+        }
         self.inject_fault(plan, &parts)?;
         self.runner.forward(&parts)
     }
@@ -895,7 +887,7 @@ impl Worker {
                     tokens: chunk,
                     start: at,
                     slots: plan.slots.iter().map(|s| s.0).collect(),
-                    table: s.block_table().iter().map(|b| b.0).collect(),
+                    table,
                     logits_from: (lo < hi).then_some(lo - at),
                     sliding: w.sliding_part(seq, &plan)?,
                     rope,

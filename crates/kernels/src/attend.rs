@@ -36,7 +36,7 @@ use crate::attention::{exp_nonpositive, window_start};
 use crate::lanes::x86;
 use crate::lanes::{reduce16, Lanes, Portable};
 use crate::matvec::{f16_to_f32, Isa};
-use crate::quant::{BlockQ4_0, BlockQ8_0, QK};
+use crate::quant::{BlockQ4_0, BlockQ8_0, QBlock, QK};
 
 /// Positions per chunk of context.
 pub const CHUNK: usize = 128;

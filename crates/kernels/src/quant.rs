@@ -104,8 +104,49 @@ impl BlockQ8_0 {
     pub fn scale(&self) -> f32 {
         f16::from_le_bytes(self.d).to_f32()
     }
+}
 
-    pub fn quantize(x: &[f32]) -> BlockQ8_0 {
+impl BlockQ4_0 {
+    #[inline]
+    pub fn scale(&self) -> f32 {
+        f16::from_le_bytes(self.d).to_f32()
+    }
+}
+
+/// A block with a NaN or an infinity quantizes to a NaN scale, so that it
+/// reads back as NaN (as an f16 cache would keep it) instead of as zeros.
+#[inline]
+fn finite(x: &[f32; QK]) -> bool {
+    x.iter().all(|v| v.is_finite())
+}
+
+/// Reinterprets bytes as blocks (both block types are byte arrays: align 1).
+pub(crate) fn blocks<B: QBlock>(bytes: &[u8]) -> &[B] {
+    assert!(bytes.len().is_multiple_of(B::BYTES));
+    // SAFETY: `B` is `repr(C)` of byte arrays (size B::BYTES, align 1, every
+    // bit pattern valid).
+    unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const B, bytes.len() / B::BYTES) }
+}
+
+pub(crate) fn blocks_mut<B: QBlock>(bytes: &mut [u8]) -> &mut [B] {
+    assert!(bytes.len().is_multiple_of(B::BYTES));
+    // SAFETY: as `blocks`.
+    unsafe { std::slice::from_raw_parts_mut(bytes.as_mut_ptr() as *mut B, bytes.len() / B::BYTES) }
+}
+
+/// A quantized block type.
+pub trait QBlock: Copy + Send + Sync + 'static {
+    const BYTES: usize;
+    /// GGML's rounding of 32 values.
+    fn quantize(x: &[f32]) -> Self;
+    /// The 32 values, `out[..32]`.
+    fn dequantize(&self, out: &mut [f32]);
+}
+
+impl QBlock for BlockQ8_0 {
+    const BYTES: usize = 34;
+
+    fn quantize(x: &[f32]) -> BlockQ8_0 {
         let x: &[f32; QK] = x.try_into().expect("32 values");
         let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
         if !finite(x) {
@@ -127,7 +168,7 @@ impl BlockQ8_0 {
     }
 
     #[inline]
-    pub fn dequantize(&self, out: &mut [f32]) {
+    fn dequantize(&self, out: &mut [f32]) {
         let d = self.scale();
         for (o, &q) in out[..QK].iter_mut().zip(&self.qs) {
             *o = f32::from(q) * d;
@@ -135,13 +176,10 @@ impl BlockQ8_0 {
     }
 }
 
-impl BlockQ4_0 {
-    #[inline]
-    pub fn scale(&self) -> f32 {
-        f16::from_le_bytes(self.d).to_f32()
-    }
+impl QBlock for BlockQ4_0 {
+    const BYTES: usize = 18;
 
-    pub fn quantize(x: &[f32]) -> BlockQ4_0 {
+    fn quantize(x: &[f32]) -> BlockQ4_0 {
         let x: &[f32; QK] = x.try_into().expect("32 values");
         let (mut amax, mut max) = (0f32, 0f32);
         for &v in x {
@@ -170,60 +208,12 @@ impl BlockQ4_0 {
     }
 
     #[inline]
-    pub fn dequantize(&self, out: &mut [f32]) {
+    fn dequantize(&self, out: &mut [f32]) {
         let d = self.scale();
         for (j, &b) in self.qs.iter().enumerate() {
             out[j] = f32::from((b & 0xF) as i8 - 8) * d;
             out[j + QK / 2] = f32::from((b >> 4) as i8 - 8) * d;
         }
-    }
-}
-
-/// A block with a NaN or an infinity quantizes to a NaN scale, so that it
-/// reads back as NaN (as an f16 cache would keep it) instead of as zeros.
-#[inline]
-fn finite(x: &[f32; QK]) -> bool {
-    x.iter().all(|v| v.is_finite())
-}
-
-/// Reinterprets bytes as blocks (both block types are byte arrays: align 1).
-pub(crate) fn blocks<B: QBlock>(bytes: &[u8]) -> &[B] {
-    assert!(bytes.len().is_multiple_of(B::BYTES));
-    // SAFETY: `B` is `repr(C)` of byte arrays (size B::BYTES, align 1, every
-    // bit pattern valid).
-    unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const B, bytes.len() / B::BYTES) }
-}
-
-pub(crate) fn blocks_mut<B: QBlock>(bytes: &mut [u8]) -> &mut [B] {
-    assert!(bytes.len().is_multiple_of(B::BYTES));
-    // SAFETY: as `blocks`.
-    unsafe { std::slice::from_raw_parts_mut(bytes.as_mut_ptr() as *mut B, bytes.len() / B::BYTES) }
-}
-
-/// A quantized block type.
-pub trait QBlock: Copy + Send + Sync + 'static {
-    const BYTES: usize;
-    fn quantize(x: &[f32]) -> Self;
-    fn dequantize(&self, out: &mut [f32]);
-}
-
-impl QBlock for BlockQ8_0 {
-    const BYTES: usize = 34;
-    fn quantize(x: &[f32]) -> Self {
-        BlockQ8_0::quantize(x)
-    }
-    fn dequantize(&self, out: &mut [f32]) {
-        BlockQ8_0::dequantize(self, out)
-    }
-}
-
-impl QBlock for BlockQ4_0 {
-    const BYTES: usize = 18;
-    fn quantize(x: &[f32]) -> Self {
-        BlockQ4_0::quantize(x)
-    }
-    fn dequantize(&self, out: &mut [f32]) {
-        BlockQ4_0::dequantize(self, out)
     }
 }
 

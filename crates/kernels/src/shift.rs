@@ -134,12 +134,8 @@ pub fn shift_kv_slow(
     if t.is_quantized() {
         // What the kernel does row by row: moved K rows dequantized, shifted
         // and quantized again; V rows and the rest as they are.
-        let (k, _) = shift_kv_slow(
-            &crate::dequantize_cache(k_cache)?,
-            &crate::dequantize_cache(v_cache)?,
-            moves,
-            rotation,
-        )?;
+        let kf = crate::dequantize_cache(k_cache)?;
+        let (k, _) = shift_kv_slow(&kf, &kf, moves, rotation)?;
         let (nb, bs, _, _) = crate::cache_geometry(k_cache)?;
         let n = nb * bs;
         let dst: Vec<u32> = moves.iter().map(|m| m.1).collect();

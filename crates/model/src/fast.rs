@@ -39,7 +39,7 @@ use std::sync::Mutex;
 
 use candle_core::Tensor;
 use tessera_kernels::pool::{Shared, StepPool, Team};
-use tessera_kernels::quant::{encode_row, hadamard64, QK, ROT};
+use tessera_kernels::quant::{encode_row, hadamard64, QBlock, QK, ROT};
 use tessera_kernels::{
     attend_item, cache_geometry, cache_raw, exp_nonpositive, matvec, merge, qmatvec, quantize_row,
     ActBlock, Activations, AttnInput, AttnPlan, AttnScratch, AttnShape, CacheRaw, Isa, KvRows,
@@ -630,19 +630,21 @@ unsafe fn store_row(cache: CacheRaw, at: usize, src: &[f32]) {
             let dst = std::slice::from_raw_parts_mut(p.add(at) as *mut half::bf16, src.len());
             half::slice::HalfFloatSliceExt::convert_from_f32_slice(dst, src);
         }
-        // A head row is whole rotations of 64 values (head_dim is a
-        // multiple of 64): rotated, then quantized.
-        CacheRaw::Q8_0(p, len) => {
-            let (b, n) = (at / QK, src.len() / QK);
-            assert!(at.is_multiple_of(QK) && src.len().is_multiple_of(ROT) && b + n <= len);
-            encode_row(src, std::slice::from_raw_parts_mut(p.add(b), n));
-        }
-        CacheRaw::Q4_0(p, len) => {
-            let (b, n) = (at / QK, src.len() / QK);
-            assert!(at.is_multiple_of(QK) && src.len().is_multiple_of(ROT) && b + n <= len);
-            encode_row(src, std::slice::from_raw_parts_mut(p.add(b), n));
-        }
+        CacheRaw::Q8_0(p, len) => store_blocks(p, len, at, src),
+        CacheRaw::Q4_0(p, len) => store_blocks(p, len, at, src),
     }
+}
+
+/// [`store_row`] into a quantized cache of `len` blocks at `p`: a head row
+/// is whole rotations of 64 values (head_dim is a multiple of 64), rotated,
+/// then quantized.
+///
+/// # Safety
+/// As [`store_row`].
+unsafe fn store_blocks<B: QBlock>(p: *mut B, len: usize, at: usize, src: &[f32]) {
+    let (b, n) = (at / QK, src.len() / QK);
+    assert!(at.is_multiple_of(QK) && src.len().is_multiple_of(ROT) && b + n <= len);
+    encode_row(src, std::slice::from_raw_parts_mut(p.add(b), n));
 }
 
 /// # Safety

@@ -1,6 +1,7 @@
 //! Worker tests on a tiny generated model.
 use super::*;
 use crate::types::CacheDType;
+use crate::SelfExtend;
 use tessera_model::testing::{write_tiny_model, TinySpec};
 
 fn tiny_worker(dtype: CacheDType) -> (Worker, std::path::PathBuf) {
