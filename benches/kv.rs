@@ -289,6 +289,58 @@ fn bench_attention(c: &mut Criterion) {
             })
         });
     }
+
+    // One decoding query through 30 layers' caches (SmolLM2's depth: 47 MB
+    // of f16 K/V, past the last-level cache), as a decode step meets them:
+    // each layer a pool of 8,192 tokens (allocated as the engine does)
+    // whose first blocks hold the context, as a fresh pool hands them out.
+    let layers = 30;
+    let pool = |x: &[u16]| {
+        let mut v = tessera_kernels::zeroed_huge::<u16>(4 * x.len());
+        for c in v.chunks_exact_mut(x.len()) {
+            c.copy_from_slice(x);
+        }
+        v
+    };
+    let (kl, vl): (Vec<Vec<u16>>, Vec<Vec<u16>>) =
+        (0..layers).map(|_| (pool(&kb), pool(&vb))).unzip();
+    let table: Vec<u32> = (256..256 + blocks as u32).collect();
+    let q = seeded(&[1, nh, hd], 3, DType::F32)
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    let (pos, seq) = (vec![ctx as u32 - 1], vec![0u32]);
+    let shape = AttnShape::new(nh, kvh, hd, bs);
+    let mut plan = AttnPlan::default();
+    plan.build(&shape, &seq, &pos);
+    let rec = shape.record();
+    let mut states = vec![0f32; plan.states * rec];
+    let mut sc = AttnScratch::default();
+    g.throughput(Throughput::Bytes((layers * ctx * kvh * hd * 2 * 2) as u64));
+    g.bench_function("decode_1_at_2048_30_layers", |b| {
+        b.iter(|| {
+            for (kb, vb) in kl.iter().zip(&vl) {
+                let inp = AttnInput {
+                    shape,
+                    q: &q,
+                    positions: &pos,
+                    token_seq: &seq,
+                    block_tables: &table,
+                    max_blocks: blocks,
+                    k: KvRows::F16(kb),
+                    v: KvRows::F16(vb),
+                };
+                for &item in &plan.items {
+                    attend_item(Isa::detect(), &inp, item, &mut sc, &mut |t, idx, r| {
+                        let at = (plan.base[t] + idx) * rec;
+                        states[at..at + rec].copy_from_slice(r);
+                    });
+                }
+            }
+            black_box(&states);
+        })
+    });
     g.finish();
 }
 

@@ -40,6 +40,10 @@ use crate::quant::{BlockQ4_0, BlockQ8_0, QBlock, QK};
 
 /// Positions per chunk of context.
 pub const CHUNK: usize = 128;
+/// Rows a decoding item prefetches ahead of the row it reads.
+const AHEAD: usize = 16;
+/// Chunks of context from which a decoding item covers all KV heads.
+const WIDE: usize = 4;
 /// Most query tokens of one sequence in one item.
 const TILE: usize = 16;
 
@@ -55,20 +59,6 @@ pub enum KvRows<'a> {
 }
 
 impl KvRows<'_> {
-    /// Hints the cache lines of `n` values at `at` (never faults).
-    #[inline(always)]
-    unsafe fn prefetch<L: Lanes>(&self, at: usize, n: usize) {
-        let (p, bytes) = match self {
-            KvRows::F32(v) => (v.as_ptr().wrapping_add(at) as *const u8, 4 * n),
-            KvRows::F16(v) | KvRows::Bf16(v) => (v.as_ptr().wrapping_add(at) as *const u8, 2 * n),
-            KvRows::Q8_0(v) => (v.as_ptr().wrapping_add(at / QK) as *const u8, n / QK * 34),
-            KvRows::Q4_0(v) => (v.as_ptr().wrapping_add(at / QK) as *const u8, n / QK * 18),
-        };
-        for l in (0..bytes).step_by(64) {
-            L::prefetch(p.wrapping_add(l));
-        }
-    }
-
     /// [`KvRows::load`], f16 sixteen values at a time by `L`'s conversion
     /// (exact: the same values).
     #[inline(always)]
@@ -174,7 +164,10 @@ impl AttnShape {
 pub struct Item {
     pub t0: u32,
     pub nt: u32,
+    /// The first KV head, and how many from it (more than one only for a
+    /// single token: its item reads whole cache slots).
     pub g: u32,
+    pub ng: u32,
     pub chunk: u32,
 }
 
@@ -213,12 +206,20 @@ impl AttnPlan {
                 .map(|&p| shape.chunks(p as usize).0)
                 .min()
                 .unwrap_or(0);
+            // A decoding sequence deep in its context: one item per chunk
+            // for all KV heads, reading whole slots in address order (a
+            // head's rows alone are a third of the bytes, strided, and
+            // stream at a third of the speed). Shallower: one per head, so
+            // a single sequence still gives every worker work.
+            let slots = n == 1 && last / CHUNK + 1 - first >= WIDE;
+            let ng = if slots { shape.n_kv_heads } else { 1 };
             for c in first..=last / CHUNK {
-                for g in 0..shape.n_kv_heads {
+                for g in (0..shape.n_kv_heads).step_by(ng) {
                     self.items.push(Item {
                         t0: t as u32,
                         nt: n as u32,
                         g: g as u32,
+                        ng: ng as u32,
                         chunk: c as u32,
                     });
                 }
@@ -237,6 +238,10 @@ pub struct AttnScratch {
     rec: Vec<f32>,
     /// A single query's K/V row offsets.
     rows: Vec<usize>,
+    /// A single query's softmax states `(max, Σ)` per head.
+    stats: Vec<(f32, f32)>,
+    /// A single query's passes over its rows (see [`item_one`]).
+    passes: Vec<(usize, (usize, usize, usize), usize)>,
 }
 
 /// Everything an item reads.
@@ -255,11 +260,26 @@ pub struct AttnInput<'a> {
 }
 
 /// Turns scores into softmax weights `e^(s − max)` in place: `(max, Σ)`.
+/// Sixteen lanes at a time; a short tail is padded with the max, and
+/// every lane's weight has the bits of [`exp_nonpositive`] on it.
 #[inline(always)]
-fn softmax(s: &mut [f32]) -> (f32, f32) {
-    let mx = s.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-    for si in s.iter_mut() {
-        *si = exp_nonpositive(*si - mx);
+unsafe fn softmax<L: Lanes>(s: &mut [f32]) -> (f32, f32) {
+    let n = s.len();
+    let full = n - n % 16;
+    let mut mv = L::splat(f32::NEG_INFINITY);
+    for i in (0..full).step_by(16) {
+        mv = L::max(mv, L::load(at16(s.as_ptr().add(i))));
+    }
+    let mx = s[full..].iter().fold(mv.reduce_max(), |m, &x| m.max(x));
+    for i in (0..full).step_by(16) {
+        let dst = &mut *(s.as_mut_ptr().add(i) as *mut [f32; 16]);
+        L::exp_sub(L::load(dst), mx).store(dst);
+    }
+    if full < n {
+        let mut t = [mx; 16];
+        t[..n - full].copy_from_slice(&s[full..]);
+        L::exp_sub(L::load(&t), mx).store(&mut t);
+        s[full..].copy_from_slice(&t[..n - full]);
     }
     (mx, sum16(s))
 }
@@ -407,135 +427,254 @@ unsafe fn values_lanes<L: Lanes>(p: &[f32], v: &[f32], hd: usize, acc: &mut [f32
     }
 }
 
-impl KvRows<'_> {
+/// One layer's K or V rows read sixteen values at a time. [`KvRows`]
+/// chooses the cache type on every read; the typed views below let a
+/// decoding item choose once.
+trait Rows: Copy {
     /// Values `16c..16c + 16` of the row at `at` as lanes (exact).
+    unsafe fn lanes<L: Lanes>(self, at: usize, c: usize) -> L;
+    /// Hints the cache lines of `n` values at `at` (never faults).
+    unsafe fn prefetch<L: Lanes>(self, at: usize, n: usize);
+}
+
+/// Hints the `bytes` bytes at `p`.
+#[inline(always)]
+unsafe fn prefetch_bytes<L: Lanes>(p: *const u8, bytes: usize) {
+    for l in (0..bytes).step_by(64) {
+        L::prefetch(p.wrapping_add(l));
+    }
+}
+
+#[derive(Clone, Copy)]
+struct F16Rows<'a>(&'a [u16]);
+#[derive(Clone, Copy)]
+struct Q8Rows<'a>(&'a [BlockQ8_0]);
+#[derive(Clone, Copy)]
+struct Q4Rows<'a>(&'a [BlockQ4_0]);
+
+impl Rows for F16Rows<'_> {
     #[inline(always)]
-    unsafe fn lanes<L: Lanes>(&self, at: usize, c: usize) -> L {
+    unsafe fn lanes<L: Lanes>(self, at: usize, c: usize) -> L {
+        L::load_f16(&*(self.0.as_ptr().add(at + 16 * c) as *const [u16; 16]))
+    }
+    #[inline(always)]
+    unsafe fn prefetch<L: Lanes>(self, at: usize, n: usize) {
+        prefetch_bytes::<L>(self.0.as_ptr().wrapping_add(at) as *const u8, 2 * n)
+    }
+}
+
+impl Rows for Q8Rows<'_> {
+    #[inline(always)]
+    unsafe fn lanes<L: Lanes>(self, at: usize, c: usize) -> L {
         let p = at + 16 * c;
+        let b = self.0.get_unchecked(p / QK);
+        let q = &*(b.qs.as_ptr().add(p % QK) as *const [i8; 16]);
+        L::load_q8(q, L::f16(u16::from_le_bytes(b.d)))
+    }
+    #[inline(always)]
+    unsafe fn prefetch<L: Lanes>(self, at: usize, n: usize) {
+        let p = self.0.as_ptr().wrapping_add(at / QK) as *const u8;
+        prefetch_bytes::<L>(p, n / QK * BlockQ8_0::BYTES)
+    }
+}
+
+impl Rows for Q4Rows<'_> {
+    #[inline(always)]
+    unsafe fn lanes<L: Lanes>(self, at: usize, c: usize) -> L {
+        let p = at + 16 * c;
+        let b = self.0.get_unchecked(p / QK);
+        L::load_q4(
+            &b.qs,
+            !p.is_multiple_of(QK),
+            L::f16(u16::from_le_bytes(b.d)),
+        )
+    }
+    #[inline(always)]
+    unsafe fn prefetch<L: Lanes>(self, at: usize, n: usize) {
+        let p = self.0.as_ptr().wrapping_add(at / QK) as *const u8;
+        prefetch_bytes::<L>(p, n / QK * BlockQ4_0::BYTES)
+    }
+}
+
+impl Rows for KvRows<'_> {
+    #[inline(always)]
+    unsafe fn lanes<L: Lanes>(self, at: usize, c: usize) -> L {
         match self {
-            KvRows::F32(v) => L::load(at16(v.as_ptr().add(p))),
-            KvRows::F16(v) => L::load_f16(&*(v.as_ptr().add(p) as *const [u16; 16])),
+            KvRows::F32(v) => L::load(at16(v.as_ptr().add(at + 16 * c))),
+            KvRows::F16(v) => F16Rows(v).lanes(at, c),
             KvRows::Bf16(_) => {
                 let mut x = [0f32; 16];
-                self.load(p, &mut x);
+                self.load(at + 16 * c, &mut x);
                 L::load(&x)
             }
-            KvRows::Q8_0(v) => {
-                let b = v.get_unchecked(p / QK);
-                let q = &*(b.qs.as_ptr().add(p % QK) as *const [i8; 16]);
-                L::load_q8(q, L::f16(u16::from_le_bytes(b.d)))
-            }
-            KvRows::Q4_0(v) => {
-                let b = v.get_unchecked(p / QK);
-                L::load_q4(
-                    &b.qs,
-                    !p.is_multiple_of(QK),
-                    L::f16(u16::from_le_bytes(b.d)),
-                )
-            }
+            KvRows::Q8_0(v) => Q8Rows(v).lanes(at, c),
+            KvRows::Q4_0(v) => Q4Rows(v).lanes(at, c),
+        }
+    }
+    #[inline(always)]
+    unsafe fn prefetch<L: Lanes>(self, at: usize, n: usize) {
+        match self {
+            KvRows::F32(v) => prefetch_bytes::<L>(v.as_ptr().wrapping_add(at) as *const u8, 4 * n),
+            KvRows::F16(v) | KvRows::Bf16(v) => F16Rows(v).prefetch::<L>(at, n),
+            KvRows::Q8_0(v) => Q8Rows(v).prefetch::<L>(at, n),
+            KvRows::Q4_0(v) => Q4Rows(v).prefetch::<L>(at, n),
         }
     }
 }
 
-/// `GH` query heads of one token against one chunk of `n` rows (offsets
-/// `rows`), each K and V row converted in registers once for all of them:
-/// the arithmetic of [`scores_lanes`], the softmax and [`values_lanes`],
-/// in the same order, so the same bits.
+/// Query heads of one token against one chunk of `n` rows (offsets
+/// `rows`, plus `goff`): `ng` KV heads side by side from there, each with
+/// `GH` query heads from `head0` (`group` apart), each K and V row
+/// converted in registers once for all of them: the arithmetic of
+/// [`scores_lanes`], the softmax and [`values_lanes`], in the same order,
+/// so the same bits. Rows go by sixteen, all `ng` heads of them before
+/// the next sixteen: with every KV head of a slot, the item reads whole
+/// slots in address order. `pf`: values of each row to prefetch (0:
+/// none).
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn heads_one<L: Lanes, const NC: usize, const GH: usize>(
+unsafe fn heads_one<L: Lanes, R: Rows, const NC: usize, const GH: usize>(
     inp: &AttnInput,
+    (kr, vr): (R, R),
+    (goff, ng, pf): (usize, usize, usize),
     t: usize,
     head0: usize,
     chunk: usize,
     rows: &[usize],
-    s: &mut [f32],
-    kf: &mut [f32],
-    rec: &mut [f32],
+    sc: &mut AttnScratch,
     write: &mut dyn FnMut(usize, usize, &[f32]),
 ) {
     let sh = inp.shape;
-    let (nh, hd, bs) = (sh.n_heads, sh.head_dim, sh.block_size);
+    let (nh, hd) = (sh.n_heads, sh.head_dim);
+    let group = nh / sh.n_kv_heads;
     let n = rows.len();
-    let mut qv = [[L::zero(); NC]; GH];
-    for h in 0..GH {
-        let q = inp.q.as_ptr().add((t * nh + head0 + h) * hd);
-        for c in 0..NC {
-            qv[h][c] = L::load(at16(q.add(16 * c)));
+    let heads = ng * GH;
+    sc.s.resize(sc.s.len().max(heads * CHUNK), 0.0);
+    sc.k.resize(sc.k.len().max(16 * hd), 0.0);
+    sc.v.resize(sc.v.len().max(heads * hd), 0.0);
+    sc.rec.resize(sc.rec.len().max(hd + 2), 0.0);
+    let (s, kf, vacc) = (
+        &mut sc.s[..heads * CHUNK],
+        &mut sc.k[..16 * hd],
+        &mut sc.v[..],
+    );
+    let head = |j: usize, h: usize| head0 + j * group + h;
+    for r in 0..n.min(AHEAD) {
+        if pf > 0 {
+            kr.prefetch::<L>(rows[r], pf);
         }
     }
-    // Sixteen keys at a time, converted once into `kf` (in L1) for all
-    // the heads.
-    let kf = &mut kf[..16 * hd];
+    // Sixteen keys at a time, converted once into `kf` (in L1) for the
+    // query heads of their KV head.
     for i in (0..n).step_by(16) {
         let m = (n - i).min(16);
-        for r in 0..m {
-            // The same row a block further on (blocks lie anywhere in the
-            // pool).
-            if i + r + bs < n {
-                inp.k.prefetch::<L>(rows[i + r + bs], hd);
-                inp.v.prefetch::<L>(rows[i + r + bs], hd);
-            }
-            for c in 0..NC {
-                let dst = &mut *(kf.as_mut_ptr().add(r * hd + c * 16) as *mut [f32; 16]);
-                inp.k.lanes::<L>(rows[i + r], c).store(dst);
+        for r in i..i + m {
+            if pf > 0 && r + AHEAD < n {
+                kr.prefetch::<L>(rows[r + AHEAD], pf);
             }
         }
-        for h in 0..GH {
-            let s = &mut s[h * CHUNK + i..h * CHUNK + i + m];
-            if m < 16 {
-                let q = &inp.q[(t * nh + head0 + h) * hd..][..hd];
-                scores_lanes::<L>(q, kf, hd, sh.scale, s);
-                continue;
-            }
-            // As scores_lanes, with the query in registers across groups.
-            let mut acc = [L::zero(); 16];
-            for r in 0..16 {
+        for j in 0..ng {
+            for r in 0..m {
                 for c in 0..NC {
-                    let k = L::load(at16(kf.as_ptr().add(r * hd + c * 16)));
-                    acc[r] = L::fma(qv[h][c], k, acc[r]);
+                    let dst = &mut *(kf.as_mut_ptr().add(r * hd + c * 16) as *mut [f32; 16]);
+                    kr.lanes::<L>(rows[i + r] + goff + j * hd, c).store(dst);
                 }
             }
-            let mut sums = [0f32; 16];
-            L::reduce_rows(&acc, &mut sums);
-            let dst: &mut [f32; 16] = s.try_into().expect("16");
-            for r in 0..16 {
-                dst[r] = sums[r] * sh.scale;
+            for h in 0..GH {
+                let q = inp.q.as_ptr().add((t * nh + head(j, h)) * hd);
+                let s = &mut s[(j * GH + h) * CHUNK + i..][..m];
+                if m < 16 {
+                    let q = std::slice::from_raw_parts(q, hd);
+                    scores_lanes::<L>(q, kf, hd, sh.scale, s);
+                    continue;
+                }
+                // As scores_lanes, with the query in registers across
+                // groups.
+                let mut qv = [L::zero(); NC];
+                for c in 0..NC {
+                    qv[c] = L::load(at16(q.add(16 * c)));
+                }
+                let mut acc = [L::zero(); 16];
+                for r in 0..16 {
+                    for c in 0..NC {
+                        let k = L::load(at16(kf.as_ptr().add(r * hd + c * 16)));
+                        acc[r] = L::fma(qv[c], k, acc[r]);
+                    }
+                }
+                let mut sums = [0f32; 16];
+                L::reduce_rows(&acc, &mut sums);
+                let dst: &mut [f32; 16] = s.try_into().expect("16");
+                for r in 0..16 {
+                    dst[r] = sums[r] * sh.scale;
+                }
             }
         }
     }
-    let mut stats = [(0f32, 0f32); GH];
-    for h in 0..GH {
-        stats[h] = softmax(&mut s[h * CHUNK..h * CHUNK + n]);
-    }
-    let mut acc = [[L::zero(); NC]; GH];
-    for i in 0..n {
-        let mut v = [L::zero(); NC];
-        for c in 0..NC {
-            v[c] = inp.v.lanes::<L>(rows[i], c);
+    for r in 0..n.min(AHEAD) {
+        if pf > 0 {
+            vr.prefetch::<L>(rows[r], pf);
         }
+    }
+    let mut stats = std::mem::take(&mut sc.stats);
+    stats.clear();
+    for x in 0..heads {
+        stats.push(softmax::<L>(&mut s[x * CHUNK..x * CHUNK + n]));
+    }
+    vacc[..heads * hd].fill(0.0);
+    // Values sixteen rows at a time, each KV head's sums kept in
+    // registers across its sixteen rows.
+    for i in (0..n).step_by(16) {
+        let m = (n - i).min(16);
+        for r in i..i + m {
+            if pf > 0 && r + AHEAD < n {
+                vr.prefetch::<L>(rows[r + AHEAD], pf);
+            }
+        }
+        for j in 0..ng {
+            let a = vacc.as_mut_ptr().add(j * GH * hd);
+            let mut acc = [[L::zero(); NC]; GH];
+            for h in 0..GH {
+                for c in 0..NC {
+                    acc[h][c] = L::load(at16(a.add(h * hd + 16 * c)));
+                }
+            }
+            for r in i..i + m {
+                let mut v = [L::zero(); NC];
+                for c in 0..NC {
+                    v[c] = vr.lanes::<L>(rows[r] + goff + j * hd, c);
+                }
+                for h in 0..GH {
+                    let p = L::splat(s[(j * GH + h) * CHUNK + r]);
+                    for c in 0..NC {
+                        acc[h][c] = L::fma(p, v[c], acc[h][c]);
+                    }
+                }
+            }
+            for h in 0..GH {
+                for c in 0..NC {
+                    acc[h][c].store(&mut *(a.add(h * hd + 16 * c) as *mut [f32; 16]));
+                }
+            }
+        }
+    }
+    let rec = &mut sc.rec[..hd + 2];
+    for j in 0..ng {
         for h in 0..GH {
-            let p = L::splat(s[h * CHUNK + i]);
-            for c in 0..NC {
-                acc[h][c] = L::fma(p, v[c], acc[h][c]);
-            }
+            rec[..hd].copy_from_slice(&vacc[(j * GH + h) * hd..][..hd]);
+            (rec[hd], rec[hd + 1]) = stats[j * GH + h];
+            write(t, chunk * nh + head(j, h), rec);
         }
     }
-    for h in 0..GH {
-        for c in 0..NC {
-            acc[h][c].store(&mut *(rec.as_mut_ptr().add(16 * c) as *mut [f32; 16]));
-        }
-        (rec[hd], rec[hd + 1]) = stats[h];
-        write(t, chunk * nh + head0 + h, rec);
-    }
+    sc.stats = stats;
 }
 
 /// An item of one query token (a decoding sequence) with `NC · 16`
 /// dimensions per head: no f32 copy of the chunk, each K/V row read once
 /// for the query heads of its group (up to 64 lanes of queries at a time).
 #[inline(always)]
-unsafe fn item_one<L: Lanes, const NC: usize>(
+unsafe fn item_one<L: Lanes, R: Rows, const NC: usize>(
     inp: &AttnInput,
+    kv: (R, R),
     item: Item,
     sc: &mut AttnScratch,
     write: &mut dyn FnMut(usize, usize, &[f32]),
@@ -543,7 +682,7 @@ unsafe fn item_one<L: Lanes, const NC: usize>(
     let sh = inp.shape;
     let (nh, kvh, hd, bs) = (sh.n_heads, sh.n_kv_heads, sh.head_dim, sh.block_size);
     let group = nh / kvh;
-    let (t, g, c) = (item.t0 as usize, item.g as usize, item.chunk as usize);
+    let (t, g0, c) = (item.t0 as usize, item.g as usize, item.chunk as usize);
     let pos = inp.positions[t] as usize;
     let (c0, _) = sh.chunks(pos);
     if pos < c * CHUNK || c < c0 {
@@ -553,34 +692,72 @@ unsafe fn item_one<L: Lanes, const NC: usize>(
     let seq = inp.token_seq[t] as usize;
     let table = &inp.block_tables[seq * inp.max_blocks..(seq + 1) * inp.max_blocks];
     let n = (pos + 1).min(c * CHUNK + CHUNK) - start;
-    sc.rows.clear();
+    // Offsets of the item's first KV head's rows.
+    let mut rows = std::mem::take(&mut sc.rows);
+    rows.clear();
     let mut p = start;
     while p < start + n {
         let b = p / bs;
         let end = ((b + 1) * bs).min(start + n);
         let slot = table[b] as usize * bs;
         for q in p..end {
-            sc.rows.push(((slot + q - b * bs) * kvh + g) * hd);
+            rows.push(((slot + q - b * bs) * kvh + g0) * hd);
         }
         p = end;
     }
-    sc.s.resize(sc.s.len().max(4 * CHUNK), 0.0);
-    sc.k.resize(sc.k.len().max(16 * hd), 0.0);
-    sc.rec.resize(sc.rec.len().max(hd + 2), 0.0);
+    let ng = item.ng as usize;
     let most = (16 / NC).clamp(1, 4);
-    let mut h = 0;
-    while h < group {
-        let head0 = g * group + h;
-        let (rows, s, rec) = (&sc.rows[..], &mut sc.s[..], &mut sc.rec[..hd + 2]);
-        let kf = &mut sc.k[..];
-        let gh = (group - h).min(most);
-        match gh {
-            1 => heads_one::<L, NC, 1>(inp, t, head0, c - c0, rows, s, kf, rec, write),
-            2 => heads_one::<L, NC, 2>(inp, t, head0, c - c0, rows, s, kf, rec, write),
-            3 => heads_one::<L, NC, 3>(inp, t, head0, c - c0, rows, s, kf, rec, write),
-            _ => heads_one::<L, NC, 4>(inp, t, head0, c - c0, rows, s, kf, rec, write),
+    let rc = c - c0;
+    // The passes over the rows: (query heads, (first KV head's offset,
+    // KV heads, values to prefetch per row), first query head).
+    let mut passes = std::mem::take(&mut sc.passes);
+    passes.clear();
+    if group <= most {
+        // All the item's KV heads together, each with its whole group.
+        passes.push((group, (0, ng, ng * hd), g0 * group));
+    } else {
+        // A group too large for the registers: `most` heads at a time,
+        // one KV head at a time; the first pass prefetches all of them.
+        let mut pf = ng * hd;
+        for g in g0..g0 + ng {
+            for h in (0..group).step_by(most) {
+                passes.push(((group - h).min(most), ((g - g0) * hd, 1, pf), g * group + h));
+                pf = 0;
+            }
         }
-        h += gh;
+    }
+    for &(gh, at, head0) in &passes {
+        // Only the query-head counts whose lanes fit in the registers.
+        macro_rules! go {
+            ($n:literal) => {
+                heads_one::<L, R, NC, $n>(inp, kv, at, t, head0, rc, &rows, sc, write)
+            };
+        }
+        match (NC, gh) {
+            (_, 1) => go!(1),
+            (4 | 8, 2) => go!(2),
+            (4, 3) => go!(3),
+            (4, _) => go!(4),
+            (_, gh) => unreachable!("{gh} heads of {NC} lanes"),
+        }
+    }
+    sc.passes = passes;
+    sc.rows = rows;
+}
+
+/// [`item_one`] for the head size (64, 128 or 256).
+#[inline(always)]
+unsafe fn item_one_nc<L: Lanes, R: Rows>(
+    inp: &AttnInput,
+    kv: (R, R),
+    item: Item,
+    sc: &mut AttnScratch,
+    write: &mut dyn FnMut(usize, usize, &[f32]),
+) {
+    match inp.shape.head_dim {
+        64 => item_one::<L, R, 4>(inp, kv, item, sc, write),
+        128 => item_one::<L, R, 8>(inp, kv, item, sc, write),
+        _ => item_one::<L, R, 16>(inp, kv, item, sc, write),
     }
 }
 
@@ -629,13 +806,15 @@ unsafe fn item_body<L: Lanes>(
     write: &mut dyn FnMut(usize, usize, &[f32]),
 ) {
     let sh = inp.shape;
-    if item.nt == 1 {
-        match sh.head_dim {
-            64 => return item_one::<L, 4>(inp, item, sc, write),
-            128 => return item_one::<L, 8>(inp, item, sc, write),
-            256 => return item_one::<L, 16>(inp, item, sc, write),
-            _ => {}
-        }
+    if item.nt == 1 && matches!(sh.head_dim, 64 | 128 | 256) {
+        // f16, the default cache type, chosen once for the whole item
+        // (each further type would be another copy of the item code).
+        return match (inp.k, inp.v) {
+            (KvRows::F16(k), KvRows::F16(v)) => {
+                item_one_nc::<L, _>(inp, (F16Rows(k), F16Rows(v)), item, sc, write)
+            }
+            kv => item_one_nc::<L, _>(inp, kv, item, sc, write),
+        };
     }
     let (nh, kvh, hd, bs) = (sh.n_heads, sh.n_kv_heads, sh.head_dim, sh.block_size);
     let group = nh / kvh;
@@ -707,7 +886,7 @@ unsafe fn item_body<L: Lanes>(
                 let q = &inp.q[(t * nh + head) * hd..(t * nh + head + 1) * hd];
                 scores_lanes::<L>(q, kc, hd, sh.scale, s);
             }
-            let stats = [softmax(s0), softmax(s1)];
+            let stats = [softmax::<L>(s0), softmax::<L>(s1)];
             values_lanes2::<L>([s0, s1], vc, hd, [&mut r0[..hd], &mut r1[..hd]]);
             for (j, r) in [r0, r1].into_iter().enumerate() {
                 (r[hd], r[hd + 1]) = stats[j];
@@ -727,7 +906,7 @@ unsafe fn item_body<L: Lanes>(
                     *si = dot16(q, &kc[i * hd..(i + 1) * hd]) * sh.scale;
                 }
             }
-            let (mx, l) = softmax(s);
+            let (mx, l) = softmax::<L>(s);
             let acc = &mut rec[..hd];
             if lanes {
                 values_lanes::<L>(s, vc, hd, acc);
@@ -875,22 +1054,23 @@ mod tests {
             if kind.is_quantized() && hd % crate::quant::ROT != 0 {
                 continue;
             }
-            let (nh, kvh, bs, nb) = (6, 2, 16, 48);
+            let (nh, kvh, bs, nb) = (6, 2, 16, 96);
             let k = seeded_cache(&[nb, bs, kvh, hd], 1, kind).unwrap();
             let v = seeded_cache(&[nb, bs, kvh, hd], 2, kind).unwrap();
-            let max_blocks = 24;
+            let max_blocks = 40;
             let mut tables: Vec<u32> = (0..max_blocks as u32).rev().collect();
             tables.extend((max_blocks as u32..2 * max_blocks as u32).map(|b| b % nb as u32));
             // Blocks before every window of their sequence: never read.
-            for (seq, first_query) in [(0, 300usize), (1, 120)] {
+            for (seq, first_query) in [(0, 600usize), (1, 120)] {
                 let lo = window_start(first_query, window);
                 for b in 0..lo / bs {
                     tables[seq * max_blocks + b] = u32::MAX;
                 }
             }
-            // Sequence 0: one query at position 300; sequence 1: 20 queries
-            // at 120..140 (crossing the 128 boundary).
-            let mut positions = vec![300u32];
+            // Sequence 0: one query at position 600 (deep enough for items
+            // of whole slots); sequence 1: 20 queries at 120..140 (crossing
+            // the 128 boundary).
+            let mut positions = vec![600u32];
             let mut seqs = vec![0u32];
             positions.extend(120..140);
             seqs.extend(std::iter::repeat_n(1, 20));
@@ -943,6 +1123,10 @@ mod tests {
             };
             let mut plan = AttnPlan::default();
             plan.build(&shape, &seqs, &positions);
+            // The deep query reads whole slots (all KV heads in one item).
+            if window == 0 || window > 512 {
+                assert!(plan.items.iter().any(|i| i.ng as usize == kvh && i.nt == 1));
+            }
             let want = run(Isa::Portable, &inp, &plan);
             for isa in Isa::available() {
                 let got = run(isa, &inp, &plan);

@@ -86,6 +86,41 @@ pub(crate) trait Lanes: Copy {
         Self::f16x16(src, &mut v);
         Self::load(&v)
     }
+    /// The lane-wise maximum (as `f32::max` on numbers).
+    /// # Safety
+    /// As [`Lanes::zero`].
+    #[inline(always)]
+    unsafe fn max(a: Self, b: Self) -> Self {
+        let (mut x, mut y) = ([0f32; 16], [0f32; 16]);
+        a.store(&mut x);
+        b.store(&mut y);
+        for j in 0..16 {
+            x[j] = x[j].max(y[j]);
+        }
+        Self::load(&x)
+    }
+    /// The largest lane.
+    /// # Safety
+    /// As [`Lanes::zero`].
+    #[inline(always)]
+    unsafe fn reduce_max(self) -> f32 {
+        let mut x = [0f32; 16];
+        self.store(&mut x);
+        x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v))
+    }
+    /// `exp_nonpositive(x − m)` in every lane: the same operations in the
+    /// same order as [`crate::attention::exp_nonpositive`], so the same bits.
+    /// # Safety
+    /// As [`Lanes::zero`].
+    #[inline(always)]
+    unsafe fn exp_sub(x: Self, m: f32) -> Self {
+        let mut v = [0f32; 16];
+        x.store(&mut v);
+        for e in v.iter_mut() {
+            *e = crate::attention::exp_nonpositive(*e - m);
+        }
+        Self::load(&v)
+    }
     /// Sixteen q8_0 values `q · d` (exact products, rounded once).
     /// # Safety
     /// As [`Lanes::zero`].
@@ -156,6 +191,27 @@ pub(crate) mod x86 {
 
     use super::Lanes;
 
+    /// [`crate::attention::exp_nonpositive`] of the vector `$x` with
+    /// vector operations (no fused ones: the scalar code rounds each
+    /// product and sum), wrapped by `$wrap`.
+    macro_rules! exp_ops {
+        ($x:expr, $set:ident, $add:ident, $sub:ident, $mul:ident, $max:ident, $pow2:ident) => {{
+            let x = $max($x, $set(-87.0));
+            let magic = $set(12_582_912.0);
+            let n = $sub($add($mul(x, $set(std::f32::consts::LOG2_E)), magic), magic);
+            let r = $sub(
+                $sub(x, $mul(n, $set(0.693_145_75))),
+                $mul(n, $set(1.428_606_8e-6)),
+            );
+            let mut p = $mul(r, $set(0.001_388_889));
+            for c in [0.008_333_334, 0.041_666_668, 0.166_666_67, 0.5, 1.0] {
+                p = $mul(r, $add($set(c), p));
+            }
+            let p = $add($set(1.0), p);
+            $mul(p, $pow2(n))
+        }};
+    }
+
     /// The low (or high) nibbles of sixteen q4_0 bytes, less 8, as signed
     /// bytes.
     #[inline(always)]
@@ -165,6 +221,34 @@ pub(crate) mod x86 {
             b = _mm_srli_epi16(b, 4);
         }
         _mm_sub_epi8(_mm_and_si128(b, _mm_set1_epi8(0xF)), _mm_set1_epi8(8))
+    }
+
+    /// `2^n` for integral `n` in −126..=127.
+    #[inline(always)]
+    unsafe fn pow2_512(n: __m512) -> __m512 {
+        let e = _mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127));
+        _mm512_castsi512_ps(_mm512_slli_epi32::<23>(e))
+    }
+
+    /// `2^n` for integral `n` in −126..=127.
+    #[inline(always)]
+    unsafe fn pow2_256(n: __m256) -> __m256 {
+        let e = _mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127));
+        _mm256_castsi256_ps(_mm256_slli_epi32::<23>(e))
+    }
+
+    /// [`Lanes::exp_sub`] on eight lanes.
+    #[inline(always)]
+    unsafe fn exp8(x: __m256, m: f32) -> __m256 {
+        exp_ops!(
+            _mm256_sub_ps(x, _mm256_set1_ps(m)),
+            _mm256_set1_ps,
+            _mm256_add_ps,
+            _mm256_sub_ps,
+            _mm256_mul_ps,
+            _mm256_max_ps,
+            pow2_256
+        )
     }
 
     #[derive(Clone, Copy)]
@@ -219,6 +303,26 @@ pub(crate) mod x86 {
         #[inline(always)]
         unsafe fn splat(x: f32) -> Self {
             Avx512(_mm512_set1_ps(x))
+        }
+        #[inline(always)]
+        unsafe fn max(a: Self, b: Self) -> Self {
+            Avx512(_mm512_max_ps(a.0, b.0))
+        }
+        #[inline(always)]
+        unsafe fn reduce_max(self) -> f32 {
+            _mm512_reduce_max_ps(self.0)
+        }
+        #[inline(always)]
+        unsafe fn exp_sub(x: Self, m: f32) -> Self {
+            Avx512(exp_ops!(
+                _mm512_sub_ps(x.0, _mm512_set1_ps(m)),
+                _mm512_set1_ps,
+                _mm512_add_ps,
+                _mm512_sub_ps,
+                _mm512_mul_ps,
+                _mm512_max_ps,
+                pow2_512
+            ))
         }
         #[inline(always)]
         unsafe fn reduce(self) -> f32 {
@@ -352,8 +456,89 @@ pub(crate) mod x86 {
             Avx2(_mm256_set1_ps(x), _mm256_set1_ps(x))
         }
         #[inline(always)]
+        unsafe fn max(a: Self, b: Self) -> Self {
+            Avx2(_mm256_max_ps(a.0, b.0), _mm256_max_ps(a.1, b.1))
+        }
+        #[inline(always)]
+        unsafe fn exp_sub(x: Self, m: f32) -> Self {
+            Avx2(exp8(x.0, m), exp8(x.1, m))
+        }
+        #[inline(always)]
         unsafe fn reduce(self) -> f32 {
             reduce8(_mm256_add_ps(self.0, self.1))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::attention::exp_nonpositive;
+
+    /// Scores and maxima over the softmax's whole range, and beyond it.
+    fn inputs() -> Vec<(f32, f32)> {
+        let mut v = Vec::new();
+        for i in 0..40_000 {
+            let x = -(i as f32) * 100.0 / 40_000.0;
+            v.push((x, 0.0));
+            v.push((x * 0.37 + 3.0, 3.0));
+            v.push((f32::from_bits(x.to_bits() ^ 1), -0.0));
+        }
+        v.push((f32::NEG_INFINITY, 0.0));
+        v
+    }
+
+    /// `exp_sub` of lanes `L` against the scalar function, bit for bit.
+    unsafe fn check<L: Lanes>(name: &str) {
+        for chunk in inputs().chunks_exact(16) {
+            for &(_, m) in chunk.iter().take(1) {
+                let mut x = [0f32; 16];
+                for (j, &(v, _)) in chunk.iter().enumerate() {
+                    x[j] = v + m;
+                }
+                let mut got = [0f32; 16];
+                L::exp_sub(L::load(&x), m).store(&mut got);
+                for j in 0..16 {
+                    let want = exp_nonpositive(x[j] - m);
+                    assert_eq!(
+                        got[j].to_bits(),
+                        want.to_bits(),
+                        "{name}: e^({} - {m})",
+                        x[j]
+                    );
+                }
+                let mut y = x;
+                y.reverse();
+                let mut mx = [0f32; 16];
+                L::max(L::load(&x), L::load(&y)).store(&mut mx);
+                for j in 0..16 {
+                    assert_eq!(mx[j], x[j].max(y[j]), "{name}: max");
+                }
+                let top = x.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+                assert_eq!(L::load(&x).reduce_max(), top, "{name}: reduce_max");
+            }
+        }
+    }
+
+    #[test]
+    fn vector_exp_and_max_equal_the_scalar_ones() {
+        unsafe { check::<Portable>("portable") };
+        #[cfg(target_arch = "x86_64")]
+        {
+            #[target_feature(enable = "avx2,fma,f16c")]
+            unsafe fn avx2() {
+                check::<x86::Avx2>("avx2")
+            }
+            #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+            unsafe fn avx512() {
+                check::<x86::Avx512>("avx512")
+            }
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                unsafe { avx2() };
+            }
+            if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") {
+                unsafe { avx512() };
+            }
         }
     }
 }
