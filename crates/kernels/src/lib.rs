@@ -43,6 +43,7 @@ mod copy;
 mod elem;
 mod lanes;
 mod matvec;
+mod mem;
 pub mod pool;
 mod qdot;
 pub mod quant;
@@ -57,6 +58,7 @@ pub use attention::{
 };
 pub use copy::{copy_blocks, copy_blocks_slow};
 pub use matvec::{f16_to_f32, matvec, matvec_slow, Isa, WeightFormat, Weights};
+pub use mem::{advise_huge_pages, zeroed_huge};
 pub use qdot::{qmatvec, qmatvec_slow, quantize_row, ActBlock, Activations, Packed, QIsa, GROUP};
 pub use quant::{dequantize_cache, quantize_cache, KvType};
 pub use rope::{RopeStyle, Rotation};

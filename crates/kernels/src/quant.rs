@@ -324,7 +324,9 @@ impl KvType {
         }
     }
 
-    /// A zeroed cache tensor of this type (zero bytes are zeros in every type).
+    /// A zeroed cache tensor of this type (zero bytes are zeros in every
+    /// type). On the CPU its memory is advised onto huge pages before the
+    /// first touch (see [`crate::zeroed_huge`]).
     pub fn zeros(
         self,
         num_blocks: usize,
@@ -333,11 +335,18 @@ impl KvType {
         hd: usize,
         device: &Device,
     ) -> Result<Tensor> {
-        Tensor::zeros(
-            self.shape(num_blocks, block_size, kvh, hd)?,
-            self.storage_dtype(),
-            device,
-        )
+        use crate::mem::zeroed_huge;
+        let shape = self.shape(num_blocks, block_size, kvh, hd)?;
+        if !device.is_cpu() {
+            return Tensor::zeros(shape, self.storage_dtype(), device);
+        }
+        let n = shape.elem_count();
+        match self {
+            KvType::F32 => Tensor::from_vec(zeroed_huge::<f32>(n), shape, device),
+            KvType::F16 => Tensor::from_vec(zeroed_huge::<f16>(n), shape, device),
+            KvType::Bf16 => Tensor::from_vec(zeroed_huge::<half::bf16>(n), shape, device),
+            KvType::Q8_0 | KvType::Q4_0 => Tensor::from_vec(zeroed_huge::<u8>(n), shape, device),
+        }
     }
 
     /// The type of a cache tensor, from its dtype and shape.
