@@ -312,6 +312,16 @@ fn bench_attention(c: &mut Criterion) {
         .unwrap();
     let (pos, seq) = (vec![ctx as u32 - 1], vec![0u32]);
     let shape = AttnShape::new(nh, kvh, hd, bs);
+    let layer0 = AttnInput {
+        shape,
+        q: &q,
+        positions: &pos,
+        token_seq: &seq,
+        block_tables: &table,
+        max_blocks: blocks,
+        k: KvRows::F16(&kl[0]),
+        v: KvRows::F16(&vl[0]),
+    };
     let mut plan = AttnPlan::default();
     plan.build(&shape, &seq, &pos);
     let rec = shape.record();
@@ -322,14 +332,9 @@ fn bench_attention(c: &mut Criterion) {
         b.iter(|| {
             for (kb, vb) in kl.iter().zip(&vl) {
                 let inp = AttnInput {
-                    shape,
-                    q: &q,
-                    positions: &pos,
-                    token_seq: &seq,
-                    block_tables: &table,
-                    max_blocks: blocks,
                     k: KvRows::F16(kb),
                     v: KvRows::F16(vb),
+                    ..layer0
                 };
                 for &item in &plan.items {
                     attend_item(Isa::detect(), &inp, item, &mut sc, &mut |t, idx, r| {

@@ -445,6 +445,16 @@ unsafe fn prefetch_bytes<L: Lanes>(p: *const u8, bytes: usize) {
     }
 }
 
+/// Hints `pf` values of each of `rows` (nothing when `pf` is 0).
+#[inline(always)]
+unsafe fn prefetch_rows<L: Lanes, R: Rows>(r: R, rows: &[usize], pf: usize) {
+    if pf > 0 {
+        for &at in rows {
+            r.prefetch::<L>(at, pf);
+        }
+    }
+}
+
 #[derive(Clone, Copy)]
 struct F16Rows<'a>(&'a [u16]);
 #[derive(Clone, Copy)]
@@ -559,20 +569,16 @@ unsafe fn heads_one<L: Lanes, R: Rows, const NC: usize, const GH: usize>(
         &mut sc.v[..],
     );
     let head = |j: usize, h: usize| head0 + j * group + h;
-    for r in 0..n.min(AHEAD) {
-        if pf > 0 {
-            kr.prefetch::<L>(rows[r], pf);
-        }
-    }
+    prefetch_rows::<L, R>(kr, &rows[..n.min(AHEAD)], pf);
     // Sixteen keys at a time, converted once into `kf` (in L1) for the
     // query heads of their KV head.
     for i in (0..n).step_by(16) {
         let m = (n - i).min(16);
-        for r in i..i + m {
-            if pf > 0 && r + AHEAD < n {
-                kr.prefetch::<L>(rows[r + AHEAD], pf);
-            }
-        }
+        prefetch_rows::<L, R>(
+            kr,
+            rows.get(i + AHEAD..(i + m + AHEAD).min(n)).unwrap_or(&[]),
+            pf,
+        );
         for j in 0..ng {
             for r in 0..m {
                 for c in 0..NC {
@@ -610,11 +616,7 @@ unsafe fn heads_one<L: Lanes, R: Rows, const NC: usize, const GH: usize>(
             }
         }
     }
-    for r in 0..n.min(AHEAD) {
-        if pf > 0 {
-            vr.prefetch::<L>(rows[r], pf);
-        }
-    }
+    prefetch_rows::<L, R>(vr, &rows[..n.min(AHEAD)], pf);
     let mut stats = std::mem::take(&mut sc.stats);
     stats.clear();
     for x in 0..heads {
@@ -625,11 +627,11 @@ unsafe fn heads_one<L: Lanes, R: Rows, const NC: usize, const GH: usize>(
     // registers across its sixteen rows.
     for i in (0..n).step_by(16) {
         let m = (n - i).min(16);
-        for r in i..i + m {
-            if pf > 0 && r + AHEAD < n {
-                vr.prefetch::<L>(rows[r + AHEAD], pf);
-            }
-        }
+        prefetch_rows::<L, R>(
+            vr,
+            rows.get(i + AHEAD..(i + m + AHEAD).min(n)).unwrap_or(&[]),
+            pf,
+        );
         for j in 0..ng {
             let a = vacc.as_mut_ptr().add(j * GH * hd);
             let mut acc = [[L::zero(); NC]; GH];
