@@ -37,6 +37,19 @@ check-portable:
     CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="qemu-aarch64 -L /usr/aarch64-linux-gnu -cpu max" cargo test -p tessera-kernels --target aarch64-unknown-linux-gnu
     TESSERA_ISA=portable cargo test -p tessera-kernels
 
+# What a machine without a GPU can check of the GPU kernels: every .cu through nvcc and ptxas for
+# sm_80 and sm_90 (installs the pinned CUDA 13.0 nvcc wheels when missing), every .metal through
+# clang -fsyntax-only against our metal_stdlib shim, and the kernel-emu tests (the shared kernel
+# source compiled for the CPU against the slow references).
+check-gpu:
+    command -v clang++ >/dev/null || ($(command -v sudo || true) apt-get update && $(command -v sudo || true) apt-get install -y clang)
+    python3 scripts/check_gpu.py
+
+# The CUDA kernels against the CPU slow references on a machine with an NVIDIA GPU (needs nvcc:
+# installs the pinned CUDA 13.0 wheels when missing). TESSERA_REQUIRE_GPU=1: no test passes by skipping.
+test-cuda:
+    python3 scripts/check_gpu.py test-cuda
+
 # Criterion benches of the KV bookkeeping, the attention kernel and the quantized linear layers (beside the read roofline); writes the README table.
 bench:
     cargo bench --bench kv

@@ -525,6 +525,20 @@ impl CustomOp3 for PagedAttention<'_> {
         };
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let geometry = (self.n_heads, self.n_kv_heads, self.head_dim);
+        crate::gpu::cuda::paged_attention((s1, l1), (s2, l2), (s3, l3), &self.meta, geometry)
+    }
 }
 
 fn check(

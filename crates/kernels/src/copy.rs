@@ -26,9 +26,15 @@ impl InplaceOp1 for CopyBlocks<'_> {
         with_cache_mut!(s, l, |cache| copy(cache, self.pairs, self.block_len));
         Ok(())
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &mut candle_core::CudaStorage, l: &Layout) -> Result<()> {
+        let t = crate::KvType::of_dims(candle_core::backend::BackendStorage::dtype(s), l.dims())?;
+        crate::gpu::cuda::copy_blocks(s, l, self.pairs, t.bytes_for(self.block_len))
+    }
 }
 
-fn check(cache: &Tensor, pairs: &[(u32, u32)]) -> Result<usize> {
+pub(crate) fn check(cache: &Tensor, pairs: &[(u32, u32)]) -> Result<usize> {
     let (nb, bs, kvh, hd) = crate::cache_geometry(cache)?;
     for &(s, d) in pairs {
         if s as usize >= nb || d as usize >= nb {

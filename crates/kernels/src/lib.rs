@@ -41,6 +41,7 @@ mod attend;
 mod attention;
 mod copy;
 mod elem;
+pub mod gpu;
 mod lanes;
 mod matvec;
 mod mem;

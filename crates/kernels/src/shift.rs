@@ -62,9 +62,21 @@ impl InplaceOp1 for MoveSlots<'_> {
         with_cache_mut!(s, l, |cache| self.run(cache));
         Ok(())
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &mut candle_core::CudaStorage, l: &Layout) -> Result<()> {
+        use crate::gpu::RopeTables;
+        let (src, dst): (Vec<u32>, Vec<u32>) = self.moves.iter().copied().unzip();
+        let (tables, style) = match self.rotation {
+            Some(r) => (RopeTables::uniform(src.len(), r), r.style),
+            None => (RopeTables::none(src.len()), crate::RopeStyle::Neox),
+        };
+        let geometry = (self.n_kv_heads, self.head_dim, style);
+        crate::gpu::cuda::move_rows(s, l, &src, &dst, &tables, geometry)
+    }
 }
 
-fn check(
+pub(crate) fn check(
     k_cache: &Tensor,
     v_cache: &Tensor,
     moves: &[(u32, u32)],
@@ -247,9 +259,17 @@ impl InplaceOp1 for RotateSlots<'_> {
         with_cache_mut!(s, l, |cache| self.run(cache));
         Ok(())
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &mut candle_core::CudaStorage, l: &Layout) -> Result<()> {
+        let (slots, deltas) = crate::gpu::moved_rows(self.slots, self.deltas);
+        let tables = crate::gpu::RopeTables::per_delta(&deltas, self.rotation);
+        let geometry = (self.n_kv_heads, self.head_dim, self.rotation.style);
+        crate::gpu::cuda::move_rows(s, l, &slots, &slots, &tables, geometry)
+    }
 }
 
-fn check_rotate(
+pub(crate) fn check_rotate(
     k_cache: &Tensor,
     slots: &[u32],
     deltas: &[i64],

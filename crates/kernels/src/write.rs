@@ -33,9 +33,20 @@ impl InplaceOp2 for WriteKv<'_> {
         with_cache_mut!(s1, l1, |cache| write_rows(cache, new, self.slots, row));
         Ok(())
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &mut candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<()> {
+        crate::gpu::cuda::write_kv(s1, l1, s2, l2, self.slots)
+    }
 }
 
-fn check(cache: &Tensor, new: &Tensor, slots: &[u32]) -> Result<()> {
+pub(crate) fn check(cache: &Tensor, new: &Tensor, slots: &[u32]) -> Result<()> {
     let (nb, bs, kvh, hd) = crate::cache_geometry(cache)?;
     let (t, nkvh, nhd) = new.dims3()?;
     if (nkvh, nhd) != (kvh, hd) || t != slots.len() {

@@ -1,0 +1,156 @@
+// Paged attention on CUDA: the contract of crates/kernels/src/attention.rs.
+// Query token t of sequence s at position p attends to positions
+// window_start(p)..=p of s, read through s's block table; query head h reads
+// KV head h / (n_heads / n_kv_heads). f32 accumulation whatever the cache
+// type.
+//
+// One thread block per (query head, token, partition of PART positions): a
+// long context is split across blocks, each leaving its running max, sum and
+// unnormalised output; tessera_attention_merge then combines a token's
+// partitions by log-sum-exp. Decode (one token per sequence) and prefill (a
+// chunk of tokens) use the same kernels: the grid has a row per token.
+//
+// Unlike kv_ops.h this file is CUDA only (warp shuffles, shared memory,
+// barriers); Metal has its own.
+#include "prelude_cuda.h"
+#include "kv_elem.h"
+
+#define TS_ATT_THREADS 128
+#define TS_ATT_WARPS (TS_ATT_THREADS / 32)
+// Positions per partition (one block's scores live in shared memory).
+#define TS_ATT_PART 512
+#define TS_ATT_MAX_HEAD_DIM 256
+
+__device__ __forceinline__ float ts_warp_sum(float x) {
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}
+
+__device__ __forceinline__ float ts_warp_max(float x) {
+    for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+    return x;
+}
+
+// The whole block's max (op 0) or sum (op 1) of one value per thread.
+__device__ __forceinline__ float ts_block_reduce(float x, float* red, int op) {
+    int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    x = op ? ts_warp_sum(x) : ts_warp_max(x);
+    __syncthreads();
+    if (lane == 0) red[warp] = x;
+    __syncthreads();
+    float r = red[0];
+    for (int w = 1; w < TS_ATT_WARPS; w++) r = op ? r + red[w] : fmaxf(r, red[w]);
+    return r;
+}
+
+template <typename E>
+__device__ void ts_paged_attention(
+    const float* __restrict__ q, const typename E::Raw* __restrict__ k_cache,
+    const typename E::Raw* __restrict__ v_cache, const uint32_t* __restrict__ block_tables,
+    const uint32_t* __restrict__ token_seq, const uint32_t* __restrict__ token_pos,
+    float* __restrict__ part_out, float* __restrict__ part_max, float* __restrict__ part_sum,
+    uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim, uint32_t block_size,
+    uint32_t max_blocks, float scale, uint32_t window, uint32_t parts) {
+    __shared__ float qs[TS_ATT_MAX_HEAD_DIM];
+    __shared__ float scores[TS_ATT_PART];
+    __shared__ float red[TS_ATT_WARPS];
+    uint32_t h = blockIdx.x, t = blockIdx.y, part = blockIdx.z;
+    uint32_t g = h / (n_heads / n_kv_heads);
+    uint32_t pos = token_pos[t];
+    uint32_t lo = window == 0 ? 0 : (pos + 1 > window ? pos + 1 - window : 0);
+    uint32_t from = lo + part * TS_ATT_PART;
+    uint32_t to = min(pos + 1, from + TS_ATT_PART); // exclusive
+    ts_u64 slot_out = ((ts_u64)t * n_heads + h) * parts + part;
+    float* out = part_out + slot_out * head_dim;
+    if (from >= pos + 1) {
+        // An empty partition (its token has a shorter context than the
+        // longest of the launch): nothing to merge.
+        if (threadIdx.x == 0) {
+            part_max[slot_out] = -INFINITY;
+            part_sum[slot_out] = 0.0f;
+        }
+        for (uint32_t d = threadIdx.x; d < head_dim; d += blockDim.x) out[d] = 0.0f;
+        return;
+    }
+    const float* qh = q + ((ts_u64)t * n_heads + h) * head_dim;
+    for (uint32_t d = threadIdx.x; d < head_dim; d += blockDim.x) qs[d] = qh[d];
+    __syncthreads();
+    const uint32_t* table = block_tables + (ts_u64)token_seq[t] * max_blocks;
+    uint32_t row = n_kv_heads * head_dim;
+    int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    // Scores: a warp per position, its lanes over the head dimension.
+    float best = -INFINITY;
+    for (uint32_t j = from + warp; j < to; j += TS_ATT_WARPS) {
+        ts_u64 slot = (ts_u64)table[j / block_size] * block_size + j % block_size;
+        const typename E::Raw* kr = k_cache + slot * row + (ts_u64)g * head_dim;
+        float s = 0.0f;
+        for (uint32_t d = lane; d < head_dim; d += 32) s += qs[d] * E::load(kr[d]);
+        s = ts_warp_sum(s) * scale;
+        if (lane == 0) scores[j - from] = s;
+        best = fmaxf(best, s);
+    }
+    float mx = ts_block_reduce(best, red, 0);
+    float l = 0.0f;
+    for (uint32_t j = from + threadIdx.x; j < to; j += blockDim.x) {
+        float p = expf(scores[j - from] - mx);
+        scores[j - from] = p;
+        l += p;
+    }
+    l = ts_block_reduce(l, red, 1);
+    __syncthreads();
+    // Output: a thread per dimension, the partition's positions in order.
+    for (uint32_t d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float acc = 0.0f;
+        for (uint32_t j = from; j < to; j++) {
+            ts_u64 slot = (ts_u64)table[j / block_size] * block_size + j % block_size;
+            acc += scores[j - from] * E::load(v_cache[slot * row + (ts_u64)g * head_dim + d]);
+        }
+        out[d] = acc;
+    }
+    if (threadIdx.x == 0) {
+        part_max[slot_out] = mx;
+        part_sum[slot_out] = l;
+    }
+}
+
+#define TS_ATTENTION(SUF, E)                                                                  \
+    extern "C" __global__ void __launch_bounds__(TS_ATT_THREADS)                              \
+        tessera_paged_attention_##SUF(                                                        \
+            const float* q, const E::Raw* k_cache, const E::Raw* v_cache,                     \
+            const uint32_t* block_tables, const uint32_t* token_seq, const uint32_t* token_pos, \
+            float* part_out, float* part_max, float* part_sum, uint32_t n_heads,              \
+            uint32_t n_kv_heads, uint32_t head_dim, uint32_t block_size, uint32_t max_blocks, \
+            float scale, uint32_t window, uint32_t parts) {                                   \
+        ts_paged_attention<E>(q, k_cache, v_cache, block_tables, token_seq, token_pos,       \
+                              part_out, part_max, part_sum, n_heads, n_kv_heads, head_dim,    \
+                              block_size, max_blocks, scale, window, parts);                  \
+    }
+
+TS_ATTENTION(f32, TsF32)
+TS_ATTENTION(f16, TsF16)
+TS_ATTENTION(bf16, TsBf16)
+
+// One thread block per (query head, token): its partitions merged by
+// log-sum-exp into out [tokens, n_heads, head_dim].
+extern "C" __global__ void tessera_attention_merge(const float* __restrict__ part_out,
+                                                   const float* __restrict__ part_max,
+                                                   const float* __restrict__ part_sum,
+                                                   float* __restrict__ out, uint32_t n_heads,
+                                                   uint32_t head_dim, uint32_t parts) {
+    ts_u64 base = (ts_u64)blockIdx.y * n_heads + blockIdx.x;
+    float m = -INFINITY;
+    for (uint32_t p = 0; p < parts; p++) m = fmaxf(m, part_max[base * parts + p]);
+    float l = 0.0f;
+    for (uint32_t p = 0; p < parts; p++) {
+        float w = part_sum[base * parts + p];
+        if (w > 0.0f) l += expf(part_max[base * parts + p] - m) * w;
+    }
+    for (uint32_t d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float acc = 0.0f;
+        for (uint32_t p = 0; p < parts; p++) {
+            if (part_sum[base * parts + p] > 0.0f)
+                acc += expf(part_max[base * parts + p] - m) * part_out[(base * parts + p) * head_dim + d];
+        }
+        out[base * head_dim + d] = acc / l;
+    }
+}

@@ -1,0 +1,34 @@
+// The kernel vocabulary for Metal (see kv_ops.h). The Rust side compiles
+// this prelude followed by the shared bodies at run time, with fast math
+// off, so no multiply and add are contracted into an FMA.
+#include <metal_stdlib>
+using namespace metal;
+
+typedef ushort uint16_t;
+typedef uint uint32_t;
+typedef ulong ts_u64;
+
+#define TS_KERNEL(name, ...)                                                   \
+    kernel void name(__VA_ARGS__,                                              \
+                     uint3 ts_b [[threadgroup_position_in_grid]],              \
+                     uint3 ts_t [[thread_position_in_threadgroup]],            \
+                     uint3 ts_n [[threads_per_threadgroup]])
+#define TS_BUF(T, n, i) device T* n [[buffer(i)]]
+#define TS_ARG(T, n, i) constant T& n [[buffer(i)]]
+#define TS_DEV device
+#define TS_INLINE static inline
+#define TS_STATIC static inline
+
+struct TsIdx {
+    uint32_t blk, tid, nthreads;
+};
+#define TS_IDX (TsIdx{ts_b.x, ts_t.x, ts_n.x})
+
+#define TS_MUL(a, b) ((a) * (b))
+#define TS_ADD(a, b) ((a) + (b))
+#define TS_SUB(a, b) ((a) - (b))
+
+TS_INLINE uint32_t ts_float_bits(float f) { return as_type<uint32_t>(f); }
+TS_INLINE float ts_bits_float(uint32_t u) { return as_type<float>(u); }
+TS_INLINE float ts_f16_to_f32(uint16_t h) { return float(as_type<half>(h)); }
+TS_INLINE uint16_t ts_f32_to_f16(float f) { return as_type<uint16_t>(half(f)); }

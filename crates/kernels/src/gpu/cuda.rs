@@ -1,0 +1,330 @@
+//! CUDA launchers (feature `cuda`): `build.rs` compiles `gpu/kv_ops.cu` and
+//! `gpu/paged_attention.cu` to PTX (for `CUDA_COMPUTE_CAP`, default 80),
+//! embedded here, loaded through candle's device
+//! (`get_or_load_custom_func`) and launched on its stream from the
+//! `cuda_fwd` of the ops in `write.rs`, `copy.rs`, `shift.rs` and
+//! `attention.rs`. The launch shapes and host tables are those of
+//! [`super`], which the `kernel-emu` tests run on the CPU.
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda_backend::{CudaStorageSlice as S, WrapErr};
+use candle_core::{bail, CudaDevice, CudaStorage, Layout, Result, Shape};
+
+use super::{Launch, RopeTables};
+use crate::{PagedMeta, RopeStyle};
+
+const KV_OPS_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/kv_ops.ptx"));
+const ATTENTION_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/paged_attention.ptx"));
+
+fn config(l: Launch) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (l.blocks, 1, 1),
+        block_dim: (l.threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn range(l: &Layout, what: &str) -> Result<std::ops::Range<usize>> {
+    match l.contiguous_offsets() {
+        Some((a, b)) => Ok(a..b),
+        None => bail!("{what} must be contiguous"),
+    }
+}
+
+/// A float cache's device slice (its layout's range) and kernel suffix.
+macro_rules! with_float_cache {
+    ($s:expr, $l:expr, |$c:ident, $suffix:ident| $body:expr) => {{
+        let r = range($l, "KV cache")?;
+        let dtype = $s.dtype();
+        match &mut $s.slice {
+            S::F32(c) => {
+                let $suffix = "f32";
+                let mut $c = c.slice_mut(r);
+                $body
+            }
+            S::F16(c) => {
+                let $suffix = "f16";
+                let mut $c = c.slice_mut(r);
+                $body
+            }
+            S::BF16(c) => {
+                let $suffix = "bf16";
+                let mut $c = c.slice_mut(r);
+                $body
+            }
+            _ => bail!("the CUDA KV kernels support f32, f16 and bf16 caches, not {dtype:?}"),
+        }
+    }};
+}
+
+/// Stores f32 rows (`slots.len()` rows of `row` values) at `slots`.
+fn scatter(
+    s: &mut CudaStorage,
+    l: &Layout,
+    rows: &CudaSlice<f32>,
+    slots: &[u32],
+    row: usize,
+) -> Result<()> {
+    let dev = s.device.clone();
+    let slots_d = dev.clone_htod(slots)?;
+    let row = row as u32;
+    let launch = Launch::per_item(slots.len(), row as usize);
+    with_float_cache!(s, l, |cache, suffix| {
+        let f = dev.get_or_load_custom_func(
+            &format!("tessera_write_kv_{suffix}"),
+            "tessera_kv_ops",
+            KV_OPS_PTX,
+        )?;
+        let mut b = f.builder();
+        b.arg(rows);
+        b.arg(&mut cache);
+        b.arg(&slots_d);
+        b.arg(&row);
+        // SAFETY: the op checked the slots against the cache, and `rows`
+        // holds a row per slot.
+        unsafe { b.launch(config(launch)) }.w()?;
+    });
+    Ok(())
+}
+
+/// `write_kv`: `new` (f32, `[tokens, n_kv_heads, head_dim]`) into the cache.
+pub(crate) fn write_kv(
+    s: &mut CudaStorage,
+    l: &Layout,
+    new: &CudaStorage,
+    ln: &Layout,
+    slots: &[u32],
+) -> Result<()> {
+    let S::F32(src) = &new.slice else {
+        bail!("write_kv: new K/V must be f32 on the GPU")
+    };
+    let r = range(ln, "new K/V")?;
+    let row = r.len() / slots.len().max(1);
+    let src = if r.start == 0 && r.len() == src.len() {
+        src.clone()
+    } else {
+        let mut c = s.device.alloc_zeros::<f32>(r.len())?;
+        s.device.memcpy_dtod(&src.slice(r), &mut c)?;
+        c
+    };
+    scatter(s, l, &src, slots, row)
+}
+
+/// `copy_blocks`: whole blocks moved as 16-bit units (any cache type).
+pub(crate) fn copy_blocks(
+    s: &mut CudaStorage,
+    l: &Layout,
+    pairs: &[(u32, u32)],
+    block_bytes: usize,
+) -> Result<()> {
+    fn go<T: DeviceRepr>(
+        dev: &CudaDevice,
+        c: &mut CudaSlice<T>,
+        r: std::ops::Range<usize>,
+        pairs: &CudaSlice<u32>,
+        n: usize,
+        units: u32,
+    ) -> Result<()> {
+        let f = dev.get_or_load_custom_func("tessera_copy_blocks", "tessera_kv_ops", KV_OPS_PTX)?;
+        let mut c = c.slice_mut(r);
+        let mut b = f.builder();
+        b.arg(&mut c);
+        b.arg(pairs);
+        b.arg(&units);
+        // SAFETY: the op checked every pair against the cache.
+        unsafe { b.launch(config(Launch::per_item(n, units as usize))) }.w()?;
+        Ok(())
+    }
+    let dev = s.device.clone();
+    let flat: Vec<u32> = pairs.iter().flat_map(|&(a, b)| [a, b]).collect();
+    let pairs_d = dev.clone_htod(&flat)?;
+    let units = (block_bytes / 2) as u32;
+    let r = range(l, "KV cache")?;
+    let n = pairs.len();
+    let dtype = s.dtype();
+    match &mut s.slice {
+        S::F32(c) => go(&dev, c, r, &pairs_d, n, units),
+        S::F16(c) => go(&dev, c, r, &pairs_d, n, units),
+        S::BF16(c) => go(&dev, c, r, &pairs_d, n, units),
+        S::U8(c) => go(&dev, c, r, &pairs_d, n, units),
+        _ => bail!("copy_blocks: unsupported cache dtype {dtype:?}"),
+    }
+}
+
+/// The rows at `slots` gathered as f32 (rotated per `t`), then stored at
+/// `dst`: every row is read before any is written, so moves may overlap.
+pub(crate) fn move_rows(
+    s: &mut CudaStorage,
+    l: &Layout,
+    slots: &[u32],
+    dst: &[u32],
+    t: &RopeTables,
+    (heads, head_dim, style): (usize, usize, RopeStyle),
+) -> Result<()> {
+    if slots.is_empty() {
+        return Ok(());
+    }
+    let dev = s.device.clone();
+    let row = heads * head_dim;
+    let out = dev.alloc_zeros::<f32>(slots.len() * row)?;
+    let slots_d = dev.clone_htod(slots)?;
+    let tables_d = dev.clone_htod(&t.tables)?;
+    // Empty tables (no rotation) still need a valid address.
+    let cos_d = dev.clone_htod(if t.cos.is_empty() {
+        &[0f32][..]
+    } else {
+        &t.cos
+    })?;
+    let sin_d = dev.clone_htod(if t.sin.is_empty() {
+        &[0f32][..]
+    } else {
+        &t.sin
+    })?;
+    let (h, d, neox) = (
+        heads as u32,
+        head_dim as u32,
+        (style == RopeStyle::Neox) as u32,
+    );
+    let launch = Launch::per_item(slots.len(), row / 2);
+    let mut out = out;
+    with_float_cache!(s, l, |cache, suffix| {
+        let f = dev.get_or_load_custom_func(
+            &format!("tessera_rope_gather_{suffix}"),
+            "tessera_kv_ops",
+            KV_OPS_PTX,
+        )?;
+        let mut b = f.builder();
+        b.arg(&mut cache); // read only
+        b.arg(&mut out);
+        b.arg(&slots_d);
+        b.arg(&tables_d);
+        b.arg(&cos_d);
+        b.arg(&sin_d);
+        b.arg(&h);
+        b.arg(&d);
+        b.arg(&neox);
+        // SAFETY: the op checked the slots; every table index points at a
+        // whole table.
+        unsafe { b.launch(config(launch)) }.w()?;
+    });
+    scatter(s, l, &out, dst, row)
+}
+
+/// Positions per partition of `gpu/paged_attention.cu` (`TS_ATT_PART`).
+const PART: usize = 512;
+const ATT_THREADS: u32 = 128;
+
+/// `paged_attention` on CUDA: partial softmax states per 512-position
+/// partition, merged by log-sum-exp. Returns `[tokens, n_heads, head_dim]`.
+pub(crate) fn paged_attention(
+    q: (&CudaStorage, &Layout),
+    k: (&CudaStorage, &Layout),
+    v: (&CudaStorage, &Layout),
+    meta: &PagedMeta,
+    (n_heads, n_kv_heads, head_dim): (usize, usize, usize),
+) -> Result<(CudaStorage, Shape)> {
+    if head_dim > 256 {
+        bail!("paged_attention on CUDA supports head_dim up to 256, not {head_dim}")
+    }
+    let dev = q.0.device.clone();
+    let S::F32(qs) = &q.0.slice else {
+        bail!("paged_attention: queries must be f32 on the GPU")
+    };
+    let qs = qs.slice(range(q.1, "queries")?);
+    let tokens = meta.token_pos.len();
+    let longest = meta
+        .token_pos
+        .iter()
+        .map(|&p| p as usize + 1 - crate::window_start(p as usize, meta.window))
+        .max()
+        .unwrap_or(1);
+    let parts = longest.div_ceil(PART).max(1);
+    let states = tokens * n_heads * parts;
+    let mut part_out = dev.alloc_zeros::<f32>(states * head_dim)?;
+    let mut part_max = dev.alloc_zeros::<f32>(states)?;
+    let mut part_sum = dev.alloc_zeros::<f32>(states)?;
+    let tables = dev.clone_htod(meta.block_tables)?;
+    let seqs = dev.clone_htod(meta.token_seq)?;
+    let pos = dev.clone_htod(meta.token_pos)?;
+    let u = |x: usize| x as u32;
+    let scalars = [
+        u(n_heads),
+        u(n_kv_heads),
+        u(head_dim),
+        u(meta.block_size),
+        u(meta.max_blocks),
+    ];
+    let (window, parts_u) = (u(meta.window), u(parts));
+    let cfg = LaunchConfig {
+        grid_dim: (u(n_heads), u(tokens), u(parts)),
+        block_dim: (ATT_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    macro_rules! launch {
+        ($suffix:literal, $k:expr, $v:expr) => {{
+            let f = dev.get_or_load_custom_func(
+                concat!("tessera_paged_attention_", $suffix),
+                "tessera_paged_attention",
+                ATTENTION_PTX,
+            )?;
+            let kc = $k.slice(range(k.1, "K cache")?);
+            let vc = $v.slice(range(v.1, "V cache")?);
+            let mut b = f.builder();
+            b.arg(&qs);
+            b.arg(&kc);
+            b.arg(&vc);
+            b.arg(&tables);
+            b.arg(&seqs);
+            b.arg(&pos);
+            b.arg(&mut part_out);
+            b.arg(&mut part_max);
+            b.arg(&mut part_sum);
+            for x in &scalars {
+                b.arg(x);
+            }
+            b.arg(&meta.scale);
+            b.arg(&window);
+            b.arg(&parts_u);
+            // SAFETY: the op checked shapes, block tables and positions.
+            unsafe { b.launch(cfg) }.w()?;
+        }};
+    }
+    match (&k.0.slice, &v.0.slice) {
+        (S::F32(kc), S::F32(vc)) => launch!("f32", kc, vc),
+        (S::F16(kc), S::F16(vc)) => launch!("f16", kc, vc),
+        (S::BF16(kc), S::BF16(vc)) => launch!("bf16", kc, vc),
+        _ => bail!(
+            "paged_attention on CUDA: K/V caches must share an f32/f16/bf16 dtype, got {:?}/{:?}",
+            k.0.dtype(),
+            v.0.dtype()
+        ),
+    }
+    let mut out = dev.alloc_zeros::<f32>(tokens * n_heads * head_dim)?;
+    let f = dev.get_or_load_custom_func(
+        "tessera_attention_merge",
+        "tessera_paged_attention",
+        ATTENTION_PTX,
+    )?;
+    let mut b = f.builder();
+    b.arg(&part_out);
+    b.arg(&part_max);
+    b.arg(&part_sum);
+    b.arg(&mut out);
+    b.arg(&scalars[0]);
+    b.arg(&scalars[2]);
+    b.arg(&parts_u);
+    let merge = LaunchConfig {
+        grid_dim: (u(n_heads), u(tokens), 1),
+        block_dim: (Launch::per_item(1, head_dim).threads, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the partial states cover every (token, head, partition).
+    unsafe { b.launch(merge) }.w()?;
+    Ok((
+        CudaStorage::wrap_cuda_slice(out, dev),
+        Shape::from((tokens, n_heads, head_dim)),
+    ))
+}

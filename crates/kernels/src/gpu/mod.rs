@@ -1,0 +1,274 @@
+//! The GPU side of the KV kernels: what every backend shares.
+//!
+//! `write_kv`, `copy_blocks` and the gather-and-rotate half of `shift_kv` /
+//! `rotate_k` are written once, in `gpu/kv_ops.h`, over a small macro
+//! vocabulary that a prelude defines per target (CUDA, Metal, host C++).
+//! This module holds what the launchers of every target share: the entry
+//! points and their parameters in binding order ([`KERNELS`], checked
+//! against the source by a test), the launch shape of each op
+//! ([`Launch`]), and the host-side tables (cos/sin per position delta).
+//!
+//! With the `kernel-emu` feature, [`emu`] runs the very same kernel source,
+//! compiled for the CPU, thread by thread over the grid a GPU launch would
+//! use, on CPU tensors: its tests hold it to the slow references of
+//! [`crate::write_kv_slow`], [`crate::copy_blocks_slow`],
+//! [`crate::shift_kv_slow`] and [`crate::rotate_k_slow`] on every machine.
+
+use candle_core::{bail, Result};
+
+use crate::{KvType, Rotation};
+
+/// The shared kernel source (without a prelude).
+pub const KV_OPS_SOURCE: &str = include_str!("../../gpu/kv_ops.h");
+
+/// An entry point of the kernel source: its name and its parameters in
+/// binding order (the CUDA argument order; Metal's `buffer(i)` index).
+#[derive(Debug, Clone, Copy)]
+pub struct KernelSig {
+    pub name: &'static str,
+    pub params: &'static [&'static str],
+}
+
+const WRITE: &[&str] = &["src", "cache", "slots", "row"];
+const GATHER: &[&str] = &[
+    "cache", "out", "slots", "tables", "cos_t", "sin_t", "heads", "head_dim", "neox",
+];
+
+/// Every entry point the launchers bind.
+pub const KERNELS: &[KernelSig] = &[
+    KernelSig {
+        name: "tessera_write_kv_f32",
+        params: WRITE,
+    },
+    KernelSig {
+        name: "tessera_write_kv_f16",
+        params: WRITE,
+    },
+    KernelSig {
+        name: "tessera_write_kv_bf16",
+        params: WRITE,
+    },
+    KernelSig {
+        name: "tessera_copy_blocks",
+        params: &["cache", "pairs", "units"],
+    },
+    KernelSig {
+        name: "tessera_rope_gather_f32",
+        params: GATHER,
+    },
+    KernelSig {
+        name: "tessera_rope_gather_f16",
+        params: GATHER,
+    },
+    KernelSig {
+        name: "tessera_rope_gather_bf16",
+        params: GATHER,
+    },
+];
+
+/// The name suffix of a cache type's kernels; quantized caches have none.
+pub fn elem_suffix(t: KvType) -> Result<&'static str> {
+    Ok(match t {
+        KvType::F32 => "f32",
+        KvType::F16 => "f16",
+        KvType::Bf16 => "bf16",
+        KvType::Q8_0 | KvType::Q4_0 => {
+            bail!("the GPU KV kernels support f32, f16 and bf16 caches, not {t}")
+        }
+    })
+}
+
+/// A one-dimensional launch: one block per item (token, pair or row), its
+/// threads striding over the item's values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Launch {
+    pub blocks: u32,
+    pub threads: u32,
+}
+
+impl Launch {
+    /// Threads per block at most.
+    pub const MAX_THREADS: usize = 256;
+
+    /// `items` blocks, each with enough whole warps for `work` values (at
+    /// most [`Launch::MAX_THREADS`]).
+    pub fn per_item(items: usize, work: usize) -> Launch {
+        let threads = work.div_ceil(32).max(1) * 32;
+        Launch {
+            blocks: items as u32,
+            threads: threads.min(Self::MAX_THREADS) as u32,
+        }
+    }
+}
+
+/// The host side of a rotation on the GPU: which row reads which cos/sin
+/// table, and the tables (`head_dim / 2` values each), computed exactly as
+/// the CPU kernels compute them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RopeTables {
+    /// One table index per gathered row; [`NO_TABLE`] for none.
+    pub tables: Vec<u32>,
+    pub cos: Vec<f32>,
+    pub sin: Vec<f32>,
+}
+
+/// The table index of a row gathered without rotation (and the slot of a
+/// padded token in `write_kv`).
+pub const NO_TABLE: u32 = u32::MAX;
+
+impl RopeTables {
+    /// `rows` rows, all rotated by `rotation` (a context shift's K).
+    pub fn uniform(rows: usize, rotation: &Rotation) -> RopeTables {
+        let (cos, sin) = rotation.cos_sin();
+        RopeTables {
+            tables: vec![0; rows],
+            cos,
+            sin,
+        }
+    }
+
+    /// `rows` rows gathered unrotated (V).
+    pub fn none(rows: usize) -> RopeTables {
+        RopeTables {
+            tables: vec![NO_TABLE; rows],
+            cos: Vec::new(),
+            sin: Vec::new(),
+        }
+    }
+
+    /// One table per distinct delta, row `i` by `deltas[i]` (rotate_k).
+    pub fn per_delta(deltas: &[i64], rotation: &Rotation) -> RopeTables {
+        let mut seen: Vec<i64> = Vec::new();
+        let mut t = RopeTables::none(0);
+        for &d in deltas {
+            let i = match seen.iter().position(|&x| x == d) {
+                Some(i) => i,
+                None => {
+                    let (c, s) = Rotation {
+                        delta: d,
+                        ..rotation.clone()
+                    }
+                    .cos_sin();
+                    t.cos.extend(c);
+                    t.sin.extend(s);
+                    seen.push(d);
+                    seen.len() - 1
+                }
+            };
+            t.tables.push(i as u32);
+        }
+        t
+    }
+}
+
+/// The rows `rotate_k` actually moves: those with a nonzero delta.
+pub fn moved_rows(slots: &[u32], deltas: &[i64]) -> (Vec<u32>, Vec<i64>) {
+    slots
+        .iter()
+        .zip(deltas)
+        .filter(|(_, &d)| d != 0)
+        .map(|(&s, &d)| (s, d))
+        .unzip()
+}
+
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda;
+#[cfg(all(test, feature = "cuda"))]
+mod cuda_tests;
+#[cfg(feature = "kernel-emu")]
+pub mod emu;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `(name, [(param, index)])` of every `TS_KERNEL` in the source.
+    fn entry_points(src: &str) -> Vec<(String, Vec<(String, usize)>)> {
+        let mut out = Vec::new();
+        for part in src.split("TS_KERNEL(").skip(1) {
+            let Some(end) = part.find(')').and_then(|_| part.find('{')) else {
+                continue;
+            };
+            let head = &part[..end];
+            let name = head.split(',').next().unwrap_or("").trim().to_string();
+            if name == "name" {
+                continue; // the vocabulary's own description
+            }
+            let mut params = Vec::new();
+            for p in head.split("TS_").skip(1) {
+                let Some(args) = p.strip_prefix("BUF(").or_else(|| p.strip_prefix("ARG(")) else {
+                    continue;
+                };
+                let args: Vec<&str> = args.split(')').next().unwrap_or("").split(',').collect();
+                if let [_, n, i] = args[..] {
+                    params.push((n.trim().to_string(), i.trim().parse().unwrap_or(usize::MAX)));
+                }
+            }
+            out.push((name, params));
+        }
+        out
+    }
+
+    #[test]
+    fn every_bound_kernel_and_buffer_index_exists_in_the_source() {
+        let found = entry_points(KV_OPS_SOURCE);
+        assert_eq!(found.len(), KERNELS.len(), "{found:?}");
+        for k in KERNELS {
+            let (_, params) = found
+                .iter()
+                .find(|(n, _)| n == k.name)
+                .unwrap_or_else(|| panic!("{} is not in gpu/kv_ops.h", k.name));
+            let want: Vec<(String, usize)> = k
+                .params
+                .iter()
+                .enumerate()
+                .map(|(i, p)| (p.to_string(), i))
+                .collect();
+            assert_eq!(params, &want, "{}", k.name);
+        }
+    }
+
+    #[test]
+    fn launches_cover_the_work_in_whole_warps() {
+        assert_eq!(
+            Launch::per_item(5, 192),
+            Launch {
+                blocks: 5,
+                threads: 192
+            }
+        );
+        assert_eq!(
+            Launch::per_item(1, 1000),
+            Launch {
+                blocks: 1,
+                threads: 256
+            }
+        );
+        assert_eq!(
+            Launch::per_item(3, 1),
+            Launch {
+                blocks: 3,
+                threads: 32
+            }
+        );
+    }
+
+    #[test]
+    fn per_delta_tables_are_shared_by_equal_deltas() {
+        let r = Rotation {
+            style: crate::RopeStyle::Neox,
+            inv_freq: vec![1.0, 0.5],
+            delta: 0,
+        };
+        let t = RopeTables::per_delta(&[3, -2, 3], &r);
+        assert_eq!(t.tables, [0, 1, 0]);
+        assert_eq!(t.cos.len(), 4);
+        let three = Rotation {
+            delta: 3,
+            ..r.clone()
+        }
+        .cos_sin();
+        assert_eq!(&t.cos[..2], &three.0[..]);
+        assert_eq!(&t.sin[..2], &three.1[..]);
+    }
+}

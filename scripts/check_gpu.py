@@ -1,0 +1,171 @@
+#!/usr/bin/env python3
+"""`just check-gpu`: what a machine without a GPU can check of the GPU kernels.
+(`just test-cuda` runs `check_gpu.py test-cuda`: the CUDA tests on a GPU.)
+
+1. Every crates/kernels/gpu/*.cu compiled to PTX by nvcc and through ptxas
+   for sm_80 and sm_90 (types, registers, spills, shared memory); a spill is
+   an error. nvcc comes from the CUDA 13.0 pip wheels, installed when missing
+   (pinned to 13.0: newer PTX does not load on CUDA 13.0 drivers).
+2. Every crates/kernels/gpu/*.metal checked by `clang++ -fsyntax-only`
+   against gpu/shim/metal_stdlib, a stand-in of our own for Metal's header.
+3. The kernel-emu tests: the shared kernel source compiled for the CPU and
+   run against the CPU slow references, and the entry points and buffer
+   indices the Rust side binds checked against the source.
+4. The CUDA launchers, the GPU tests and the `tessera` binary with its
+   `cuda` feature type-checked against candle's CUDA backend (in
+   target/cuda; about 20 minutes the first time on 2 cores).
+
+Not covered here: no GPU executes anything, Metal's own compiler never sees
+the sources, and the Rust Metal code is not type-checked on Linux.
+"""
+import glob
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GPU = os.path.join(ROOT, "crates", "kernels", "gpu")
+OUT = os.path.join(ROOT, "target", "gpu")
+WHEEL = "cuda-toolkit[nvcc,cccl]==13.0.*"
+ARCHS = ["80", "90"]
+
+
+def find_nvcc():
+    if os.environ.get("NVCC"):
+        return os.environ["NVCC"]
+    spec = importlib.util.find_spec("nvidia")
+    for base in (spec.submodule_search_locations if spec else []) or []:
+        cand = os.path.join(base, "cu13", "bin", "nvcc")
+        if os.path.exists(cand):
+            return cand
+    return shutil.which("nvcc")
+
+
+def run(cmd, **kw):
+    print("+", " ".join(cmd), flush=True)
+    return subprocess.run(cmd, check=True, text=True, **kw)
+
+
+def ensure_nvcc():
+    nvcc = find_nvcc()
+    if nvcc is None:
+        run([sys.executable, "-m", "pip", "install", "--quiet", WHEEL])
+        importlib.invalidate_caches()
+        nvcc = find_nvcc()
+    if nvcc is None:
+        sys.exit(f"check-gpu: nvcc not found after installing {WHEEL}")
+    return nvcc
+
+
+def check_cuda():
+    nvcc = ensure_nvcc()
+    ptxas = os.path.join(os.path.dirname(nvcc), "ptxas")
+    os.makedirs(OUT, exist_ok=True)
+    sources = sorted(glob.glob(os.path.join(GPU, "*.cu")))
+    for src in sources:
+        stem = os.path.splitext(os.path.basename(src))[0]
+        for arch in ARCHS:
+            ptx = os.path.join(OUT, f"{stem}.sm_{arch}.ptx")
+            run([nvcc, "-ptx", f"-arch=sm_{arch}", "-O3", "-Werror", "all-warnings", "-o", ptx, src])
+            r = run([ptxas, "-v", "--warn-on-spills", "--warning-as-error", f"-arch=sm_{arch}",
+                     ptx, "-o", os.devnull], capture_output=True)
+            info = r.stdout + r.stderr
+            entries = info.count("Compiling entry function")
+            regs = [int(l.split("Used ")[1].split(" registers")[0]) for l in info.splitlines()
+                    if "Used " in l and " registers" in l]
+            print(f"  {stem} sm_{arch}: {entries} entry points, at most {max(regs, default=0)} registers, no spills")
+    return len(sources)
+
+
+def check_metal():
+    clang = shutil.which("clang++")
+    if clang is None:
+        sys.exit("check-gpu: clang++ not found (apt-get install clang)")
+    sources = sorted(glob.glob(os.path.join(GPU, "*.metal")))
+    for src in sources:
+        run([clang, "-x", "c++", "-std=c++17", "-fsyntax-only", "-Wall", "-Wextra", "-Werror",
+             "-Wno-unknown-attributes", "-I", os.path.join(GPU, "shim"), src])
+    return len(sources)
+
+
+RUNTIME = "cuda-toolkit[nvcc,cccl,cublas,curand,cudart]==13.0.*"
+
+
+def link_dir(nvcc):
+    """A folder of unversioned names for the wheels' versioned libraries
+    (libcublas.so -> libcublas.so.13, ...) and for the driver's libcuda,
+    which the linker of candle's `cuda` feature asks for by those names."""
+    lib = os.path.join(os.path.dirname(os.path.dirname(nvcc)), "lib")
+    out = os.path.join(OUT, "lib")
+    os.makedirs(out, exist_ok=True)
+    for f in glob.glob(os.path.join(lib, "lib*.so.*")):
+        name = os.path.basename(f).split(".so")[0] + ".so"
+        dst = os.path.join(out, name)
+        if not os.path.exists(dst):
+            os.symlink(f, dst)
+    found = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout
+    for line in found.splitlines():
+        if "libcuda.so.1 " in line and "=>" in line:
+            dst = os.path.join(out, "libcuda.so")
+            if not os.path.exists(dst):
+                os.symlink(line.split("=>")[1].strip(), dst)
+            break
+    return [lib, out]
+
+
+def test_cuda():
+    """The `cuda` feature's tests with TESSERA_REQUIRE_GPU=1: the CUDA
+    libraries from the pip wheels (installed when missing), nvcc (for our
+    kernels and candle's) on PATH."""
+    nvcc = ensure_nvcc()
+    if not glob.glob(os.path.join(os.path.dirname(os.path.dirname(nvcc)), "lib", "libcublas.so*")):
+        run([sys.executable, "-m", "pip", "install", "--quiet", RUNTIME])
+    env = cuda_env(nvcc, TESSERA_REQUIRE_GPU="1", CARGO_TARGET_DIR=os.path.join(ROOT, "target", "cuda"))
+    if os.path.isabs(nvcc):
+        dirs = os.pathsep.join(link_dir(nvcc))
+        for var in ("LIBRARY_PATH", "LD_LIBRARY_PATH"):
+            env[var] = dirs + os.pathsep + env.get(var, "")
+    run(["cargo", "test", "-p", "tessera-kernels", "--features", "cuda", "--", "gpu::"],
+        cwd=ROOT, env=env)
+
+
+def cuda_env(nvcc, **extra):
+    """The environment for builds with candle's `cuda` feature: nvcc on
+    PATH, CUDA_ROOT beside it."""
+    env = dict(os.environ, **extra)
+    if os.path.isabs(nvcc):
+        bindir = os.path.dirname(nvcc)
+        env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
+        env.setdefault("CUDA_ROOT", os.path.dirname(bindir))
+    return env
+
+
+def check_launchers():
+    """The CUDA launchers and GPU tests type-checked against
+    candle's `cuda` feature, in target/cuda; no GPU needed, but
+    candle's own kernels are compiled to PTX (about 20 minutes the first
+    time, with the whole binary). CUDA_COMPUTE_CAP is set since there is no GPU to ask."""
+    env = cuda_env(ensure_nvcc(), CUDA_COMPUTE_CAP=os.environ.get("CUDA_COMPUTE_CAP", "80"),
+                   CARGO_TARGET_DIR=os.path.join(ROOT, "target", "cuda"))
+    run(["cargo", "check", "-p", "tessera-kernels", "--features", "cuda", "--tests"], cwd=ROOT,
+        env=env)
+    # The model, engine and CLI with `--device cuda` (candle-nn's CUDA ops too).
+    run(["cargo", "check", "-p", "tessera", "--features", "cuda"], cwd=ROOT, env=env)
+
+
+def main():
+    if sys.argv[1:] == ["test-cuda"]:
+        return test_cuda()
+    n_cu = check_cuda()
+    n_metal = check_metal()
+    run(["cargo", "test", "-p", "tessera-kernels", "--features", "kernel-emu", "--", "gpu::"], cwd=ROOT)
+    check_launchers()
+    print(f"check-gpu: {n_cu} CUDA sources through ptxas for sm_{' and sm_'.join(ARCHS)}, "
+          f"{n_metal} Metal sources through clang -fsyntax-only, kernel-emu tests passed, "
+          "CUDA launchers type-checked")
+
+
+if __name__ == "__main__":
+    main()
