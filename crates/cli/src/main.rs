@@ -23,7 +23,7 @@ use tessera_engine::{
     CacheDType, Completion, Engine, EngineConfig, GenerateRequest, Message, ModelSource, Prompt,
     SamplingParams,
 };
-use tessera_model::{Activations, Model, Special};
+use tessera_model::{device_name, Activations, DeviceSpec, Model, Special};
 
 #[derive(Parser)]
 #[command(
@@ -39,8 +39,32 @@ struct Cli {
     /// (`TESSERA_LOG=debug` gives the logs alone).
     #[arg(long, global = true)]
     verbose: bool,
+    /// Where the model runs: auto (CUDA, then Metal, then the CPU, as this
+    /// build and machine allow), cpu, cuda, cuda:N or metal.
+    #[arg(long, global = true, default_value = "auto")]
+    device: DeviceSpec,
     #[command(subcommand)]
     cmd: Cmd,
+}
+
+/// The `--device` of this invocation, for every model it loads.
+static DEVICE: std::sync::OnceLock<DeviceSpec> = std::sync::OnceLock::new();
+
+/// Opens the `--device` device (once per process; later calls reuse it),
+/// saying which one `auto` chose when this build had a choice to make.
+fn device() -> Result<candle_core::Device> {
+    static OPENED: std::sync::OnceLock<candle_core::Device> = std::sync::OnceLock::new();
+    if let Some(d) = OPENED.get() {
+        return Ok(d.clone());
+    }
+    let spec = DEVICE.get().copied().unwrap_or_default();
+    let d = spec.open()?;
+    let gpu_build =
+        candle_core::utils::cuda_is_available() || candle_core::utils::metal_is_available();
+    if spec == DeviceSpec::Auto && (gpu_build || !d.is_cpu()) {
+        eprintln!("device: {} (chosen by --device auto)", device_name(&d));
+    }
+    Ok(OPENED.get_or_init(|| d).clone())
 }
 
 #[derive(Subcommand)]
@@ -240,7 +264,8 @@ pub(crate) fn load_model(spec: &str) -> Result<Model> {
         b.set_message(path.display().to_string());
         b
     });
-    let model = Model::load(&path, &mut |done, total| {
+    let device = device()?;
+    let model = Model::load_on(&path, &device, &mut |done, total| {
         if let Some(b) = &bar {
             b.set_length(total as u64);
             b.set_position(done as u64);
@@ -502,6 +527,7 @@ fn main() -> ExitCode {
         std::env::set_var("RAYON_NUM_THREADS", n.to_string());
     }
     let verbose = cli.verbose;
+    let _ = DEVICE.set(cli.device);
     let result = match cli.cmd {
         Cmd::Run(a) => run(a),
         Cmd::Chat(a) => chat::chat(a),

@@ -220,6 +220,55 @@ fn tiny_safetensors_model_runs() {
 }
 
 #[test]
+fn device_flag_picks_the_cpu_and_names_what_a_gpu_needs() {
+    let dir = scratch("device");
+    write_tiny_model(&dir, TinySpec::default()).unwrap();
+    let m = dir.to_str().unwrap();
+    let run = |device: &str| {
+        tessera(
+            &[
+                "run",
+                "--model",
+                m,
+                "--prompt",
+                "the",
+                "--max-tokens",
+                "4",
+                "--temperature",
+                "0",
+                "--json",
+                "--device",
+                device,
+            ],
+            None,
+        )
+    };
+    let (auto, cpu) = (run("auto"), run("cpu"));
+    assert!(cpu.status.success(), "{}", text(&cpu.stderr));
+    assert!(auto.status.success(), "{}", text(&auto.stderr));
+    let tokens = |o: &Output| {
+        serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()["tokens"].clone()
+    };
+    #[cfg(not(feature = "cuda"))]
+    {
+        // Without a GPU build, auto is the CPU, and asking for a GPU says
+        // what is missing.
+        assert_eq!(tokens(&auto), tokens(&cpu));
+        fails_with(
+            &run("cuda"),
+            "no CUDA support; rebuild with `--features cuda`",
+        );
+        fails_with(&run("cuda:1"), "no CUDA support");
+    }
+    assert_eq!(tokens(&cpu).as_array().unwrap().len(), 4);
+    fails_with(&run("metal"), "no Metal support");
+    fails_with(
+        &run("gpu"),
+        "is not a device (auto, cpu, cuda, cuda:N, metal)",
+    );
+}
+
+#[test]
 fn bad_input_gives_clear_errors() {
     let dir = scratch("bad");
     fails_with(

@@ -87,7 +87,8 @@ impl Engine {
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Engine> {
         let path = source.resolve()?;
-        let model = Model::load(&path, progress)?;
+        let device = cfg.device.open()?;
+        let model = Model::load_on(&path, &device, progress)?;
         Engine::from_model(model, cfg)
     }
 
@@ -102,6 +103,14 @@ impl Engine {
         }
         if let Some(a) = cfg.activations {
             model.llama.set_activations(a);
+        }
+        let device = model.llama.device();
+        if !device.is_cpu() && cfg.cache_dtype.is_quantized() {
+            return Err(EngineError::Invalid(format!(
+                "cache dtype {} runs on the CPU only; on {} use f16, bf16 or f32",
+                cfg.cache_dtype,
+                tessera_model::device_name(device)
+            )));
         }
         model.llama.prepare()?;
         let mc = model.config();

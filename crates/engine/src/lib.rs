@@ -48,7 +48,7 @@ pub use snapshot::{Geometry, KvSnapshot, LayerBytes, CACHE_FILE, FORMAT_VERSION}
 pub use source::ModelSource;
 pub use stream::{Event, RequestStream};
 pub use tessera_model::Activations;
-pub use tessera_model::{Message, Model};
+pub use tessera_model::{DeviceSpec, Message, Model};
 pub use types::{
     CacheDType, Completion, ContextShift, EngineConfig, EngineStats, Fault, FaultHook, FaultSite,
     FinishReason, GenerateRequest, Prompt, Timings, TokenEvent, Usage,

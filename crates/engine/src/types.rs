@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use tessera_kv::KvStats;
-use tessera_model::{Activations, Message};
+use tessera_model::{Activations, DeviceSpec, Message};
 
 use crate::sampler::{SamplingParams, TokenLogprob};
 pub use crate::self_extend::SelfExtend;
@@ -61,6 +61,10 @@ pub struct EngineConfig {
     /// size, so a model reads past its trained context. Such requests
     /// neither read nor fill the prefix cache.
     pub self_extend: Option<SelfExtend>,
+    /// Where [`crate::Engine::load`] puts the model and its K/V (default
+    /// `auto`: CUDA, then Metal, then the CPU, as this build and machine
+    /// allow). [`crate::Engine::from_model`] keeps the model's own device.
+    pub device: DeviceSpec,
 }
 
 impl Default for EngineConfig {
@@ -81,6 +85,7 @@ impl Default for EngineConfig {
             swa_full: false,
             swa_blocks: None,
             self_extend: None,
+            device: DeviceSpec::Auto,
         }
     }
 }

@@ -34,8 +34,10 @@
 //! several instruction sets, chosen at run time ([`Isa`], [`QIsa`]), and
 //! all give the same bits.
 //!
-//! Only the CPU backend exists so far; on another device every op returns an
-//! error that says so (candle's default for custom ops).
+//! With the `cuda` feature the KV ops also run on CUDA tensors ([`gpu`]:
+//! one kernel source for CUDA, Metal and the host, `gpu/*.cu` for paged
+//! attention). On Metal every op still returns an error that says so
+//! (candle's default for custom ops).
 
 mod attend;
 mod attention;

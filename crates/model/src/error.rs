@@ -29,6 +29,8 @@ pub enum ModelError {
     Tokenizer(String),
     #[error("chat template: {0}")]
     Template(String),
+    #[error("device: {0}")]
+    Device(String),
     #[error(transparent)]
     Candle(candle_core::Error),
 }

@@ -7,6 +7,7 @@
 //! templates.
 
 mod config;
+mod device;
 mod error;
 mod fast;
 mod llama;
@@ -20,6 +21,7 @@ mod tests;
 mod tokenizer;
 
 pub use config::{Activation, Arch, Block, ModelConfig, RopeScaling};
+pub use device::{device_name, DeviceSpec};
 pub use error::{without_backtrace, ModelError, Result};
 pub use llama::{
     Attention, Batch, DenseKv, LayerKv, Llama, PagedAttention, SlidingBatch, NO_BLOCK,

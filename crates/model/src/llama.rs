@@ -266,7 +266,8 @@ impl Llama {
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Llama> {
         let total = cfg.n_layers + 2;
-        let embed = src.embedding(device)?;
+        // Embedding rows are looked up on the host whatever the device.
+        let embed = src.embedding(&Device::Cpu)?;
         progress(1, total);
         let mut layers = Vec::with_capacity(cfg.n_layers);
         for l in 0..cfg.n_layers {
@@ -302,8 +303,10 @@ impl Llama {
         let norm = src.vector(W::OutNorm, device)?;
         let lm_head = if src.has(W::Output) {
             src.matmul(W::Output, device)?
-        } else {
+        } else if device.is_cpu() {
             embed.clone()
+        } else {
+            QLinear::Dense(src.dense(W::Embed, device)?)
         };
         progress(total, total);
         let (mut inv_freqs, mut layer_rope) = (Vec::<Vec<f32>>::new(), Vec::new());

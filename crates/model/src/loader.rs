@@ -424,10 +424,15 @@ impl Source<'_> {
         }
     }
 
-    fn dense(&mut self, w: W, device: &Device) -> Result<Tensor> {
+    /// A weight as f32 on `device`. GGUF weights are dequantized on the
+    /// host (candle's exact `to_float`), so a GPU holds the CPU's values.
+    pub(crate) fn dense(&mut self, w: W, device: &Device) -> Result<Tensor> {
         let name = self.name(w);
         match self {
-            Source::Gguf(g) => Ok(g.qtensor(&name, device)?.dequantize(device)?),
+            Source::Gguf(g) => Ok(g
+                .qtensor(&name, &Device::Cpu)?
+                .dequantize(&Device::Cpu)?
+                .to_device(device)?),
             Source::Hf(h) => Ok(h
                 .tensors
                 .get(&name)
@@ -437,12 +442,14 @@ impl Source<'_> {
         }
     }
 
-    /// A projection weight: quantized as stored (GGUF) or dense f32.
+    /// A projection weight: quantized as stored (GGUF, on the CPU) or dense
+    /// f32 (safetensors; GGUF on a GPU, dequantized once here).
     pub fn matmul(&mut self, w: W, device: &Device) -> Result<QLinear> {
         if !self.has(w) {
             return Err(ModelError::Missing(format!("tensor {}", self.name(w))));
         }
         match self {
+            Source::Gguf(_) if !device.is_cpu() => Ok(QLinear::Dense(self.dense(w, device)?)),
             Source::Gguf(g) => {
                 let name = w.gguf();
                 Ok(QLinear::Quantized(Arc::new(g.qtensor(&name, device)?)))

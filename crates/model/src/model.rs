@@ -64,10 +64,20 @@ impl Model {
     /// one) holding `config.json`, safetensors and `tokenizer.json`.
     /// `progress(done, total)` is called as layers load.
     pub fn load(path: &Path, progress: &mut dyn FnMut(usize, usize)) -> Result<Model> {
+        Model::load_on(path, &Device::Cpu, progress)
+    }
+
+    /// [`Model::load`] onto `device` (see [`crate::DeviceSpec`]): on a GPU
+    /// the model runs the candle reference forward over K/V kept there.
+    pub fn load_on(
+        path: &Path,
+        device: &Device,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Model> {
         if !path.exists() {
             return Err(ModelError::NotFound(path.to_path_buf()));
         }
-        let device = Device::Cpu;
+        let device = device.clone();
         let is_dir = path.is_dir();
         let is_safetensors = path.extension().is_some_and(|e| e == "safetensors");
         if is_dir || is_safetensors {
