@@ -226,118 +226,73 @@ pub fn rotate_k(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testing::{max_abs_diff, seeded, seeded_cache};
-    use crate::RopeStyle;
+    use crate::gpu::parity::{self, Backend};
+    use crate::testing::{max_abs_diff, seeded_cache};
 
-    const FLOATS: [KvType; 3] = [KvType::F32, KvType::F16, KvType::Bf16];
+    /// The emulated kernels on a copy of the inputs.
+    struct Emu;
 
-    /// Geometries `[blocks, block_size, kv heads, head_dim]`: head dims 64,
-    /// 128 and 256, rows shorter and longer than one block of threads.
-    const SHAPES: [[usize; 4]; 4] = [
-        [6, 4, 3, 64],
-        [5, 16, 2, 128],
-        [4, 8, 4, 256],
-        [3, 32, 1, 64],
-    ];
-
-    fn rotation(style: RopeStyle, hd: usize, delta: i64) -> Rotation {
-        Rotation {
-            style,
-            inv_freq: (0..hd / 2)
-                .map(|i| 10000f32.powf(-2.0 * i as f32 / hd as f32))
-                .collect(),
-            delta,
+    impl Backend for Emu {
+        fn write_kv(&self, cache: &Tensor, new: &Tensor, slots: &[u32]) -> Result<Tensor> {
+            let c = cache.copy()?;
+            write_kv(&c, new, slots)?;
+            Ok(c)
+        }
+        fn copy_blocks(&self, cache: &Tensor, pairs: &[(u32, u32)]) -> Result<Tensor> {
+            let c = cache.copy()?;
+            copy_blocks(&c, pairs)?;
+            Ok(c)
+        }
+        fn shift_kv(
+            &self,
+            k: &Tensor,
+            v: &Tensor,
+            moves: &[(u32, u32)],
+            r: &Rotation,
+        ) -> Result<(Tensor, Tensor)> {
+            let (k, v) = (k.copy()?, v.copy()?);
+            shift_kv(&k, &v, moves, r)?;
+            Ok((k, v))
+        }
+        fn rotate_k(
+            &self,
+            k: &Tensor,
+            slots: &[u32],
+            deltas: &[i64],
+            r: &Rotation,
+        ) -> Result<Tensor> {
+            let k = k.copy()?;
+            rotate_k(&k, slots, deltas, r)?;
+            Ok(k)
         }
     }
 
     #[test]
     fn write_kv_equals_the_reference() -> Result<()> {
-        for t in FLOATS {
-            for (n, shape) in SHAPES.iter().enumerate() {
-                let cache = seeded_cache(shape, n as u64, t)?;
-                let slots: Vec<u32> = (0..5)
-                    .map(|i| ((i * 7 + 3) % (shape[0] * shape[1])) as u32)
-                    .collect();
-                let new = seeded(&[5, shape[2], shape[3]], 40 + n as u64, DType::F32)?;
-                let want = crate::write_kv_slow(&cache, &new, &slots)?;
-                write_kv(&cache, &new, &slots)?;
-                assert_eq!(max_abs_diff(&cache, &want)?, 0.0, "{t} {shape:?}");
-            }
-        }
-        Ok(())
+        parity::write_kv(&Emu)
     }
 
     #[test]
     fn copy_blocks_equals_the_reference_for_every_cache_type() -> Result<()> {
-        for t in KvType::ALL {
-            let cache = seeded_cache(&[8, 4, 2, 64], 9, t)?;
-            let pairs = [(7, 0), (3, 1), (5, 6)];
-            let want = crate::copy_blocks_slow(&cache, &pairs)?;
-            copy_blocks(&cache, &pairs)?;
-            assert_eq!(max_abs_diff(&cache, &want)?, 0.0, "{t}");
-        }
-        Ok(())
+        parity::copy_blocks(&Emu)
     }
 
     #[test]
-    fn shift_kv_equals_the_reference_with_overlapping_moves() -> Result<()> {
-        for t in FLOATS {
-            for style in [RopeStyle::Neox, RopeStyle::Interleaved] {
-                for shape in SHAPES {
-                    let n = shape[0] * shape[1];
-                    let k = seeded_cache(&shape, 3, t)?;
-                    let v = seeded_cache(&shape, 4, t)?;
-                    // Slide everything after slot 3 left by 2: sources and
-                    // destinations overlap.
-                    let moves: Vec<(u32, u32)> = (5..n as u32).map(|s| (s, s - 2)).collect();
-                    let r = rotation(style, shape[3], -2);
-                    let (wk, wv) = crate::shift_kv_slow(&k, &v, &moves, &r)?;
-                    shift_kv(&k, &v, &moves, &r)?;
-                    assert_eq!(max_abs_diff(&k, &wk)?, 0.0, "{t} {style:?} {shape:?}");
-                    assert_eq!(max_abs_diff(&v, &wv)?, 0.0, "{t} {style:?} {shape:?}");
-                }
-            }
-        }
-        Ok(())
-    }
-
-    #[test]
-    fn rotate_k_equals_the_reference_and_composes() -> Result<()> {
-        for t in FLOATS {
-            for style in [RopeStyle::Neox, RopeStyle::Interleaved] {
-                let shape = [4, 16, 2, 128];
-                let k = seeded_cache(&shape, 5, t)?;
-                let slots: Vec<u32> = (0..40).collect();
-                let deltas: Vec<i64> = (0..40).map(|i| (i % 5) as i64 * 3 - 6).collect();
-                let r = rotation(style, shape[3], 0);
-                let want = crate::rotate_k_slow(&k, &slots, &deltas, &r)?;
-                rotate_k(&k, &slots, &deltas, &r)?;
-                assert_eq!(max_abs_diff(&k, &want)?, 0.0, "{t} {style:?}");
-            }
-        }
-        // Rotating by a then by b is a rotation by a + b, up to rounding.
-        let shape = [2, 16, 2, 64];
-        let r = rotation(RopeStyle::Neox, 64, 0);
-        let slots: Vec<u32> = (0..32).collect();
-        let twice = seeded_cache(&shape, 6, KvType::F32)?;
-        let once = twice.copy()?;
-        rotate_k(&twice, &slots, &[7; 32], &r)?;
-        rotate_k(&twice, &slots, &[-100; 32], &r)?;
-        rotate_k(&once, &slots, &[-93; 32], &r)?;
-        assert!(max_abs_diff(&twice, &once)? < 1e-5);
-        Ok(())
+    fn shift_and_rotate_equal_the_reference_with_overlapping_moves() -> Result<()> {
+        parity::shift_and_rotate(&Emu)
     }
 
     #[test]
     fn padded_slots_are_skipped_and_quantized_caches_refused() -> Result<()> {
         let cache = seeded_cache(&[2, 4, 1, 64], 1, KvType::F16)?;
         let before = cache.copy()?;
-        let raw = float_cache(&cache)?;
-        scatter(raw, &[1.0; 64], &[super::super::NO_TABLE], 64);
+        scatter(
+            float_cache(&cache)?,
+            &[1.0; 64],
+            &[super::super::NO_TABLE],
+            64,
+        );
         assert_eq!(max_abs_diff(&cache, &before)?, 0.0);
-        let q = seeded_cache(&[2, 4, 1, 64], 1, KvType::Q8_0)?;
-        let err = write_kv(&q, &seeded(&[1, 1, 64], 2, DType::F32)?, &[0]).unwrap_err();
-        assert!(err.to_string().contains("f32, f16 and bf16"), "{err}");
-        Ok(())
+        parity::quantized_caches_refused(&Emu)
     }
 }

@@ -177,6 +177,8 @@ pub(crate) mod cuda;
 mod cuda_tests;
 #[cfg(feature = "kernel-emu")]
 pub mod emu;
+#[cfg(all(test, any(feature = "cuda", feature = "kernel-emu")))]
+mod parity;
 
 #[cfg(test)]
 mod tests {

@@ -1,0 +1,120 @@
+//! The parity checks every GPU backend passes, against the CPU slow
+//! references: the kernel-emu build (`emu.rs`) and CUDA (`cuda_tests.rs`)
+//! run the same ones through a [`Backend`].
+
+use candle_core::{DType, Result, Tensor};
+
+use crate::testing::{max_abs_diff, seeded, seeded_cache};
+use crate::{KvType, RopeStyle, Rotation};
+
+/// A backend under test: each op applied to a copy of CPU inputs, the
+/// result brought back to the CPU.
+pub(crate) trait Backend {
+    fn write_kv(&self, cache: &Tensor, new: &Tensor, slots: &[u32]) -> Result<Tensor>;
+    fn copy_blocks(&self, cache: &Tensor, pairs: &[(u32, u32)]) -> Result<Tensor>;
+    fn shift_kv(
+        &self,
+        k: &Tensor,
+        v: &Tensor,
+        moves: &[(u32, u32)],
+        r: &Rotation,
+    ) -> Result<(Tensor, Tensor)>;
+    fn rotate_k(&self, k: &Tensor, slots: &[u32], deltas: &[i64], r: &Rotation) -> Result<Tensor>;
+}
+
+pub(crate) const FLOATS: [KvType; 3] = [KvType::F32, KvType::F16, KvType::Bf16];
+
+/// Geometries `[blocks, block_size, kv heads, head_dim]`: head dims 64,
+/// 128 and 256, rows shorter and longer than one block of threads.
+const SHAPES: [[usize; 4]; 4] = [
+    [6, 4, 3, 64],
+    [5, 16, 2, 128],
+    [4, 8, 4, 256],
+    [3, 32, 1, 64],
+];
+
+fn rotation(style: RopeStyle, hd: usize, delta: i64) -> Rotation {
+    Rotation {
+        style,
+        inv_freq: (0..hd / 2)
+            .map(|i| 10000f32.powf(-2.0 * i as f32 / hd as f32))
+            .collect(),
+        delta,
+    }
+}
+
+pub(crate) fn write_kv(b: &dyn Backend) -> Result<()> {
+    for t in FLOATS {
+        for (n, shape) in SHAPES.iter().enumerate() {
+            let cache = seeded_cache(shape, n as u64, t)?;
+            let slots: Vec<u32> = (0..5)
+                .map(|i| ((i * 7 + 3) % (shape[0] * shape[1])) as u32)
+                .collect();
+            let new = seeded(&[5, shape[2], shape[3]], 40 + n as u64, DType::F32)?;
+            let want = crate::write_kv_slow(&cache, &new, &slots)?;
+            let got = b.write_kv(&cache, &new, &slots)?;
+            assert_eq!(max_abs_diff(&got, &want)?, 0.0, "{t} {shape:?}");
+        }
+    }
+    Ok(())
+}
+
+pub(crate) fn copy_blocks(b: &dyn Backend) -> Result<()> {
+    for t in KvType::ALL {
+        let cache = seeded_cache(&[8, 4, 2, 64], 9, t)?;
+        let pairs = [(7, 0), (3, 1), (5, 6)];
+        let want = crate::copy_blocks_slow(&cache, &pairs)?;
+        assert_eq!(
+            max_abs_diff(&b.copy_blocks(&cache, &pairs)?, &want)?,
+            0.0,
+            "{t}"
+        );
+    }
+    Ok(())
+}
+
+/// Overlapping moves (everything after slot 3 slides left by 2) and
+/// per-slot rotations, both RoPE pair layouts; then composition.
+pub(crate) fn shift_and_rotate(b: &dyn Backend) -> Result<()> {
+    for t in FLOATS {
+        for style in [RopeStyle::Neox, RopeStyle::Interleaved] {
+            for shape in SHAPES {
+                let n = shape[0] * shape[1];
+                let (k, v) = (seeded_cache(&shape, 3, t)?, seeded_cache(&shape, 4, t)?);
+                let moves: Vec<(u32, u32)> = (5..n as u32).map(|s| (s, s - 2)).collect();
+                let r = rotation(style, shape[3], -2);
+                let (wk, wv) = crate::shift_kv_slow(&k, &v, &moves, &r)?;
+                let (gk, gv) = b.shift_kv(&k, &v, &moves, &r)?;
+                assert_eq!(max_abs_diff(&gk, &wk)?, 0.0, "{t} {style:?} {shape:?}");
+                assert_eq!(max_abs_diff(&gv, &wv)?, 0.0, "{t} {style:?} {shape:?}");
+                let slots: Vec<u32> = (0..n as u32).step_by(3).collect();
+                let deltas: Vec<i64> = (0..slots.len()).map(|i| (i % 5) as i64 * 3 - 6).collect();
+                let want = crate::rotate_k_slow(&k, &slots, &deltas, &r)?;
+                let got = b.rotate_k(&k, &slots, &deltas, &r)?;
+                assert_eq!(max_abs_diff(&got, &want)?, 0.0, "{t} {style:?} {shape:?}");
+            }
+        }
+    }
+    // Rotating by a then by b is a rotation by a + b, up to rounding.
+    let r = rotation(RopeStyle::Neox, 64, 0);
+    let slots: Vec<u32> = (0..32).collect();
+    let k = seeded_cache(&[2, 16, 2, 64], 6, KvType::F32)?;
+    let twice = b.rotate_k(
+        &b.rotate_k(&k, &slots, &[7; 32], &r)?,
+        &slots,
+        &[-100; 32],
+        &r,
+    )?;
+    let once = b.rotate_k(&k, &slots, &[-93; 32], &r)?;
+    assert!(max_abs_diff(&twice, &once)? < 1e-5);
+    Ok(())
+}
+
+/// Quantized caches are refused (except by `copy_blocks`) with a message.
+pub(crate) fn quantized_caches_refused(b: &dyn Backend) -> Result<()> {
+    let q = seeded_cache(&[2, 4, 1, 64], 1, KvType::Q8_0)?;
+    let new = seeded(&[1, 1, 64], 2, DType::F32)?;
+    let err = b.write_kv(&q, &new, &[0]).unwrap_err().to_string();
+    assert!(err.contains("f32, f16 and bf16"), "{err}");
+    Ok(())
+}
