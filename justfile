@@ -45,8 +45,9 @@ check-gpu:
     command -v clang++ >/dev/null || ($(command -v sudo || true) apt-get update && $(command -v sudo || true) apt-get install -y clang)
     python3 scripts/check_gpu.py
 
-# The CUDA kernels against the CPU slow references on a machine with an NVIDIA GPU (needs nvcc:
-# installs the pinned CUDA 13.0 wheels when missing). TESSERA_REQUIRE_GPU=1: no test passes by skipping.
+# On a machine with an NVIDIA GPU: the CUDA kernels against the CPU slow references, then the real
+# model on the GPU against the CPU reference forward (installs the pinned CUDA 13.0 wheels when
+# missing). TESSERA_REQUIRE_GPU=1: no test passes by skipping.
 test-cuda:
     python3 scripts/check_gpu.py test-cuda
 

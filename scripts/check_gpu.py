@@ -129,6 +129,9 @@ def test_cuda():
             env[var] = dirs + os.pathsep + env.get(var, "")
     run(["cargo", "test", "-p", "tessera-kernels", "--features", "cuda", "--", "gpu::"],
         cwd=ROOT, env=env)
+    # The real model on the GPU against the CPU reference.
+    run(["cargo", "test", "-p", "tessera-model", "--features", "cuda", "--lib", "--",
+         "cuda_forward", "--nocapture"], cwd=ROOT, env=env)
 
 
 def cuda_env(nvcc, **extra):
@@ -153,6 +156,8 @@ def check_launchers():
         env=env)
     # The model, engine and CLI with `--device cuda` (candle-nn's CUDA ops too).
     run(["cargo", "check", "-p", "tessera", "--features", "cuda"], cwd=ROOT, env=env)
+    run(["cargo", "check", "-p", "tessera-model", "--features", "cuda", "--tests"], cwd=ROOT,
+        env=env)
 
 
 def main():

@@ -801,3 +801,50 @@ fn rope_positions_drive_both_forwards() {
         .unwrap();
     assert!(m.llama.forward_threads(&bad, &cache, 2).is_err());
 }
+
+/// The real default model on a CUDA GPU (feature `cuda`; `just test-cuda`)
+/// against the candle reference forward on the CPU, both over an f32 cache:
+/// the same weights' values (dequantized on the host) and f32 arithmetic in
+/// another order, so the first logits agree closely and greedy tokens agree
+/// until rounding tips a near tie. The agreement is printed. Without a
+/// device it prints `skipped: no CUDA device` and passes, unless
+/// `TESSERA_REQUIRE_GPU=1`.
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_forward_follows_the_cpu_reference_on_the_real_model() {
+    let dev = match candle_core::Device::new_cuda(0) {
+        Ok(d) => d,
+        Err(e) if std::env::var("TESSERA_REQUIRE_GPU").as_deref() == Ok("1") => {
+            panic!("TESSERA_REQUIRE_GPU=1 but no CUDA device: {e}")
+        }
+        Err(e) => return eprintln!("skipped: no CUDA device ({e})"),
+    };
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let cpu = Model::load(&path, &mut |_, _| {}).unwrap();
+    let gpu = Model::load_on(&path, &dev, &mut |_, _| {}).unwrap();
+    let (mut same, mut total) = (0, 0);
+    for p in [
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+        "Explain what a hash map is in one paragraph.",
+        "List three colors of the rainbow.",
+    ] {
+        let ids = cpu
+            .template
+            .encode(&cpu.tokenizer, &[Message::new("user", p)], true)
+            .unwrap();
+        let run = |m: &Model, reference| {
+            crate::testing::paged_greedy_with(&m.llama, &ids, 32, 16, KvType::F32, None, reference)
+                .unwrap()
+        };
+        let (want, wl) = run(&cpu, true);
+        let (got, gl) = run(&gpu, false);
+        let d = crate::testing::max_diff(&gl[..1], &wl[..1]);
+        assert!(d < 1e-2, "{p:?}: first logits differ by {d}");
+        assert_eq!(got[0], want[0], "{p:?}");
+        same += got.iter().zip(&want).take_while(|(a, b)| a == b).count();
+        total += want.len();
+    }
+    eprintln!("cuda vs cpu reference: {same} of {total} greedy tokens before the first difference");
+}
