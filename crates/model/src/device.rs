@@ -2,9 +2,9 @@
 //!
 //! The CPU runs the fast path (`tessera_kernels`' step pool and quantized
 //! kernels). A GPU runs the candle reference forward, its K/V kept on the
-//! device and moved by the GPU versions of the KV kernels; GGUF weights are
-//! dequantized once at load (on the host, so their values are the CPU's)
-//! and multiplied in f32.
+//! device and moved by the GPU versions of the KV kernels; weights stay
+//! there in their stored format (GGUF blocks, f16/bf16) and every product
+//! is computed in f32 (`QLinear::forward`).
 
 use std::fmt;
 use std::str::FromStr;

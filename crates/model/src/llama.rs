@@ -306,7 +306,8 @@ impl Llama {
         } else if device.is_cpu() {
             embed.clone()
         } else {
-            QLinear::Dense(src.dense(W::Embed, device)?)
+            // Tied: the embedding table again, on the device.
+            src.matmul(W::Embed, device)?
         };
         progress(total, total);
         let (mut inv_freqs, mut layer_rope) = (Vec::<Vec<f32>>::new(), Vec::new());

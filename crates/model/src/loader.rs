@@ -8,7 +8,7 @@ use std::io::{BufReader, Read, Seek};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use candle_core::quantized::{gguf_file, QTensor};
+use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 
 use crate::config::{Activation, Arch, Block, HfConfig, ModelConfig, RopeScaling};
@@ -442,17 +442,43 @@ impl Source<'_> {
         }
     }
 
-    /// A projection weight: quantized as stored (GGUF, on the CPU) or dense
-    /// f32 (safetensors; GGUF on a GPU, dequantized once here).
+    /// A projection weight, kept in its stored format where the forward can
+    /// compute it in f32 from there: GGUF blocks stay quantized (on the
+    /// CPU, and on a GPU where candle has a kernel that dequantizes them in
+    /// f32; float GGUF tensors become dense f32); safetensors weights are
+    /// dense f32 on the CPU and keep their f16/bf16 on a GPU, widened to
+    /// f32 per product ([`QLinear::forward`]).
     pub fn matmul(&mut self, w: W, device: &Device) -> Result<QLinear> {
         if !self.has(w) {
             return Err(ModelError::Missing(format!("tensor {}", self.name(w))));
         }
+        let name = self.name(w);
         match self {
-            Source::Gguf(_) if !device.is_cpu() => Ok(QLinear::Dense(self.dense(w, device)?)),
             Source::Gguf(g) => {
-                let name = w.gguf();
+                let float = g.content.tensor_infos.get(&name).is_some_and(|i| {
+                    matches!(
+                        i.ggml_dtype,
+                        GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16
+                    )
+                });
+                if float && !device.is_cpu() {
+                    return Ok(QLinear::Dense(self.dense(w, device)?));
+                }
+                if device.is_cuda() {
+                    exact_cuda_matmul();
+                }
                 Ok(QLinear::Quantized(Arc::new(g.qtensor(&name, device)?)))
+            }
+            Source::Hf(h) if !device.is_cpu() => {
+                let t = h
+                    .tensors
+                    .get(&name)
+                    .ok_or_else(|| ModelError::Missing(format!("tensor {name}")))?;
+                let t = match t.dtype() {
+                    DType::F16 | DType::BF16 => t.to_device(device)?,
+                    _ => t.to_dtype(DType::F32)?.to_device(device)?,
+                };
+                Ok(QLinear::Dense(t))
             }
             Source::Hf(_) => Ok(QLinear::Dense(self.dense(w, device)?)),
         }
@@ -476,4 +502,14 @@ impl Source<'_> {
             Source::Hf(_) => Ok(QLinear::Dense(self.vector(W::Embed, device)?)),
         }
     }
+}
+
+/// Makes candle's CUDA quantized matmul dequantize the weights in f32 and
+/// multiply them with the f32 activations (its `dmmv` kernel for one input
+/// row, a dequantized GEMM for more) instead of first quantizing the
+/// activations to 8 bits (Q8_1), which would lose the precision the CPU
+/// path keeps. The switch is candle's, process-wide.
+fn exact_cuda_matmul() {
+    #[cfg(feature = "cuda")]
+    candle_core::quantized::cuda::set_force_dmmv(true);
 }

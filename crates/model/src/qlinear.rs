@@ -10,7 +10,10 @@
 //!   `tessera_kernels::matvec` (the fast path's kernel), rows split among
 //!   rayon tasks;
 //! - many rows (prefill): the weight is dequantized once into a dense f32
-//!   matrix and multiplied with candle's GEMM.
+//!   matrix and multiplied with candle's GEMM;
+//! - on a GPU the blocks stay there, quantized, and candle's CUDA kernels
+//!   dequantize them in f32 and multiply with the f32 activations (its
+//!   8-bit-activation kernels are switched off at load).
 
 use std::sync::Arc;
 
@@ -85,7 +88,24 @@ impl QLinear {
     /// `x`: `[T, in]` f32 → `[T, out]` f32.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match self {
+            // f16/bf16 weights (safetensors on a GPU) widened exactly to
+            // the activations' f32 for the product.
+            QLinear::Dense(w) if w.dtype() != x.dtype() => {
+                Ok(x.matmul(&w.to_dtype(x.dtype())?.t()?)?)
+            }
             QLinear::Dense(w) => Ok(x.matmul(&w.t()?)?),
+            // Blocks on a GPU: candle's kernel, told at load to dequantize
+            // in f32 and keep the activations f32 (`loader::exact_cuda_matmul`).
+            QLinear::Quantized(w) if !w.device().is_cpu() => {
+                let x = x.to_dtype(DType::F32)?.contiguous()?;
+                if !x.device().same_device(&w.device()) {
+                    return Err(candle_core::Error::Msg(
+                        "linear: input and weight on different devices".into(),
+                    )
+                    .into());
+                }
+                Ok(x.apply_op1_no_bwd(w.as_ref())?)
+            }
             QLinear::Quantized(w) if x.dim(0)? >= GEMM_ROWS => {
                 let dense = w.dequantize(x.device())?;
                 Ok(x.matmul(&dense.t()?)?)
@@ -174,6 +194,25 @@ mod tests {
             QLinear::Dense(dense.clone()).rows(&ids, &mut dense_got)?;
             assert_eq!(got, dense_got);
             assert!(QLinear::Dense(dense.clone()).rows(&[48], &mut got).is_err());
+        }
+        Ok(())
+    }
+
+    /// f16/bf16 weights (safetensors on a GPU) multiply f32 inputs as their
+    /// exact f32 widening does, and give f32.
+    #[test]
+    fn half_weights_widen_exactly() -> Result<()> {
+        let x = seeded(&[3, 64], 4, DType::F32)?;
+        for dtype in [DType::F16, DType::BF16] {
+            let w = seeded(&[48, 64], 1, DType::F32)?.to_dtype(dtype)?;
+            let got = QLinear::Dense(w.clone()).forward(&x)?;
+            assert_eq!(got.dtype(), DType::F32);
+            let want = x.matmul(&w.to_dtype(DType::F32)?.t()?)?;
+            assert_eq!(
+                got.flatten_all()?.to_vec1::<f32>()?,
+                want.flatten_all()?.to_vec1::<f32>()?,
+                "{dtype:?}"
+            );
         }
         Ok(())
     }

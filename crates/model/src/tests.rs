@@ -823,6 +823,19 @@ fn cuda_forward_follows_the_cpu_reference_on_the_real_model() {
         .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
     let cpu = Model::load(&path, &mut |_, _| {}).unwrap();
     let gpu = Model::load_on(&path, &dev, &mut |_, _| {}).unwrap();
+    // The GGUF blocks live on the GPU as they are (not dequantized to f32).
+    for w in [
+        &gpu.llama.layers[0].q,
+        &gpu.llama.layers[0].down,
+        &gpu.llama.lm_head,
+    ] {
+        match w {
+            crate::QLinear::Quantized(q) => {
+                assert!(q.device().is_cuda() && q.dtype() != GgmlDType::F32)
+            }
+            crate::QLinear::Dense(_) => panic!("a quantized weight was made dense on the GPU"),
+        }
+    }
     let (mut same, mut total) = (0, 0);
     for p in [
         "What is the capital of France?",
