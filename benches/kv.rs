@@ -388,6 +388,8 @@ fn bench_matvec(c: &mut Criterion) {
         ("q8_0_ffn_1536x576", GgmlDType::Q8_0, 1536, 576, 1),
         ("q8_0_head_49152x576", GgmlDType::Q8_0, 49152, 576, 1),
         ("q4_1_ffn_1536x576_64", GgmlDType::Q4_1, 1536, 576, 64),
+        ("q4_1_ffn_1536x576_8", GgmlDType::Q4_1, 1536, 576, 8),
+        ("q8_0_head_49152x576_8", GgmlDType::Q8_0, 49152, 576, 8),
         // K-quants need rows of whole 256-value super-blocks: the down
         // projection's 1536 values.
         ("q4_k_down_576x1536", GgmlDType::Q4K, 576, 1536, 1),
