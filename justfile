@@ -40,7 +40,8 @@ check-portable:
 # What a machine without a GPU can check of the GPU kernels: every .cu through nvcc and ptxas for
 # sm_80 and sm_90 (installs the pinned CUDA 13.0 nvcc wheels when missing), every .metal through
 # clang -fsyntax-only against our metal_stdlib shim, and the kernel-emu tests (the shared kernel
-# source compiled for the CPU against the slow references).
+# source compiled for the CPU against the slow references), then the CUDA launchers type-checked
+# (target/cuda) and the Metal ones through clippy for aarch64-apple-darwin (target/metal).
 check-gpu:
     command -v clang++ >/dev/null || ($(command -v sudo || true) apt-get update && $(command -v sudo || true) apt-get install -y clang)
     python3 scripts/check_gpu.py
@@ -50,6 +51,11 @@ check-gpu:
 # missing). TESSERA_REQUIRE_GPU=1: no test passes by skipping.
 test-cuda:
     python3 scripts/check_gpu.py test-cuda
+
+# On a Mac: the Metal kernels against the CPU slow references, then the real model on the GPU
+# against the CPU reference forward, with TESSERA_REQUIRE_GPU=1.
+test-metal:
+    python3 scripts/check_gpu.py test-metal
 
 # Criterion benches of the KV bookkeeping, the attention kernel and the quantized linear layers (beside the read roofline); writes the README table.
 bench:

@@ -261,6 +261,7 @@ fn device_flag_picks_the_cpu_and_names_what_a_gpu_needs() {
         fails_with(&run("cuda:1"), "no CUDA support");
     }
     assert_eq!(tokens(&cpu).as_array().unwrap().len(), 4);
+    #[cfg(not(feature = "metal"))]
     fails_with(&run("metal"), "no Metal support");
     fails_with(
         &run("gpu"),

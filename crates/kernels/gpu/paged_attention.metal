@@ -1,7 +1,7 @@
 // Paged attention on Metal: the same contract and the same work split as
 // paged_attention.cu (read that file's header), with simdgroup reductions
 // in place of warp shuffles. The Rust side compiles prelude_metal.h,
-// kv_elem.h and this file's body as one source.
+// kv_elem.h and this file as one source (gpu::metal_source inlines them).
 #include "prelude_metal.h"
 #include "kv_elem.h"
 

@@ -539,6 +539,20 @@ impl CustomOp3 for PagedAttention<'_> {
         let geometry = (self.n_heads, self.n_kv_heads, self.head_dim);
         crate::gpu::cuda::paged_attention((s1, l1), (s2, l2), (s3, l3), &self.meta, geometry)
     }
+
+    #[cfg(all(feature = "metal", target_vendor = "apple"))]
+    fn metal_fwd(
+        &self,
+        s1: &candle_core::MetalStorage,
+        l1: &Layout,
+        s2: &candle_core::MetalStorage,
+        l2: &Layout,
+        s3: &candle_core::MetalStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::MetalStorage, Shape)> {
+        let geometry = (self.n_heads, self.n_kv_heads, self.head_dim);
+        crate::gpu::metal::paged_attention((s1, l1), (s2, l2), (s3, l3), &self.meta, geometry)
+    }
 }
 
 fn check(

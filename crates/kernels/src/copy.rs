@@ -32,6 +32,12 @@ impl InplaceOp1 for CopyBlocks<'_> {
         let t = crate::KvType::of_dims(candle_core::backend::BackendStorage::dtype(s), l.dims())?;
         crate::gpu::cuda::copy_blocks(s, l, self.pairs, t.bytes_for(self.block_len))
     }
+
+    #[cfg(all(feature = "metal", target_vendor = "apple"))]
+    fn metal_fwd(&self, s: &mut candle_core::MetalStorage, l: &Layout) -> Result<()> {
+        let t = crate::KvType::of_dims(candle_core::backend::BackendStorage::dtype(s), l.dims())?;
+        crate::gpu::metal::copy_blocks(s, l, self.pairs, t.bytes_for(self.block_len))
+    }
 }
 
 pub(crate) fn check(cache: &Tensor, pairs: &[(u32, u32)]) -> Result<usize> {

@@ -5,6 +5,7 @@
 //! the whole pool fits in the TLB.
 
 /// Bytes of a huge page (x86-64 and the usual aarch64 kernels).
+#[cfg(target_os = "linux")]
 const HUGE: usize = 2 << 20;
 
 /// Asks the kernel to back the 2 MiB-aligned part of `v` with huge pages.

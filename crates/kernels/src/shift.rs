@@ -18,7 +18,28 @@ struct MoveSlots<'a> {
     head_dim: usize,
 }
 
+/// What a GPU launcher of a move needs: source and destination slots,
+/// the rotation tables per row, `(heads, head_dim, style)`.
+#[cfg(any(feature = "cuda", all(feature = "metal", target_vendor = "apple")))]
+type GpuMoves = (
+    Vec<u32>,
+    Vec<u32>,
+    crate::gpu::RopeTables,
+    (usize, usize, crate::RopeStyle),
+);
+
 impl MoveSlots<'_> {
+    #[cfg(any(feature = "cuda", all(feature = "metal", target_vendor = "apple")))]
+    fn gpu_moves(&self) -> GpuMoves {
+        use crate::gpu::RopeTables;
+        let (src, dst): (Vec<u32>, Vec<u32>) = self.moves.iter().copied().unzip();
+        let (tables, style) = match self.rotation {
+            Some(r) => (RopeTables::uniform(src.len(), r), r.style),
+            None => (RopeTables::none(src.len()), crate::RopeStyle::Neox),
+        };
+        (src, dst, tables, (self.n_kv_heads, self.head_dim, style))
+    }
+
     fn run<T: KvElem>(&self, cache: &mut [T]) {
         let row = self.n_kv_heads * self.head_dim;
         let units = row / T::PER;
@@ -65,14 +86,14 @@ impl InplaceOp1 for MoveSlots<'_> {
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s: &mut candle_core::CudaStorage, l: &Layout) -> Result<()> {
-        use crate::gpu::RopeTables;
-        let (src, dst): (Vec<u32>, Vec<u32>) = self.moves.iter().copied().unzip();
-        let (tables, style) = match self.rotation {
-            Some(r) => (RopeTables::uniform(src.len(), r), r.style),
-            None => (RopeTables::none(src.len()), crate::RopeStyle::Neox),
-        };
-        let geometry = (self.n_kv_heads, self.head_dim, style);
+        let (src, dst, tables, geometry) = self.gpu_moves();
         crate::gpu::cuda::move_rows(s, l, &src, &dst, &tables, geometry)
+    }
+
+    #[cfg(all(feature = "metal", target_vendor = "apple"))]
+    fn metal_fwd(&self, s: &mut candle_core::MetalStorage, l: &Layout) -> Result<()> {
+        let (src, dst, tables, geometry) = self.gpu_moves();
+        crate::gpu::metal::move_rows(s, l, &src, &dst, &tables, geometry)
     }
 }
 
@@ -225,6 +246,24 @@ struct RotateSlots<'a> {
 }
 
 impl RotateSlots<'_> {
+    /// The rows that move (nonzero delta), their tables and geometry.
+    #[cfg(any(feature = "cuda", all(feature = "metal", target_vendor = "apple")))]
+    fn gpu_rows(
+        &self,
+    ) -> (
+        Vec<u32>,
+        crate::gpu::RopeTables,
+        (usize, usize, crate::RopeStyle),
+    ) {
+        let (slots, deltas) = crate::gpu::moved_rows(self.slots, self.deltas);
+        let tables = crate::gpu::RopeTables::per_delta(&deltas, self.rotation);
+        (
+            slots,
+            tables,
+            (self.n_kv_heads, self.head_dim, self.rotation.style),
+        )
+    }
+
     fn run<T: KvElem>(&self, cache: &mut [T]) {
         let row = self.n_kv_heads * self.head_dim;
         let units = row / T::PER;
@@ -262,10 +301,14 @@ impl InplaceOp1 for RotateSlots<'_> {
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s: &mut candle_core::CudaStorage, l: &Layout) -> Result<()> {
-        let (slots, deltas) = crate::gpu::moved_rows(self.slots, self.deltas);
-        let tables = crate::gpu::RopeTables::per_delta(&deltas, self.rotation);
-        let geometry = (self.n_kv_heads, self.head_dim, self.rotation.style);
+        let (slots, tables, geometry) = self.gpu_rows();
         crate::gpu::cuda::move_rows(s, l, &slots, &slots, &tables, geometry)
+    }
+
+    #[cfg(all(feature = "metal", target_vendor = "apple"))]
+    fn metal_fwd(&self, s: &mut candle_core::MetalStorage, l: &Layout) -> Result<()> {
+        let (slots, tables, geometry) = self.gpu_rows();
+        crate::gpu::metal::move_rows(s, l, &slots, &slots, &tables, geometry)
     }
 }
 

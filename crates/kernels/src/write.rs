@@ -44,6 +44,17 @@ impl InplaceOp2 for WriteKv<'_> {
     ) -> Result<()> {
         crate::gpu::cuda::write_kv(s1, l1, s2, l2, self.slots)
     }
+
+    #[cfg(all(feature = "metal", target_vendor = "apple"))]
+    fn metal_fwd(
+        &self,
+        s1: &mut candle_core::MetalStorage,
+        l1: &Layout,
+        s2: &candle_core::MetalStorage,
+        l2: &Layout,
+    ) -> Result<()> {
+        crate::gpu::metal::write_kv(s1, l1, s2, l2, self.slots)
+    }
 }
 
 pub(crate) fn check(cache: &Tensor, new: &Tensor, slots: &[u32]) -> Result<()> {

@@ -89,6 +89,13 @@ impl DeviceSpec {
                 })
             }
             DeviceSpec::Metal => {
+                if !cfg!(target_vendor = "apple") {
+                    return Err(ModelError::Device(
+                        "this build of Tessera has no Metal support: Metal exists only on \
+                         Apple machines (build there with `--features metal`)"
+                            .into(),
+                    ));
+                }
                 if !candle_core::utils::metal_is_available() {
                     return Err(not_built("Metal", "metal"));
                 }

@@ -504,11 +504,10 @@ impl Source<'_> {
     }
 }
 
-/// Makes candle's CUDA quantized matmul dequantize the weights in f32 and
-/// multiply them with the f32 activations (its `dmmv` kernel for one input
-/// row, a dequantized GEMM for more) instead of first quantizing the
-/// activations to 8 bits (Q8_1), which would lose the precision the CPU
-/// path keeps. The switch is candle's, process-wide.
+/// Makes candle's CUDA quantized matrix-vector product dequantize the
+/// weights in f32 against the f32 activations (its `dmmv` kernel) instead
+/// of first quantizing the activations to 8 bits (Q8_1), which would lose
+/// the precision the CPU path keeps. The switch is candle's, process-wide.
 fn exact_cuda_matmul() {
     #[cfg(feature = "cuda")]
     candle_core::quantized::cuda::set_force_dmmv(true);

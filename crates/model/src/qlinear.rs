@@ -11,9 +11,10 @@
 //!   rayon tasks;
 //! - many rows (prefill): the weight is dequantized once into a dense f32
 //!   matrix and multiplied with candle's GEMM;
-//! - on a GPU the blocks stay there, quantized, and candle's CUDA kernels
-//!   dequantize them in f32 and multiply with the f32 activations (its
-//!   8-bit-activation kernels are switched off at load).
+//! - on a GPU the blocks stay there, quantized: one row goes through
+//!   candle's matrix-vector kernel, which dequantizes them in f32 against
+//!   the f32 activations (on CUDA its 8-bit-activation kernels are switched
+//!   off at load); more rows dequantize the weight there for the GEMM.
 
 use std::sync::Arc;
 
@@ -94,8 +95,10 @@ impl QLinear {
                 Ok(x.matmul(&w.to_dtype(x.dtype())?.t()?)?)
             }
             QLinear::Dense(w) => Ok(x.matmul(&w.t()?)?),
-            // Blocks on a GPU: candle's kernel, told at load to dequantize
-            // in f32 and keep the activations f32 (`loader::exact_cuda_matmul`).
+            // Blocks on a GPU. Several rows: dequantized there (f32) and
+            // multiplied by the GEMM. One row: candle's matrix-vector
+            // kernel, which dequantizes in f32 against f32 activations (on
+            // CUDA once told at load: `loader::exact_cuda_matmul`).
             QLinear::Quantized(w) if !w.device().is_cpu() => {
                 let x = x.to_dtype(DType::F32)?.contiguous()?;
                 if !x.device().same_device(&w.device()) {
@@ -103,6 +106,10 @@ impl QLinear {
                         "linear: input and weight on different devices".into(),
                     )
                     .into());
+                }
+                if x.dim(0)? > 1 {
+                    let dense = w.dequantize(x.device())?;
+                    return Ok(x.matmul(&dense.t()?)?);
                 }
                 Ok(x.apply_op1_no_bwd(w.as_ref())?)
             }

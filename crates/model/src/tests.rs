@@ -802,22 +802,27 @@ fn rope_positions_drive_both_forwards() {
     assert!(m.llama.forward_threads(&bad, &cache, 2).is_err());
 }
 
-/// The real default model on a CUDA GPU (feature `cuda`; `just test-cuda`)
-/// against the candle reference forward on the CPU, both over an f32 cache:
-/// the same weights' values (dequantized on the host) and f32 arithmetic in
-/// another order, so the first logits agree closely and greedy tokens agree
-/// until rounding tips a near tie. The agreement is printed. Without a
-/// device it prints `skipped: no CUDA device` and passes, unless
-/// `TESSERA_REQUIRE_GPU=1`.
-#[cfg(feature = "cuda")]
+/// The real default model on a GPU (feature `cuda`: `just test-cuda`;
+/// feature `metal` on a Mac: `just test-metal`) against the candle
+/// reference forward on the CPU, both over an f32 cache: the same weights'
+/// values (the GGUF blocks, dequantized in f32 on each side) and f32
+/// arithmetic in another order, so the first logits agree closely and
+/// greedy tokens agree until rounding tips a near tie. The agreement is
+/// printed. Without a device it prints `skipped: no … device` and passes,
+/// unless `TESSERA_REQUIRE_GPU=1`.
+#[cfg(any(feature = "cuda", all(feature = "metal", target_vendor = "apple")))]
 #[test]
-fn cuda_forward_follows_the_cpu_reference_on_the_real_model() {
-    let dev = match candle_core::Device::new_cuda(0) {
+fn gpu_forward_follows_the_cpu_reference_on_the_real_model() {
+    #[cfg(feature = "cuda")]
+    let (what, opened) = ("CUDA", candle_core::Device::new_cuda(0));
+    #[cfg(not(feature = "cuda"))]
+    let (what, opened) = ("Metal", candle_core::Device::new_metal(0));
+    let dev = match opened {
         Ok(d) => d,
         Err(e) if std::env::var("TESSERA_REQUIRE_GPU").as_deref() == Ok("1") => {
-            panic!("TESSERA_REQUIRE_GPU=1 but no CUDA device: {e}")
+            panic!("TESSERA_REQUIRE_GPU=1 but no {what} device: {e}")
         }
-        Err(e) => return eprintln!("skipped: no CUDA device ({e})"),
+        Err(e) => return eprintln!("skipped: no {what} device ({e})"),
     };
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
@@ -831,7 +836,7 @@ fn cuda_forward_follows_the_cpu_reference_on_the_real_model() {
     ] {
         match w {
             crate::QLinear::Quantized(q) => {
-                assert!(q.device().is_cuda() && q.dtype() != GgmlDType::F32)
+                assert!(!q.device().is_cpu() && q.dtype() != GgmlDType::F32)
             }
             crate::QLinear::Dense(_) => panic!("a quantized weight was made dense on the GPU"),
         }
@@ -859,5 +864,7 @@ fn cuda_forward_follows_the_cpu_reference_on_the_real_model() {
         same += got.iter().zip(&want).take_while(|(a, b)| a == b).count();
         total += want.len();
     }
-    eprintln!("cuda vs cpu reference: {same} of {total} greedy tokens before the first difference");
+    eprintln!(
+        "{what} vs cpu reference: {same} of {total} greedy tokens before the first difference"
+    );
 }

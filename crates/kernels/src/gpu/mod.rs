@@ -21,6 +21,47 @@ use crate::{KvType, Rotation};
 /// The shared kernel source (without a prelude).
 pub const KV_OPS_SOURCE: &str = include_str!("../../gpu/kv_ops.h");
 
+/// The headers Metal sources include, by name (Metal compiles a source
+/// string at run time, with no file system to include from).
+const METAL_HEADERS: &[(&str, &str)] = &[
+    ("prelude_metal.h", include_str!("../../gpu/prelude_metal.h")),
+    ("kv_elem.h", include_str!("../../gpu/kv_elem.h")),
+    ("kv_ops.h", KV_OPS_SOURCE),
+];
+
+/// The Metal sources: one library each.
+pub const METAL_SOURCES: &[(&str, &str)] = &[
+    ("kv_ops.metal", include_str!("../../gpu/kv_ops.metal")),
+    (
+        "paged_attention.metal",
+        include_str!("../../gpu/paged_attention.metal"),
+    ),
+];
+
+/// Metal source `file` as Metal compiles it: each `#include "…"` line
+/// replaced by that header (as `clang++ -fsyntax-only` of `just check-gpu`
+/// resolves it).
+pub fn metal_source(file: &str) -> Result<String> {
+    let Some((_, text)) = METAL_SOURCES.iter().find(|(n, _)| *n == file) else {
+        bail!("no Metal source {file}")
+    };
+    let mut out = String::new();
+    for line in text.lines() {
+        match line.trim_start().strip_prefix("#include \"") {
+            Some(rest) => {
+                let name = rest.trim_end().trim_end_matches('"');
+                let Some((_, h)) = METAL_HEADERS.iter().find(|(n, _)| *n == name) else {
+                    bail!("{file} includes {name}, which is not embedded")
+                };
+                out.push_str(h);
+            }
+            None => out.push_str(line),
+        }
+        out.push('\n');
+    }
+    Ok(out)
+}
+
 /// An entry point of the kernel source: its name and its parameters in
 /// binding order (the CUDA argument order; Metal's `buffer(i)` index).
 #[derive(Debug, Clone, Copy)]
@@ -177,7 +218,18 @@ pub(crate) mod cuda;
 mod cuda_tests;
 #[cfg(feature = "kernel-emu")]
 pub mod emu;
-#[cfg(all(test, any(feature = "cuda", feature = "kernel-emu")))]
+#[cfg(all(feature = "metal", target_vendor = "apple"))]
+pub(crate) mod metal;
+#[cfg(all(test, feature = "metal", target_vendor = "apple"))]
+mod metal_tests;
+#[cfg(all(
+    test,
+    any(
+        feature = "cuda",
+        feature = "kernel-emu",
+        all(feature = "metal", target_vendor = "apple")
+    )
+))]
 mod parity;
 
 #[cfg(test)]
@@ -228,6 +280,26 @@ mod tests {
                 .collect();
             assert_eq!(params, &want, "{}", k.name);
         }
+    }
+
+    /// What Metal compiles holds every entry point the launchers bind,
+    /// with no include left unresolved.
+    #[test]
+    fn metal_sources_expand_to_every_entry_point() {
+        let kv = metal_source("kv_ops.metal").unwrap();
+        let att = metal_source("paged_attention.metal").unwrap();
+        for src in [&kv, &att] {
+            assert!(!src.contains("#include \""));
+            assert!(src.contains("#define TS_KERNEL"), "the Metal prelude");
+        }
+        for k in KERNELS {
+            assert!(kv.contains(&format!("TS_KERNEL({},", k.name)), "{}", k.name);
+        }
+        for suffix in ["f32", "f16", "bf16"] {
+            assert!(att.contains(&format!("TS_ATTENTION({suffix},")), "{suffix}");
+        }
+        assert!(att.contains("kernel void tessera_attention_merge("));
+        assert!(metal_source("nope.metal").is_err());
     }
 
     #[test]

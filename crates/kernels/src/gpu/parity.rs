@@ -1,11 +1,12 @@
 //! The parity checks every GPU backend passes, against the CPU slow
-//! references: the kernel-emu build (`emu.rs`) and CUDA (`cuda_tests.rs`)
-//! run the same ones through a [`Backend`].
+//! references: the kernel-emu build (`emu.rs`), CUDA (`cuda_tests.rs`) and
+//! Metal (`metal_tests.rs`) run the same ones through a [`Backend`]; the two
+//! devices also run [`paged_attention_on`], all through [`device_tests`].
 
-use candle_core::{DType, Result, Tensor};
+use candle_core::{DType, Device, Result, Tensor};
 
 use crate::testing::{max_abs_diff, seeded, seeded_cache};
-use crate::{KvType, RopeStyle, Rotation};
+use crate::{KvType, PagedMeta, RopeStyle, Rotation};
 
 /// A backend under test: each op applied to a copy of CPU inputs, the
 /// result brought back to the CPU.
@@ -118,3 +119,148 @@ pub(crate) fn quantized_caches_refused(b: &dyn Backend) -> Result<()> {
     assert!(err.contains("f32, f16 and bf16"), "{err}");
     Ok(())
 }
+
+/// The crate's ops on copies of the inputs on a device (CUDA, Metal).
+pub(crate) struct OnDevice(pub Device);
+
+impl OnDevice {
+    fn up(&self, t: &Tensor) -> Result<Tensor> {
+        t.to_device(&self.0)
+    }
+}
+
+fn down(t: &Tensor) -> Result<Tensor> {
+    t.to_device(&Device::Cpu)
+}
+
+impl Backend for OnDevice {
+    fn write_kv(&self, cache: &Tensor, new: &Tensor, slots: &[u32]) -> Result<Tensor> {
+        let c = self.up(cache)?;
+        crate::write_kv(&c, &self.up(new)?, slots)?;
+        down(&c)
+    }
+    fn copy_blocks(&self, cache: &Tensor, pairs: &[(u32, u32)]) -> Result<Tensor> {
+        let c = self.up(cache)?;
+        crate::copy_blocks(&c, pairs)?;
+        down(&c)
+    }
+    fn shift_kv(
+        &self,
+        k: &Tensor,
+        v: &Tensor,
+        moves: &[(u32, u32)],
+        r: &Rotation,
+    ) -> Result<(Tensor, Tensor)> {
+        let (k, v) = (self.up(k)?, self.up(v)?);
+        crate::shift_kv(&k, &v, moves, r)?;
+        Ok((down(&k)?, down(&v)?))
+    }
+    fn rotate_k(&self, k: &Tensor, slots: &[u32], deltas: &[i64], r: &Rotation) -> Result<Tensor> {
+        let k = self.up(k)?;
+        crate::rotate_k(&k, slots, deltas, r)?;
+        down(&k)
+    }
+}
+
+/// Paged attention on `dev` against the slow reference: decode and
+/// prefill chunks, three partitions, GQA, a sliding window, head dims
+/// 64–256, every float cache type.
+pub(crate) fn paged_attention_on(dev: &Device) -> Result<()> {
+    // (n_heads, n_kv_heads, head_dim, block_size, context, new tokens, window)
+    let cases: [(usize, usize, usize, usize, usize, usize, usize); 5] = [
+        (9, 3, 64, 16, 40, 1, 0),
+        (8, 2, 128, 16, 1300, 1, 0), // three partitions
+        (4, 4, 256, 8, 700, 1, 0),
+        (6, 2, 64, 16, 600, 37, 0), // a prefill chunk across a partition boundary
+        (4, 1, 64, 16, 900, 3, 256), // a sliding window
+    ];
+    for t in FLOATS {
+        for (i, &(nh, kvh, hd, bs, ctx, new, window)) in cases.iter().enumerate() {
+            let blocks = ctx.div_ceil(bs) + 2;
+            let k = seeded_cache(&[blocks, bs, kvh, hd], 10 + i as u64, t)?;
+            let v = seeded_cache(&[blocks, bs, kvh, hd], 20 + i as u64, t)?;
+            // The sequence's blocks in reverse order, to exercise the table.
+            let table: Vec<u32> = (0..blocks as u32).rev().collect();
+            let token_pos: Vec<u32> = (ctx - new..ctx).map(|p| p as u32).collect();
+            let meta = PagedMeta {
+                block_size: bs,
+                block_tables: &table,
+                max_blocks: blocks,
+                token_seq: &vec![0; new],
+                token_pos: &token_pos,
+                scale: 1.0 / (hd as f32).sqrt(),
+                window,
+            };
+            let q = seeded(&[new, nh, hd], 30 + i as u64, DType::F32)?;
+            let want = crate::paged_attention_slow(&q, &k, &v, &meta)?;
+            let got = crate::paged_attention(
+                &q.to_device(dev)?,
+                &k.to_device(dev)?,
+                &v.to_device(dev)?,
+                &meta,
+            )?;
+            let diff = max_abs_diff(&down(&got)?, &want)?;
+            assert!(diff < 1e-4, "{t} case {i}: {diff}");
+        }
+    }
+    Ok(())
+}
+
+/// The tests of a device backend: `$open` gives the device (`Err` when
+/// there is none: the tests print `skipped: no $what device` and pass,
+/// unless `TESSERA_REQUIRE_GPU=1`, which makes them fail, so a GPU run
+/// cannot pass by skipping).
+macro_rules! device_tests {
+    ($what:literal, $open:expr) => {
+        use candle_core::{Device, Result};
+
+        use super::parity::{self, OnDevice};
+
+        fn gpu() -> Option<Device> {
+            match $open {
+                Ok(d) => Some(d),
+                Err(e) => {
+                    if std::env::var("TESSERA_REQUIRE_GPU").as_deref() == Ok("1") {
+                        panic!(
+                            concat!("TESSERA_REQUIRE_GPU=1 but no ", $what, " device: {}"),
+                            e
+                        )
+                    }
+                    eprintln!(concat!("skipped: no ", $what, " device ({})"), e);
+                    None
+                }
+            }
+        }
+
+        #[test]
+        fn write_kv_equals_the_reference() -> Result<()> {
+            let Some(dev) = gpu() else { return Ok(()) };
+            parity::write_kv(&OnDevice(dev))
+        }
+
+        #[test]
+        fn copy_blocks_equals_the_reference() -> Result<()> {
+            let Some(dev) = gpu() else { return Ok(()) };
+            parity::copy_blocks(&OnDevice(dev))
+        }
+
+        #[test]
+        fn shift_and_rotate_equal_the_reference() -> Result<()> {
+            let Some(dev) = gpu() else { return Ok(()) };
+            parity::shift_and_rotate(&OnDevice(dev))
+        }
+
+        #[test]
+        fn quantized_caches_are_refused() -> Result<()> {
+            let Some(dev) = gpu() else { return Ok(()) };
+            parity::quantized_caches_refused(&OnDevice(dev))
+        }
+
+        #[test]
+        fn paged_attention_matches_the_reference() -> Result<()> {
+            let Some(dev) = gpu() else { return Ok(()) };
+            parity::paged_attention_on(&dev)
+        }
+    };
+}
+pub(crate) use device_tests;
