@@ -213,9 +213,7 @@ pub(crate) fn move_rows(
     scatter(s, l, &out, dst, row)
 }
 
-/// Positions per partition of `gpu/paged_attention.cu` (`TS_ATT_PART`).
-const PART: usize = 512;
-const ATT_THREADS: u32 = 128;
+const ATT_THREADS: u32 = super::ATT_THREADS as u32;
 
 /// `paged_attention` on CUDA: partial softmax states per 512-position
 /// partition, merged by log-sum-exp. Returns `[tokens, n_heads, head_dim]`.
@@ -235,13 +233,7 @@ pub(crate) fn paged_attention(
     };
     let qs = qs.slice(range(q.1, "queries")?);
     let tokens = meta.token_pos.len();
-    let longest = meta
-        .token_pos
-        .iter()
-        .map(|&p| p as usize + 1 - crate::window_start(p as usize, meta.window))
-        .max()
-        .unwrap_or(1);
-    let parts = longest.div_ceil(PART).max(1);
+    let parts = super::attention_parts(meta);
     let states = tokens * n_heads * parts;
     let mut part_out = dev.alloc_zeros::<f32>(states * head_dim)?;
     let mut part_max = dev.alloc_zeros::<f32>(states)?;

@@ -15,16 +15,11 @@ use candle_core::{bail, DType, Layout, MetalDevice, MetalStorage, Result, Shape}
 use candle_metal_kernels::metal::{Buffer, ComputeCommandEncoder, ComputePipeline, Library};
 use objc2_metal::{MTLCompileOptions, MTLMathFloatingPointFunctions, MTLMathMode, MTLSize};
 
-use super::{metal_source, Launch, RopeTables};
+use super::{metal_source, Launch, RopeTables, ATT_THREADS};
 use crate::{PagedMeta, RopeStyle};
 
 const KV_OPS: &str = "kv_ops.metal";
 const ATTENTION: &str = "paged_attention.metal";
-
-/// Positions per partition and threads per threadgroup of
-/// `gpu/paged_attention.metal` (`TS_ATT_PART`, `TS_ATT_THREADS`).
-const PART: usize = 512;
-const ATT_THREADS: usize = 128;
 
 fn wrap(e: candle_metal_kernels::MetalKernelError) -> candle_core::Error {
     candle_core::Error::Msg(format!("Tessera Metal kernels: {e}"))
@@ -322,13 +317,7 @@ pub(crate) fn paged_attention(
     }
     let dev = q.0.device().clone();
     let tokens = meta.token_pos.len();
-    let longest = meta
-        .token_pos
-        .iter()
-        .map(|&p| p as usize + 1 - crate::window_start(p as usize, meta.window))
-        .max()
-        .unwrap_or(1);
-    let parts = longest.div_ceil(PART).max(1);
+    let parts = super::attention_parts(meta);
     let states = tokens * n_heads * parts;
     let part_out = dev.new_buffer(states * head_dim, DType::F32, "tessera_part_out")?;
     let part_max = dev.new_buffer(states, DType::F32, "tessera_part_max")?;

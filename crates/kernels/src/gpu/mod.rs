@@ -202,6 +202,23 @@ impl RopeTables {
     }
 }
 
+/// Positions per partition and threads per block of both paged attention
+/// kernels (`TS_ATT_PART`, `TS_ATT_THREADS` in their sources).
+pub const ATT_PART: usize = 512;
+pub const ATT_THREADS: usize = 128;
+
+/// Partitions of a paged attention launch: enough for the longest context
+/// one of its queries sees.
+pub fn attention_parts(meta: &crate::PagedMeta) -> usize {
+    let longest = meta
+        .token_pos
+        .iter()
+        .map(|&p| p as usize + 1 - crate::window_start(p as usize, meta.window))
+        .max()
+        .unwrap_or(1);
+    longest.div_ceil(ATT_PART).max(1)
+}
+
 /// The rows `rotate_k` actually moves: those with a nonzero delta.
 pub fn moved_rows(slots: &[u32], deltas: &[i64]) -> (Vec<u32>, Vec<i64>) {
     slots
@@ -299,6 +316,12 @@ mod tests {
             assert!(att.contains(&format!("TS_ATTENTION({suffix},")), "{suffix}");
         }
         assert!(att.contains("kernel void tessera_attention_merge("));
+        // The launchers' partition size and block size are the sources'.
+        let cuda = include_str!("../../gpu/paged_attention.cu");
+        for src in [cuda, att.as_str()] {
+            assert!(src.contains(&format!("#define TS_ATT_PART {ATT_PART}\n")));
+            assert!(src.contains(&format!("#define TS_ATT_THREADS {ATT_THREADS}\n")));
+        }
         assert!(metal_source("nope.metal").is_err());
     }
 
