@@ -361,6 +361,13 @@ pub struct HfDir {
 }
 
 impl HfDir {
+    /// The tensor `name` as stored.
+    fn tensor(&self, name: &str) -> Result<&Tensor> {
+        self.tensors
+            .get(name)
+            .ok_or_else(|| ModelError::Missing(format!("tensor {name}")))
+    }
+
     /// Reads `config.json` and every `*.safetensors` in `dir`.
     pub fn open(dir: &Path) -> Result<(HfDir, ModelConfig)> {
         let io = |path: &Path| {
@@ -433,12 +440,7 @@ impl Source<'_> {
                 .qtensor(&name, &Device::Cpu)?
                 .dequantize(&Device::Cpu)?
                 .to_device(device)?),
-            Source::Hf(h) => Ok(h
-                .tensors
-                .get(&name)
-                .ok_or_else(|| ModelError::Missing(format!("tensor {name}")))?
-                .to_dtype(DType::F32)?
-                .to_device(device)?),
+            Source::Hf(h) => Ok(h.tensor(&name)?.to_dtype(DType::F32)?.to_device(device)?),
         }
     }
 
@@ -469,18 +471,16 @@ impl Source<'_> {
                 }
                 Ok(QLinear::Quantized(Arc::new(g.qtensor(&name, device)?)))
             }
-            Source::Hf(h) if !device.is_cpu() => {
-                let t = h
-                    .tensors
-                    .get(&name)
-                    .ok_or_else(|| ModelError::Missing(format!("tensor {name}")))?;
-                let t = match t.dtype() {
-                    DType::F16 | DType::BF16 => t.to_device(device)?,
-                    _ => t.to_dtype(DType::F32)?.to_device(device)?,
+            Source::Hf(h) => {
+                let t = h.tensor(&name)?;
+                let half = matches!(t.dtype(), DType::F16 | DType::BF16);
+                let t = if half && !device.is_cpu() {
+                    t.clone()
+                } else {
+                    t.to_dtype(DType::F32)?
                 };
-                Ok(QLinear::Dense(t))
+                Ok(QLinear::Dense(t.to_device(device)?))
             }
-            Source::Hf(_) => Ok(QLinear::Dense(self.dense(w, device)?)),
         }
     }
 

@@ -95,29 +95,32 @@ impl QLinear {
                 Ok(x.matmul(&w.to_dtype(x.dtype())?.t()?)?)
             }
             QLinear::Dense(w) => Ok(x.matmul(&w.t()?)?),
-            // Blocks on a GPU. Several rows: dequantized there (f32) and
-            // multiplied by the GEMM. One row: candle's matrix-vector
-            // kernel, which dequantizes in f32 against f32 activations (on
-            // CUDA once told at load: `loader::exact_cuda_matmul`).
-            QLinear::Quantized(w) if !w.device().is_cpu() => {
-                let x = x.to_dtype(DType::F32)?.contiguous()?;
-                if !x.device().same_device(&w.device()) {
+            QLinear::Quantized(w) => {
+                let gpu = !w.device().is_cpu();
+                if gpu && !x.device().same_device(&w.device()) {
                     return Err(candle_core::Error::Msg(
                         "linear: input and weight on different devices".into(),
                     )
                     .into());
                 }
-                if x.dim(0)? > 1 {
+                let x = if gpu {
+                    x.to_dtype(DType::F32)?.contiguous()?
+                } else {
+                    x.clone()
+                };
+                // A GPU dequantizes for the GEMM from two rows on.
+                if x.dim(0)? >= if gpu { 2 } else { GEMM_ROWS } {
                     let dense = w.dequantize(x.device())?;
-                    return Ok(x.matmul(&dense.t()?)?);
+                    Ok(x.matmul(&dense.t()?)?)
+                } else if gpu {
+                    // One row on a GPU: candle's matrix-vector kernel,
+                    // which dequantizes in f32 against f32 activations (on
+                    // CUDA once told at load: `loader::exact_cuda_matmul`).
+                    Ok(x.apply_op1_no_bwd(w.as_ref())?)
+                } else {
+                    row_dots(w, &x)
                 }
-                Ok(x.apply_op1_no_bwd(w.as_ref())?)
             }
-            QLinear::Quantized(w) if x.dim(0)? >= GEMM_ROWS => {
-                let dense = w.dequantize(x.device())?;
-                Ok(x.matmul(&dense.t()?)?)
-            }
-            QLinear::Quantized(w) => row_dots(w, x),
         }
     }
 }
