@@ -1171,10 +1171,11 @@ mod x86 {
         let mut y = [_mm512_setzero_ps(); NI];
         for b in 0..w.nb {
             let t = p.add(b * rec);
-            // The tile block four ahead (tiles follow each other in memory).
+            // The tile block four ahead (tiles follow each other in memory),
+            // into L2 as `Lanes::prefetch` says why.
             let ahead = t.wrapping_add(4 * rec);
             for l in (0..rec).step_by(64) {
-                _mm_prefetch(ahead.wrapping_add(l) as *const i8, _MM_HINT_T0);
+                _mm_prefetch(ahead.wrapping_add(l) as *const i8, _MM_HINT_T1);
             }
             let d = _mm512_cvtph_ps(_mm256_loadu_si256(t as *const __m256i));
             let m = if kind.has_min() {
