@@ -1172,7 +1172,7 @@ mod x86 {
         for b in 0..w.nb {
             let t = p.add(b * rec);
             // The tile block four ahead (tiles follow each other in memory),
-            // into L2 as `Lanes::prefetch` says why.
+            // into L2 for the reason `Lanes::prefetch` gives.
             let ahead = t.wrapping_add(4 * rec);
             for l in (0..rec).step_by(64) {
                 _mm_prefetch(ahead.wrapping_add(l) as *const i8, _MM_HINT_T1);
