@@ -1205,20 +1205,9 @@ mod x86 {
                     }
                 }
             }
-            // A level's sum in two chains of four (exact integers: any
-            // order gives the same sum), half the latency of one chain.
             let level = |a: &ActBlock, l: usize| {
-                let mut even = _mm512_set1_epi32(offset(kind) * a.s[l]);
-                let mut odd = _mm512_setzero_si512();
-                for j in (0..8).step_by(2) {
-                    even = _mm512_dpbusd_epi32(even, wv[j], _mm512_set1_epi32(quad(&a.q[l], j)));
-                    odd = _mm512_dpbusd_epi32(
-                        odd,
-                        wv[j + 1],
-                        _mm512_set1_epi32(quad(&a.q[l], j + 1)),
-                    );
-                }
-                _mm512_add_epi32(even, odd)
+                let init = _mm512_set1_epi32(offset(kind) * a.s[l]);
+                chains512(init, |j| (wv[j], _mm512_set1_epi32(quad(&a.q[l], j))))
             };
             for i in 0..NI {
                 let a: &ActBlock = &ins[i][b];
@@ -1237,6 +1226,37 @@ mod x86 {
         for i in 0..NI {
             _mm512_storeu_ps(out[i].as_mut_ptr(), y[i]);
         }
+    }
+
+    /// `init` plus the eight dot products `pair(j)` of a block's level
+    /// (`vpdpbusd`: unsigned bytes times signed, four per lane), in two
+    /// chains of four: the sums are exact integers, so the order can't
+    /// change them, and two chains halve the latency of one.
+    #[inline(always)]
+    pub(super) unsafe fn chains512(
+        init: __m512i,
+        pair: impl Fn(usize) -> (__m512i, __m512i),
+    ) -> __m512i {
+        let mut acc = [init, _mm512_setzero_si512()];
+        for j in 0..8 {
+            let (w, q) = pair(j);
+            acc[j % 2] = _mm512_dpbusd_epi32(acc[j % 2], w, q);
+        }
+        _mm512_add_epi32(acc[0], acc[1])
+    }
+
+    /// [`chains512`] for 8 rows, through `D`.
+    #[inline(always)]
+    pub(super) unsafe fn chains256<D: Dot8>(
+        init: __m256i,
+        pair: impl Fn(usize) -> (__m256i, __m256i),
+    ) -> __m256i {
+        let mut acc = [init, _mm256_setzero_si256()];
+        for j in 0..8 {
+            let (w, q) = pair(j);
+            acc[j % 2] = D::dot(acc[j % 2], w, q);
+        }
+        _mm256_add_epi32(acc[0], acc[1])
     }
 
     /// How an 8-row register of weight bytes meets four activation bytes.
@@ -1304,18 +1324,14 @@ mod x86 {
         wv: &[__m256i; 8],
         abs: &[__m256i; 8],
     ) -> __m256i {
-        // Two chains of four (exact integers, so the same sum): half the
-        // latency of one chain.
-        let mut acc = [_mm256_set1_epi32(off * a.s[l]), _mm256_setzero_si256()];
-        for j in 0..8 {
+        chains256::<D>(_mm256_set1_epi32(off * a.s[l]), |j| {
             let q = _mm256_set1_epi32(quad(&a.q[l], j));
-            acc[j % 2] = if signed {
-                D::dot(acc[j % 2], abs[j], _mm256_sign_epi8(q, wv[j]))
+            if signed {
+                (abs[j], _mm256_sign_epi8(q, wv[j]))
             } else {
-                D::dot(acc[j % 2], wv[j], q)
-            };
-        }
-        _mm256_add_epi32(acc[0], acc[1])
+                (wv[j], q)
+            }
+        })
     }
 
     /// `0x10` in byte `i` of the register where bit `i` of `k` is set.

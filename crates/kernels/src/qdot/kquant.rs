@@ -529,7 +529,7 @@ mod arm {
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::super::x86::{fifth_bits_256, quad, Dot8, Maddubs, Vnni256};
+    use super::super::x86::{chains256, chains512, fifth_bits_256, quad, Dot8, Maddubs, Vnni256};
     use super::super::{kind_of, ActBlock, Kind, Packed, GROUP};
     use super::QK;
 
@@ -553,14 +553,8 @@ mod x86 {
         sc: (__m512i, __m512i),
     ) -> __m512i {
         if !q6 {
-            // Two chains of four (exact integers, so the same sum): half
-            // the latency of one chain.
-            let (mut even, mut odd) = (_mm512_setzero_si512(), _mm512_setzero_si512());
-            for j in (0..8).step_by(2) {
-                even = _mm512_dpbusd_epi32(even, wv[j], _mm512_set1_epi32(quad(&a.q[l], j)));
-                odd = _mm512_dpbusd_epi32(odd, wv[j + 1], _mm512_set1_epi32(quad(&a.q[l], j + 1)));
-            }
-            return _mm512_add_epi32(even, odd);
+            let q = |j| _mm512_set1_epi32(quad(&a.q[l], j));
+            return chains512(_mm512_setzero_si512(), |j| (wv[j], q(j)));
         }
         let mut lo = _mm512_set1_epi32(-32 * a.h[l]);
         let mut hi = _mm512_set1_epi32(-32 * (a.s[l] - a.h[l]));
@@ -703,11 +697,8 @@ mod x86 {
         sc: (__m256i, __m256i),
     ) -> __m256i {
         if !q6 {
-            let mut acc = _mm256_setzero_si256();
-            for j in 0..8 {
-                acc = D::dot(acc, wv[j], _mm256_set1_epi32(quad(&a.q[l], j)));
-            }
-            return acc;
+            let q = |j| _mm256_set1_epi32(quad(&a.q[l], j));
+            return chains256::<D>(_mm256_setzero_si256(), |j| (wv[j], q(j)));
         }
         let mut lo = _mm256_set1_epi32(-32 * a.h[l]);
         let mut hi = _mm256_set1_epi32(-32 * (a.s[l] - a.h[l]));
