@@ -448,14 +448,18 @@ pub fn exp_nonpositive(x: f32) -> f32 {
     // Round to nearest, ties to even, by the 1.5·2^23 trick (exact for
     // |x·log2 e| < 2^22, here at most 126): no library call anywhere.
     const MAGIC: f32 = 12_582_912.0;
-    let n = (x * LOG2E + MAGIC) - MAGIC;
+    let t = x * LOG2E + MAGIC;
+    let n = t - MAGIC;
     let r = x - n * LN2_HI - n * LN2_LO;
     let p = 1.0
         + r * (1.0
             + r * (0.5
                 + r * (0.166_666_67
                     + r * (0.041_666_668 + r * (0.008_333_334 + r * 0.001_388_889)))));
-    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    // `2^n` from the bits of `t` = 1.5·2^23 + n (spacing 1 there, so its
+    // low bits hold n exactly): integer steps that vectorize, where `n as
+    // i32` (a saturating conversion) is done one lane at a time.
+    let scale = f32::from_bits(t.to_bits().wrapping_sub(MAGIC.to_bits() - 127) << 23);
     p * scale
 }
 
@@ -469,6 +473,15 @@ fn fast_exp_matches_std_exp() {
         worst = worst.max((a - b).abs() / b.max(f32::MIN_POSITIVE));
     }
     assert!(worst < 3e-7, "relative error {worst}");
+    // The exponent taken from the rounding sum's bits is `n as i32`: every
+    // integer n the clamp allows, and the halfway points between them.
+    for i in 0..=2 * 126 {
+        let x = (-(i as f32) / 2.0 / std::f32::consts::LOG2_E).max(-87.0);
+        let t = x * std::f32::consts::LOG2_E + 12_582_912.0;
+        let n = (t - 12_582_912.0) as i32;
+        assert_eq!(t.to_bits().wrapping_sub(0x4B40_0000) as i32, n, "at {x}");
+        assert!((-126..=0).contains(&n), "{n} at {x}");
+    }
     assert_eq!(exp_nonpositive(0.0), 1.0);
     assert_eq!(exp_nonpositive(-1000.0), exp_nonpositive(-87.0));
 }
