@@ -756,9 +756,10 @@ const PANEL: usize = 64;
 
 /// Rows `[r0, r1)` of `w` times each of the `t` quantized inputs in `acts`
 /// (`t` rows of `k / 32` blocks, quantized with `levels` levels):
-/// `emit(input, row, value)` once per pair.
+/// `emit(input, row, values)` with the values of rows `row..row +
+/// values.len()` (up to one tile's sixteen), each pair once.
 #[allow(clippy::too_many_arguments)]
-pub fn qmatvec<E: FnMut(usize, usize, f32)>(
+pub fn qmatvec<E: FnMut(usize, usize, &[f32])>(
     isa: QIsa,
     w: &Packed,
     acts: &[ActBlock],
@@ -788,13 +789,10 @@ pub fn qmatvec<E: FnMut(usize, usize, f32)>(
             while i < p1 {
                 let ni = if p1 - i >= 4 { 4 } else { 1 };
                 tiles(g, i, ni, &mut out);
+                let base = g * GROUP;
+                let (lo, hi) = (r0.max(base), r1.min(base + GROUP));
                 for (di, o) in out[..ni].iter().enumerate() {
-                    for (r, &v) in o.iter().enumerate() {
-                        let row = g * GROUP + r;
-                        if row >= r0 && row < r1 {
-                            emit(i + di, row, v);
-                        }
-                    }
+                    emit(i + di, lo, &o[lo - base..hi - base]);
                 }
                 i += ni;
             }
@@ -1514,7 +1512,7 @@ mod tests {
                             bounds.push(n);
                             for pr in bounds.windows(2) {
                                 qmatvec(isa, &p, &acts, t, levels, pr[0], pr[1], &mut |i, r, v| {
-                                    got[i * n + r] = v
+                                    got[i * n + r..][..v.len()].copy_from_slice(v)
                                 });
                             }
                             for (a, b) in got.iter().zip(&want) {

@@ -121,7 +121,7 @@ impl Lin {
     /// the quantized inputs `q` when packed, else on `w` with the f32
     /// inputs `x`.
     #[allow(clippy::too_many_arguments)]
-    fn apply<E: FnMut(usize, usize, f32)>(
+    fn apply<E: FnMut(usize, usize, &[f32])>(
         &self,
         isa: (Isa, QIsa, usize),
         w: &Weights,
@@ -134,7 +134,9 @@ impl Lin {
     ) {
         match &self.packed {
             Some(p) => qmatvec(isa.1, p, q, t, isa.2, r0, r1, emit),
-            None => matvec(isa.0, w, x, t, r0, r1, deq, emit),
+            None => matvec(isa.0, w, x, t, r0, r1, deq, &mut |i, r, v| {
+                emit(i, r, std::slice::from_ref(&v))
+            }),
         }
     }
 }
@@ -853,14 +855,17 @@ impl Llama {
                 let rows = share_rows(team, hidden);
                 let lin = &lc.lins[which];
                 let Some(pn) = post else {
-                    lin.apply(isa, &w[which], y, qy, t, rows, deq, &mut |i, r, v| unsafe {
+                    lin.apply(isa, &w[which], y, qy, t, rows, deq, &mut |i, r, v| {
                         let at = i * hidden + r;
-                        x.set(at, x.get(at) + v)
+                        for (xv, &v) in unsafe { x.part(at, at + v.len()) }.iter_mut().zip(v) {
+                            *xv += v;
+                        }
                     });
                     return;
                 };
-                lin.apply(isa, &w[which], y, qy, t, rows, deq, &mut |i, r, v| unsafe {
-                    ob.set(i * hidden + r, v)
+                lin.apply(isa, &w[which], y, qy, t, rows, deq, &mut |i, r, v| {
+                    let at = i * hidden + r;
+                    unsafe { ob.part(at, at + v.len()) }.copy_from_slice(v)
                 });
                 team.barrier();
                 let (i0, i1) = team.share(t);
@@ -913,7 +918,7 @@ impl Llama {
                         t,
                         (r0, r0 + hd),
                         deq,
-                        &mut |i, r, v| tmp[i * hd + r - r0] = v,
+                        &mut |i, r, v| tmp[i * hd + r - r0..][..v.len()].copy_from_slice(v),
                     );
                     let bias_at = [0, nh * hd, (nh + kvh) * hd][which] + r0;
                     for i in 0..t {
@@ -1005,10 +1010,10 @@ impl Llama {
                     let e = (r + FFN_ROWS).min(f1);
                     let n = e - r;
                     lc.lins[4].apply(isa, &w[4], h, qh, t, (r, e), deq, &mut |i, rr, v| {
-                        tmp[i * n + rr - r] = v
+                        tmp[i * n + rr - r..][..v.len()].copy_from_slice(v)
                     });
                     lc.lins[5].apply(isa, &w[5], h, qh, t, (r, e), deq, &mut |i, rr, v| {
-                        tmp2[i * n + rr - r] = v
+                        tmp2[i * n + rr - r..][..v.len()].copy_from_slice(v)
                     });
                     for i in 0..t {
                         let out = unsafe { m.part(i * ffn + r, i * ffn + e) };
@@ -1029,8 +1034,9 @@ impl Llama {
                 let wanted = head_lin.packed.is_some();
                 let qh = quantize(team, wanted, levels, h, picks, hidden, qown, &qx);
                 let rows = share_rows(team, vocab);
-                head_lin.apply(isa, &head, h, qh, picks, rows, deq, &mut |i, r, v| unsafe {
-                    logits.set(i * vocab + r, v)
+                head_lin.apply(isa, &head, h, qh, picks, rows, deq, &mut |i, r, v| {
+                    let at = i * vocab + r;
+                    unsafe { logits.part(at, at + v.len()) }.copy_from_slice(v)
                 });
             }
         };
