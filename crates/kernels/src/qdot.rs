@@ -51,17 +51,35 @@ use candle_core::quantized::GgmlDType;
 use crate::matvec::{f16_to_f32, WeightFormat, Weights};
 use crate::simd::capped;
 
+/// `$body` for `$i` = 0, 1, … below `$n` (at most [`MAX_NI`]), each a
+/// constant: the loop written out.
+macro_rules! unrolled {
+    ($n:expr, |$i:ident| $body:block) => {{
+        unrolled!(@ $n, $i, $body, 0, 1, 2, 3, 4, 5, 6, 7)
+    }};
+    (@ $n:expr, $i:ident, $body:block, $($k:literal),*) => {{
+        $(
+            if $k < $n {
+                let $i: usize = $k;
+                $body
+            }
+        )*
+    }};
+}
+
 /// Calls the tile kernel `$f::<K, TWO, NI>` for a weight's kind (from
-/// `[Kind const, …]`), the level count and the input count (1 or 4).
+/// `[Kind const, …]`), the level count and the input count (1, 4 or 8).
 macro_rules! tile_match {
     ($f:ident, ($w:expr, $g:expr, $ins:expr, $out:expr), $two:expr, $ni:expr,
      [$($k:ident $n:literal),*], $what:literal) => {
         match ($w.kind, $two, $ni) {
             $(
                 (Kind::$k, false, 1) => $f::<$n, false, 1>($w, $g, $ins, $out),
-                (Kind::$k, false, _) => $f::<$n, false, 4>($w, $g, $ins, $out),
+                (Kind::$k, false, 4) => $f::<$n, false, 4>($w, $g, $ins, $out),
+                (Kind::$k, false, _) => $f::<$n, false, MAX_NI>($w, $g, $ins, $out),
                 (Kind::$k, true, 1) => $f::<$n, true, 1>($w, $g, $ins, $out),
-                (Kind::$k, true, _) => $f::<$n, true, 4>($w, $g, $ins, $out),
+                (Kind::$k, true, 4) => $f::<$n, true, 4>($w, $g, $ins, $out),
+                (Kind::$k, true, _) => $f::<$n, true, MAX_NI>($w, $g, $ins, $out),
             )*
             _ => unreachable!($what),
         }
@@ -95,6 +113,11 @@ mod kquant;
 
 /// Rows per tile.
 pub const GROUP: usize = 16;
+
+/// Most inputs one tile call takes: eight where the registers hold their
+/// sums (AVX-512's 32), which spreads each block's weight unpacking over
+/// twice as many inputs as four; elsewhere four.
+const MAX_NI: usize = 8;
 
 /// How the activations of a quantized linear layer are represented.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -160,6 +183,11 @@ pub enum QIsa {
 }
 
 impl QIsa {
+    /// Whether its tiles take [`MAX_NI`] inputs at a time (else four).
+    fn wide_tiles(self) -> bool {
+        self == QIsa::Avx512Vnni
+    }
+
     /// The best this CPU runs, capped by `TESSERA_ISA` (`portable`,
     /// `avx2`, `avxvnni`, `avx512`; on ARM only `portable` caps).
     pub fn detect() -> QIsa {
@@ -774,9 +802,10 @@ pub fn qmatvec<E: FnMut(usize, usize, &[f32])>(
         "qmatvec: bad shapes"
     );
     let nb = w.nb;
-    let mut out = [[0f32; GROUP]; 4];
-    let tiles = |g: usize, i0: usize, ni: usize, out: &mut [[f32; GROUP]; 4]| {
-        let ins: [&[ActBlock]; 4] = std::array::from_fn(|j| {
+    let mut out = [[0f32; GROUP]; MAX_NI];
+    let wide = if isa.wide_tiles() { MAX_NI } else { 4 };
+    let tiles = |g: usize, i0: usize, ni: usize, out: &mut [[f32; GROUP]; MAX_NI]| {
+        let ins: [&[ActBlock]; MAX_NI] = std::array::from_fn(|j| {
             &acts[(i0 + j.min(ni - 1)) * nb..(i0 + j.min(ni - 1) + 1) * nb]
         });
         run_tile(isa, w, g, &ins, ni, levels == 2, out);
@@ -787,7 +816,11 @@ pub fn qmatvec<E: FnMut(usize, usize, &[f32])>(
         for g in g0..g1 {
             let mut i = p0;
             while i < p1 {
-                let ni = if p1 - i >= 4 { 4 } else { 1 };
+                let ni = match p1 - i {
+                    n if n >= wide => wide,
+                    n if n >= 4 => 4,
+                    _ => 1,
+                };
                 tiles(g, i, ni, &mut out);
                 let base = g * GROUP;
                 let (lo, hi) = (r0.max(base), r1.min(base + GROUP));
@@ -805,10 +838,10 @@ fn run_tile(
     isa: QIsa,
     w: &Packed,
     g: usize,
-    ins: &[&[ActBlock]; 4],
+    ins: &[&[ActBlock]; MAX_NI],
     ni: usize,
     two: bool,
-    out: &mut [[f32; GROUP]; 4],
+    out: &mut [[f32; GROUP]; MAX_NI],
 ) {
     if w.kind.super_block() {
         return kquant::run_ktile(isa, w, g, ins, ni, two, out);
@@ -842,8 +875,8 @@ const fn kind_of(k: u8) -> Kind {
 fn tile_portable<const K: u8, const TWO: bool, const NI: usize>(
     w: &Packed,
     g: usize,
-    ins: &[&[ActBlock]; 4],
-    out: &mut [[f32; GROUP]; 4],
+    ins: &[&[ActBlock]; MAX_NI],
+    out: &mut [[f32; GROUP]; MAX_NI],
 ) {
     let kind = kind_of(K);
     let rec = kind.record();
@@ -914,7 +947,7 @@ mod arm {
     use std::arch::aarch64::*;
     use std::arch::asm;
 
-    use super::{kind_of, ActBlock, Kind, Packed, GROUP};
+    use super::{kind_of, ActBlock, Kind, Packed, GROUP, MAX_NI};
 
     /// `acc` plus, per 32-bit lane, the dot product of four signed bytes
     /// of `w` and `q` (`sdot`; its intrinsic is not stable yet).
@@ -1006,8 +1039,8 @@ mod arm {
     pub(super) unsafe fn tile_neon<const K: u8, const TWO: bool, const NI: usize>(
         w: &Packed,
         g: usize,
-        ins: &[&[ActBlock]; 4],
-        out: &mut [[f32; GROUP]; 4],
+        ins: &[&[ActBlock]; MAX_NI],
+        out: &mut [[f32; GROUP]; MAX_NI],
     ) {
         let kind = kind_of(K);
         let rec = kind.record();
@@ -1061,7 +1094,7 @@ mod arm {
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{kind_of, ActBlock, Kind, Packed, GROUP};
+    use super::{kind_of, ActBlock, Kind, Packed, GROUP, MAX_NI};
 
     /// One level of 32 values in two registers (the steps of
     /// `super::level`, vectorized): the scale and the i32 values, or
@@ -1156,8 +1189,8 @@ mod x86 {
     pub(super) unsafe fn tile_avx512<const K: u8, const TWO: bool, const NI: usize>(
         w: &Packed,
         g: usize,
-        ins: &[&[ActBlock]; 4],
-        out: &mut [[f32; GROUP]; 4],
+        ins: &[&[ActBlock]; MAX_NI],
+        out: &mut [[f32; GROUP]; MAX_NI],
     ) {
         let kind = kind_of(K);
         let rec = kind.record();
@@ -1207,7 +1240,9 @@ mod x86 {
                 let init = _mm512_set1_epi32(offset(kind) * a.s[l]);
                 chains512(init, |j| (wv[j], _mm512_set1_epi32(quad(&a.q[l], j))))
             };
-            for i in 0..NI {
+            // Written out input by input, so that every sum stays in a
+            // register (a loop of eight keeps them on the stack).
+            unrolled!(NI, |i| {
                 let a: &ActBlock = &ins[i][b];
                 let a1 = level(a, 0);
                 let mut s = _mm512_mul_ps(_mm512_cvtepi32_ps(a1), _mm512_set1_ps(a.d[0]));
@@ -1219,7 +1254,7 @@ mod x86 {
                 if kind.has_min() {
                     y[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.xsum), y[i]);
                 }
-            }
+            });
         }
         for i in 0..NI {
             _mm512_storeu_ps(out[i].as_mut_ptr(), y[i]);
@@ -1294,8 +1329,8 @@ mod x86 {
     pub(super) unsafe fn tile_avx2<const K: u8, const TWO: bool, const NI: usize>(
         w: &Packed,
         g: usize,
-        ins: &[&[ActBlock]; 4],
-        out: &mut [[f32; GROUP]; 4],
+        ins: &[&[ActBlock]; MAX_NI],
+        out: &mut [[f32; GROUP]; MAX_NI],
     ) {
         tile_256::<Maddubs, K, TWO, NI>(w, g, ins, out)
     }
@@ -1306,8 +1341,8 @@ mod x86 {
     pub(super) unsafe fn tile_avxvnni<const K: u8, const TWO: bool, const NI: usize>(
         w: &Packed,
         g: usize,
-        ins: &[&[ActBlock]; 4],
-        out: &mut [[f32; GROUP]; 4],
+        ins: &[&[ActBlock]; MAX_NI],
+        out: &mut [[f32; GROUP]; MAX_NI],
     ) {
         tile_256::<Vnni256, K, TWO, NI>(w, g, ins, out)
     }
@@ -1352,8 +1387,8 @@ mod x86 {
     unsafe fn tile_256<D: Dot8, const K: u8, const TWO: bool, const NI: usize>(
         w: &Packed,
         g: usize,
-        ins: &[&[ActBlock]; 4],
-        out: &mut [[f32; GROUP]; 4],
+        ins: &[&[ActBlock]; MAX_NI],
+        out: &mut [[f32; GROUP]; MAX_NI],
     ) {
         let kind = kind_of(K);
         let rec = kind.record();

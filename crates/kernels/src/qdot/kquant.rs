@@ -25,7 +25,7 @@
 //! Every field of the GGML block is kept, so [`super::Packed::unpack`]
 //! restores its bytes exactly.
 
-use super::{combine, ActBlock, Kind, Packed, QIsa, GROUP};
+use super::{combine, ActBlock, Kind, Packed, QIsa, GROUP, MAX_NI};
 use crate::matvec::f16_to_f32;
 
 /// Values per super-block.
@@ -361,8 +361,8 @@ pub(super) fn row_slow(kind: Kind, row: &[u8], acts: &[ActBlock], two: bool) -> 
 fn ktile_portable<const K: u8, const TWO: bool, const NI: usize>(
     w: &Packed,
     g: usize,
-    ins: &[&[ActBlock]; 4],
-    out: &mut [[f32; GROUP]; 4],
+    ins: &[&[ActBlock]; MAX_NI],
+    out: &mut [[f32; GROUP]; MAX_NI],
 ) {
     let kind = super::kind_of(K);
     let rec = kind.k_record();
@@ -387,10 +387,10 @@ pub(super) fn run_ktile(
     isa: QIsa,
     w: &Packed,
     g: usize,
-    ins: &[&[ActBlock]; 4],
+    ins: &[&[ActBlock]; MAX_NI],
     ni: usize,
     two: bool,
-    out: &mut [[f32; GROUP]; 4],
+    out: &mut [[f32; GROUP]; MAX_NI],
 ) {
     dispatch_tiles!(
         isa,
@@ -414,7 +414,7 @@ mod arm {
     use std::arch::aarch64::*;
 
     use super::super::arm::{f16x4, fifth_bits, nibbles, quad, sdot, steps};
-    use super::super::{kind_of, ActBlock, Kind, Packed, GROUP};
+    use super::super::{kind_of, ActBlock, Kind, Packed, GROUP, MAX_NI};
     use super::QK;
 
     /// Four bytes at `p` as f32 (unsigned) or i32 (signed) lanes.
@@ -438,8 +438,8 @@ mod arm {
     pub(super) unsafe fn ktile_neon<const K: u8, const TWO: bool, const NI: usize>(
         w: &Packed,
         g: usize,
-        ins: &[&[ActBlock]; 4],
-        out: &mut [[f32; GROUP]; 4],
+        ins: &[&[ActBlock]; MAX_NI],
+        out: &mut [[f32; GROUP]; MAX_NI],
     ) {
         let kind = kind_of(K);
         let q6 = kind == Kind::Q6K;
@@ -530,7 +530,7 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::super::x86::{chains256, chains512, fifth_bits_256, quad, Dot8, Maddubs, Vnni256};
-    use super::super::{kind_of, ActBlock, Kind, Packed, GROUP};
+    use super::super::{kind_of, ActBlock, Kind, Packed, GROUP, MAX_NI};
     use super::QK;
 
     /// Flips the sign of every lane (exact, like the scalar negation).
@@ -571,8 +571,8 @@ mod x86 {
     pub(super) unsafe fn ktile_avx512<const K: u8, const TWO: bool, const NI: usize>(
         w: &Packed,
         g: usize,
-        ins: &[&[ActBlock]; 4],
-        out: &mut [[f32; GROUP]; 4],
+        ins: &[&[ActBlock]; MAX_NI],
+        out: &mut [[f32; GROUP]; MAX_NI],
     ) {
         let kind = kind_of(K);
         let q6 = kind == Kind::Q6K;
@@ -643,7 +643,8 @@ mod x86 {
                         (z, z),
                     )
                 };
-                for i in 0..NI {
+                // Input by input, the sums in registers (as `tile_avx512`).
+                unrolled!(NI, |i| {
                     let a: &ActBlock = &ins[i][8 * sb + j];
                     let a1 = level512(q6, a, 0, &wv, sc);
                     let mut s = _mm512_mul_ps(_mm512_cvtepi32_ps(a1), _mm512_set1_ps(a.d[0]));
@@ -655,7 +656,7 @@ mod x86 {
                     if !q6 {
                         y[i] = _mm512_fmadd_ps(min, _mm512_set1_ps(a.xsum), y[i]);
                     }
-                }
+                });
             }
         }
         for i in 0..NI {
@@ -669,8 +670,8 @@ mod x86 {
     pub(super) unsafe fn ktile_avx2<const K: u8, const TWO: bool, const NI: usize>(
         w: &Packed,
         g: usize,
-        ins: &[&[ActBlock]; 4],
-        out: &mut [[f32; GROUP]; 4],
+        ins: &[&[ActBlock]; MAX_NI],
+        out: &mut [[f32; GROUP]; MAX_NI],
     ) {
         ktile_256::<Maddubs, K, TWO, NI>(w, g, ins, out)
     }
@@ -681,8 +682,8 @@ mod x86 {
     pub(super) unsafe fn ktile_avxvnni<const K: u8, const TWO: bool, const NI: usize>(
         w: &Packed,
         g: usize,
-        ins: &[&[ActBlock]; 4],
-        out: &mut [[f32; GROUP]; 4],
+        ins: &[&[ActBlock]; MAX_NI],
+        out: &mut [[f32; GROUP]; MAX_NI],
     ) {
         ktile_256::<Vnni256, K, TWO, NI>(w, g, ins, out)
     }
@@ -714,8 +715,8 @@ mod x86 {
     unsafe fn ktile_256<D: Dot8, const K: u8, const TWO: bool, const NI: usize>(
         w: &Packed,
         g: usize,
-        ins: &[&[ActBlock]; 4],
-        out: &mut [[f32; GROUP]; 4],
+        ins: &[&[ActBlock]; MAX_NI],
+        out: &mut [[f32; GROUP]; MAX_NI],
     ) {
         let kind = kind_of(K);
         let q6 = kind == Kind::Q6K;
