@@ -1168,6 +1168,24 @@ mod x86 {
         }
     }
 
+    /// Blocks of a tile's stream ahead of the one being read that
+    /// [`prefetch_ahead`] hints (about 18 KiB of Q4_1). Decoding one
+    /// sequence waits on memory: four blocks ahead (2.3 KiB) gave 330
+    /// tok/s on SmolLM2 Q4_1 (Xeon, 2 cores), sixteen 420, thirty-two
+    /// 435, sixty-four 430.
+    const AHEAD_BLOCKS: usize = 32;
+
+    /// Hints the block `AHEAD_BLOCKS` past the one at `t` (`rec` bytes
+    /// each; tiles follow each other in memory, so it runs on into the
+    /// next tiles) into L2, for the reason `Lanes::prefetch` gives.
+    #[inline(always)]
+    unsafe fn prefetch_ahead(t: *const u8, rec: usize) {
+        let ahead = t.wrapping_add(AHEAD_BLOCKS * rec);
+        for l in (0..rec).step_by(64) {
+            _mm_prefetch(ahead.wrapping_add(l) as *const i8, _MM_HINT_T1);
+        }
+    }
+
     /// The i32 at `q[4j..4j + 4]` in every lane.
     #[inline(always)]
     pub(super) unsafe fn quad(q: &[i8; 32], j: usize) -> i32 {
@@ -1202,12 +1220,7 @@ mod x86 {
         let mut y = [_mm512_setzero_ps(); NI];
         for b in 0..w.nb {
             let t = p.add(b * rec);
-            // The tile block four ahead (tiles follow each other in memory),
-            // into L2 for the reason `Lanes::prefetch` gives.
-            let ahead = t.wrapping_add(4 * rec);
-            for l in (0..rec).step_by(64) {
-                _mm_prefetch(ahead.wrapping_add(l) as *const i8, _MM_HINT_T1);
-            }
+            prefetch_ahead(t, rec);
             let d = _mm512_cvtph_ps(_mm256_loadu_si256(t as *const __m256i));
             let m = if kind.has_min() {
                 _mm512_cvtph_ps(_mm256_loadu_si256(t.add(32) as *const __m256i))
@@ -1405,6 +1418,10 @@ mod x86 {
             let mut y = [_mm256_setzero_ps(); NI];
             for b in 0..w.nb {
                 let t = p.add(b * rec);
+                if half == 0 {
+                    // As in `tile_avx512`.
+                    prefetch_ahead(t, rec);
+                }
                 let d = _mm256_cvtph_ps(_mm_loadu_si128(t.add(16 * half) as *const __m128i));
                 let m = if kind.has_min() {
                     _mm256_cvtph_ps(_mm_loadu_si128(t.add(32 + 16 * half) as *const __m128i))
