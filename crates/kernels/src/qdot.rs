@@ -833,7 +833,7 @@ pub fn qmatvec<E: FnMut(usize, usize, &[f32])>(
     }
 }
 
-/// One tile (16 rows of group `g`) against `ni` (1 or 4) inputs.
+/// One tile (16 rows of group `g`) against `ni` (1, 4 or, on AVX-512, 8) inputs.
 fn run_tile(
     isa: QIsa,
     w: &Packed,
