@@ -52,7 +52,8 @@ use crate::matvec::{f16_to_f32, WeightFormat, Weights};
 use crate::simd::capped;
 
 /// `$body` for `$i` = 0, 1, … below `$n` (at most [`MAX_NI`]), each a
-/// constant: the loop written out.
+/// constant: the loop written out. (Only the x86 tiles use it.)
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_macros))]
 macro_rules! unrolled {
     ($n:expr, |$i:ident| $body:block) => {{
         unrolled!(@ $n, $i, $body, 0, 1, 2, 3, 4, 5, 6, 7)
