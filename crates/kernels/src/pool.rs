@@ -317,29 +317,6 @@ impl<T> Shared<T> {
         std::slice::from_raw_parts_mut(self.ptr.add(start), end - start)
     }
 
-    /// Reads element `i`.
-    ///
-    /// # Safety
-    /// No other worker writes that element until the next barrier.
-    #[inline(always)]
-    pub unsafe fn get(&self, i: usize) -> T
-    where
-        T: Copy,
-    {
-        assert!(i < self.len, "Shared::get out of range");
-        *self.ptr.add(i)
-    }
-
-    /// Writes element `i`.
-    ///
-    /// # Safety
-    /// As [`Shared::part`] for that element.
-    #[inline(always)]
-    pub unsafe fn set(&self, i: usize, v: T) {
-        assert!(i < self.len, "Shared::set out of range");
-        *self.ptr.add(i) = v;
-    }
-
     /// # Safety
     /// No worker writes the buffer until the next barrier.
     pub unsafe fn all(&self) -> &[T] {
