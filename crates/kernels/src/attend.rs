@@ -823,6 +823,26 @@ unsafe fn item_body<L: Lanes>(
             kv => item_one_nc::<L, _>(inp, kv, item, sc, write),
         };
     }
+    // An item of whole slots here: its KV heads one after another.
+    for g in item.g..item.g + item.ng {
+        item_head::<L>(inp, Item { g, ng: 1, ..item }, sc, write);
+    }
+}
+
+/// [`item_body`] for a tile of query tokens (or a head size without a
+/// single-query path) and one KV head: the chunk's K/V rows converted to
+/// f32 once for all the tokens and query heads.
+///
+/// # Safety
+/// The CPU has `L`'s instruction set.
+#[inline(always)]
+unsafe fn item_head<L: Lanes>(
+    inp: &AttnInput,
+    item: Item,
+    sc: &mut AttnScratch,
+    write: &mut dyn FnMut(usize, usize, &[f32]),
+) {
+    let sh = inp.shape;
     let (nh, kvh, hd, bs) = (sh.n_heads, sh.n_kv_heads, sh.head_dim, sh.block_size);
     let group = nh / kvh;
     let (t0, nt, g, c) = (
@@ -1177,11 +1197,18 @@ mod tests {
             if kind.is_quantized() {
                 crate::quant::hadamard64(&mut want);
             }
+            // (A NaN anywhere fails: `f32::max` would pass over it.)
             let d = slow
                 .iter()
                 .zip(&want)
                 .map(|(a, b)| (a - b).abs())
-                .fold(0f32, f32::max);
+                .fold(0f32, |m, x| {
+                    if m.is_nan() || x.is_nan() {
+                        f32::NAN
+                    } else {
+                        m.max(x)
+                    }
+                });
             assert!(d < 1e-4, "{kind} hd={hd} window={window}: {d}");
         }
     }
