@@ -98,6 +98,14 @@ impl Sampler {
     /// (`history`, prompt included) and the ones this sample generated.
     pub fn sample(&mut self, logits: &[f32], history: &[u32], generated: &[u32]) -> u32 {
         let p = &self.params;
+        let plain = p.logit_bias.is_empty()
+            && p.presence_penalty == 0.0
+            && p.frequency_penalty == 0.0
+            && p.repetition_penalty == 1.0;
+        if plain && p.temperature <= 0.0 {
+            // Nothing to adjust: no copy of the vocabulary's logits.
+            return argmax(logits);
+        }
         let mut logits = logits.to_vec();
         for &(t, b) in &p.logit_bias {
             if let Some(l) = logits.get_mut(t as usize) {
