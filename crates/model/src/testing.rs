@@ -766,8 +766,12 @@ type LogitsAt = std::collections::BTreeMap<(usize, usize), Vec<f32>>;
 /// sequences per forward, a random number of workers (1 or 2) per forward,
 /// and, when `share` is set, each sequence reusing the full cache blocks
 /// of an earlier sequence's equal prefix instead of computing them (as the
-/// prefix cache does). Every logits row wanted in both must be the same
-/// bits. Returns how many rows were compared.
+/// prefix cache does). Odd seeds decode in lockstep: four or five
+/// sequences, and once every one has computed its prompt, all of them
+/// decode one token per forward together (many single-token runs in one
+/// batch, as a server decoding several requests has). Every logits row
+/// wanted in both must be the same bits. Returns how many rows were
+/// compared.
 pub fn batch_invariance_case(
     model: &crate::Llama,
     seed: u64,
@@ -785,7 +789,12 @@ pub fn batch_invariance_case(
             (0..n).map(|_| rng.below(vocab as usize) as u32).collect()
         })
         .collect();
-    let n_seqs = 2 + rng.below(4);
+    let lockstep = seed % 2 == 1;
+    let n_seqs = if lockstep {
+        4 + rng.below(2)
+    } else {
+        2 + rng.below(4)
+    };
     let mut prompts: Vec<Vec<u32>> = (0..n_seqs)
         .map(|_| {
             let root = &roots[rng.below(2)];
@@ -909,17 +918,37 @@ pub fn batch_invariance_case(
         if active.is_empty() {
             break;
         }
+        // In lockstep, a sequence past its prompt waits for the others'.
+        let prefilling = active.iter().any(|&s| done[s] < plens[s]);
         let mut parts = Vec::new();
         for &s in &active {
-            if rng.below(3) == 0 && parts.len() + 1 < active.len() {
+            let decoding = lockstep && done[s] >= plens[s];
+            if decoding && prefilling {
                 continue;
             }
-            let left = prompts[s].len() - done[s];
-            let n = 1 + rng.below(left.min(9));
+            if !decoding && rng.below(3) == 0 && parts.len() + 1 < active.len() {
+                continue;
+            }
+            // (In lockstep a prompt's chunks stop at its end.)
+            let end = if lockstep && done[s] < plens[s] {
+                plens[s]
+            } else {
+                prompts[s].len()
+            };
+            let left = end - done[s];
+            let n = if decoding {
+                1
+            } else {
+                1 + rng.below(left.min(9))
+            };
             parts.push((s, done[s], done[s] + n));
         }
         if parts.is_empty() {
-            let s = active[0];
+            let s = active
+                .iter()
+                .copied()
+                .find(|&s| done[s] < plens[s])
+                .unwrap_or(active[0]);
             parts.push((s, done[s], done[s] + 1));
         }
         run(
