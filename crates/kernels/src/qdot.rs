@@ -1125,12 +1125,161 @@ mod x86 {
     }
 
     /// `super::quantize_blocks` in AVX-512: the same operations, so the
-    /// same bits.
+    /// same bits. Sixteen blocks at a time: their horizontal maxima and
+    /// sums formed together, lane `b` for block `b` (one transposing tree
+    /// instead of sixteen), and their scales in one division each; a group
+    /// with a value that is not finite goes block by block.
     ///
     /// # Safety
     /// The CPU has AVX-512 F/BW/VL.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
     pub(super) unsafe fn quantize_avx512(x: &[f32], levels: usize, out: &mut [ActBlock]) {
+        for (xg, og) in x.chunks(16 * 32).zip(out.chunks_mut(16)) {
+            if !quantize16(xg, levels, og) {
+                quantize_one_by_one(xg, levels, og);
+            }
+        }
+    }
+
+    /// `op` over the sixteen lanes of each `v[b]`, into lane `b`, by the
+    /// tree of `crate::lanes::reduce16` (lanes `j` and `j + 8`, then `j`
+    /// and `j + 4`, then `(0 + 2) + (1 + 3)`): the shuffles of
+    /// `Avx512::reduce_rows` with any lane-wise `op`.
+    #[inline(always)]
+    unsafe fn across16(v: &[__m512; 16], op: impl Fn(__m512, __m512) -> __m512) -> __m512 {
+        let mut v8 = [_mm512_setzero_ps(); 8];
+        for p in 0..8 {
+            let (a, b) = (v[2 * p], v[2 * p + 1]);
+            v8[p] = op(
+                _mm512_shuffle_f32x4::<0b01_00_01_00>(a, b),
+                _mm512_shuffle_f32x4::<0b11_10_11_10>(a, b),
+            );
+        }
+        let mut v4 = [_mm512_setzero_ps(); 4];
+        for q in 0..4 {
+            let (s, t) = (v8[2 * q], v8[2 * q + 1]);
+            v4[q] = op(
+                _mm512_shuffle_f32x4::<0b10_00_10_00>(s, t),
+                _mm512_shuffle_f32x4::<0b11_01_11_01>(s, t),
+            );
+        }
+        let half = |x: __m512, y: __m512| {
+            let (x, y) = (_mm512_castps_pd(x), _mm512_castps_pd(y));
+            op(
+                _mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)),
+            )
+        };
+        let (r01, r23) = (half(v4[0], v4[1]), half(v4[2], v4[3]));
+        let sum = op(
+            _mm512_shuffle_ps::<0b10_00_10_00>(r01, r23),
+            _mm512_shuffle_ps::<0b11_01_11_01>(r01, r23),
+        );
+        let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+        _mm512_permutexvar_ps(order, sum)
+    }
+
+    /// Lane-wise i32 sum of two registers holding i32 lanes.
+    #[inline(always)]
+    unsafe fn add_i32(a: __m512, b: __m512) -> __m512 {
+        _mm512_castsi512_ps(_mm512_add_epi32(
+            _mm512_castps_si512(a),
+            _mm512_castps_si512(b),
+        ))
+    }
+
+    /// Up to sixteen blocks of `x` (`out.len()` of them) quantized as
+    /// [`quantize_one_by_one`] does, or `false` (nothing written) when a
+    /// value is not finite.
+    #[inline(always)]
+    unsafe fn quantize16(x: &[f32], levels: usize, out: &mut [ActBlock]) -> bool {
+        let n = out.len().min(x.len() / 32);
+        let zero = _mm512_setzero_ps();
+        let (mut pairs, mut amax) = ([zero; 16], [zero; 16]);
+        // Each block as two registers: the inputs, then the residuals.
+        let mut v = [[zero; 2]; 16];
+        let mut finite = 0xFFFFu16;
+        for b in 0..n {
+            let (lo, hi) = (
+                _mm512_loadu_ps(x.as_ptr().add(32 * b)),
+                _mm512_loadu_ps(x.as_ptr().add(32 * b + 16)),
+            );
+            // x − x is 0 exactly when x is finite.
+            finite &= _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(_mm512_sub_ps(lo, lo), zero)
+                & _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(_mm512_sub_ps(hi, hi), zero);
+            pairs[b] = _mm512_add_ps(lo, hi);
+            amax[b] = _mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi));
+            v[b] = [lo, hi];
+        }
+        if finite != 0xFFFF {
+            return false;
+        }
+        let mut xsum = [0f32; 16];
+        _mm512_storeu_ps(
+            xsum.as_mut_ptr(),
+            across16(&pairs, |a, b| _mm512_add_ps(a, b)),
+        );
+        let magic = _mm512_set1_ps(12_582_912.0);
+        let (top, bottom) = (_mm512_set1_epi32(127), _mm512_set1_epi32(-127));
+        for l in 0..levels {
+            // Lane b: block b's largest magnitude, its scale and inverse
+            // (0 for an all-zero block, whose values all round to 0).
+            let m = across16(&amax, |a, b| _mm512_max_ps(a, b));
+            let c127 = _mm512_set1_ps(127.0);
+            let zeros = _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(m, zero);
+            let (mut d, mut id) = ([0f32; 16], [0f32; 16]);
+            _mm512_storeu_ps(d.as_mut_ptr(), _mm512_div_ps(m, c127));
+            let inv = _mm512_mask_blend_ps(zeros, _mm512_div_ps(c127, m), zero);
+            _mm512_storeu_ps(id.as_mut_ptr(), inv);
+            let (mut tot, mut first) = ([zero; 16], [zero; 16]);
+            for b in 0..n {
+                let idv = _mm512_set1_ps(id[b]);
+                let q = |v: __m512| {
+                    let r = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(v, idv), magic), magic);
+                    _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(r), top), bottom)
+                };
+                let [lo, hi] = v[b];
+                let (ql, qh) = (q(lo), q(hi));
+                let dst = out[b].q[l].as_mut_ptr() as *mut __m128i;
+                _mm_storeu_si128(dst, _mm512_cvtepi32_epi8(ql));
+                _mm_storeu_si128(dst.add(1), _mm512_cvtepi32_epi8(qh));
+                first[b] = _mm512_castsi512_ps(ql);
+                tot[b] = add_i32(first[b], _mm512_castsi512_ps(qh));
+                if l + 1 < levels {
+                    let dv = _mm512_set1_ps(d[b]);
+                    let rl = _mm512_sub_ps(lo, _mm512_mul_ps(dv, _mm512_cvtepi32_ps(ql)));
+                    let rh = _mm512_sub_ps(hi, _mm512_mul_ps(dv, _mm512_cvtepi32_ps(qh)));
+                    amax[b] = _mm512_max_ps(_mm512_abs_ps(rl), _mm512_abs_ps(rh));
+                    v[b] = [rl, rh];
+                }
+            }
+            let (mut s, mut h) = ([0i32; 16], [0i32; 16]);
+            _mm512_storeu_ps(
+                s.as_mut_ptr() as *mut f32,
+                across16(&tot, |a, b| add_i32(a, b)),
+            );
+            _mm512_storeu_ps(
+                h.as_mut_ptr() as *mut f32,
+                across16(&first, |a, b| add_i32(a, b)),
+            );
+            for b in 0..n {
+                let o = &mut out[b];
+                (o.d[l], o.s[l], o.h[l]) = (d[b], s[b], h[b]);
+            }
+        }
+        for b in 0..n {
+            let o = &mut out[b];
+            o.xsum = xsum[b];
+            if levels == 1 {
+                (o.q[1], o.d[1], o.s[1], o.h[1]) = ([0; 32], 0.0, 0, 0);
+            }
+        }
+        true
+    }
+
+    /// [`quantize_avx512`] a block at a time.
+    #[inline(always)]
+    unsafe fn quantize_one_by_one(x: &[f32], levels: usize, out: &mut [ActBlock]) {
         for (xb, o) in x.chunks_exact(32).zip(out.iter_mut()) {
             let lo = _mm512_loadu_ps(xb.as_ptr());
             let hi = _mm512_loadu_ps(xb.as_ptr().add(16));
@@ -1608,14 +1757,26 @@ mod tests {
         }
         let mut with_inf = x.clone();
         with_inf[70] = f32::NEG_INFINITY;
+        // Rows of several groups of sixteen blocks and a partial one (the
+        // AVX-512 path's unit): an all-zero block, tiny and huge values,
+        // a non-finite value in one group only.
+        let long = seeded(&[1, 1184], 10, DType::F32).unwrap();
+        let mut long = long.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        long[20 * 32..21 * 32].fill(0.0);
+        long[3] = -0.0;
+        long[40] = 1e-30;
+        long[700] = 3e30;
+        long[1100] = -1e-12;
+        let mut long_nan = long.clone();
+        long_nan[33 * 32 + 7] = f32::NAN;
         for (isa, x) in QIsa::available()
             .into_iter()
-            .flat_map(|i| [(i, &x), (i, &with_inf)])
+            .flat_map(|i| [(i, &x), (i, &with_inf), (i, &long), (i, &long_nan)])
         {
             for levels in [1, 2] {
-                let mut got = vec![ActBlock::default(); 8];
+                let mut got = vec![ActBlock::default(); x.len() / 32];
                 quantize_row_on(isa, x, levels, &mut got);
-                let want = acts_of(x, 1, 256, levels);
+                let want = acts_of(x, 1, x.len(), levels);
                 for (g, w) in got.iter().zip(&want) {
                     assert_eq!((g.q, g.s, g.h), (w.q, w.s, w.h), "{isa:?}");
                     assert_eq!(g.d.map(f32::to_bits), w.d.map(f32::to_bits), "{isa:?}");
