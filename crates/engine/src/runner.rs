@@ -14,13 +14,49 @@
 
 use std::sync::Arc;
 
-use candle_core::{DType, Tensor};
+use candle_core::{CpuStorage, DType, Device, Storage, Tensor};
 use tessera_kernels::{copy_blocks, rotate_k, shift_kv, write_kv, write_kv_raw, KvType, Rotation};
 use tessera_kv::{CopyOp, ShiftPlan, TokenId};
 use tessera_model::{Batch, LayerKv, Model, SlidingBatch, NO_BLOCK};
 
 use crate::snapshot::LayerBytes;
 use crate::{EngineError, Result};
+
+/// The logits a forward pass returned, `[tokens, vocab]`: read in place,
+/// a row at a time, where they are f32 in host memory (eight decoding
+/// sequences' rows are 1.5 MiB of SmolLM2's vocabulary per step, which a
+/// copy into one vector per row would move again).
+pub(crate) struct Logits(Option<Tensor>);
+
+impl Logits {
+    /// Calls `f` with each row, in order.
+    pub(crate) fn each_row(&self, mut f: impl FnMut(&[f32])) -> Result<()> {
+        let Some(t) = &self.0 else {
+            return Ok(());
+        };
+        let (_, vocab) = t.dims2()?;
+        let (st, layout) = t.storage_and_layout();
+        if let (Storage::Cpu(CpuStorage::F32(v)), Some((a, b))) =
+            (&*st, layout.contiguous_offsets())
+        {
+            v[a..b].chunks_exact(vocab).for_each(f);
+            return Ok(());
+        }
+        drop(st);
+        let host = t.to_device(&Device::Cpu)?.to_dtype(DType::F32)?;
+        for row in host.to_vec2::<f32>()? {
+            f(&row);
+        }
+        Ok(())
+    }
+
+    /// The rows as vectors.
+    pub(crate) fn into_rows(self) -> Result<Vec<Vec<f32>>> {
+        let mut rows = Vec::new();
+        self.each_row(|r| rows.push(r.to_vec()))?;
+        Ok(rows)
+    }
+}
 
 /// One sequence's part of a forward pass.
 pub(crate) struct Part<'a> {
@@ -201,9 +237,9 @@ impl Runner {
     /// Runs `parts` through the model in one batch (writing their K/V into
     /// their slots); returns the logits the parts want, one row per token,
     /// in order.
-    pub(crate) fn forward(&self, parts: &[Part]) -> Result<Vec<Vec<f32>>> {
+    pub(crate) fn forward(&self, parts: &[Part]) -> Result<Logits> {
         if parts.is_empty() {
-            return Ok(Vec::new());
+            return Ok(Logits(None));
         }
         let max_blocks = parts.iter().map(|p| p.table.len()).max().unwrap_or(0);
         let (mut tokens, mut positions, mut slots, mut token_seq) =
@@ -258,10 +294,7 @@ impl Runner {
             }),
         };
         let logits = self.model.llama.forward(&batch, &self.cache)?;
-        if logits_for.is_empty() {
-            return Ok(Vec::new());
-        }
-        Ok(logits.to_vec2::<f32>()?)
+        Ok(Logits((!logits_for.is_empty()).then_some(logits)))
     }
 
     /// The K/V rows of `rows`, per layer (the sliding-window layers' from

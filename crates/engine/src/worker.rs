@@ -33,7 +33,7 @@ use tessera_sched::{
 use tracing::{debug, debug_span, error, warn};
 
 use crate::request::{Active, Group, Next};
-use crate::runner::{Part, Rows, Runner};
+use crate::runner::{Logits, Part, Rows, Runner};
 use crate::self_extend::PositionMap;
 use crate::snapshot::KvSnapshot;
 use crate::stream::Event;
@@ -495,9 +495,17 @@ impl Worker {
             };
         self.end_scheduled(&plan);
         let _span = debug_span!("sample").entered();
-        let wanting = plan.items.iter().filter(|i| i.wants_logits);
-        for (item, row) in wanting.zip(logits) {
-            if let Err(e) = self.on_logits(item.req, &row) {
+        let mut wanting = plan.items.iter().filter(|i| i.wants_logits);
+        let read = logits.each_row(|row| {
+            if let Some(item) = wanting.next() {
+                if let Err(e) = self.on_logits(item.req, row) {
+                    self.fail(item.req, &e);
+                }
+            }
+        });
+        if let Err(e) = read {
+            // Reading fails before the first row, if at all.
+            for item in plan.items.iter().filter(|i| i.wants_logits) {
                 self.fail(item.req, &e);
             }
         }
@@ -545,7 +553,7 @@ impl Worker {
 
     /// Applies the plan's KV operations and runs the forward pass; returns
     /// the logits of the items that want them, in order.
-    fn execute(&mut self, plan: &StepPlan) -> Result<Vec<Vec<f32>>> {
+    fn execute(&mut self, plan: &StepPlan) -> Result<Logits> {
         let _span = debug_span!("execute", tokens = plan.num_tokens()).entered();
         for op in &plan.ops {
             match op {
@@ -892,7 +900,7 @@ impl Worker {
                     sliding: w.sliding_part(seq, &plan)?,
                     rope,
                 };
-                let rows = w.runner.forward(&[part])?;
+                let rows = w.runner.forward(&[part])?.into_rows()?;
                 // The part's logits run to its end; the last token's
                 // predict nothing.
                 out.extend(rows.into_iter().take(hi.saturating_sub(lo)));
