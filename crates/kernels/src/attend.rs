@@ -584,8 +584,10 @@ unsafe fn heads_one<L: Lanes, R: Rows, const NC: usize, const GH: usize>(
     let heads = ng * GH;
     sc.s.resize(sc.s.len().max(heads * CHUNK), 0.0);
     sc.k.resize(sc.k.len().max(16 * hd), 0.0);
-    sc.v.resize(sc.v.len().max(heads * hd), 0.0);
-    sc.rec.resize(sc.rec.len().max(hd + 2), 0.0);
+    // Each head's record `(Σ p·v, max, Σ p)` in place, written whole;
+    // records sixteen lanes apart, so each head's sums stay aligned.
+    let rs = hd + 16;
+    sc.v.resize(sc.v.len().max(heads * rs), 0.0);
     let (s, kf, vacc) = (
         &mut sc.s[..heads * CHUNK],
         &mut sc.k[..16 * hd],
@@ -648,17 +650,17 @@ unsafe fn heads_one<L: Lanes, R: Rows, const NC: usize, const GH: usize>(
     for x in 0..heads {
         stats.push(softmax::<L>(&mut s[x * CHUNK..x * CHUNK + n]));
     }
-    vacc[..heads * hd].fill(0.0);
+    vacc[..heads * rs].fill(0.0);
     // Values sixteen rows at a time, each KV head's sums kept in
     // registers across its sixteen rows.
     for i in (0..n).step_by(16) {
         let m = (n - i).min(16);
         for j in 0..ng {
-            let a = vacc.as_mut_ptr().add(j * GH * hd);
+            let a = vacc.as_mut_ptr().add(j * GH * rs);
             let mut acc = [[L::zero(); NC]; GH];
             for h in 0..GH {
                 for c in 0..NC {
-                    acc[h][c] = L::load(at16(a.add(h * hd + 16 * c)));
+                    acc[h][c] = L::load(at16(a.add(h * rs + 16 * c)));
                 }
             }
             for r in i..i + m {
@@ -680,15 +682,14 @@ unsafe fn heads_one<L: Lanes, R: Rows, const NC: usize, const GH: usize>(
             }
             for h in 0..GH {
                 for c in 0..NC {
-                    acc[h][c].store(&mut *(a.add(h * hd + 16 * c) as *mut [f32; 16]));
+                    acc[h][c].store(&mut *(a.add(h * rs + 16 * c) as *mut [f32; 16]));
                 }
             }
         }
     }
-    let rec = &mut sc.rec[..hd + 2];
     for j in 0..ng {
         for h in 0..GH {
-            rec[..hd].copy_from_slice(&vacc[(j * GH + h) * hd..][..hd]);
+            let rec = &mut vacc[(j * GH + h) * rs..][..hd + 2];
             (rec[hd], rec[hd + 1]) = stats[j * GH + h];
             write(t, chunk * nh + head(j, h), rec);
         }
