@@ -1135,11 +1135,15 @@ mod x86 {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
     pub(super) unsafe fn quantize_avx512(x: &[f32], levels: usize, out: &mut [ActBlock]) {
         for (xg, og) in x.chunks(16 * 32).zip(out.chunks_mut(16)) {
-            if !quantize16(xg, levels, og) {
+            // A few blocks cost less one by one than one transposing tree.
+            if xg.len() < FEW * 32 || !quantize16(xg, levels, og) {
                 quantize_one_by_one(xg, levels, og);
             }
         }
     }
+
+    /// Blocks from which [`quantize16`] takes a group.
+    const FEW: usize = 4;
 
     /// `op` over the sixteen lanes of each `v[b]`, into lane `b`, by the
     /// tree of `crate::lanes::reduce16` (lanes `j` and `j + 8`, then `j`
