@@ -1145,42 +1145,84 @@ mod x86 {
     /// Blocks from which [`quantize16`] takes a group.
     const FEW: usize = 4;
 
-    /// `op` over the sixteen lanes of each `v[b]`, into lane `b`, by the
-    /// tree of `crate::lanes::reduce16` (lanes `j` and `j + 8`, then `j`
-    /// and `j + 4`, then `(0 + 2) + (1 + 3)`): the shuffles of
-    /// `Avx512::reduce_rows` with any lane-wise `op`.
-    #[inline(always)]
-    unsafe fn across16(v: &[__m512; 16], op: impl Fn(__m512, __m512) -> __m512) -> __m512 {
-        let mut v8 = [_mm512_setzero_ps(); 8];
-        for p in 0..8 {
-            let (a, b) = (v[2 * p], v[2 * p + 1]);
-            v8[p] = op(
-                _mm512_shuffle_f32x4::<0b01_00_01_00>(a, b),
-                _mm512_shuffle_f32x4::<0b11_10_11_10>(a, b),
-            );
+    /// `op` over the sixteen lanes of each of sixteen registers pushed in
+    /// turn, into lane `b` for the `b`-th, by the tree of
+    /// `crate::lanes::reduce16` (lanes `j` and `j + 8`, then `j` and
+    /// `j + 4`, then `(0 + 2) + (1 + 3)`): the shuffles of
+    /// `Avx512::reduce_rows`, folded as the registers come, so that the
+    /// sixteen never sit in memory (a quantization runs between tiles that
+    /// have pushed its stack lines out of every cache).
+    #[derive(Clone, Copy)]
+    struct Across16 {
+        /// The even register of the pair being pushed.
+        pair: __m512,
+        /// The first of two pairs, reduced to eight lanes each.
+        v8: __m512,
+        /// The first of two quads, reduced to four lanes each.
+        v4: __m512,
+        /// The first eight registers, reduced to two lanes each.
+        r01: __m512,
+    }
+
+    impl Across16 {
+        #[inline(always)]
+        unsafe fn new() -> Self {
+            let z = _mm512_setzero_ps();
+            Across16 {
+                pair: z,
+                v8: z,
+                v4: z,
+                r01: z,
+            }
         }
-        let mut v4 = [_mm512_setzero_ps(); 4];
-        for q in 0..4 {
-            let (s, t) = (v8[2 * q], v8[2 * q + 1]);
-            v4[q] = op(
-                _mm512_shuffle_f32x4::<0b10_00_10_00>(s, t),
-                _mm512_shuffle_f32x4::<0b11_01_11_01>(s, t),
+
+        /// Takes the `b`-th register (`b` = 0, 1, … in turn); after the
+        /// sixteenth, returns the result.
+        #[inline(always)]
+        unsafe fn push(
+            &mut self,
+            b: usize,
+            v: __m512,
+            op: impl Fn(__m512, __m512) -> __m512,
+        ) -> Option<__m512> {
+            if b.is_multiple_of(2) {
+                self.pair = v;
+                return None;
+            }
+            let a = self.pair;
+            let v8 = op(
+                _mm512_shuffle_f32x4::<0b01_00_01_00>(a, v),
+                _mm512_shuffle_f32x4::<0b11_10_11_10>(a, v),
             );
-        }
-        let half = |x: __m512, y: __m512| {
-            let (x, y) = (_mm512_castps_pd(x), _mm512_castps_pd(y));
-            op(
+            if (b / 2).is_multiple_of(2) {
+                self.v8 = v8;
+                return None;
+            }
+            let s = self.v8;
+            let v4 = op(
+                _mm512_shuffle_f32x4::<0b10_00_10_00>(s, v8),
+                _mm512_shuffle_f32x4::<0b11_01_11_01>(s, v8),
+            );
+            if (b / 4).is_multiple_of(2) {
+                self.v4 = v4;
+                return None;
+            }
+            let (x, y) = (_mm512_castps_pd(self.v4), _mm512_castps_pd(v4));
+            let r = op(
                 _mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
                 _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)),
-            )
-        };
-        let (r01, r23) = (half(v4[0], v4[1]), half(v4[2], v4[3]));
-        let sum = op(
-            _mm512_shuffle_ps::<0b10_00_10_00>(r01, r23),
-            _mm512_shuffle_ps::<0b11_01_11_01>(r01, r23),
-        );
-        let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-        _mm512_permutexvar_ps(order, sum)
+            );
+            if b < 8 {
+                self.r01 = r;
+                return None;
+            }
+            let sum = op(
+                _mm512_shuffle_ps::<0b10_00_10_00>(self.r01, r),
+                _mm512_shuffle_ps::<0b11_01_11_01>(self.r01, r),
+            );
+            let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+            Some(_mm512_permutexvar_ps(order, sum))
+        }
     }
 
     /// Lane-wise i32 sum of two registers holding i32 lanes.
@@ -1192,91 +1234,154 @@ mod x86 {
         ))
     }
 
+    /// Lane `b` of `v`.
+    #[inline(always)]
+    unsafe fn lane(v: __m512, b: usize) -> f32 {
+        _mm512_cvtss_f32(_mm512_permutexvar_ps(_mm512_set1_epi32(b as i32), v))
+    }
+
+    /// One level's scales of sixteen blocks from their largest magnitudes
+    /// (lane `b` for block `b`): `(amax / 127, 127 / amax)`, the inverse 0
+    /// for an all-zero block (whose values all round to 0).
+    #[inline(always)]
+    unsafe fn scales(amax: __m512) -> (__m512, __m512) {
+        let (zero, c127) = (_mm512_setzero_ps(), _mm512_set1_ps(127.0));
+        let zeros = _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(amax, zero);
+        let inv = _mm512_mask_blend_ps(zeros, _mm512_div_ps(c127, amax), zero);
+        (_mm512_div_ps(amax, c127), inv)
+    }
+
+    /// The i32 steps of `level512` with the inverse scale `id`.
+    #[inline(always)]
+    unsafe fn round_ints(v: __m512, id: __m512) -> __m512i {
+        let magic = _mm512_set1_ps(12_582_912.0);
+        let r = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(v, id), magic), magic);
+        let (top, bottom) = (_mm512_set1_epi32(127), _mm512_set1_epi32(-127));
+        _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(r), top), bottom)
+    }
+
+    /// `v − d·q`, as `quantize_block` forms the residual.
+    #[inline(always)]
+    unsafe fn residual(v: __m512, d: __m512, q: __m512i) -> __m512 {
+        _mm512_sub_ps(v, _mm512_mul_ps(d, _mm512_cvtepi32_ps(q)))
+    }
+
     /// Up to sixteen blocks of `x` (`out.len()` of them) quantized as
     /// [`quantize_one_by_one`] does, or `false` (nothing written) when a
-    /// value is not finite.
+    /// value is not finite. Everything stays in registers: the second
+    /// level's residuals are formed again from the inputs (the same
+    /// operations, so the same values) rather than kept.
     #[inline(always)]
     unsafe fn quantize16(x: &[f32], levels: usize, out: &mut [ActBlock]) -> bool {
         let n = out.len().min(x.len() / 32);
         let zero = _mm512_setzero_ps();
-        let (mut pairs, mut amax) = ([zero; 16], [zero; 16]);
-        // Each block as two registers: the inputs, then the residuals.
-        let mut v = [[zero; 2]; 16];
+        let load = |b: usize| {
+            if b < n {
+                let p = x.as_ptr().add(32 * b);
+                (_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16)))
+            } else {
+                (zero, zero)
+            }
+        };
+        let absmax = |lo: __m512, hi: __m512| _mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi));
+        let (add, max) = (
+            |a: __m512, b: __m512| _mm512_add_ps(a, b),
+            |a: __m512, b: __m512| _mm512_max_ps(a, b),
+        );
+        let (mut sums, mut maxima) = (Across16::new(), Across16::new());
+        let (mut xsum, mut amax) = (zero, zero);
         let mut finite = 0xFFFFu16;
-        for b in 0..n {
-            let (lo, hi) = (
-                _mm512_loadu_ps(x.as_ptr().add(32 * b)),
-                _mm512_loadu_ps(x.as_ptr().add(32 * b + 16)),
-            );
+        for b in 0..16 {
+            let (lo, hi) = load(b);
             // x − x is 0 exactly when x is finite.
             finite &= _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(_mm512_sub_ps(lo, lo), zero)
                 & _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(_mm512_sub_ps(hi, hi), zero);
-            pairs[b] = _mm512_add_ps(lo, hi);
-            amax[b] = _mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi));
-            v[b] = [lo, hi];
+            if let Some(v) = sums.push(b, _mm512_add_ps(lo, hi), add) {
+                xsum = v;
+            }
+            if let Some(v) = maxima.push(b, absmax(lo, hi), max) {
+                amax = v;
+            }
         }
         if finite != 0xFFFF {
             return false;
         }
-        let mut xsum = [0f32; 16];
-        _mm512_storeu_ps(
-            xsum.as_mut_ptr(),
-            across16(&pairs, |a, b| _mm512_add_ps(a, b)),
-        );
-        let magic = _mm512_set1_ps(12_582_912.0);
-        let (top, bottom) = (_mm512_set1_epi32(127), _mm512_set1_epi32(-127));
-        for l in 0..levels {
-            // Lane b: block b's largest magnitude, its scale and inverse
-            // (0 for an all-zero block, whose values all round to 0).
-            let m = across16(&amax, |a, b| _mm512_max_ps(a, b));
-            let c127 = _mm512_set1_ps(127.0);
-            let zeros = _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(m, zero);
-            let (mut d, mut id) = ([0f32; 16], [0f32; 16]);
-            _mm512_storeu_ps(d.as_mut_ptr(), _mm512_div_ps(m, c127));
-            let inv = _mm512_mask_blend_ps(zeros, _mm512_div_ps(c127, m), zero);
-            _mm512_storeu_ps(id.as_mut_ptr(), inv);
-            let (mut tot, mut first) = ([zero; 16], [zero; 16]);
-            for b in 0..n {
-                let idv = _mm512_set1_ps(id[b]);
-                let q = |v: __m512| {
-                    let r = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(v, idv), magic), magic);
-                    _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(r), top), bottom)
-                };
-                let [lo, hi] = v[b];
-                let (ql, qh) = (q(lo), q(hi));
-                let dst = out[b].q[l].as_mut_ptr() as *mut __m128i;
+        // Level 1 (and the residuals' maxima for level 2).
+        let (d1, id1) = scales(amax);
+        let (mut tot, mut first, mut rest) = (Across16::new(), Across16::new(), Across16::new());
+        let (mut s, mut h) = (zero, zero);
+        for b in 0..16 {
+            let (lo, hi) = load(b);
+            let id = _mm512_permutexvar_ps(_mm512_set1_epi32(b as i32), id1);
+            let (ql, qh) = (round_ints(lo, id), round_ints(hi, id));
+            if b < n {
+                let dst = out[b].q[0].as_mut_ptr() as *mut __m128i;
                 _mm_storeu_si128(dst, _mm512_cvtepi32_epi8(ql));
                 _mm_storeu_si128(dst.add(1), _mm512_cvtepi32_epi8(qh));
-                first[b] = _mm512_castsi512_ps(ql);
-                tot[b] = add_i32(first[b], _mm512_castsi512_ps(qh));
-                if l + 1 < levels {
-                    let dv = _mm512_set1_ps(d[b]);
-                    let rl = _mm512_sub_ps(lo, _mm512_mul_ps(dv, _mm512_cvtepi32_ps(ql)));
-                    let rh = _mm512_sub_ps(hi, _mm512_mul_ps(dv, _mm512_cvtepi32_ps(qh)));
-                    amax[b] = _mm512_max_ps(_mm512_abs_ps(rl), _mm512_abs_ps(rh));
-                    v[b] = [rl, rh];
-                }
             }
-            let (mut s, mut h) = ([0i32; 16], [0i32; 16]);
-            _mm512_storeu_ps(
-                s.as_mut_ptr() as *mut f32,
-                across16(&tot, |a, b| add_i32(a, b)),
+            let (l, t) = (
+                _mm512_castsi512_ps(ql),
+                add_i32(_mm512_castsi512_ps(ql), _mm512_castsi512_ps(qh)),
             );
-            _mm512_storeu_ps(
-                h.as_mut_ptr() as *mut f32,
-                across16(&first, |a, b| add_i32(a, b)),
-            );
-            for b in 0..n {
-                let o = &mut out[b];
-                (o.d[l], o.s[l], o.h[l]) = (d[b], s[b], h[b]);
+            if let Some(v) = tot.push(b, t, |a, b| add_i32(a, b)) {
+                s = v;
+            }
+            if let Some(v) = first.push(b, l, |a, b| add_i32(a, b)) {
+                h = v;
+            }
+            if levels == 2 {
+                let d = _mm512_permutexvar_ps(_mm512_set1_epi32(b as i32), d1);
+                let (rl, rh) = (residual(lo, d, ql), residual(hi, d, qh));
+                if let Some(v) = rest.push(b, absmax(rl, rh), max) {
+                    amax = v;
+                }
             }
         }
         for b in 0..n {
             let o = &mut out[b];
-            o.xsum = xsum[b];
-            if levels == 1 {
-                (o.q[1], o.d[1], o.s[1], o.h[1]) = ([0; 32], 0.0, 0, 0);
+            o.xsum = lane(xsum, b);
+            o.d[0] = lane(d1, b);
+            o.s[0] = lane(s, b).to_bits() as i32;
+            o.h[0] = lane(h, b).to_bits() as i32;
+            (o.q[1], o.d[1], o.s[1], o.h[1]) = ([0; 32], 0.0, 0, 0);
+        }
+        if levels < 2 {
+            return true;
+        }
+        let (d2, id2) = scales(amax);
+        let (mut tot, mut first) = (Across16::new(), Across16::new());
+        for b in 0..16 {
+            let (lo, hi) = load(b);
+            let at = _mm512_set1_epi32(b as i32);
+            let (id, d) = (
+                _mm512_permutexvar_ps(at, id1),
+                _mm512_permutexvar_ps(at, d1),
+            );
+            let (ql, qh) = (round_ints(lo, id), round_ints(hi, id));
+            let (rl, rh) = (residual(lo, d, ql), residual(hi, d, qh));
+            let id = _mm512_permutexvar_ps(at, id2);
+            let (ql, qh) = (round_ints(rl, id), round_ints(rh, id));
+            if b < n {
+                let dst = out[b].q[1].as_mut_ptr() as *mut __m128i;
+                _mm_storeu_si128(dst, _mm512_cvtepi32_epi8(ql));
+                _mm_storeu_si128(dst.add(1), _mm512_cvtepi32_epi8(qh));
             }
+            let (l, t) = (
+                _mm512_castsi512_ps(ql),
+                add_i32(_mm512_castsi512_ps(ql), _mm512_castsi512_ps(qh)),
+            );
+            if let Some(v) = tot.push(b, t, |a, b| add_i32(a, b)) {
+                s = v;
+            }
+            if let Some(v) = first.push(b, l, |a, b| add_i32(a, b)) {
+                h = v;
+            }
+        }
+        for b in 0..n {
+            let o = &mut out[b];
+            o.d[1] = lane(d2, b);
+            o.s[1] = lane(s, b).to_bits() as i32;
+            o.h[1] = lane(h, b).to_bits() as i32;
         }
         true
     }
