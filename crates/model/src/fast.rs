@@ -478,9 +478,35 @@ fn check_sliding(b: &Batch, num_blocks: usize, window: usize) -> Result<()> {
 }
 
 /// candle's `rms_norm`: `x / sqrt(mean(x²) + eps) · w`, the sum of
-/// squares in 16 lanes and a fixed tree.
-#[inline]
-fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+/// squares in 16 lanes and a fixed tree; vectorized for the CPU (the same
+/// operations on every instruction set, so the same bits: 16-lane
+/// divisions where the portable build has 4).
+fn rms_norm(isa: Isa, x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Isa` values above Portable come from CPU detection.
+        Isa::Avx512 => unsafe { rms_norm_avx512(x, w, eps, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx2 => unsafe { rms_norm_avx2(x, w, eps, out) },
+        _ => rms_norm_lanes(x, w, eps, out),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+unsafe fn rms_norm_avx512(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    rms_norm_lanes(x, w, eps, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn rms_norm_avx2(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    rms_norm_lanes(x, w, eps, out)
+}
+
+#[inline(always)]
+fn rms_norm_lanes(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let mut acc = [0f32; 16];
     let c = x.chunks_exact(16);
     let mut tail = 0f32;
@@ -505,18 +531,26 @@ fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
 
 /// [`rms_norm`] of `x` in place.
 #[inline]
-fn rms_norm_in_place(x: &mut [f32], w: &[f32], eps: f32, row: &mut Vec<f32>) {
+fn rms_norm_in_place(isa: Isa, x: &mut [f32], w: &[f32], eps: f32, row: &mut Vec<f32>) {
     grow(row, x.len());
     let row = &mut row[..x.len()];
-    rms_norm(x, w, eps, row);
+    rms_norm(isa, x, w, eps, row);
     x.copy_from_slice(row);
 }
 
 /// `h[j] = rms_norm(x[row_j])` for the rows `rows` of `x` (`hidden` wide).
-fn norm_rows(x: &[f32], rows: impl Iterator<Item = usize>, w: &[f32], eps: f32, h: &mut [f32]) {
+fn norm_rows(
+    isa: Isa,
+    x: &[f32],
+    rows: impl Iterator<Item = usize>,
+    w: &[f32],
+    eps: f32,
+    h: &mut [f32],
+) {
     let hidden = w.len();
     for (j, r) in rows.enumerate() {
         rms_norm(
+            isa,
             &x[r * hidden..(r + 1) * hidden],
             w,
             eps,
@@ -872,7 +906,7 @@ impl Llama {
                 for i in i0..i1 {
                     // SAFETY: rows i0..i1 are this worker's alone here.
                     let o = unsafe { ob.part(i * hidden, (i + 1) * hidden) };
-                    rms_norm_in_place(o, pn, eps, row);
+                    rms_norm_in_place(isa.0, o, pn, eps, row);
                     let xr = unsafe { x.part(i * hidden, (i + 1) * hidden) };
                     for (xv, &ov) in xr.iter_mut().zip(o.iter()) {
                         *xv += ov;
@@ -888,7 +922,7 @@ impl Llama {
                 // SAFETY (all `Shared` accesses below): each phase writes
                 // disjoint ranges (split by worker or by item), and phases
                 // that read what another wrote are separated by barriers.
-                norm_rows(unsafe { x.all() }, 0..t, &lc.attn_norm, eps, h);
+                norm_rows(isa.0, unsafe { x.all() }, 0..t, &lc.attn_norm, eps, h);
                 let qh = quantize(
                     team,
                     packed(lc, &[0, 1, 2]),
@@ -930,7 +964,7 @@ impl Llama {
                         }
                         let head_norm = [&lc.q_norm, &lc.k_norm, &None][which];
                         if let Some(wn) = head_norm {
-                            rms_norm_in_place(row, wn, eps, nrow);
+                            rms_norm_in_place(isa.0, row, wn, eps, nrow);
                         }
                         if which < 2 {
                             rope(
@@ -1002,7 +1036,7 @@ impl Llama {
                 let qa = quantize(team, packed(lc, &[3]), levels, av, t, nh * hd, qown, &qx);
                 residual(lc, w, 3, (av, qa), &lc.post_attn, deq, nrow);
                 team.barrier();
-                norm_rows(unsafe { x.all() }, 0..t, &lc.ffn_norm, eps, h);
+                norm_rows(isa.0, unsafe { x.all() }, 0..t, &lc.ffn_norm, eps, h);
                 let qh = quantize(team, packed(lc, &[4, 5]), levels, h, t, hidden, qown, &qx);
                 let (f0, f1) = share_rows(team, ffn);
                 let mut r = f0;
@@ -1030,7 +1064,7 @@ impl Llama {
             }
             if picks > 0 {
                 let rows = batch.logits_for.iter().map(|&p| p as usize);
-                norm_rows(unsafe { x.all() }, rows, norm, eps, h);
+                norm_rows(isa.0, unsafe { x.all() }, rows, norm, eps, h);
                 let wanted = head_lin.packed.is_some();
                 let qh = quantize(team, wanted, levels, h, picks, hidden, qown, &qx);
                 let rows = share_rows(team, vocab);
