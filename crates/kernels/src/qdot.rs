@@ -1234,6 +1234,62 @@ mod x86 {
         ))
     }
 
+    /// One level's integers of sixteen blocks as they come: stored, and
+    /// their sums (the whole block's, the first half's) folded, lane `b`
+    /// for block `b`.
+    struct IntSums {
+        tot: Across16,
+        first: Across16,
+        s: __m512,
+        h: __m512,
+    }
+
+    impl IntSums {
+        #[inline(always)]
+        unsafe fn new() -> Self {
+            let z = _mm512_setzero_ps();
+            IntSums {
+                tot: Across16::new(),
+                first: Across16::new(),
+                s: z,
+                h: z,
+            }
+        }
+
+        /// Block `b`'s integers (two registers of sixteen), stored into
+        /// `q` when the block is one of the row's.
+        #[inline(always)]
+        unsafe fn take(
+            &mut self,
+            b: usize,
+            (ql, qh): (__m512i, __m512i),
+            q: Option<&mut [i8; 32]>,
+        ) {
+            if let Some(q) = q {
+                let dst = q.as_mut_ptr() as *mut __m128i;
+                _mm_storeu_si128(dst, _mm512_cvtepi32_epi8(ql));
+                _mm_storeu_si128(dst.add(1), _mm512_cvtepi32_epi8(qh));
+            }
+            let l = _mm512_castsi512_ps(ql);
+            let t = add_i32(l, _mm512_castsi512_ps(qh));
+            if let Some(v) = self.tot.push(b, t, |a, b| add_i32(a, b)) {
+                self.s = v;
+            }
+            if let Some(v) = self.first.push(b, l, |a, b| add_i32(a, b)) {
+                self.h = v;
+            }
+        }
+
+        /// Block `b`'s sums `(Σq, Σ of the first sixteen)`.
+        #[inline(always)]
+        unsafe fn sums(&self, b: usize) -> (i32, i32) {
+            (
+                lane(self.s, b).to_bits() as i32,
+                lane(self.h, b).to_bits() as i32,
+            )
+        }
+    }
+
     /// Lane `b` of `v`.
     #[inline(always)]
     unsafe fn lane(v: __m512, b: usize) -> f32 {
@@ -1274,6 +1330,7 @@ mod x86 {
     #[inline(always)]
     unsafe fn quantize16(x: &[f32], levels: usize, out: &mut [ActBlock]) -> bool {
         let n = out.len().min(x.len() / 32);
+        let out = &mut out[..n];
         let zero = _mm512_setzero_ps();
         let load = |b: usize| {
             if b < n {
@@ -1308,27 +1365,12 @@ mod x86 {
         }
         // Level 1 (and the residuals' maxima for level 2).
         let (d1, id1) = scales(amax);
-        let (mut tot, mut first, mut rest) = (Across16::new(), Across16::new(), Across16::new());
-        let (mut s, mut h) = (zero, zero);
+        let (mut ints, mut rest) = (IntSums::new(), Across16::new());
         for b in 0..16 {
             let (lo, hi) = load(b);
             let id = _mm512_permutexvar_ps(_mm512_set1_epi32(b as i32), id1);
             let (ql, qh) = (round_ints(lo, id), round_ints(hi, id));
-            if b < n {
-                let dst = out[b].q[0].as_mut_ptr() as *mut __m128i;
-                _mm_storeu_si128(dst, _mm512_cvtepi32_epi8(ql));
-                _mm_storeu_si128(dst.add(1), _mm512_cvtepi32_epi8(qh));
-            }
-            let (l, t) = (
-                _mm512_castsi512_ps(ql),
-                add_i32(_mm512_castsi512_ps(ql), _mm512_castsi512_ps(qh)),
-            );
-            if let Some(v) = tot.push(b, t, |a, b| add_i32(a, b)) {
-                s = v;
-            }
-            if let Some(v) = first.push(b, l, |a, b| add_i32(a, b)) {
-                h = v;
-            }
+            ints.take(b, (ql, qh), out.get_mut(b).map(|o| &mut o.q[0]));
             if levels == 2 {
                 let d = _mm512_permutexvar_ps(_mm512_set1_epi32(b as i32), d1);
                 let (rl, rh) = (residual(lo, d, ql), residual(hi, d, qh));
@@ -1341,15 +1383,14 @@ mod x86 {
             let o = &mut out[b];
             o.xsum = lane(xsum, b);
             o.d[0] = lane(d1, b);
-            o.s[0] = lane(s, b).to_bits() as i32;
-            o.h[0] = lane(h, b).to_bits() as i32;
+            (o.s[0], o.h[0]) = ints.sums(b);
             (o.q[1], o.d[1], o.s[1], o.h[1]) = ([0; 32], 0.0, 0, 0);
         }
         if levels < 2 {
             return true;
         }
         let (d2, id2) = scales(amax);
-        let (mut tot, mut first) = (Across16::new(), Across16::new());
+        let mut ints = IntSums::new();
         for b in 0..16 {
             let (lo, hi) = load(b);
             let at = _mm512_set1_epi32(b as i32);
@@ -1361,27 +1402,12 @@ mod x86 {
             let (rl, rh) = (residual(lo, d, ql), residual(hi, d, qh));
             let id = _mm512_permutexvar_ps(at, id2);
             let (ql, qh) = (round_ints(rl, id), round_ints(rh, id));
-            if b < n {
-                let dst = out[b].q[1].as_mut_ptr() as *mut __m128i;
-                _mm_storeu_si128(dst, _mm512_cvtepi32_epi8(ql));
-                _mm_storeu_si128(dst.add(1), _mm512_cvtepi32_epi8(qh));
-            }
-            let (l, t) = (
-                _mm512_castsi512_ps(ql),
-                add_i32(_mm512_castsi512_ps(ql), _mm512_castsi512_ps(qh)),
-            );
-            if let Some(v) = tot.push(b, t, |a, b| add_i32(a, b)) {
-                s = v;
-            }
-            if let Some(v) = first.push(b, l, |a, b| add_i32(a, b)) {
-                h = v;
-            }
+            ints.take(b, (ql, qh), out.get_mut(b).map(|o| &mut o.q[1]));
         }
         for b in 0..n {
             let o = &mut out[b];
             o.d[1] = lane(d2, b);
-            o.s[1] = lane(s, b).to_bits() as i32;
-            o.h[1] = lane(h, b).to_bits() as i32;
+            (o.s[1], o.h[1]) = ints.sums(b);
         }
         true
     }
