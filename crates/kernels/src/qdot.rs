@@ -1102,11 +1102,7 @@ mod x86 {
     /// `None` when a value is not finite.
     #[inline(always)]
     unsafe fn level512(lo: __m512, hi: __m512) -> Option<(f32, __m512i, __m512i)> {
-        let zero = _mm512_setzero_ps();
-        // x − x is 0 exactly when x is finite.
-        let finite = _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(_mm512_sub_ps(lo, lo), zero)
-            & _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(_mm512_sub_ps(hi, hi), zero);
-        if finite != 0xFFFF {
+        if finite(lo, hi) != 0xFFFF {
             return None;
         }
         let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
@@ -1115,13 +1111,16 @@ mod x86 {
             return Some((0.0, z, z));
         }
         let id = _mm512_set1_ps(127.0 / amax);
-        let magic = _mm512_set1_ps(12_582_912.0);
-        let (top, bottom) = (_mm512_set1_epi32(127), _mm512_set1_epi32(-127));
-        let q = |v: __m512| {
-            let r = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(v, id), magic), magic);
-            _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(r), top), bottom)
-        };
-        Some((amax / 127.0, q(lo), q(hi)))
+        Some((amax / 127.0, round_ints(lo, id), round_ints(hi, id)))
+    }
+
+    /// The lanes of `lo` and `hi` (one bit each) whose values are finite.
+    #[inline(always)]
+    unsafe fn finite(lo: __m512, hi: __m512) -> u16 {
+        let zero = _mm512_setzero_ps();
+        // x − x is 0 exactly when x is finite.
+        _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(_mm512_sub_ps(lo, lo), zero)
+            & _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(_mm512_sub_ps(hi, hi), zero)
     }
 
     /// `super::quantize_blocks` in AVX-512: the same operations, so the
@@ -1290,10 +1289,16 @@ mod x86 {
         }
     }
 
+    /// Lane `b` of `v` in every lane.
+    #[inline(always)]
+    unsafe fn splat_lane(v: __m512, b: usize) -> __m512 {
+        _mm512_permutexvar_ps(_mm512_set1_epi32(b as i32), v)
+    }
+
     /// Lane `b` of `v`.
     #[inline(always)]
     unsafe fn lane(v: __m512, b: usize) -> f32 {
-        _mm512_cvtss_f32(_mm512_permutexvar_ps(_mm512_set1_epi32(b as i32), v))
+        _mm512_cvtss_f32(splat_lane(v, b))
     }
 
     /// One level's scales of sixteen blocks from their largest magnitudes
@@ -1307,7 +1312,8 @@ mod x86 {
         (_mm512_div_ps(amax, c127), inv)
     }
 
-    /// The i32 steps of `level512` with the inverse scale `id`.
+    /// The integers of `v` at the inverse scale `id`: rounded to nearest
+    /// (ties to even, by the magic constant), clamped to ±127.
     #[inline(always)]
     unsafe fn round_ints(v: __m512, id: __m512) -> __m512i {
         let magic = _mm512_set1_ps(12_582_912.0);
@@ -1347,12 +1353,10 @@ mod x86 {
         );
         let (mut sums, mut maxima) = (Across16::new(), Across16::new());
         let (mut xsum, mut amax) = (zero, zero);
-        let mut finite = 0xFFFFu16;
+        let mut all_finite = 0xFFFFu16;
         for b in 0..16 {
             let (lo, hi) = load(b);
-            // x − x is 0 exactly when x is finite.
-            finite &= _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(_mm512_sub_ps(lo, lo), zero)
-                & _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(_mm512_sub_ps(hi, hi), zero);
+            all_finite &= finite(lo, hi);
             if let Some(v) = sums.push(b, _mm512_add_ps(lo, hi), add) {
                 xsum = v;
             }
@@ -1360,7 +1364,7 @@ mod x86 {
                 amax = v;
             }
         }
-        if finite != 0xFFFF {
+        if all_finite != 0xFFFF {
             return false;
         }
         // Level 1 (and the residuals' maxima for level 2).
@@ -1368,11 +1372,11 @@ mod x86 {
         let (mut ints, mut rest) = (IntSums::new(), Across16::new());
         for b in 0..16 {
             let (lo, hi) = load(b);
-            let id = _mm512_permutexvar_ps(_mm512_set1_epi32(b as i32), id1);
+            let id = splat_lane(id1, b);
             let (ql, qh) = (round_ints(lo, id), round_ints(hi, id));
             ints.take(b, (ql, qh), out.get_mut(b).map(|o| &mut o.q[0]));
             if levels == 2 {
-                let d = _mm512_permutexvar_ps(_mm512_set1_epi32(b as i32), d1);
+                let d = splat_lane(d1, b);
                 let (rl, rh) = (residual(lo, d, ql), residual(hi, d, qh));
                 if let Some(v) = rest.push(b, absmax(rl, rh), max) {
                     amax = v;
@@ -1393,14 +1397,10 @@ mod x86 {
         let mut ints = IntSums::new();
         for b in 0..16 {
             let (lo, hi) = load(b);
-            let at = _mm512_set1_epi32(b as i32);
-            let (id, d) = (
-                _mm512_permutexvar_ps(at, id1),
-                _mm512_permutexvar_ps(at, d1),
-            );
+            let (id, d) = (splat_lane(id1, b), splat_lane(d1, b));
             let (ql, qh) = (round_ints(lo, id), round_ints(hi, id));
             let (rl, rh) = (residual(lo, d, ql), residual(hi, d, qh));
-            let id = _mm512_permutexvar_ps(at, id2);
+            let id = splat_lane(id2, b);
             let (ql, qh) = (round_ints(rl, id), round_ints(rh, id));
             ints.take(b, (ql, qh), out.get_mut(b).map(|o| &mut o.q[1]));
         }
@@ -1443,8 +1443,7 @@ mod x86 {
             (blk.s[0], blk.h[0]) = store(&mut blk.q[0], q1l, q1h);
             if levels == 2 {
                 let d = _mm512_set1_ps(d1);
-                let rl = _mm512_sub_ps(lo, _mm512_mul_ps(d, _mm512_cvtepi32_ps(q1l)));
-                let rh = _mm512_sub_ps(hi, _mm512_mul_ps(d, _mm512_cvtepi32_ps(q1h)));
+                let (rl, rh) = (residual(lo, d, q1l), residual(hi, d, q1h));
                 let (d2, q2l, q2h) = level512(rl, rh).expect("finite residuals of finite values");
                 blk.d[1] = d2;
                 (blk.s[1], blk.h[1]) = store(&mut blk.q[1], q2l, q2h);
