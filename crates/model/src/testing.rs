@@ -782,10 +782,16 @@ pub fn batch_invariance_case(
     let mut rng = Mutator::new(seed);
     let bs = 4usize;
     let decode = 2;
-    // Prompts: random suffixes on prefixes of two random roots.
+    // Prompts: random suffixes on prefixes of two random roots; in half
+    // the cases the second root runs past the first 128-position attention
+    // chunk, so that tokens of one chunk and of two meet in a batch.
     let roots: Vec<Vec<u32>> = (0..2)
-        .map(|_| {
-            let n = 8 + rng.below(40);
+        .map(|r| {
+            let n = if r == 1 && seed % 4 >= 2 {
+                120 + rng.below(40)
+            } else {
+                8 + rng.below(40)
+            };
             (0..n).map(|_| rng.below(vocab as usize) as u32).collect()
         })
         .collect();
@@ -903,8 +909,15 @@ pub fn batch_invariance_case(
             if blocks > 0 {
                 let shared: Vec<u32> = tables[i][..blocks].to_vec();
                 tables[j][..blocks].copy_from_slice(&shared);
-                start[j] = blocks * bs;
-                after[j] = Some((i, blocks * bs));
+                let need = blocks * bs;
+                // Wait for whoever computes those positions: blocks `i`
+                // took from another sequence come from that one.
+                let mut src = i;
+                while let Some((k, _)) = after[src].filter(|_| need <= start[src]) {
+                    src = k;
+                }
+                start[j] = need;
+                after[j] = Some((src, need));
             }
         }
     }

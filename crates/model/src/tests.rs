@@ -733,6 +733,54 @@ fn fast_forward_matches_the_candle_reference() {
     }
 }
 
+/// A prompt of 300 tokens: its first 128 positions see one attention
+/// chunk (their output written by the item itself), the rest two or three
+/// (partial states merged); with a small budget the prompt's attention
+/// also runs in several token groups. The fast forward stays with the
+/// reference across all of it.
+#[test]
+fn fast_forward_matches_the_reference_across_attention_chunks() {
+    use crate::testing::max_diff;
+    let (_d, m) = tiny(TinySpec::default());
+    let n = 300usize;
+    let ids: Vec<u32> = (0..n as u32).map(|i| (i * 13 + 5) % 200).collect();
+    let blocks = n.div_ceil(16) + 2;
+    let layout = crate::testing::ScatteredPrompt::new(n, blocks, 16);
+    let picks: Vec<u32> = (0..n as u32).collect();
+    let batch = layout.batch(&ids, &picks);
+    // An f32 cache holds what each path computed: summation order apart.
+    // In an f16 cache a K or V that differs in its last bit may round to
+    // the neighbouring f16 (2^-11 of it), as a quantized cache's may.
+    for (kind, scale) in [(KvType::F32, 1.0), (KvType::F16, 10.0)] {
+        let cache = m.llama.new_cache(blocks, 16, kind).unwrap();
+        let reference = m
+            .llama
+            .forward_reference(&batch, &cache)
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap();
+        let big = reference.iter().flatten().fold(1f32, |m, v| m.max(v.abs()));
+        for budget in [usize::MAX, 20_000] {
+            m.llama.set_attention_budget(budget);
+            for (acts, rel) in [(Activations::F32, 2e-4), (Activations::Int8x2, 1e-3)] {
+                m.llama.set_activations(acts);
+                let fast = m
+                    .llama
+                    .forward_threads(&batch, &cache, 2)
+                    .unwrap()
+                    .to_vec2::<f32>()
+                    .unwrap();
+                let d = max_diff(&fast, &reference);
+                assert!(
+                    d < scale * rel * big,
+                    "{kind} cache, {acts:?}, budget {budget}: fast and reference logits differ by {d} (of {big})"
+                );
+            }
+        }
+    }
+    m.llama.set_activations(Activations::from_env());
+}
+
 /// Batch, chunk, worker-count and prefix-reuse invariance on the tiny
 /// model (the real model runs the same property in the e2e tests).
 #[test]
