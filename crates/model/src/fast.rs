@@ -3,13 +3,15 @@
 //! their GGML formats by `tessera_kernels::matvec`.
 //!
 //! ```text
-//! per layer (workers meet at 5 barriers):
+//! per layer (workers meet at 5 barriers, 6 when a token's context spans
+//! more than one chunk):
 //!   every worker: h = rmsnorm(x)                      (each its own copy)
 //!   QKV: heads split among workers; epilogue: bias, RoPE, q → buffer,
 //!        k and v → their cache slots                                  | barrier
 //!   attention items (token run × KV head × 128-position chunk) from a
-//!        counter → partial softmax states                              | barrier
-//!   merge states per (token, head) → a                                 | barrier
+//!        counter → partial softmax states, or straight to a for a
+//!        token whose context is one chunk                              | barrier
+//!   merge the other tokens' states per (token, head) → a               | barrier
 //!   O: rows split; x += a·Woᵀ                                          | barrier
 //!   every worker: h = rmsnorm(x)
 //!   gate/up: rows split; m = act(h·Wgᵀ) · (h·Wuᵀ)                       | barrier
@@ -875,6 +877,8 @@ impl Llama {
             grow(h, t * hidden);
             grow(tmp, t * hd.max(FFN_ROWS));
             grow(tmp2, t * FFN_ROWS);
+            // Draws this worker has seen from `next_item` in earlier groups.
+            let mut drawn = 0;
             // x += y·Wᵀ (linear `which` of the layer, this worker's rows of
             // it) for the inputs `y` (f32, and quantized when packed); with
             // a post-norm, y·Wᵀ goes to `ob` first, and after a barrier
@@ -992,10 +996,7 @@ impl Llama {
                 team.barrier();
                 for (g0, g1, plan) in &plans[lc.wset][..ngroups] {
                     let (g0, g1) = (*g0, *g1);
-                    if team.id() == 0 {
-                        next_item.store(0, Ordering::Relaxed);
-                    }
-                    team.barrier();
+                    let chunks = |i: usize| sh.chunks(batch.positions[g0 + i] as usize).1;
                     let input = AttnInput {
                         shape: sh,
                         q: unsafe { &q.all()[g0 * nh * hd..g1 * nh * hd] },
@@ -1006,26 +1007,46 @@ impl Llama {
                         k: unsafe { rows_of(ck) },
                         v: unsafe { rows_of(cv) },
                     };
+                    // Items from the counter, which never goes back: every
+                    // worker takes items until one draw past the plan, so
+                    // each group moves it on by `items + workers`.
                     loop {
-                        let i = next_item.fetch_add(1, Ordering::Relaxed);
+                        let i = next_item.fetch_add(1, Ordering::Relaxed) - drawn;
                         let Some(&item) = plan.items.get(i) else {
                             break;
                         };
                         attend_item(isa.0, &input, item, attn, &mut |tok, idx, r| {
-                            let at = (plan.base[tok] + idx) * rec;
-                            unsafe { states.part(at, at + rec).copy_from_slice(r) };
+                            if chunks(tok) > 1 {
+                                let at = (plan.base[tok] + idx) * rec;
+                                unsafe { states.part(at, at + rec).copy_from_slice(r) };
+                                return;
+                            }
+                            // A token's only state is its output (the
+                            // merge of one state, computed here).
+                            let at = ((g0 + tok) * nh + idx) * hd;
+                            let out = unsafe { a.part(at, at + hd) };
+                            merge(r, 1, rec, hd, out);
+                            if rotated {
+                                hadamard64(out);
+                            }
                         });
                     }
+                    drawn += plan.items.len() + team.threads();
                     team.barrier();
+                    if (0..g1 - g0).all(|i| chunks(i) == 1) {
+                        continue;
+                    }
                     let (p0, p1) = team.share((g1 - g0) * nh);
                     for p in p0..p1 {
                         let (i, head) = (p / nh, p % nh);
-                        let (_, chunks) = sh.chunks(batch.positions[g0 + i] as usize);
+                        if chunks(i) == 1 {
+                            continue;
+                        }
                         let st = unsafe { states.all() };
                         let first = (plan.base[i] + head) * rec;
                         let at = (g0 * nh + p) * hd;
                         let out = unsafe { a.part(at, at + hd) };
-                        merge(&st[first..], chunks, nh * rec, hd, out);
+                        merge(&st[first..], chunks(i), nh * rec, hd, out);
                         if rotated {
                             hadamard64(out);
                         }
