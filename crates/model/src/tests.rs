@@ -714,22 +714,7 @@ fn fast_forward_matches_the_candle_reference() {
                 "{name}: q8_0 and f16 caches differ by {d} (of {big})"
             );
         }
-        for (acts, rel) in [(Activations::F32, f32_rel), (Activations::Int8x2, int8_rel)] {
-            let tol = rel * big;
-            m.llama.set_activations(acts);
-            let fast = m
-                .llama
-                .forward_threads(&batch, &cache, 2)
-                .unwrap()
-                .to_vec2::<f32>()
-                .unwrap();
-            let d = max_diff(&fast, &reference);
-            assert!(
-                d < tol,
-                "{name} {acts:?}: fast and reference logits differ by {d} (of {big})"
-            );
-        }
-        m.llama.set_activations(Activations::from_env());
+        fast_near_reference(m, &batch, &cache, &reference, (f32_rel, int8_rel), &name);
     }
 }
 
@@ -740,7 +725,6 @@ fn fast_forward_matches_the_candle_reference() {
 /// reference across all of it.
 #[test]
 fn fast_forward_matches_the_reference_across_attention_chunks() {
-    use crate::testing::max_diff;
     let (_d, m) = tiny(TinySpec::default());
     let n = 300usize;
     let ids: Vec<u32> = (0..n as u32).map(|i| (i * 13 + 5) % 200).collect();
@@ -759,24 +743,46 @@ fn fast_forward_matches_the_reference_across_attention_chunks() {
             .unwrap()
             .to_vec2::<f32>()
             .unwrap();
-        let big = reference.iter().flatten().fold(1f32, |m, v| m.max(v.abs()));
         for budget in [usize::MAX, 20_000] {
             m.llama.set_attention_budget(budget);
-            for (acts, rel) in [(Activations::F32, 2e-4), (Activations::Int8x2, 1e-3)] {
-                m.llama.set_activations(acts);
-                let fast = m
-                    .llama
-                    .forward_threads(&batch, &cache, 2)
-                    .unwrap()
-                    .to_vec2::<f32>()
-                    .unwrap();
-                let d = max_diff(&fast, &reference);
-                assert!(
-                    d < scale * rel * big,
-                    "{kind} cache, {acts:?}, budget {budget}: fast and reference logits differ by {d} (of {big})"
-                );
-            }
+            let name = format!("{kind} cache, budget {budget}");
+            fast_near_reference(
+                &m,
+                &batch,
+                &cache,
+                &reference,
+                (2e-4 * scale, 1e-3 * scale),
+                &name,
+            );
         }
+    }
+}
+
+/// The fast forward (two workers) with f32 activations and with two int8
+/// levels, each within its tolerance of `reference` (relative to the
+/// largest logit); the model's activations mode restored after.
+fn fast_near_reference(
+    m: &Model,
+    batch: &crate::Batch,
+    cache: &[crate::LayerKv],
+    reference: &[Vec<f32>],
+    (f32_rel, int8_rel): (f32, f32),
+    name: &str,
+) {
+    let big = reference.iter().flatten().fold(1f32, |m, v| m.max(v.abs()));
+    for (acts, rel) in [(Activations::F32, f32_rel), (Activations::Int8x2, int8_rel)] {
+        m.llama.set_activations(acts);
+        let fast = m
+            .llama
+            .forward_threads(batch, cache, 2)
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap();
+        let d = crate::testing::max_diff(&fast, reference);
+        assert!(
+            d < rel * big,
+            "{name} {acts:?}: fast and reference logits differ by {d} (of {big})"
+        );
     }
     m.llama.set_activations(Activations::from_env());
 }
