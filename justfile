@@ -57,7 +57,7 @@ test-cuda:
 test-metal:
     python3 scripts/check_gpu.py test-metal
 
-# Criterion benches of the KV bookkeeping, the attention kernel and the quantized linear layers (beside the read roofline); writes the README table.
+# Criterion benches of the KV bookkeeping, the attention kernel and the quantized linear layers (beside the read and FMA rooflines); writes the README table.
 bench:
     cargo bench --bench kv
     python3 scripts/criterion_table.py --readme

@@ -5,7 +5,8 @@
 //! full pool of 65,536 blocks; and the paged-attention kernel on
 //! SmolLM2-135M's geometry (one layer), for a prefill chunk and a decode
 //! step over a 2,048-token context; the quantized linear layers (GB/s of
-//! weights) beside the machine's read roofline.
+//! weights) beside the machine's rooflines (reads on one and on two
+//! threads, f32 fused multiply-adds on one).
 
 use std::hint::black_box;
 
@@ -265,7 +266,12 @@ fn bench_attention(c: &mut Criterion) {
         let mut out = vec![0f32; new * nh * hd];
         let mut sc = AttnScratch::default();
         if new == 1 {
-            g.throughput(Throughput::Bytes((ctx * kvh * hd * 2 * 2) as u64));
+            // Its multiply-adds (q·k and p·v for every query head and
+            // key) and the f16 K and V bytes it reads.
+            g.throughput(Throughput::ElementsAndBytes {
+                elements: (ctx * nh * hd * 2) as u64,
+                bytes: (ctx * kvh * hd * 2 * 2) as u64,
+            });
         } else {
             g.throughput(Throughput::Elements(new as u64));
         }
@@ -327,7 +333,10 @@ fn bench_attention(c: &mut Criterion) {
     let rec = shape.record();
     let mut states = vec![0f32; plan.states * rec];
     let mut sc = AttnScratch::default();
-    g.throughput(Throughput::Bytes((layers * ctx * kvh * hd * 2 * 2) as u64));
+    g.throughput(Throughput::ElementsAndBytes {
+        elements: (layers * ctx * nh * hd * 2) as u64,
+        bytes: (layers * ctx * kvh * hd * 2 * 2) as u64,
+    });
     g.bench_function("decode_1_at_2048_30_layers", |b| {
         b.iter(|| {
             for (kb, vb) in kl.iter().zip(&vl) {
@@ -349,26 +358,96 @@ fn bench_attention(c: &mut Criterion) {
     g.finish();
 }
 
-/// The roofline the kernels stream against: reading 96 MiB (about
+/// The rooflines the kernels run against: reading 96 MiB (about
 /// SmolLM2-135M's weights, far past the last-level cache) with 16-lane
-/// loads, on one thread.
+/// loads, on one thread and on two (each half); and f32 fused
+/// multiply-adds on one thread, independent chains in registers, with the
+/// widest vectors the CPU has (x86-64).
 fn bench_roofline(c: &mut Criterion) {
     let bytes = 96usize << 20;
     let data: Vec<f32> = (0..bytes / 4).map(|i| i as f32).collect();
+    let sum = |d: &[f32]| {
+        let mut acc = [0f32; 16];
+        for ch in d.chunks_exact(16) {
+            for j in 0..16 {
+                acc[j] += ch[j];
+            }
+        }
+        acc
+    };
     let mut g = c.benchmark_group("roofline");
     g.throughput(Throughput::Bytes(bytes as u64));
-    g.bench_function("read_96MiB_one_thread", |b| {
+    g.bench_function("read_96MiB_one_thread", |b| b.iter(|| black_box(sum(&data))));
+    g.bench_function("read_96MiB_two_threads", |b| {
         b.iter(|| {
-            let mut acc = [0f32; 16];
-            for ch in data.chunks_exact(16) {
-                for j in 0..16 {
-                    acc[j] += ch[j];
-                }
-            }
-            black_box(acc)
+            let (lo, hi) = data.split_at(data.len() / 2);
+            std::thread::scope(|s| {
+                let other = s.spawn(|| black_box(sum(hi)));
+                black_box(sum(lo));
+                other.join().unwrap()
+            })
         })
     });
+    #[cfg(target_arch = "x86_64")]
+    {
+        const ROUNDS: usize = 1 << 20;
+        let (run, lanes): (fn(usize) -> f32, usize) = if is_x86_feature_detected!("avx512f") {
+            (|n| unsafe { fma::avx512(n) }, 16)
+        } else if is_x86_feature_detected!("fma") {
+            (|n| unsafe { fma::avx2(n) }, 8)
+        } else {
+            (fma::scalar, 1)
+        };
+        g.throughput(Throughput::Elements((ROUNDS * fma::CHAINS * lanes) as u64));
+        g.bench_function("fma_one_thread", |b| b.iter(|| black_box(run(black_box(ROUNDS)))));
+    }
     g.finish();
+}
+
+/// The FMA roofline's loops: `CHAINS` accumulators, each `x = x·a + b`
+/// per round, so that the adds' latency never waits.
+#[cfg(target_arch = "x86_64")]
+mod fma {
+    use std::arch::x86_64::*;
+    use std::hint::black_box;
+    pub const CHAINS: usize = 12;
+
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn avx512(rounds: usize) -> f32 {
+        let (a, b) = (_mm512_set1_ps(black_box(0.999)), _mm512_set1_ps(1e-3));
+        let mut x = [_mm512_set1_ps(1.0); CHAINS];
+        for _ in 0..rounds {
+            for v in &mut x {
+                *v = _mm512_fmadd_ps(*v, a, b);
+            }
+        }
+        x.iter().map(|&v| _mm512_reduce_add_ps(v)).sum()
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn avx2(rounds: usize) -> f32 {
+        let (a, b) = (_mm256_set1_ps(black_box(0.999)), _mm256_set1_ps(1e-3));
+        let mut x = [_mm256_set1_ps(1.0); CHAINS];
+        for _ in 0..rounds {
+            for v in &mut x {
+                *v = _mm256_fmadd_ps(*v, a, b);
+            }
+        }
+        let mut out = [0f32; 8];
+        let s = x.iter().fold(_mm256_setzero_ps(), |s, &v| _mm256_add_ps(s, v));
+        _mm256_storeu_ps(out.as_mut_ptr(), s);
+        out.iter().sum()
+    }
+
+    pub fn scalar(rounds: usize) -> f32 {
+        let mut x = [1f32; CHAINS];
+        for _ in 0..rounds {
+            for v in &mut x {
+                *v = v.mul_add(black_box(0.999), 1e-3);
+            }
+        }
+        x.iter().sum()
+    }
 }
 
 /// The decode-time linear layers on SmolLM2-135M's shapes, one thread,

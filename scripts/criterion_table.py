@@ -26,8 +26,14 @@ def table():
         median = est["median"]["point_estimate"]
         per = ""
         thr = meta.get("throughput") or {}
+        both = thr.get("ElementsAndBytes")
         elements = thr.get("Elements")
-        if elements and meta["full_id"].startswith("matvec"):
+        name = meta["full_id"]
+        if both:
+            # Multiply-adds and bytes (the attention's decode benches).
+            per = (f"{both['bytes'] / median:.1f} GB/s, "
+                   f"{both['elements'] / median:.1f} GMAC/s")
+        elif elements and name.startswith(("matvec", "roofline")):
             per = f"{elements / median:.1f} GMAC/s"
         elif elements:
             per = f"{fmt(median / elements)} per element"
