@@ -377,7 +377,9 @@ fn bench_roofline(c: &mut Criterion) {
     };
     let mut g = c.benchmark_group("roofline");
     g.throughput(Throughput::Bytes(bytes as u64));
-    g.bench_function("read_96MiB_one_thread", |b| b.iter(|| black_box(sum(&data))));
+    g.bench_function("read_96MiB_one_thread", |b| {
+        b.iter(|| black_box(sum(&data)))
+    });
     g.bench_function("read_96MiB_two_threads", |b| {
         b.iter(|| {
             let (lo, hi) = data.split_at(data.len() / 2);
@@ -399,7 +401,9 @@ fn bench_roofline(c: &mut Criterion) {
             (fma::scalar, 1)
         };
         g.throughput(Throughput::Elements((ROUNDS * fma::CHAINS * lanes) as u64));
-        g.bench_function("fma_one_thread", |b| b.iter(|| black_box(run(black_box(ROUNDS)))));
+        g.bench_function("fma_one_thread", |b| {
+            b.iter(|| black_box(run(black_box(ROUNDS))))
+        });
     }
     g.finish();
 }
@@ -434,7 +438,9 @@ mod fma {
             }
         }
         let mut out = [0f32; 8];
-        let s = x.iter().fold(_mm256_setzero_ps(), |s, &v| _mm256_add_ps(s, v));
+        let s = x
+            .iter()
+            .fold(_mm256_setzero_ps(), |s, &v| _mm256_add_ps(s, v));
         _mm256_storeu_ps(out.as_mut_ptr(), s);
         out.iter().sum()
     }
