@@ -70,8 +70,8 @@ bench-model: model
     mkdir -p target/bench
     ./target/release/tessera bench --model models/SmolLM2-135M-Instruct.Q4_1.gguf --scenario prefill --runs 5 --json | tee target/bench/model.jsonl
     ./target/release/tessera bench --model models/SmolLM2-135M-Instruct.Q4_1.gguf --scenario decode --runs 3 --json | tee -a target/bench/model.jsonl
-    ./target/release/tessera bench --model models/SmolLM2-135M-Instruct.Q4_1.gguf --scenario decode-long --runs 3 --json | tee -a target/bench/model.jsonl
-    ./target/release/tessera bench --model models/SmolLM2-135M-Instruct.Q4_1.gguf --scenario decode-batch --runs 3 --json | tee -a target/bench/model.jsonl
+    ./target/release/tessera bench --model models/SmolLM2-135M-Instruct.Q4_1.gguf --scenario decode-long --runs 9 --json | tee -a target/bench/model.jsonl
+    ./target/release/tessera bench --model models/SmolLM2-135M-Instruct.Q4_1.gguf --scenario decode-batch --runs 9 --json | tee -a target/bench/model.jsonl
     ./target/release/tessera bench --model models/SmolLM2-135M-Instruct.Q4_1.gguf --scenario fidelity --json | tee -a target/bench/model.jsonl
     python3 scripts/readme_tables.py model
 
