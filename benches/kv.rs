@@ -239,6 +239,12 @@ fn bench_attention(c: &mut Criterion) {
         v.iter().map(|h| h.to_bits()).collect()
     };
     let (kb, vb) = (bits(&k), bits(&v));
+    // One decoding query over `layers` layers: its multiply-adds (q·k and
+    // p·v for every query head and key) and the f16 K and V bytes it reads.
+    let decode_work = |layers: usize| Throughput::ElementsAndBytes {
+        elements: (layers * ctx * nh * hd * 2) as u64,
+        bytes: (layers * ctx * kvh * hd * 2 * 2) as u64,
+    };
     let mut g = c.benchmark_group("attend_smollm2_layer");
     for (name, new) in [("decode_1_at_2048", 1usize), ("prefill_128_at_2048", 128)] {
         let q = seeded(&[new, nh, hd], 3, DType::F32)
@@ -266,12 +272,7 @@ fn bench_attention(c: &mut Criterion) {
         let mut out = vec![0f32; new * nh * hd];
         let mut sc = AttnScratch::default();
         if new == 1 {
-            // Its multiply-adds (q·k and p·v for every query head and
-            // key) and the f16 K and V bytes it reads.
-            g.throughput(Throughput::ElementsAndBytes {
-                elements: (ctx * nh * hd * 2) as u64,
-                bytes: (ctx * kvh * hd * 2 * 2) as u64,
-            });
+            g.throughput(decode_work(1));
         } else {
             g.throughput(Throughput::Elements(new as u64));
         }
@@ -333,10 +334,7 @@ fn bench_attention(c: &mut Criterion) {
     let rec = shape.record();
     let mut states = vec![0f32; plan.states * rec];
     let mut sc = AttnScratch::default();
-    g.throughput(Throughput::ElementsAndBytes {
-        elements: (layers * ctx * nh * hd * 2) as u64,
-        bytes: (layers * ctx * kvh * hd * 2 * 2) as u64,
-    });
+    g.throughput(decode_work(layers));
     g.bench_function("decode_1_at_2048_30_layers", |b| {
         b.iter(|| {
             for (kb, vb) in kl.iter().zip(&vl) {
@@ -408,8 +406,9 @@ fn bench_roofline(c: &mut Criterion) {
     g.finish();
 }
 
-/// The FMA roofline's loops: `CHAINS` accumulators, each `x = x·a + b`
-/// per round, so that the adds' latency never waits.
+/// The FMA roofline's loops: `CHAINS` independent accumulators, each
+/// `x = x·a + b` per round, enough that no multiply-add waits for the
+/// result of the one before it.
 #[cfg(target_arch = "x86_64")]
 mod fma {
     use std::arch::x86_64::*;
