@@ -336,46 +336,101 @@ pub(crate) mod x86 {
             );
             reduce8(v8)
         }
-        /// The tree's three levels on sixteen rows at once, rows moved
-        /// between lanes by shuffles (which do not round): the same
-        /// additions of the same values as [`Lanes::reduce`].
+        /// The tree's three levels on sixteen rows at once ([`Across16`]):
+        /// the same additions of the same values as [`Lanes::reduce`].
         #[inline(always)]
         unsafe fn reduce_rows(rows: &[Self; 16], out: &mut [f32; 16]) {
-            // v8 of rows 2p and 2p + 1: lanes 0..8 and 8..16.
-            let mut v8 = [_mm512_setzero_ps(); 8];
-            for p in 0..8 {
-                let (a, b) = (rows[2 * p].0, rows[2 * p + 1].0);
-                v8[p] = _mm512_add_ps(
-                    _mm512_shuffle_f32x4::<0b01_00_01_00>(a, b),
-                    _mm512_shuffle_f32x4::<0b11_10_11_10>(a, b),
-                );
+            let mut tree = Across16::new();
+            // Written out row by row: each push's branches fold away.
+            macro_rules! push {
+                ($($r:literal)*) => {$(
+                    if let Some(sums) = tree.push($r, rows[$r].0, |a, b| _mm512_add_ps(a, b)) {
+                        _mm512_storeu_ps(out.as_mut_ptr(), sums);
+                    }
+                )*};
             }
-            // v4 of rows 4q + k in 128-bit block k.
-            let mut v4 = [_mm512_setzero_ps(); 4];
-            for q in 0..4 {
-                let (s, t) = (v8[2 * q], v8[2 * q + 1]);
-                v4[q] = _mm512_add_ps(
-                    _mm512_shuffle_f32x4::<0b10_00_10_00>(s, t),
-                    _mm512_shuffle_f32x4::<0b11_01_11_01>(s, t),
-                );
+            push!(0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15);
+        }
+    }
+
+    /// `op` over the sixteen lanes of each of sixteen registers pushed in
+    /// turn, into lane `b` for the `b`-th, by the tree of
+    /// [`super::reduce16`] (lanes `j` and `j + 8`, then `j` and `j + 4`,
+    /// then `(0 + 2) + (1 + 3)`), rows moved between lanes by shuffles,
+    /// folded as the registers come: [`Avx512::reduce_rows`] with `+`,
+    /// and the activations' quantization with `+` and `max`, whose
+    /// sixteen registers never sit in memory (it runs between tiles that
+    /// have pushed its stack lines out of every cache).
+    #[derive(Clone, Copy)]
+    pub(crate) struct Across16 {
+        /// The even register of the pair being pushed.
+        pair: __m512,
+        /// The first of two pairs, reduced to eight lanes each.
+        v8: __m512,
+        /// The first of two quads, reduced to four lanes each.
+        v4: __m512,
+        /// The first eight registers, reduced to two lanes each.
+        r01: __m512,
+    }
+
+    impl Across16 {
+        #[inline(always)]
+        pub(crate) unsafe fn new() -> Self {
+            let z = _mm512_setzero_ps();
+            Across16 {
+                pair: z,
+                v8: z,
+                v4: z,
+                r01: z,
             }
-            // v4[0] + v4[2] and v4[1] + v4[3]: block k holds those of rows
-            // k, 4 + k (from v4[0], v4[1]) or 8 + k, 12 + k.
-            let half = |x: __m512, y: __m512| {
-                let (x, y) = (_mm512_castps_pd(x), _mm512_castps_pd(y));
-                _mm512_add_ps(
-                    _mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
-                    _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)),
-                )
-            };
-            let (r01, r23) = (half(v4[0], v4[1]), half(v4[2], v4[3]));
-            // Their sum: block k, lane m holds row 4m + k.
-            let sum = _mm512_add_ps(
-                _mm512_shuffle_ps::<0b10_00_10_00>(r01, r23),
-                _mm512_shuffle_ps::<0b11_01_11_01>(r01, r23),
+        }
+
+        /// Takes the `b`-th register (`b` = 0, 1, … in turn); after the
+        /// sixteenth, returns the result.
+        #[inline(always)]
+        pub(crate) unsafe fn push(
+            &mut self,
+            b: usize,
+            v: __m512,
+            op: impl Fn(__m512, __m512) -> __m512,
+        ) -> Option<__m512> {
+            if b.is_multiple_of(2) {
+                self.pair = v;
+                return None;
+            }
+            let a = self.pair;
+            let v8 = op(
+                _mm512_shuffle_f32x4::<0b01_00_01_00>(a, v),
+                _mm512_shuffle_f32x4::<0b11_10_11_10>(a, v),
+            );
+            if (b / 2).is_multiple_of(2) {
+                self.v8 = v8;
+                return None;
+            }
+            let s = self.v8;
+            let v4 = op(
+                _mm512_shuffle_f32x4::<0b10_00_10_00>(s, v8),
+                _mm512_shuffle_f32x4::<0b11_01_11_01>(s, v8),
+            );
+            if (b / 4).is_multiple_of(2) {
+                self.v4 = v4;
+                return None;
+            }
+            let (x, y) = (_mm512_castps_pd(self.v4), _mm512_castps_pd(v4));
+            let r = op(
+                _mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)),
+            );
+            if b < 8 {
+                self.r01 = r;
+                return None;
+            }
+            let sum = op(
+                _mm512_shuffle_ps::<0b10_00_10_00>(self.r01, r),
+                _mm512_shuffle_ps::<0b11_01_11_01>(self.r01, r),
             );
             let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-            _mm512_storeu_ps(out.as_mut_ptr(), _mm512_permutexvar_ps(order, sum));
+            Some(_mm512_permutexvar_ps(order, sum))
         }
     }
 

@@ -1096,6 +1096,7 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::{kind_of, ActBlock, Kind, Packed, GROUP, MAX_NI};
+    use crate::lanes::x86::Across16;
 
     /// One level of 32 values in two registers (the steps of
     /// `super::level`, vectorized): the scale and the i32 values, or
@@ -1143,86 +1144,6 @@ mod x86 {
 
     /// Blocks from which [`quantize16`] takes a group.
     const FEW: usize = 4;
-
-    /// `op` over the sixteen lanes of each of sixteen registers pushed in
-    /// turn, into lane `b` for the `b`-th, by the tree of
-    /// `crate::lanes::reduce16` (lanes `j` and `j + 8`, then `j` and
-    /// `j + 4`, then `(0 + 2) + (1 + 3)`): the shuffles of
-    /// `Avx512::reduce_rows`, folded as the registers come, so that the
-    /// sixteen never sit in memory (a quantization runs between tiles that
-    /// have pushed its stack lines out of every cache).
-    #[derive(Clone, Copy)]
-    struct Across16 {
-        /// The even register of the pair being pushed.
-        pair: __m512,
-        /// The first of two pairs, reduced to eight lanes each.
-        v8: __m512,
-        /// The first of two quads, reduced to four lanes each.
-        v4: __m512,
-        /// The first eight registers, reduced to two lanes each.
-        r01: __m512,
-    }
-
-    impl Across16 {
-        #[inline(always)]
-        unsafe fn new() -> Self {
-            let z = _mm512_setzero_ps();
-            Across16 {
-                pair: z,
-                v8: z,
-                v4: z,
-                r01: z,
-            }
-        }
-
-        /// Takes the `b`-th register (`b` = 0, 1, … in turn); after the
-        /// sixteenth, returns the result.
-        #[inline(always)]
-        unsafe fn push(
-            &mut self,
-            b: usize,
-            v: __m512,
-            op: impl Fn(__m512, __m512) -> __m512,
-        ) -> Option<__m512> {
-            if b.is_multiple_of(2) {
-                self.pair = v;
-                return None;
-            }
-            let a = self.pair;
-            let v8 = op(
-                _mm512_shuffle_f32x4::<0b01_00_01_00>(a, v),
-                _mm512_shuffle_f32x4::<0b11_10_11_10>(a, v),
-            );
-            if (b / 2).is_multiple_of(2) {
-                self.v8 = v8;
-                return None;
-            }
-            let s = self.v8;
-            let v4 = op(
-                _mm512_shuffle_f32x4::<0b10_00_10_00>(s, v8),
-                _mm512_shuffle_f32x4::<0b11_01_11_01>(s, v8),
-            );
-            if (b / 4).is_multiple_of(2) {
-                self.v4 = v4;
-                return None;
-            }
-            let (x, y) = (_mm512_castps_pd(self.v4), _mm512_castps_pd(v4));
-            let r = op(
-                _mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
-                _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)),
-            );
-            if b < 8 {
-                self.r01 = r;
-                return None;
-            }
-            let sum = op(
-                _mm512_shuffle_ps::<0b10_00_10_00>(self.r01, r),
-                _mm512_shuffle_ps::<0b11_01_11_01>(self.r01, r),
-            );
-            let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-            Some(_mm512_permutexvar_ps(order, sum))
-        }
-    }
 
     /// Lane-wise i32 sum of two registers holding i32 lanes.
     #[inline(always)]
