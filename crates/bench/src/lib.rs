@@ -202,13 +202,20 @@ pub fn median(mut xs: Vec<f64>) -> f64 {
 
 /// candle's own model of the file's architecture (`quantized_llama`, or
 /// `quantized_gemma3` for Gemma 3), timed the same way.
-pub enum Candle {
+pub enum Weights {
     Llama(quantized_llama::ModelWeights),
     Gemma3(quantized_gemma3::ModelWeights),
 }
 
+/// candle's own quantized model on `device` (the device Tessera runs on,
+/// so a GPU run compares GPU with GPU).
+pub struct Candle {
+    weights: Weights,
+    device: Device,
+}
+
 impl Candle {
-    pub fn load(path: &std::path::Path) -> Result<Candle> {
+    pub fn load(path: &std::path::Path, device: &Device) -> Result<Candle> {
         let mut f = std::fs::File::open(path)?;
         let ct = gguf_file::Content::read(&mut f)?;
         let arch = ct
@@ -217,32 +224,32 @@ impl Candle {
             .and_then(|v| v.to_string().ok())
             .cloned()
             .unwrap_or_default();
-        Ok(if arch == "gemma3" {
-            Candle::Gemma3(quantized_gemma3::ModelWeights::from_gguf(
-                ct,
-                &mut f,
-                &Device::Cpu,
+        let weights = if arch == "gemma3" {
+            Weights::Gemma3(quantized_gemma3::ModelWeights::from_gguf(
+                ct, &mut f, device,
             )?)
         } else {
-            Candle::Llama(quantized_llama::ModelWeights::from_gguf(
-                ct,
-                &mut f,
-                &Device::Cpu,
+            Weights::Llama(quantized_llama::ModelWeights::from_gguf(
+                ct, &mut f, device,
             )?)
+        };
+        Ok(Candle {
+            weights,
+            device: device.clone(),
         })
     }
 
     fn forward(&mut self, x: &Tensor, pos: usize) -> Result<Tensor> {
-        Ok(match self {
-            Candle::Llama(m) => m.forward(x, pos)?,
-            Candle::Gemma3(m) => m.forward(x, pos)?,
+        Ok(match &mut self.weights {
+            Weights::Llama(m) => m.forward(x, pos)?,
+            Weights::Gemma3(m) => m.forward(x, pos)?,
         })
     }
 
     /// Seconds to run `ids` as one prompt from position 0.
     pub fn prefill(&mut self, ids: &[u32]) -> Result<f64> {
         let t = Instant::now();
-        let x = Tensor::new(ids, &Device::Cpu)?.unsqueeze(0)?;
+        let x = Tensor::new(ids, &self.device)?.unsqueeze(0)?;
         self.forward(&x, 0)?.to_vec2::<f32>()?;
         Ok(t.elapsed().as_secs_f64())
     }
@@ -250,14 +257,14 @@ impl Candle {
     /// Seconds for `n` greedy decode steps after the prompt `ids`, and the
     /// `n + 1` greedy tokens.
     pub fn decode(&mut self, ids: &[u32], n: usize) -> Result<(f64, Vec<u32>)> {
-        let x = Tensor::new(ids, &Device::Cpu)?.unsqueeze(0)?;
+        let x = Tensor::new(ids, &self.device)?.unsqueeze(0)?;
         let mut logits = self.forward(&x, 0)?;
         let mut tokens = Vec::with_capacity(n + 1);
         let t = Instant::now();
         for i in 0..n {
             let next = logits.squeeze(0)?.argmax(0)?.to_scalar::<u32>()?;
             tokens.push(next);
-            let x = Tensor::new(&[next], &Device::Cpu)?.unsqueeze(0)?;
+            let x = Tensor::new(&[next], &self.device)?.unsqueeze(0)?;
             logits = self.forward(&x, ids.len() + i)?;
         }
         let elapsed = t.elapsed().as_secs_f64();

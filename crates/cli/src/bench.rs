@@ -120,7 +120,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
     }
     let engine = Engine::from_model(model, args.kv.config(false))?;
     let mut candle = if is_gguf && !args.no_baseline {
-        Some(Candle::load(&path)?)
+        Some(Candle::load(&path, &crate::device()?)?)
     } else {
         None
     };
