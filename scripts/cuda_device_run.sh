@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# Runs a bundle made by `scripts/cuda_bundle.sh` on a machine with an NVIDIA
+# GPU and no Rust toolchain: the CUDA kernel tests and the real-model GPU test
+# with TESSERA_REQUIRE_GPU=1 (so nothing passes by skipping), the kernel
+# tests again under compute-sanitizer (memcheck) where it exists, a chat on
+# the GPU that saves and reloads its session and its prefix cache on disk,
+# and `tessera bench --device cuda` (each scenario beside its baseline in the
+# same run). Everything it prints and measures goes to $OUT (default
+# target/gpu-run): tests.log, gpu.jsonl (one bench object a line) and
+# meta.json (GPU, driver, date), which `scripts/readme_tables.py gpu` turns
+# into the README's GPU table.
+#
+# Usage: cuda_device_run.sh BUNDLE_DIR MODEL_GGUF
+set -uo pipefail
+B=$(cd "$1" && pwd)
+MODEL=$(realpath "$2")
+OUT=${OUT:-target/gpu-run}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+LOG=$OUT/tests.log
+: >"$LOG"
+fail=0
+
+# The CUDA libraries the binaries link against (libcublas.so.13 and the rest),
+# from wherever this machine has them (a CUDA install or pip's wheels).
+for lib in libcudart.so.13 libcublas.so.13 libcurand.so.10 libnvrtc.so.13; do
+    dir=$(ldconfig -p | awk -v l="$lib" '$1 == l {print $NF; exit}' | xargs -r dirname)
+    [ -n "$dir" ] || dir=$(find / -xdev -name "$lib" -not -path '/proc/*' 2>/dev/null | head -1 | xargs -r dirname)
+    [ -n "$dir" ] && export LD_LIBRARY_PATH="$dir:${LD_LIBRARY_PATH:-}"
+done
+export TESSERA_REQUIRE_GPU=1
+
+step() {
+    echo "=== $*" | tee -a "$LOG"
+    timeout 300 "$@" 2>&1 | tee -a "$LOG"
+    local rc=${PIPESTATUS[0]}
+    echo "=== rc $rc" | tee -a "$LOG"
+    [ "$rc" = 0 ] || fail=1
+}
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$LOG"
+python3 - "$OUT/meta.json" "$(cat "$B/commit.txt")" <<'EOF'
+import datetime, json, subprocess, sys
+q = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                    "--format=csv,noheader"], capture_output=True, text=True).stdout
+name, driver, mem = [s.strip() for s in q.splitlines()[0].split(",")]
+json.dump({"gpu": name, "driver": driver, "memory": mem, "date": str(datetime.date.today()),
+           "commit": sys.argv[2]},
+          open(sys.argv[1], "w"))
+EOF
+
+# The model test finds the model where it was compiled to look: the
+# repository's models/ at the path the bundle was built in.
+want=$(cat "$B/root.txt")/models
+mkdir -p "$want"
+[ -e "$want/SmolLM2-135M-Instruct.Q4_1.gguf" ] || ln -sf "$MODEL" "$want/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+step "$B/kernel-tests" gpu:: --test-threads 1
+step "$B/model-tests" gpu_forward --nocapture
+if command -v compute-sanitizer >/dev/null; then
+    step compute-sanitizer --tool memcheck --error-exitcode 1 "$B/kernel-tests" gpu:: --test-threads 1
+fi
+
+T=$B/tessera
+work=$(mktemp -d)
+cat >"$work/chat.jsonl" <<'EOF'
+{"user": "Name three rivers in Europe."}
+{"cmd": "/save SESSION"}
+{"user": "Which of them is the longest?"}
+{"cmd": "/load SESSION"}
+{"user": "Which of them is the longest?"}
+{"cmd": "/stats"}
+EOF
+sed -i "s#SESSION#$work/session.bin#" "$work/chat.jsonl"
+# Twice over one --cache-dir: the second process starts from the prefixes
+# the first left on disk.
+for i in 1 2; do
+    step "$T" --device cuda chat --model "$MODEL" --temperature 0 --max-tokens 24 \
+        --cache-dir "$work/cache" --script "$work/chat.jsonl" --json
+done
+
+J=$OUT/gpu.jsonl
+: >"$J"
+bench() {
+    echo "=== bench $*" | tee -a "$LOG"
+    timeout 150 "$T" --device cuda bench --model "$MODEL" --json "$@" 2>>"$LOG" | tee -a "$J"
+    [ "${PIPESTATUS[0]}" = 0 ] || { echo "=== bench failed" | tee -a "$LOG"; fail=1; }
+}
+bench --scenario prefill --runs 5
+bench --scenario decode --runs 5
+bench --scenario chat
+bench --scenario shared-prefix
+bench --scenario decode-long --runs 3
+bench --scenario decode-batch --runs 3
+bench --scenario shift
+echo "=== done, fail=$fail" | tee -a "$LOG"
+exit $fail
