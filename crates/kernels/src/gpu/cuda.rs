@@ -7,10 +7,14 @@
 //! [`super`], which the `kernel-emu` tests run on the CPU.
 
 use candle_core::backend::BackendStorage;
+use std::cell::RefCell;
+use std::collections::VecDeque;
+use std::rc::Rc;
+
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
 };
-use candle_core::cuda_backend::{CudaStorageSlice as S, WrapErr};
+use candle_core::cuda_backend::{CudaStorageSlice as S, DeviceId, WrapErr};
 use candle_core::{bail, CudaDevice, CudaStorage, Layout, Result, Shape};
 
 use super::{Launch, RopeTables};
@@ -32,6 +36,33 @@ fn range(l: &Layout, what: &str) -> Result<std::ops::Range<usize>> {
         Some((a, b)) => Ok(a..b),
         None => bail!("{what} must be contiguous"),
     }
+}
+
+/// `host` on the device. A forward hands every layer the same slots, block
+/// tables and positions, so the last few uploads are kept (per thread, keyed
+/// by device and contents; never written after the upload) and a table
+/// already there is reused: one upload per forward instead of one per kernel
+/// launch. Freed in stream order when pushed out.
+fn upload(dev: &CudaDevice, host: &[u32]) -> Result<Rc<CudaSlice<u32>>> {
+    type Kept = VecDeque<(DeviceId, Vec<u32>, Rc<CudaSlice<u32>>)>;
+    const KEEP: usize = 8;
+    thread_local! {
+        static KEPT: RefCell<Kept> = const { RefCell::new(VecDeque::new()) };
+    }
+    KEPT.with(|kept| {
+        let mut kept = kept.borrow_mut();
+        let id = dev.id();
+        if let Some(i) = kept.iter().position(|(d, h, _)| *d == id && h[..] == host[..]) {
+            let hit = kept.remove(i).expect("the position was just found");
+            let d = hit.2.clone();
+            kept.push_front(hit);
+            return Ok(d);
+        }
+        let d = Rc::new(dev.clone_htod(host)?);
+        kept.push_front((id, host.to_vec(), d.clone()));
+        kept.truncate(KEEP);
+        Ok(d)
+    })
 }
 
 /// A float cache's device slice (its layout's range) and kernel suffix.
@@ -64,12 +95,12 @@ macro_rules! with_float_cache {
 fn scatter(
     s: &mut CudaStorage,
     l: &Layout,
-    rows: &CudaSlice<f32>,
+    rows: &CudaView<'_, f32>,
     slots: &[u32],
     row: usize,
 ) -> Result<()> {
     let dev = s.device.clone();
-    let slots_d = dev.clone_htod(slots)?;
+    let slots_d = upload(&dev, slots)?;
     let row = row as u32;
     let launch = Launch::per_item(slots.len(), row as usize);
     with_float_cache!(s, l, |cache, suffix| {
@@ -81,7 +112,7 @@ fn scatter(
         let mut b = f.builder();
         b.arg(rows);
         b.arg(&mut cache);
-        b.arg(&slots_d);
+        b.arg(&*slots_d);
         b.arg(&row);
         // SAFETY: the op checked the slots against the cache, and `rows`
         // holds a row per slot.
@@ -103,14 +134,7 @@ pub(crate) fn write_kv(
     };
     let r = range(ln, "new K/V")?;
     let row = r.len() / slots.len().max(1);
-    let src = if r.start == 0 && r.len() == src.len() {
-        src.clone()
-    } else {
-        let mut c = s.device.alloc_zeros::<f32>(r.len())?;
-        s.device.memcpy_dtod(&src.slice(r), &mut c)?;
-        c
-    };
-    scatter(s, l, &src, slots, row)
+    scatter(s, l, &src.slice(r), slots, row)
 }
 
 /// `copy_blocks`: whole blocks moved as 16-bit units (any cache type).
@@ -210,7 +234,7 @@ pub(crate) fn move_rows(
         // whole table.
         unsafe { b.launch(config(launch)) }.w()?;
     });
-    scatter(s, l, &out, dst, row)
+    scatter(s, l, &out.slice(..), dst, row)
 }
 
 const ATT_THREADS: u32 = super::ATT_THREADS as u32;
@@ -235,12 +259,15 @@ pub(crate) fn paged_attention(
     let tokens = meta.token_pos.len();
     let parts = super::attention_parts(meta);
     let states = tokens * n_heads * parts;
-    let mut part_out = dev.alloc_zeros::<f32>(states * head_dim)?;
-    let mut part_max = dev.alloc_zeros::<f32>(states)?;
-    let mut part_sum = dev.alloc_zeros::<f32>(states)?;
-    let tables = dev.clone_htod(meta.block_tables)?;
-    let seqs = dev.clone_htod(meta.token_seq)?;
-    let pos = dev.clone_htod(meta.token_pos)?;
+    // SAFETY (the three allocations and `out` below): the attention
+    // kernel writes every partial state, an empty partition's too, and the
+    // merge every output value, before anything reads them.
+    let mut part_out = unsafe { dev.alloc::<f32>(states * head_dim)? };
+    let mut part_max = unsafe { dev.alloc::<f32>(states)? };
+    let mut part_sum = unsafe { dev.alloc::<f32>(states)? };
+    let tables = upload(&dev, meta.block_tables)?;
+    let seqs = upload(&dev, meta.token_seq)?;
+    let pos = upload(&dev, meta.token_pos)?;
     let u = |x: usize| x as u32;
     let scalars = [
         u(n_heads),
@@ -268,9 +295,9 @@ pub(crate) fn paged_attention(
             b.arg(&qs);
             b.arg(&kc);
             b.arg(&vc);
-            b.arg(&tables);
-            b.arg(&seqs);
-            b.arg(&pos);
+            b.arg(&*tables);
+            b.arg(&*seqs);
+            b.arg(&*pos);
             b.arg(&mut part_out);
             b.arg(&mut part_max);
             b.arg(&mut part_sum);
@@ -294,7 +321,7 @@ pub(crate) fn paged_attention(
             v.0.dtype()
         ),
     }
-    let mut out = dev.alloc_zeros::<f32>(tokens * n_heads * head_dim)?;
+    let mut out = unsafe { dev.alloc::<f32>(tokens * n_heads * head_dim)? };
     let f = dev.get_or_load_custom_func(
         "tessera_attention_merge",
         "tessera_paged_attention",
