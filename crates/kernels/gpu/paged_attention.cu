@@ -4,11 +4,15 @@
 // KV head h / (n_heads / n_kv_heads). f32 accumulation whatever the cache
 // type.
 //
-// One thread block per (query head, token, partition of PART positions): a
-// long context is split across blocks, each leaving its running max, sum and
-// unnormalised output; tessera_attention_merge then combines a token's
-// partitions by log-sum-exp. Decode (one token per sequence) and prefill (a
-// chunk of tokens) use the same kernels: the grid has a row per token.
+// One thread block per (query head, token, partition of part_len positions,
+// at most TS_ATT_PART; the launcher picks it, short where there are few
+// queries): a long context is split across blocks, each leaving its running
+// max, sum and unnormalised output; tessera_attention_merge then combines a
+// token's partitions by log-sum-exp. Decode (one token per sequence) and
+// prefill (a chunk of tokens) use the same kernels: the grid has a row per
+// token. Within a block both passes over the positions go a warp per
+// position, its lanes over the head dimension (rows read whole, several
+// rows in flight).
 //
 // Unlike kv_ops.h this file is CUDA only (warp shuffles, shared memory,
 // barriers); Metal has its own.
@@ -17,9 +21,12 @@
 
 #define TS_ATT_THREADS 128
 #define TS_ATT_WARPS (TS_ATT_THREADS / 32)
-// Positions per partition (one block's scores live in shared memory).
+// The longest partition (one block's scores live in shared memory).
 #define TS_ATT_PART 512
 #define TS_ATT_MAX_HEAD_DIM 256
+// Blocks per multiprocessor the register budget is set for (without it
+// ptxas held the kernels to 32 registers and spilled the output sums).
+#define TS_ATT_MIN_BLOCKS 8
 
 __device__ __forceinline__ float ts_warp_sum(float x) {
     for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
@@ -50,16 +57,17 @@ __device__ void ts_paged_attention(
     const uint32_t* __restrict__ token_seq, const uint32_t* __restrict__ token_pos,
     float* __restrict__ part_out, float* __restrict__ part_max, float* __restrict__ part_sum,
     uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim, uint32_t block_size,
-    uint32_t max_blocks, float scale, uint32_t window, uint32_t parts) {
+    uint32_t max_blocks, float scale, uint32_t window, uint32_t parts, uint32_t part_len) {
     __shared__ float qs[TS_ATT_MAX_HEAD_DIM];
     __shared__ float scores[TS_ATT_PART];
     __shared__ float red[TS_ATT_WARPS];
+    __shared__ float warp_out[TS_ATT_WARPS][TS_ATT_MAX_HEAD_DIM];
     uint32_t h = blockIdx.x, t = blockIdx.y, part = blockIdx.z;
     uint32_t g = h / (n_heads / n_kv_heads);
     uint32_t pos = token_pos[t];
     uint32_t lo = window == 0 ? 0 : (pos + 1 > window ? pos + 1 - window : 0);
-    uint32_t from = lo + part * TS_ATT_PART;
-    uint32_t to = min(pos + 1, from + TS_ATT_PART); // exclusive
+    uint32_t from = lo + part * part_len;
+    uint32_t to = min(pos + 1, from + part_len); // exclusive
     ts_u64 slot_out = ((ts_u64)t * n_heads + h) * parts + part;
     float* out = part_out + slot_out * head_dim;
     if (from >= pos + 1) {
@@ -80,6 +88,7 @@ __device__ void ts_paged_attention(
     int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     // Scores: a warp per position, its lanes over the head dimension.
     float best = -INFINITY;
+#pragma unroll 4
     for (uint32_t j = from + warp; j < to; j += TS_ATT_WARPS) {
         ts_u64 slot = (ts_u64)table[j / block_size] * block_size + j % block_size;
         const typename E::Raw* kr = k_cache + slot * row + (ts_u64)g * head_dim;
@@ -98,14 +107,33 @@ __device__ void ts_paged_attention(
     }
     l = ts_block_reduce(l, red, 1);
     __syncthreads();
-    // Output: a thread per dimension, the partition's positions in order.
-    for (uint32_t d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float acc = 0.0f;
-        for (uint32_t j = from; j < to; j++) {
-            ts_u64 slot = (ts_u64)table[j / block_size] * block_size + j % block_size;
-            acc += scores[j - from] * E::load(v_cache[slot * row + (ts_u64)g * head_dim + d]);
+    // Output: a warp per position, as for the scores, each lane holding
+    // its dimensions' sums over the warp's positions; then the warps' sums
+    // added in warp order.
+    float acc[TS_ATT_MAX_HEAD_DIM / 32];
+#pragma unroll
+    for (int i = 0; i < TS_ATT_MAX_HEAD_DIM / 32; i++) acc[i] = 0.0f;
+#pragma unroll 2
+    for (uint32_t j = from + warp; j < to; j += TS_ATT_WARPS) {
+        ts_u64 slot = (ts_u64)table[j / block_size] * block_size + j % block_size;
+        const typename E::Raw* vr = v_cache + slot * row + (ts_u64)g * head_dim;
+        float p = scores[j - from];
+#pragma unroll
+        for (int i = 0; i < TS_ATT_MAX_HEAD_DIM / 32; i++) {
+            uint32_t d = lane + 32 * i;
+            if (d < head_dim) acc[i] += p * E::load(vr[d]);
         }
-        out[d] = acc;
+    }
+#pragma unroll
+    for (int i = 0; i < TS_ATT_MAX_HEAD_DIM / 32; i++) {
+        uint32_t d = lane + 32 * i;
+        if (d < head_dim) warp_out[warp][d] = acc[i];
+    }
+    __syncthreads();
+    for (uint32_t d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float sum = 0.0f;
+        for (int w = 0; w < TS_ATT_WARPS; w++) sum += warp_out[w][d];
+        out[d] = sum;
     }
     if (threadIdx.x == 0) {
         part_max[slot_out] = mx;
@@ -114,16 +142,16 @@ __device__ void ts_paged_attention(
 }
 
 #define TS_ATTENTION(SUF, E)                                                                  \
-    extern "C" __global__ void __launch_bounds__(TS_ATT_THREADS)                              \
+    extern "C" __global__ void __launch_bounds__(TS_ATT_THREADS, TS_ATT_MIN_BLOCKS)          \
         tessera_paged_attention_##SUF(                                                        \
             const float* q, const E::Raw* k_cache, const E::Raw* v_cache,                     \
             const uint32_t* block_tables, const uint32_t* token_seq, const uint32_t* token_pos, \
             float* part_out, float* part_max, float* part_sum, uint32_t n_heads,              \
             uint32_t n_kv_heads, uint32_t head_dim, uint32_t block_size, uint32_t max_blocks, \
-            float scale, uint32_t window, uint32_t parts) {                                   \
+            float scale, uint32_t window, uint32_t parts, uint32_t part_len) {                \
         ts_paged_attention<E>(q, k_cache, v_cache, block_tables, token_seq, token_pos,       \
                               part_out, part_max, part_sum, n_heads, n_kv_heads, head_dim,    \
-                              block_size, max_blocks, scale, window, parts);                  \
+                              block_size, max_blocks, scale, window, parts, part_len);        \
     }
 
 TS_ATTENTION(f32, TsF32)

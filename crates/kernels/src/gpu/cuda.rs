@@ -52,7 +52,10 @@ fn upload(dev: &CudaDevice, host: &[u32]) -> Result<Rc<CudaSlice<u32>>> {
     KEPT.with(|kept| {
         let mut kept = kept.borrow_mut();
         let id = dev.id();
-        if let Some(i) = kept.iter().position(|(d, h, _)| *d == id && h[..] == host[..]) {
+        if let Some(i) = kept
+            .iter()
+            .position(|(d, h, _)| *d == id && h[..] == host[..])
+        {
             let hit = kept.remove(i).expect("the position was just found");
             let d = hit.2.clone();
             kept.push_front(hit);
@@ -257,7 +260,7 @@ pub(crate) fn paged_attention(
     };
     let qs = qs.slice(range(q.1, "queries")?);
     let tokens = meta.token_pos.len();
-    let parts = super::attention_parts(meta);
+    let (part_len, parts) = super::attention_split(meta, n_heads);
     let states = tokens * n_heads * parts;
     // SAFETY (the three allocations and `out` below): the attention
     // kernel writes every partial state, an empty partition's too, and the
@@ -276,7 +279,7 @@ pub(crate) fn paged_attention(
         u(meta.block_size),
         u(meta.max_blocks),
     ];
-    let (window, parts_u) = (u(meta.window), u(parts));
+    let (window, parts_u, part_len) = (u(meta.window), u(parts), u(part_len));
     let cfg = LaunchConfig {
         grid_dim: (u(n_heads), u(tokens), u(parts)),
         block_dim: (ATT_THREADS, 1, 1),
@@ -307,6 +310,7 @@ pub(crate) fn paged_attention(
             b.arg(&meta.scale);
             b.arg(&window);
             b.arg(&parts_u);
+            b.arg(&part_len);
             // SAFETY: the op checked shapes, block tables and positions.
             unsafe { b.launch(cfg) }.w()?;
         }};

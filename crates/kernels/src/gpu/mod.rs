@@ -207,16 +207,39 @@ impl RopeTables {
 pub const ATT_PART: usize = 512;
 pub const ATT_THREADS: usize = 128;
 
-/// Partitions of a paged attention launch: enough for the longest context
-/// one of its queries sees.
-pub fn attention_parts(meta: &crate::PagedMeta) -> usize {
-    let longest = meta
-        .token_pos
+/// The longest context one query of a paged attention launch sees.
+fn longest_context(meta: &crate::PagedMeta) -> usize {
+    meta.token_pos
         .iter()
         .map(|&p| p as usize + 1 - crate::window_start(p as usize, meta.window))
         .max()
-        .unwrap_or(1);
-    longest.div_ceil(ATT_PART).max(1)
+        .unwrap_or(1)
+}
+
+/// Partitions of a paged attention launch (Metal: [`ATT_PART`] positions
+/// each): enough for the longest context one of its queries sees.
+pub fn attention_parts(meta: &crate::PagedMeta) -> usize {
+    longest_context(meta).div_ceil(ATT_PART).max(1)
+}
+
+/// Thread blocks of partial states the CUDA attention aims to stay within.
+pub const ATT_STATES: usize = 1 << 14;
+
+/// Positions per partition and partitions of a CUDA paged attention launch
+/// over `n_heads` query heads. A block's positions are read one after
+/// another, so few long partitions leave the GPU idle where there are few
+/// queries (decode deep in a context: one block per head and 512
+/// positions); the partition is the shortest of 64, 128, 256 and
+/// [`ATT_PART`] positions that keeps the launch within [`ATT_STATES`]
+/// partial states (tokens × heads × partitions), or [`ATT_PART`].
+pub fn attention_split(meta: &crate::PagedMeta, n_heads: usize) -> (usize, usize) {
+    let longest = longest_context(meta);
+    let queries = meta.token_pos.len().max(1) * n_heads;
+    let part = [64, 128, 256]
+        .into_iter()
+        .find(|&p| queries * longest.div_ceil(p) <= ATT_STATES)
+        .unwrap_or(ATT_PART);
+    (part, longest.div_ceil(part).max(1))
 }
 
 /// The rows `rotate_k` actually moves: those with a nonzero delta.
@@ -323,6 +346,41 @@ mod tests {
             assert!(src.contains(&format!("#define TS_ATT_THREADS {ATT_THREADS}\n")));
         }
         assert!(metal_source("nope.metal").is_err());
+    }
+
+    #[test]
+    fn attention_splits_cover_every_context_within_the_state_budget() {
+        let split = |positions: &[u32], window: usize, heads: usize| {
+            let meta = crate::PagedMeta {
+                block_size: 16,
+                block_tables: &[],
+                max_blocks: 0,
+                token_seq: &[],
+                token_pos: positions,
+                scale: 1.0,
+                window,
+            };
+            attention_split(&meta, heads)
+        };
+        // Decode deep in a context: short partitions, many blocks.
+        assert_eq!(split(&[2047], 0, 9), (64, 32));
+        // A 512-token prefill chunk: longer ones, within the budget.
+        let chunk: Vec<u32> = (0..512).collect();
+        assert_eq!(split(&chunk, 0, 9), (256, 2));
+        // Too many queries for any budget: the kernel's own partition.
+        let wide: Vec<u32> = (0..4096).collect();
+        assert_eq!(split(&wide, 0, 32), (ATT_PART, 8));
+        // A sliding window bounds the context; one position is one partition.
+        assert_eq!(split(&[9000], 1024, 8), (64, 16));
+        assert_eq!(split(&[0], 0, 9), (64, 1));
+        for (pos, heads) in [(100u32, 4usize), (1299, 8), (40, 9), (70_000, 32)] {
+            let (part, parts) = split(&[pos], 0, heads);
+            assert!(
+                part <= ATT_PART
+                    && parts * part > pos as usize
+                    && (parts - 1) * part <= pos as usize
+            );
+        }
     }
 
     #[test]

@@ -163,16 +163,17 @@ impl Backend for OnDevice {
 }
 
 /// Paged attention on `dev` against the slow reference: decode and
-/// prefill chunks, three partitions, GQA, a sliding window, head dims
-/// 64–256, every float cache type.
+/// prefill chunks, several partitions (of every length the CUDA launcher
+/// picks), GQA, a sliding window, head dims 64–256, every float cache type.
 pub(crate) fn paged_attention_on(dev: &Device) -> Result<()> {
     // (n_heads, n_kv_heads, head_dim, block_size, context, new tokens, window)
-    let cases: [(usize, usize, usize, usize, usize, usize, usize); 5] = [
+    let cases: [(usize, usize, usize, usize, usize, usize, usize); 6] = [
         (9, 3, 64, 16, 40, 1, 0),
-        (8, 2, 128, 16, 1300, 1, 0), // three partitions
+        (8, 2, 128, 16, 1300, 1, 0), // three partitions (CUDA: 21 of 64)
         (4, 4, 256, 8, 700, 1, 0),
         (6, 2, 64, 16, 600, 37, 0), // a prefill chunk across a partition boundary
         (4, 1, 64, 16, 900, 3, 256), // a sliding window
+        (9, 3, 64, 16, 700, 512, 0), // a long chunk (CUDA: partitions of 256)
     ];
     for t in FLOATS {
         for (i, &(nh, kvh, hd, bs, ctx, new, window)) in cases.iter().enumerate() {
