@@ -220,8 +220,8 @@ def gpu():
         "`--features cuda` (PTX for compute capability 8.0, compiled by the driver), "
         "`scripts/cuda_device_run.sh`.",
         "",
-        f"- With `TESSERA_REQUIRE_GPU=1`: the CUDA kernel tests {passed[0]} (9 tests: the four KV kernels "
-        f"and paged attention against the CPU slow references, and the source checks); the real model on the "
+        f"- With `TESSERA_REQUIRE_GPU=1`: the CUDA kernel tests {passed[0]} (the four KV kernels "
+        f"and paged attention against the CPU slow references, and the host-side checks); the real model on the "
         f"GPU against the CPU reference forward {passed[1]}, {agree[0] if agree else 'agreement not printed'}.",
         f"- The kernel tests under compute-sanitizer's memcheck: {passed[2] if len(passed) > 2 else 'not run'}, "
         f"{sanit[0] if sanit else 'no summary'}.",
