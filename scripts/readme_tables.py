@@ -248,7 +248,42 @@ def gpu():
         f"{sh['agreement'] * 100:.1f}% of the greedy tokens after a shift equal a fresh prefill's "
         f"(the CPU's figure is in [KV-cache scenarios](#kv-cache-scenarios-just-bench-engine)).",
     ]
+    llama = d / "llama.json"
+    if llama.exists():
+        out += ["", *vs_llamacpp(json.loads(llama.read_text()), r)]
     return out
+
+
+def vs_llamacpp(runs, r):
+    """llama.cpp's CUDA build (`llama-bench`, flash attention on, every
+    layer on the GPU) beside `tessera bench --device cuda` in the same run."""
+    def speed(n_prompt, n_gen, depth=0):
+        for x in runs:
+            if (x["n_prompt"], x["n_gen"], x.get("n_depth", 0)) == (n_prompt, n_gen, depth):
+                return x["avg_ts"]
+        sys.exit(f"llama.json has no run with n_prompt={n_prompt} n_gen={n_gen} n_depth={depth}")
+    b = runs[0]
+    p, dcd, lg = r["prefill"], r["decode"], r["decode-long"]
+    rows = [
+        ("prefill, 512-token prompt", p["tessera"], speed(512, 0)),
+        ("decode, 128 tokens (llama.cpp: from an empty context; Tessera: after 16)", dcd["tessera"],
+         speed(0, 128)),
+        (f"decode, 128 tokens after {lg['context']:,}", lg["tessera"], speed(0, 128, lg["context"])),
+    ]
+    return [
+        f"Beside llama.cpp's CUDA build in the same run (`llama-bench` at build {b['build_commit']}, "
+        f"built for sm_90 with `GGML_CUDA=ON`, every layer on the GPU, flash attention on, "
+        f"{b['n_threads']} threads, mean of {len(b.get('samples_ts', [])) or 'its'} repetitions; "
+        "Tessera's figures from the table above):",
+        "",
+        "| scenario | Tessera | llama.cpp CUDA | ratio |",
+        "|---|---|---|---|",
+        *[f"| {label} | {t:,.0f} tok/s | {l:,.0f} tok/s | {t / l:.2f}× |" for label, t, l in rows],
+        "",
+        "llama.cpp runs its own fused CUDA kernels, with the activations of its quantized products "
+        "rounded to 8 bits (Q8_1) and the decode graph replayed as a CUDA graph; Tessera's GPU path is "
+        "candle's f32 operations launched one by one. Built by `scripts/build_llama_cuda.sh`.",
+    ]
 
 
 def splice(section, script, lines):
