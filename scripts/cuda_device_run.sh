@@ -8,7 +8,7 @@
 # same run). Everything it prints and measures goes to $OUT (default
 # target/gpu-run): tests.log, gpu.jsonl (one bench object a line) and
 # meta.json (GPU, driver, date), which `scripts/readme_tables.py gpu` turns
-# into the README's GPU table.
+# into the README's GPU table; with PROFILE=1, ncu's per-kernel times too.
 #
 # Usage: cuda_device_run.sh BUNDLE_DIR MODEL_GGUF
 set -uo pipefail
@@ -93,5 +93,14 @@ bench --scenario shared-prefix
 bench --scenario decode-long --runs 3
 bench --scenario decode-batch --runs 3
 bench --scenario shift
+# Where the GPU time goes (PROFILE=1, where ncu exists): every kernel's time
+# over one 512-token prefill, and over about two decode steps.
+if [ "${PROFILE:-0}" = 1 ] && command -v ncu >/dev/null; then
+    N="ncu --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel"
+    timeout 150 $N -c 1500 "$T" --device cuda bench --model "$MODEL" --scenario prefill --runs 1 \
+        --no-baseline >"$OUT/ncu-prefill.txt" 2>&1 || fail=1
+    timeout 150 $N --launch-skip 1500 -c 1000 "$T" --device cuda bench --model "$MODEL" \
+        --scenario decode --runs 1 --no-baseline >"$OUT/ncu-decode.txt" 2>&1 || fail=1
+fi
 echo "=== done, fail=$fail" | tee -a "$LOG"
 exit $fail

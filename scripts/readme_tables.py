@@ -251,7 +251,45 @@ def gpu():
     llama = d / "llama.json"
     if llama.exists():
         out += ["", *vs_llamacpp(json.loads(llama.read_text()), r)]
+    if (d / "ncu-prefill.txt").exists() and (d / "ncu-decode.txt").exists():
+        out += ["", gpu_profile(d, dcd)]
     return out
+
+
+def ncu_kernels(path):
+    """(name, launches, total µs) per kernel of an `ncu --print-summary
+    per-kernel` report of gpu__time_duration.sum."""
+    import re
+    scale = {"ns": 1e-3, "us": 1.0, "ms": 1e3}
+    found = re.findall(
+        r"\n  (\S+) \([^)]*\)x\([^)]*\).*?Invocations (\d+).*?gpu__time_duration\.sum\s+(\S+)\s+\S+\s+\S+\s+([\d.]+)",
+        path.read_text(), re.S)
+    return [(name, int(n), int(n) * float(avg) * scale[unit]) for name, n, unit, avg in found]
+
+
+def gpu_profile(d, dcd):
+    """Where the GPU time goes, from `PROFILE=1 scripts/cuda_device_run.sh`."""
+    pre = ncu_kernels(d / "ncu-prefill.txt")
+    total = sum(t for _, _, t in pre)
+    group = lambda key: sum(t for name, _, t in pre if key in name)
+    att = group("paged_attention")
+    gemm = group("gemm")
+    deq = group("dequantize")
+    dec = ncu_kernels(d / "ncu-decode.txt")
+    # One lm_head product per decode step.
+    steps = sum(n for name, n, _ in dec if "q8_0" in name) or 1
+    per_step = sum(t for _, _, t in dec) / steps
+    norm = sum(t for name, _, t in dec if name.startswith("rmsnorm")) / steps
+    return (
+        f"Where the GPU time goes (`PROFILE=1`: ncu's time of every kernel, same binary): a 512-token "
+        f"prefill runs {total / 1e3:.1f} ms of kernels, of which paged attention "
+        f"**{att / 1e3:.1f} ms ({att / total * 100:.0f}%)**, cuBLAS's f32 products {gemm / 1e3:.1f} ms and "
+        f"dequantizing the weights for them {deq / 1e3:.1f} ms: the attention kernel, one block per query "
+        f"head and token reading its whole history, is what prefill should improve first. A decode step "
+        f"runs about {per_step / 1e3:.2f} ms of kernels against {1e3 / dcd['tessera']:.2f} ms per token measured "
+        f"(the rest is launches and host work), {norm / 1e3:.2f} ms of it in candle's `rms_norm`, which "
+        "gives a row one warp."
+    )
 
 
 def vs_llamacpp(runs, r):
