@@ -93,6 +93,9 @@ bench --scenario shared-prefix
 bench --scenario decode-long --runs 3
 bench --scenario decode-batch --runs 3
 bench --scenario shift
+# Defragmentation, sessions, pool resizes, context shifts and injected step
+# faults on the GPU's K/V.
+bench --scenario soak --requests 300
 # Where the GPU time goes (PROFILE=1, where ncu exists): every kernel's time
 # over one 512-token prefill, and over about two decode steps.
 if [ "${PROFILE:-0}" = 1 ] && command -v ncu >/dev/null; then

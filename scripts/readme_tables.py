@@ -248,6 +248,15 @@ def gpu():
         f"{sh['agreement'] * 100:.1f}% of the greedy tokens after a shift equal a fresh prefill's "
         f"(the CPU's figure is in [KV-cache scenarios](#kv-cache-scenarios-just-bench-engine)).",
     ]
+    if "soak" in r:
+        k = r["soak"]
+        out += [
+            "",
+            f"Soak on the GPU (`--scenario soak --requests {k['requests']}`): {k['done']:,} requests done, "
+            f"{k['failed']} failed by injected faults ({k['failed_steps']} failed steps), {k['shifted']} context "
+            f"shifts, {k['sessions']} sessions saved and loaded, {k['defrags']} defragmentations, {k['resizes']} "
+            f"pool resizes; {k['leaked_blocks']} blocks leaked.",
+        ]
     llama = d / "llama.json"
     if llama.exists():
         out += ["", *vs_llamacpp(json.loads(llama.read_text()), r)]
