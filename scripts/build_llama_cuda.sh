@@ -4,10 +4,10 @@
 # a machine with or without a GPU: the baseline of the README's CUDA table,
 # run by hand beside `scripts/cuda_device_run.sh` on the GPU machine. One
 # static binary; it links against the CUDA 13.0 pip wheels' libraries and,
-# on a machine without a driver, the stub libcuda that
-# `scripts/cuda_bundle.sh` makes (the GPU machine's own libcuda is used at
-# run time). Source: the same pinned llama-cpp-python sdist as
-# scripts/build_llama_tools.sh. About 45 minutes on 2 cores.
+# on a machine without a driver, the stub libcuda of scripts/check_gpu.py
+# (the GPU machine's own libcuda is used at run time). Source: the same
+# pinned llama-cpp-python sdist as scripts/build_llama_tools.sh. About 45
+# minutes on 2 cores.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 VERSION=0.3.36
@@ -15,12 +15,15 @@ OUT=$ROOT/target/llama-cuda
 ARCH=${CUDA_ARCH:-90}
 [ -x "$OUT/build/bin/llama-bench" ] && exit 0
 mkdir -p "$OUT"
-python3 -m pip install --quiet "cuda-toolkit[nvcc,cccl,cublas,curand,cudart]==13.0.*" cmake ninja
-NV=$(python3 -c 'import nvidia, os; print([p for p in nvidia.__path__ if os.path.isdir(p + "/cu13")][0] + "/cu13")')
+python3 -m pip install --quiet cmake ninja
+# nvcc and the CUDA libraries from the pinned wheels, their unversioned names
+# and libcuda (the driver's, or a stub) in target/gpu/lib: check_gpu.py's.
+NVCC=$(python3 -c "import sys; sys.path.insert(0, '$ROOT/scripts'); import check_gpu
+check_gpu.runtime_env(); print(check_gpu.ensure_nvcc())" | tail -1)
+NV=$(dirname "$(dirname "$NVCC")")
 # nvcc's own profile looks for its libraries under lib64.
 [ -e "$NV/lib64" ] || ln -s lib "$NV/lib64"
 LIB=$ROOT/target/gpu/lib
-[ -e "$LIB/libcuda.so" ] || { echo "run scripts/cuda_bundle.sh first (it makes $LIB)"; exit 1; }
 SRC=$OUT/llama_cpp_python-$VERSION
 if [ ! -d "$SRC" ]; then
     # The sdist itself (pip download would build its build dependencies).

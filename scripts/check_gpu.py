@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """`just check-gpu`: what a machine without a GPU can check of the GPU kernels.
-(`just test-cuda` runs `check_gpu.py test-cuda`: the CUDA tests on a GPU.)
+(`just test-cuda` runs `check_gpu.py test-cuda`: the CUDA tests on a GPU;
+`check_gpu.py bundle [DIR]` builds them, and the CUDA `tessera`, for a GPU
+machine without Rust: see scripts/cuda_device_run.sh.)
 
 1. Every crates/kernels/gpu/*.cu compiled to PTX by nvcc and through ptxas
    for sm_80 and sm_90 (types, registers, spills, shared memory); a spill is
@@ -26,7 +28,9 @@ sees the sources.
 """
 import glob
 import importlib.util
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -112,32 +116,94 @@ def link_dir(nvcc):
         if not os.path.exists(dst):
             os.symlink(f, dst)
     found = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout
+    dst = os.path.join(out, "libcuda.so")
     for line in found.splitlines():
         if "libcuda.so.1 " in line and "=>" in line:
-            dst = os.path.join(out, "libcuda.so")
             if not os.path.exists(dst):
                 os.symlink(line.split("=>")[1].strip(), dst)
             break
+    if not os.path.exists(dst):
+        cuda_stub(dst)
     return [lib, out]
 
 
-def test_cuda():
-    """The `cuda` feature's tests with TESSERA_REQUIRE_GPU=1: the CUDA
-    libraries from the pip wheels (installed when missing), nvcc (for our
-    kernels and candle's) on PATH."""
+def cuda_stub(dst):
+    """Without a driver there is no libcuda to link against: a stub with
+    the driver API's names (every function of cudarc's bindings), soname
+    libcuda.so.1, so the link succeeds and the real library is found at run
+    time on a machine with a GPU."""
+    lock = open(os.path.join(ROOT, "Cargo.lock")).read()
+    version = lock.split('name = "cudarc"\nversion = "')[1].split('"')[0]
+    home = os.environ.get("CARGO_HOME", os.path.expanduser("~/.cargo"))
+    bindings = glob.glob(os.path.join(home, "registry", "src", "*", f"cudarc-{version}", "src",
+                                      "driver", "sys", "mod.rs"))
+    if not bindings:
+        sys.exit(f"cudarc {version}'s sources are not in the cargo registry: build once first")
+    names = sorted(set(re.findall(r"^pub unsafe fn (cu\w+)", open(bindings[0]).read(), re.M)))
+    src = dst[:-len(".so")] + "_stub.c"
+    with open(src, "w") as f:
+        f.writelines(f"int {n}(void) {{ return 999; }}\n" for n in names)
+    run(["cc", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", dst, src])
+
+
+def runtime_env(**extra):
+    """The environment for linking and running candle's `cuda` feature: the
+    CUDA libraries from the pip wheels (installed when missing), nvcc (for
+    our kernels and candle's) on PATH, unversioned names and libcuda (the
+    driver's, or a stub) in target/gpu/lib."""
     nvcc = ensure_nvcc()
     if not glob.glob(os.path.join(os.path.dirname(os.path.dirname(nvcc)), "lib", "libcublas.so*")):
         run([sys.executable, "-m", "pip", "install", "--quiet", RUNTIME])
-    env = cuda_env(nvcc, TESSERA_REQUIRE_GPU="1", CARGO_TARGET_DIR=os.path.join(ROOT, "target", "cuda"))
+    env = cuda_env(nvcc, CARGO_TARGET_DIR=os.path.join(ROOT, "target", "cuda"), **extra)
     if os.path.isabs(nvcc):
         dirs = os.pathsep.join(link_dir(nvcc))
         for var in ("LIBRARY_PATH", "LD_LIBRARY_PATH"):
             env[var] = dirs + os.pathsep + env.get(var, "")
+    return env
+
+
+def test_cuda():
+    """The `cuda` feature's tests with TESSERA_REQUIRE_GPU=1."""
+    env = runtime_env(TESSERA_REQUIRE_GPU="1")
     run(["cargo", "test", "-p", "tessera-kernels", "--features", "cuda", "--", "gpu::"],
         cwd=ROOT, env=env)
     # The real model on the GPU against the CPU reference.
     run(["cargo", "test", "-p", "tessera-model", "--features", "cuda", "--lib", "--",
          "gpu_forward", "--nocapture"], cwd=ROOT, env=env)
+
+
+def bundle(dest):
+    """For a machine with a GPU but no Rust toolchain: the `cuda` feature's
+    kernel tests, the model crate's tests and the `tessera` binary (release
+    profile; CUDA_COMPUTE_CAP 80 unless set: PTX that the driver compiles
+    for newer GPUs), stripped, in `dest`, with root.txt (where the model
+    tests look for models/), commit.txt and scripts/cuda_device_run.sh,
+    which runs them there. Builds on a machine without a GPU (libcuda is
+    then the stub of `cuda_stub`)."""
+    env = runtime_env(CUDA_COMPUTE_CAP=os.environ.get("CUDA_COMPUTE_CAP", "80"))
+    tests = ["cargo", "test", "--release", "-p", "tessera-kernels", "-p", "tessera-model",
+             "--features", "tessera-kernels/cuda,tessera-model/cuda", "--no-run"]
+    run(tests, cwd=ROOT, env=env)
+    made = run(tests + ["--message-format=json"], cwd=ROOT, env=env, capture_output=True).stdout
+    exes = {}
+    for line in made.splitlines():
+        m = json.loads(line)
+        if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["lib"]:
+            exes[m["target"]["name"]] = m["executable"]
+    run(["cargo", "build", "--release", "-p", "tessera", "--features", "cuda"], cwd=ROOT, env=env)
+    shutil.rmtree(dest, ignore_errors=True)
+    os.makedirs(dest)
+    for src, name in [(exes["tessera_kernels"], "kernel-tests"), (exes["tessera_model"], "model-tests"),
+                      (os.path.join(env["CARGO_TARGET_DIR"], "release", "tessera"), "tessera")]:
+        run(["strip", "-o", os.path.join(dest, name), src])
+    with open(os.path.join(dest, "root.txt"), "w") as f:
+        f.write(ROOT + "\n")
+    # The commit the binaries were built from (-dirty: with uncommitted changes).
+    with open(os.path.join(dest, "commit.txt"), "w") as f:
+        f.write(run(["git", "describe", "--always", "--dirty", "--abbrev=7"], cwd=ROOT,
+                    capture_output=True).stdout)
+    shutil.copy(os.path.join(ROOT, "scripts", "cuda_device_run.sh"), dest)
+    print(f"bundle: {dest}")
 
 
 def cuda_env(nvcc, **extra):
@@ -196,6 +262,9 @@ def main():
         return test_cuda()
     if sys.argv[1:] == ["test-metal"]:
         return test_metal()
+    if sys.argv[1:2] == ["bundle"]:
+        return bundle(os.path.abspath(sys.argv[2] if len(sys.argv) > 2
+                                      else os.path.join(ROOT, "target", "cuda-bundle")))
     n_cu = check_cuda()
     n_metal = check_metal()
     run(["cargo", "test", "-p", "tessera-kernels", "--features", "kernel-emu", "--", "gpu::"], cwd=ROOT)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs a bundle made by `scripts/cuda_bundle.sh` on a machine with an NVIDIA
+# Runs a bundle made by `scripts/check_gpu.py bundle` on a machine with an NVIDIA
 # GPU and no Rust toolchain: the CUDA kernel tests and the real-model GPU test
 # with TESSERA_REQUIRE_GPU=1 (so nothing passes by skipping), the kernel
 # tests again under compute-sanitizer (memcheck) where it exists, a chat on
