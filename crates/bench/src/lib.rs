@@ -202,7 +202,7 @@ pub fn median(mut xs: Vec<f64>) -> f64 {
 
 /// candle's own model of the file's architecture (`quantized_llama`, or
 /// `quantized_gemma3` for Gemma 3), timed the same way.
-pub enum Weights {
+enum Weights {
     Llama(quantized_llama::ModelWeights),
     Gemma3(quantized_gemma3::ModelWeights),
 }

@@ -6,11 +6,11 @@
 //! `attention.rs`. The launch shapes and host tables are those of
 //! [`super`], which the `kernel-emu` tests run on the CPU.
 
-use candle_core::backend::BackendStorage;
 use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::rc::Rc;
 
+use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
 };

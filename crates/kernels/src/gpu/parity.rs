@@ -163,8 +163,9 @@ impl Backend for OnDevice {
 }
 
 /// Paged attention on `dev` against the slow reference: decode and
-/// prefill chunks, several partitions (of every length the CUDA launcher
-/// picks), GQA, a sliding window, head dims 64–256, every float cache type.
+/// prefill chunks, several partitions (on CUDA, of 64 and of 256
+/// positions), GQA, a sliding window, head dims 64–256, every float cache
+/// type.
 pub(crate) fn paged_attention_on(dev: &Device) -> Result<()> {
     // (n_heads, n_kv_heads, head_dim, block_size, context, new tokens, window)
     let cases: [(usize, usize, usize, usize, usize, usize, usize); 6] = [
