@@ -158,6 +158,176 @@ TS_ATTENTION(f32, TsF32)
 TS_ATTENTION(f16, TsF16)
 TS_ATTENTION(bf16, TsBf16)
 
+// Tiled attention for prefill chunks (the launcher's attention_tiles plan,
+// crates/kernels/src/gpu/mod.rs): one thread block per (tile, partition),
+// a tile being up to ROWS (token, query head) rows that share one KV head:
+// consecutive tokens of one sequence times the heads of a group. Each K/V
+// row is read from the cache once per block, for all of its rows, instead
+// of once per (token, head). The partition's positions go in chunks of 32:
+// a chunk's K and V rows converted to f32 in shared memory, then each warp
+// takes ROWS / 4 rows (a lane per position for the scores, then a lane per
+// dimension for the output), with a running max and sum per row carried
+// across chunks (online softmax). Each row masks positions outside its own
+// window_start(pos)..=pos. It leaves the same partial states as
+// ts_paged_attention, merged by tessera_attention_merge.
+#define TS_TILE_KEYS 32
+#define TS_TILE_ROWS_64 32
+#define TS_TILE_ROWS_128 16
+
+template <typename E, int DPL, int RPW>
+__device__ void ts_tiled_attention(
+    const float* __restrict__ q, const typename E::Raw* __restrict__ k_cache,
+    const typename E::Raw* __restrict__ v_cache, const uint32_t* __restrict__ block_tables,
+    const uint32_t* __restrict__ token_seq, const uint32_t* __restrict__ token_pos,
+    const uint32_t* __restrict__ tiles, float* __restrict__ part_out,
+    float* __restrict__ part_max, float* __restrict__ part_sum, uint32_t n_heads,
+    uint32_t n_kv_heads, uint32_t block_size, uint32_t max_blocks, float scale,
+    uint32_t window, uint32_t parts, uint32_t part_len) {
+    constexpr int D = 32 * DPL;
+    constexpr int ROWS = TS_ATT_WARPS * RPW;
+    constexpr int TK = TS_TILE_KEYS;
+    // Padded rows: a lane per position reads its K row as float4s without
+    // bank conflicts.
+    constexpr int KS = D + 4;
+    __shared__ __align__(16) float qs[ROWS * KS];
+    __shared__ __align__(16) float ks[TK * KS];
+    __shared__ __align__(16) float vs[TK * D];
+    __shared__ float ps[ROWS][TK + 1];
+    __shared__ uint32_t row_lo[ROWS], row_hi[ROWS];
+    __shared__ ts_u64 key_slot[TK];
+    const uint32_t* tile = tiles + (ts_u64)blockIdx.x * 6;
+    uint32_t t0 = tile[0], ntok = tile[1], h0 = tile[2], nh = tile[3];
+    uint32_t part = blockIdx.y;
+    uint32_t a = tile[4] + part * part_len;
+    uint32_t b = min(tile[5], a + part_len);
+    uint32_t rows = ntok * nh;
+    uint32_t g = h0 / (n_heads / n_kv_heads);
+    const uint32_t* table = block_tables + (ts_u64)token_seq[t0] * max_blocks;
+    uint32_t row = n_kv_heads * D;
+    int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    for (uint32_t i = threadIdx.x; i < ROWS * D; i += blockDim.x) {
+        uint32_t r = i / D, d = i % D;
+        float x = 0.0f;
+        if (r < rows) x = q[((ts_u64)(t0 + r / nh) * n_heads + h0 + r % nh) * D + d];
+        qs[r * KS + d] = x;
+    }
+    if (threadIdx.x < ROWS) {
+        uint32_t r = threadIdx.x, lo = 1, hi = 0; // no positions
+        if (r < rows) {
+            uint32_t pos = token_pos[t0 + r / nh];
+            lo = window == 0 ? 0 : (pos + 1 > window ? pos + 1 - window : 0);
+            hi = pos + 1;
+        }
+        row_lo[r] = lo;
+        row_hi[r] = hi;
+    }
+    float m[RPW], l[RPW], acc[RPW][DPL];
+#pragma unroll
+    for (int i = 0; i < RPW; i++) {
+        m[i] = -INFINITY;
+        l[i] = 0.0f;
+#pragma unroll
+        for (int e = 0; e < DPL; e++) acc[i][e] = 0.0f;
+    }
+    for (uint32_t c = a; c < b; c += TK) {
+        __syncthreads(); // the previous chunk's rows are no longer read
+        if (threadIdx.x < TK) {
+            uint32_t j = c + threadIdx.x;
+            key_slot[threadIdx.x] =
+                j < b ? (ts_u64)table[j / block_size] * block_size + j % block_size : 0;
+        }
+        __syncthreads();
+        for (uint32_t i = threadIdx.x; i < TK * D; i += blockDim.x) {
+            uint32_t j = i / D, d = i % D;
+            float kx = 0.0f, vx = 0.0f;
+            if (c + j < b) {
+                ts_u64 at = key_slot[j] * row + (ts_u64)g * D + d;
+                kx = E::load(k_cache[at]);
+                vx = E::load(v_cache[at]);
+            }
+            ks[j * KS + d] = kx;
+            vs[j * D + d] = vx;
+        }
+        __syncthreads();
+        // Scores: lane = position c + lane, rows warp * RPW + i.
+        float s[RPW];
+#pragma unroll
+        for (int i = 0; i < RPW; i++) s[i] = 0.0f;
+        const float4* kr = reinterpret_cast<const float4*>(ks + lane * KS);
+#pragma unroll 4
+        for (int d4 = 0; d4 < D / 4; d4++) {
+            float4 kk = kr[d4];
+#pragma unroll
+            for (int i = 0; i < RPW; i++) {
+                float4 qq = reinterpret_cast<const float4*>(qs + (warp * RPW + i) * KS)[d4];
+                s[i] += qq.x * kk.x + qq.y * kk.y + qq.z * kk.z + qq.w * kk.w;
+            }
+        }
+        uint32_t j = c + lane;
+#pragma unroll
+        for (int i = 0; i < RPW; i++) {
+            int r = warp * RPW + i;
+            bool valid = j < b && j >= row_lo[r] && j < row_hi[r];
+            float x = valid ? s[i] * scale : -INFINITY;
+            float mn = fmaxf(m[i], ts_warp_max(x));
+            float p = valid ? expf(x - mn) : 0.0f;
+            float alpha = m[i] == -INFINITY ? 0.0f : expf(m[i] - mn);
+            l[i] = l[i] * alpha + ts_warp_sum(p);
+            m[i] = mn;
+            ps[r][lane] = p;
+#pragma unroll
+            for (int e = 0; e < DPL; e++) acc[i][e] *= alpha;
+        }
+        __syncwarp();
+        // Output: lane = dimensions lane + 32 e.
+#pragma unroll 4
+        for (int jj = 0; jj < TK; jj++) {
+            float v[DPL];
+#pragma unroll
+            for (int e = 0; e < DPL; e++) v[e] = vs[jj * D + lane + 32 * e];
+#pragma unroll
+            for (int i = 0; i < RPW; i++) {
+                float p = ps[warp * RPW + i][jj];
+#pragma unroll
+                for (int e = 0; e < DPL; e++) acc[i][e] += p * v[e];
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < RPW; i++) {
+        uint32_t r = warp * RPW + i;
+        if (r >= rows) continue;
+        ts_u64 slot_out = ((ts_u64)(t0 + r / nh) * n_heads + h0 + r % nh) * parts + part;
+#pragma unroll
+        for (int e = 0; e < DPL; e++) part_out[slot_out * D + lane + 32 * e] = acc[i][e];
+        if (lane == 0) {
+            part_max[slot_out] = m[i];
+            part_sum[slot_out] = l[i];
+        }
+    }
+}
+
+#define TS_TILED(SUF, E, DIM)                                                                 \
+    extern "C" __global__ void __launch_bounds__(TS_ATT_THREADS, 4)                           \
+        tessera_tiled_attention_##SUF##_##DIM(                                                \
+            const float* q, const E::Raw* k_cache, const E::Raw* v_cache,                     \
+            const uint32_t* block_tables, const uint32_t* token_seq, const uint32_t* token_pos, \
+            const uint32_t* tiles, float* part_out, float* part_max, float* part_sum,         \
+            uint32_t n_heads, uint32_t n_kv_heads, uint32_t block_size, uint32_t max_blocks,  \
+            float scale, uint32_t window, uint32_t parts, uint32_t part_len) {                \
+        ts_tiled_attention<E, DIM / 32, TS_TILE_ROWS_##DIM / TS_ATT_WARPS>(                   \
+            q, k_cache, v_cache, block_tables, token_seq, token_pos, tiles, part_out,         \
+            part_max, part_sum, n_heads, n_kv_heads, block_size, max_blocks, scale, window,   \
+            parts, part_len);                                                                 \
+    }
+
+TS_TILED(f32, TsF32, 64)
+TS_TILED(f16, TsF16, 64)
+TS_TILED(bf16, TsBf16, 64)
+TS_TILED(f32, TsF32, 128)
+TS_TILED(f16, TsF16, 128)
+TS_TILED(bf16, TsBf16, 128)
+
 // One thread block per (query head, token): its partitions merged by
 // log-sum-exp into out [tokens, n_heads, head_dim].
 extern "C" __global__ void tessera_attention_merge(const float* __restrict__ part_out,

@@ -242,8 +242,11 @@ pub(crate) fn move_rows(
 
 const ATT_THREADS: u32 = super::ATT_THREADS as u32;
 
-/// `paged_attention` on CUDA: partial softmax states per 512-position
-/// partition, merged by log-sum-exp. Returns `[tokens, n_heads, head_dim]`.
+/// `paged_attention` on CUDA: partial softmax states per partition of the
+/// context, merged by log-sum-exp. Prefill chunks go through the tiled
+/// kernel ([`super::attention_tiles`]: each K/V row loaded once for a tile
+/// of tokens and heads), decode through the per-query kernel
+/// ([`super::attention_split`]). Returns `[tokens, n_heads, head_dim]`.
 pub(crate) fn paged_attention(
     q: (&CudaStorage, &Layout),
     k: (&CudaStorage, &Layout),
@@ -260,10 +263,14 @@ pub(crate) fn paged_attention(
     };
     let qs = qs.slice(range(q.1, "queries")?);
     let tokens = meta.token_pos.len();
-    let (part_len, parts) = super::attention_split(meta, n_heads);
+    let tiled = super::attention_tiles(meta, n_heads, n_kv_heads, head_dim);
+    let (part_len, parts) = match &tiled {
+        Some(t) => (t.part_len, t.parts),
+        None => super::attention_split(meta, n_heads),
+    };
     let states = tokens * n_heads * parts;
     // SAFETY (the three allocations and `out` below): the attention
-    // kernel writes every partial state, an empty partition's too, and the
+    // kernels write every partial state, an empty partition's too, and the
     // merge every output value, before anything reads them.
     let mut part_out = unsafe { dev.alloc::<f32>(states * head_dim)? };
     let mut part_max = unsafe { dev.alloc::<f32>(states)? };
@@ -280,15 +287,26 @@ pub(crate) fn paged_attention(
         u(meta.max_blocks),
     ];
     let (window, parts_u, part_len) = (u(meta.window), u(parts), u(part_len));
+    let (kind, dims) = match &tiled {
+        Some(_) => ("tiled", format!("_{head_dim}")),
+        None => ("paged", String::new()),
+    };
+    let tile_table = match &tiled {
+        Some(t) => Some(upload(&dev, t.tiles.as_flattened())?),
+        None => None,
+    };
     let cfg = LaunchConfig {
-        grid_dim: (u(n_heads), u(tokens), u(parts)),
+        grid_dim: match &tiled {
+            Some(t) => (u(t.tiles.len()), parts_u, 1),
+            None => (u(n_heads), u(tokens), parts_u),
+        },
         block_dim: (ATT_THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
     macro_rules! launch {
         ($suffix:literal, $k:expr, $v:expr) => {{
             let f = dev.get_or_load_custom_func(
-                concat!("tessera_paged_attention_", $suffix),
+                &format!("tessera_{kind}_attention_{}{dims}", $suffix),
                 "tessera_paged_attention",
                 ATTENTION_PTX,
             )?;
@@ -301,17 +319,25 @@ pub(crate) fn paged_attention(
             b.arg(&*tables);
             b.arg(&*seqs);
             b.arg(&*pos);
+            if let Some(t) = &tile_table {
+                b.arg(&**t);
+            }
             b.arg(&mut part_out);
             b.arg(&mut part_max);
             b.arg(&mut part_sum);
-            for x in &scalars {
-                b.arg(x);
+            b.arg(&scalars[0]);
+            b.arg(&scalars[1]);
+            if tile_table.is_none() {
+                b.arg(&scalars[2]);
             }
+            b.arg(&scalars[3]);
+            b.arg(&scalars[4]);
             b.arg(&meta.scale);
             b.arg(&window);
             b.arg(&parts_u);
             b.arg(&part_len);
-            // SAFETY: the op checked shapes, block tables and positions.
+            // SAFETY: the op checked shapes, block tables and positions;
+            // the tiles cover whole rows of the queries.
             unsafe { b.launch(cfg) }.w()?;
         }};
     }

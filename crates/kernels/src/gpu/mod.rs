@@ -242,6 +242,95 @@ pub fn attention_split(meta: &crate::PagedMeta, n_heads: usize) -> (usize, usize
     (part, longest.div_ceil(part).max(1))
 }
 
+/// Query rows (token × query head pairs) one block of the CUDA tiled
+/// attention holds for each head dimension it has a kernel for
+/// (`TS_TILE_ROWS_*` in its source); other head dimensions take the
+/// per-query kernel.
+pub const TILE_ROWS: [(usize, usize); 2] = [(64, 32), (128, 16)];
+
+/// Partial states the tiled attention aims to stay within.
+pub const TILE_STATES: usize = 1 << 16;
+
+/// A launch of the CUDA tiled attention: each tile is a run of consecutive
+/// tokens of one sequence and a range of query heads of one KV head group,
+/// at most `rows` (token, head) rows; a block per (tile, partition of
+/// `part_len` positions) loads each K/V row once for all of them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AttentionTiles {
+    /// Per tile: first token, tokens, first query head, query heads, and
+    /// the positions its tokens see, `from..to`.
+    pub tiles: Vec<[u32; 6]>,
+    pub part_len: usize,
+    pub parts: usize,
+    /// Rows per block, as the kernel for this head dimension has them.
+    pub rows: usize,
+}
+
+/// The tiled plan of a paged attention launch over `n_heads` query heads
+/// (`n_kv_heads` K/V heads of `head_dim`), or `None` where the per-query
+/// kernel serves better or alone can: a head dimension without a tiled
+/// kernel, or mostly one token per sequence (decode), where sharing K/V
+/// rows between tokens saves nothing and long contexts want the per-query
+/// kernel's short partitions.
+pub fn attention_tiles(
+    meta: &crate::PagedMeta,
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+) -> Option<AttentionTiles> {
+    let &(_, rows) = TILE_ROWS.iter().find(|(d, _)| *d == head_dim)?;
+    let tokens = meta.token_pos.len();
+    // Runs of consecutive tokens of one sequence.
+    let mut runs: Vec<(usize, usize)> = Vec::new();
+    for t in 0..tokens {
+        match runs.last_mut() {
+            Some((s, n)) if meta.token_seq[*s] == meta.token_seq[t] => *n += 1,
+            _ => runs.push((t, 1)),
+        }
+    }
+    if n_kv_heads == 0 || !n_heads.is_multiple_of(n_kv_heads) || tokens < 8 * runs.len() {
+        return None;
+    }
+    let group = n_heads / n_kv_heads;
+    let (tile_tokens, tile_heads) = if group <= rows {
+        (rows / group, group)
+    } else {
+        (1, rows)
+    };
+    let mut tiles = Vec::new();
+    let mut longest = 1;
+    for &(first, n) in &runs {
+        for t0 in (first..first + n).step_by(tile_tokens) {
+            let nt = tile_tokens.min(first + n - t0);
+            let pos = &meta.token_pos[t0..t0 + nt];
+            let from = pos
+                .iter()
+                .map(|&p| crate::window_start(p as usize, meta.window))
+                .min()
+                .unwrap_or(0);
+            let to = pos.iter().map(|&p| p as usize + 1).max().unwrap_or(1);
+            longest = longest.max(to - from);
+            for g in 0..n_kv_heads {
+                for h0 in (g * group..(g + 1) * group).step_by(tile_heads) {
+                    let nh = tile_heads.min((g + 1) * group - h0);
+                    tiles.push([t0, nt, h0, nh, from, to].map(|x| x as u32));
+                }
+            }
+        }
+    }
+    let queries = tokens * n_heads;
+    let part_len = (6..)
+        .map(|s| 1usize << s)
+        .find(|&p| p >= longest || queries * longest.div_ceil(p) <= TILE_STATES)
+        .expect("some power of two covers the context");
+    Some(AttentionTiles {
+        tiles,
+        part_len,
+        parts: longest.div_ceil(part_len),
+        rows,
+    })
+}
+
 /// The rows `rotate_k` actually moves: those with a nonzero delta.
 pub fn moved_rows(slots: &[u32], deltas: &[i64]) -> (Vec<u32>, Vec<i64>) {
     slots
@@ -345,6 +434,14 @@ mod tests {
             assert!(src.contains(&format!("#define TS_ATT_PART {ATT_PART}\n")));
             assert!(src.contains(&format!("#define TS_ATT_THREADS {ATT_THREADS}\n")));
         }
+        // The tiled kernels' rows per block and names are the plan's.
+        for (dim, rows) in TILE_ROWS {
+            assert!(cuda.contains(&format!("#define TS_TILE_ROWS_{dim} {rows}\n")));
+            for suffix in ["f32", "f16", "bf16"] {
+                assert!(cuda.contains(&format!("TS_TILED({suffix}, ")), "{suffix}");
+                assert!(cuda.contains(&format!(", {dim})\n")), "{dim}");
+            }
+        }
         assert!(metal_source("nope.metal").is_err());
     }
 
@@ -381,6 +478,82 @@ mod tests {
                     && (parts - 1) * part <= pos as usize
             );
         }
+    }
+
+    /// Every (token, query head) pair of a tiled launch is in exactly one
+    /// tile, with its sequence, its KV head group and the positions it
+    /// sees; decode launches and other head dimensions take the per-query
+    /// kernel.
+    #[test]
+    fn attention_tiles_cover_every_query_once() {
+        let meta = |seqs: &'static [u32], pos: &'static [u32], window| crate::PagedMeta {
+            block_size: 16,
+            block_tables: &[],
+            max_blocks: 0,
+            token_seq: seqs,
+            token_pos: pos,
+            scale: 1.0,
+            window,
+        };
+        let check = |m: &crate::PagedMeta, nh: usize, kvh: usize, hd: usize| {
+            let plan = attention_tiles(m, nh, kvh, hd).expect("a tiled launch");
+            let mut seen = vec![0; m.token_pos.len() * nh];
+            for &[t0, nt, h0, nhd, from, to] in &plan.tiles {
+                let (t0, nt, h0, nhd) = (t0 as usize, nt as usize, h0 as usize, nhd as usize);
+                assert!(nt * nhd <= plan.rows && nt > 0 && nhd > 0);
+                let g = h0 / (nh / kvh);
+                assert_eq!((h0 + nhd - 1) / (nh / kvh), g, "one KV head per tile");
+                for t in t0..t0 + nt {
+                    assert_eq!(m.token_seq[t], m.token_seq[t0], "one sequence per tile");
+                    let p = m.token_pos[t] as usize;
+                    assert!(from as usize <= crate::window_start(p, m.window) && p < to as usize);
+                    for h in h0..h0 + nhd {
+                        seen[t * nh + h] += 1;
+                    }
+                }
+                assert!(plan.parts * plan.part_len >= (to - from) as usize);
+            }
+            assert!(seen.iter().all(|&n| n == 1), "{seen:?}");
+            plan
+        };
+        static CHUNK: [u32; 512] = {
+            let mut p = [0u32; 512];
+            let mut i = 0;
+            while i < 512 {
+                p[i] = i as u32;
+                i += 1;
+            }
+            p
+        };
+        static ZEROS: [u32; 512] = [0; 512];
+        // A 512-token prefill, GQA 3: ten tokens of three heads a tile.
+        let plan = check(&meta(&ZEROS, &CHUNK, 0), 9, 3, 64);
+        assert_eq!(plan.tiles.len(), 52 * 3);
+        assert_eq!((plan.part_len, plan.parts), (64, 8));
+        // Head dim 128, GQA 4; a sliding window.
+        check(&meta(&ZEROS[..40], &CHUNK[100..140], 0), 8, 2, 128);
+        check(&meta(&ZEROS[..100], &CHUNK[300..400], 64), 4, 1, 64);
+        // Groups wider than a tile: a token a tile, heads split.
+        let wide = check(&meta(&ZEROS[..16], &CHUNK[..16], 0), 40, 1, 64);
+        assert_eq!(wide.tiles.len(), 16 * 2);
+        // Two sequences' chunks in one launch.
+        static SEQS: [u32; 30] = {
+            let mut s = [0u32; 30];
+            let mut i = 12;
+            while i < 30 {
+                s[i] = 1;
+                i += 1;
+            }
+            s
+        };
+        check(&meta(&SEQS, &CHUNK[200..230], 0), 6, 2, 64);
+        // Decode (a token per sequence) and head dims without a kernel.
+        static DECODE: [u32; 4] = [0, 1, 2, 3];
+        assert_eq!(
+            attention_tiles(&meta(&DECODE, &CHUNK[..4], 0), 9, 3, 64),
+            None
+        );
+        assert_eq!(attention_tiles(&meta(&ZEROS, &CHUNK, 0), 4, 4, 256), None);
     }
 
     #[test]

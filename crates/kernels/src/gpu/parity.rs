@@ -168,13 +168,18 @@ impl Backend for OnDevice {
 /// type.
 pub(crate) fn paged_attention_on(dev: &Device) -> Result<()> {
     // (n_heads, n_kv_heads, head_dim, block_size, context, new tokens, window)
-    let cases: [(usize, usize, usize, usize, usize, usize, usize); 6] = [
+    // (CUDA: the chunks of 8 tokens or more go through the tiled kernel.)
+    let cases: [(usize, usize, usize, usize, usize, usize, usize); 10] = [
         (9, 3, 64, 16, 40, 1, 0),
         (8, 2, 128, 16, 1300, 1, 0), // three partitions (CUDA: 21 of 64)
         (4, 4, 256, 8, 700, 1, 0),
         (6, 2, 64, 16, 600, 37, 0), // a prefill chunk across a partition boundary
         (4, 1, 64, 16, 900, 3, 256), // a sliding window
-        (9, 3, 64, 16, 700, 512, 0), // a long chunk (CUDA: partitions of 256)
+        (9, 3, 64, 16, 700, 512, 0), // a long chunk (CUDA: partitions of 64)
+        (8, 2, 128, 16, 300, 64, 0), // head dim 128, GQA 4
+        (4, 1, 64, 16, 900, 100, 256), // a chunk in a sliding window
+        (40, 1, 64, 8, 60, 16, 0),  // a group wider than a tile
+        (4, 4, 256, 8, 100, 20, 0), // a chunk with head dim 256 (per query)
     ];
     for t in FLOATS {
         for (i, &(nh, kvh, hd, bs, ctx, new, window)) in cases.iter().enumerate() {
@@ -204,6 +209,33 @@ pub(crate) fn paged_attention_on(dev: &Device) -> Result<()> {
             let diff = max_abs_diff(&down(&got)?, &want)?;
             assert!(diff < 1e-4, "{t} case {i}: {diff}");
         }
+        // Two sequences' chunks in one launch, each through its own table:
+        // 20 tokens at 100.. of sequence 0, then 30 at 40.. of sequence 1.
+        let (nh, kvh, hd, bs, blocks) = (6, 2, 64, 16, 16);
+        let k = seeded_cache(&[blocks, bs, kvh, hd], 41, t)?;
+        let v = seeded_cache(&[blocks, bs, kvh, hd], 42, t)?;
+        let tables: Vec<u32> = (0..8).chain((8..16).rev()).collect();
+        let token_seq: Vec<u32> = [0; 20].into_iter().chain([1; 30]).collect();
+        let token_pos: Vec<u32> = (100..120).chain(40..70).collect();
+        let meta = PagedMeta {
+            block_size: bs,
+            block_tables: &tables,
+            max_blocks: 8,
+            token_seq: &token_seq,
+            token_pos: &token_pos,
+            scale: 0.125,
+            window: 0,
+        };
+        let q = seeded(&[50, nh, hd], 43, DType::F32)?;
+        let want = crate::paged_attention_slow(&q, &k, &v, &meta)?;
+        let got = crate::paged_attention(
+            &q.to_device(dev)?,
+            &k.to_device(dev)?,
+            &v.to_device(dev)?,
+            &meta,
+        )?;
+        let diff = max_abs_diff(&down(&got)?, &want)?;
+        assert!(diff < 1e-4, "{t} two sequences: {diff}");
     }
     Ok(())
 }
