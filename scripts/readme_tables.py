@@ -18,6 +18,7 @@ Usage: readme_tables.py model|engine|swa|gpu
 
 import datetime
 import json
+import statistics
 import os
 import subprocess
 import sys
@@ -281,7 +282,7 @@ def gpu_profile(d, dcd):
     pre = ncu_kernels(d / "ncu-prefill.txt")
     total = sum(t for _, _, t in pre)
     group = lambda key: sum(t for name, _, t in pre if key in name)
-    att = group("paged_attention")
+    att = group("attention")
     gemm = group("gemm")
     deq = group("dequantize")
     dec = ncu_kernels(d / "ncu-decode.txt")
@@ -291,10 +292,9 @@ def gpu_profile(d, dcd):
     norm = sum(t for name, _, t in dec if name.startswith("rmsnorm")) / steps
     return (
         f"Where the GPU time goes (`PROFILE=1`: ncu's time of every kernel, same binary): a 512-token "
-        f"prefill runs {total / 1e3:.1f} ms of kernels, of which paged attention "
-        f"**{att / 1e3:.1f} ms ({att / total * 100:.0f}%)**, cuBLAS's f32 products {gemm / 1e3:.1f} ms and "
-        f"dequantizing the weights for them {deq / 1e3:.1f} ms: the attention kernel, one block per query "
-        f"head and token reading its whole history, is what prefill should improve first. A decode step "
+        f"prefill runs {total / 1e3:.1f} ms of kernels, of which cuBLAS's f32 products {gemm / 1e3:.1f} ms, "
+        f"paged attention (the tiled kernel and the merge) {att / 1e3:.1f} ms ({att / total * 100:.0f}%) and "
+        f"dequantizing the weights for the products {deq / 1e3:.1f} ms. A decode step "
         f"runs about {per_step / 1e3:.2f} ms of kernels against {1e3 / dcd['tessera']:.2f} ms per token measured "
         f"(the rest is launches and host work), {norm / 1e3:.2f} ms of it in candle's `rms_norm`, which "
         "gives a row one warp."
@@ -305,9 +305,11 @@ def vs_llamacpp(runs, r):
     """llama.cpp's CUDA build (`llama-bench`, flash attention on, every
     layer on the GPU) beside `tessera bench --device cuda` in the same run."""
     def speed(n_prompt, n_gen, depth=0):
+        # The median of llama-bench's repetitions, as Tessera's figures are
+        # medians (its mean takes in a first, cold repetition).
         for x in runs:
             if (x["n_prompt"], x["n_gen"], x.get("n_depth", 0)) == (n_prompt, n_gen, depth):
-                return x["avg_ts"]
+                return statistics.median(x["samples_ts"]) if x.get("samples_ts") else x["avg_ts"]
         sys.exit(f"llama.json has no run with n_prompt={n_prompt} n_gen={n_gen} n_depth={depth}")
     b = runs[0]
     p, dcd, lg = r["prefill"], r["decode"], r["decode-long"]
@@ -320,7 +322,7 @@ def vs_llamacpp(runs, r):
     return [
         f"Beside llama.cpp's CUDA build in the same run (`llama-bench` at build {b['build_commit']}, "
         f"built for sm_90 with `GGML_CUDA=ON`, every layer on the GPU, flash attention on, "
-        f"{b['n_threads']} threads, mean of {len(b.get('samples_ts', [])) or 'its'} repetitions; "
+        f"{b['n_threads']} threads, median of {len(b.get('samples_ts', [])) or 'its'} repetitions; "
         "Tessera's figures from the table above):",
         "",
         "| scenario | Tessera | llama.cpp CUDA | ratio |",
