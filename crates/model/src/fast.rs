@@ -232,6 +232,11 @@ impl Fast {
                 }
                 _ => None,
             };
+            let Some([q, k, v, o, gate, up, down]) = l.linears() else {
+                return Err(bad(
+                    "the CPU fast path needs the projections unstacked".into()
+                ));
+            };
             layers.push(LayerConsts {
                 attn_norm: vec_of(&l.attn_norm)?,
                 ffn_norm: vec_of(&l.ffn_norm)?,
@@ -243,13 +248,13 @@ impl Fast {
                 rope: m.layer_rope[i],
                 wset,
                 lins: [
-                    Lin::new(&l.q)?,
-                    Lin::new(&l.k)?,
-                    Lin::new(&l.v)?,
-                    Lin::new(&l.o)?,
-                    Lin::new(&l.gate)?,
-                    Lin::new(&l.up)?,
-                    Lin::new(&l.down)?,
+                    Lin::new(q)?,
+                    Lin::new(k)?,
+                    Lin::new(v)?,
+                    Lin::new(o)?,
+                    Lin::new(gate)?,
+                    Lin::new(up)?,
+                    Lin::new(down)?,
                 ],
             });
         }
@@ -282,7 +287,7 @@ impl Fast {
         if acts != Activations::F32 {
             let mut lins: Vec<(&mut Lin, &QLinear)> = Vec::new();
             for (lc, l) in layers.iter_mut().zip(&m.layers) {
-                let qs = [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down];
+                let qs = l.linears().expect("checked above");
                 lins.extend(lc.lins.iter_mut().zip(qs));
             }
             lins.push((&mut head, &m.lm_head));
@@ -821,7 +826,11 @@ impl Llama {
         // Weight bytes for this step.
         let mut datas: Vec<[Cow<[u8]>; 7]> = Vec::with_capacity(self.layers.len());
         for (lc, l) in fast.layers.iter().zip(&self.layers) {
-            let qs = [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down];
+            let Some(qs) = l.linears() else {
+                return Err(bad(
+                    "the CPU fast path needs the projections unstacked".into()
+                ));
+            };
             datas.push([
                 lc.lins[0].data(qs[0])?,
                 lc.lins[1].data(qs[1])?,

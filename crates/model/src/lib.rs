@@ -28,7 +28,7 @@ pub use llama::{
 };
 pub use loader::{GgufFile, HfDir};
 pub use model::{Model, ModelFormat};
-pub use qlinear::QLinear;
+pub use qlinear::{Proj, QLinear};
 pub use template::{ChatTemplate, Message};
 pub use tessera_kernels::Activations;
 pub use tokenizer::{Special, StreamDecoder, Tokenizer};

@@ -18,27 +18,35 @@ use tessera_kernels::{paged_attention, write_kv, Activations, KvType, PagedMeta,
 use crate::config::{Activation, ModelConfig};
 use crate::fast::Fast;
 use crate::loader::{Source, W};
-use crate::qlinear::QLinear;
+use crate::qlinear::{Proj, QLinear};
 use crate::Result;
 
 pub(crate) struct Layer {
     pub(crate) attn_norm: Tensor,
-    pub(crate) q: QLinear,
-    pub(crate) k: QLinear,
-    pub(crate) v: QLinear,
+    /// q, k and v (stacked into one weight on a GPU).
+    pub(crate) qkv: Proj<3>,
     pub(crate) q_bias: Option<Tensor>,
     pub(crate) k_bias: Option<Tensor>,
     pub(crate) v_bias: Option<Tensor>,
     pub(crate) o: QLinear,
     pub(crate) ffn_norm: Tensor,
-    pub(crate) gate: QLinear,
-    pub(crate) up: QLinear,
+    /// The gate and up projections (stacked on a GPU).
+    pub(crate) gate_up: Proj<2>,
     pub(crate) down: QLinear,
     /// Gemma 3's norms (`Block::qk_norm`, `Block::post_norms`).
     pub(crate) q_norm: Option<Tensor>,
     pub(crate) k_norm: Option<Tensor>,
     pub(crate) post_attn_norm: Option<Tensor>,
     pub(crate) post_ffn_norm: Option<Tensor>,
+}
+
+impl Layer {
+    /// q, k, v, o, gate, up and down, each on its own: what the CPU fast
+    /// path reads (there the projections are never stacked).
+    pub(crate) fn linears(&self) -> Option<[&QLinear; 7]> {
+        let ([q, k, v], [gate, up]) = (self.qkv.split()?, self.gate_up.split()?);
+        Some([q, k, v, &self.o, gate, up, &self.down])
+    }
 }
 
 /// The weights of a loaded model.
@@ -248,8 +256,7 @@ impl Attention for DenseAttention<'_> {
     }
 }
 
-fn linear(m: &QLinear, x: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-    let y = m.forward(x)?;
+fn bias(y: Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
     Ok(match bias {
         Some(b) => y.broadcast_add(b)?,
         None => y,
@@ -282,16 +289,20 @@ impl Llama {
             let (qk, post) = (cfg.block.qk_norm, cfg.block.post_norms);
             layers.push(Layer {
                 attn_norm: src.vector(W::AttnNorm(l), device)?,
-                q: src.matmul(W::Q(l), device)?,
-                k: src.matmul(W::K(l), device)?,
-                v: src.matmul(W::V(l), device)?,
+                qkv: Proj::new([
+                    src.matmul(W::Q(l), device)?,
+                    src.matmul(W::K(l), device)?,
+                    src.matmul(W::V(l), device)?,
+                ])?,
                 q_bias: bias(src, W::QBias(l))?,
                 k_bias: bias(src, W::KBias(l))?,
                 v_bias: bias(src, W::VBias(l))?,
                 o: src.matmul(W::O(l), device)?,
                 ffn_norm: src.vector(W::FfnNorm(l), device)?,
-                gate: src.matmul(W::Gate(l), device)?,
-                up: src.matmul(W::Up(l), device)?,
+                gate_up: Proj::new([
+                    src.matmul(W::Gate(l), device)?,
+                    src.matmul(W::Up(l), device)?,
+                ])?,
                 down: src.matmul(W::Down(l), device)?,
                 q_norm: maybe(src, qk, W::QNorm(l))?,
                 k_norm: maybe(src, qk, W::KNorm(l))?,
@@ -570,21 +581,21 @@ impl Llama {
         for (l, layer) in self.layers.iter().enumerate() {
             let (cos, sin) = &tables[self.layer_rope[l]];
             let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, eps)?;
-            let q = linear(&layer.q, &h, layer.q_bias.as_ref())?.reshape((t, nh, hd))?;
-            let k = linear(&layer.k, &h, layer.k_bias.as_ref())?.reshape((t, kvh, hd))?;
-            let v = linear(&layer.v, &h, layer.v_bias.as_ref())?.reshape((t, kvh, hd))?;
+            let [q, k, v] = layer.qkv.forward(&h)?;
+            let q = bias(q, layer.q_bias.as_ref())?.reshape((t, nh, hd))?;
+            let k = bias(k, layer.k_bias.as_ref())?.reshape((t, kvh, hd))?;
+            let v = bias(v, layer.v_bias.as_ref())?.reshape((t, kvh, hd))?;
             let q = self.rope(&norm(&q, &layer.q_norm)?, cos, sin)?;
             let k = self.rope(&norm(&k, &layer.k_norm)?, cos, sin)?;
             let a = attn.attend(l, &q, &k, &v.contiguous()?)?;
             let o = layer.o.forward(&a.reshape((t, nh * hd))?)?;
             x = (x + norm(&o, &layer.post_attn_norm)?)?;
             let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, eps)?;
-            let g = layer.gate.forward(&h)?;
+            let [g, u] = layer.gate_up.forward(&h)?;
             let g = match cfg.block.activation {
                 Activation::Silu => g.silu()?,
                 Activation::GeluTanh => g.gelu()?,
             };
-            let u = layer.up.forward(&h)?;
             let d = layer.down.forward(&(g * u)?)?;
             x = (x + norm(&d, &layer.post_ffn_norm)?)?;
         }

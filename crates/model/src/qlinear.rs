@@ -36,6 +36,13 @@ pub enum QLinear {
 }
 
 impl QLinear {
+    fn is_cpu(&self) -> bool {
+        match self {
+            QLinear::Quantized(w) => w.device().is_cpu(),
+            QLinear::Dense(w) => w.device().is_cpu(),
+        }
+    }
+
     pub fn out_features(&self) -> usize {
         match self {
             QLinear::Quantized(w) => w.shape().dims()[0],
@@ -125,6 +132,122 @@ impl QLinear {
     }
 }
 
+/// Projections of one input (a layer's q, k and v, or gate and up): `N`
+/// weights of their own, or on a GPU stacked into one (their rows one
+/// after another), so that one product, one kernel launch, gives all `N`
+/// outputs side by side.
+#[derive(Clone)]
+pub enum Proj<const N: usize> {
+    Split([QLinear; N]),
+    /// The stacked weight and each part's output width.
+    Stacked(QLinear, [usize; N]),
+}
+
+impl<const N: usize> Proj<N> {
+    /// `parts` stacked where that is possible and worth it (on a GPU, all
+    /// quantized in one format, or all dense in one dtype, with one input
+    /// width); split otherwise. Each output row is the same dot product
+    /// either way.
+    pub fn new(parts: [QLinear; N]) -> Result<Proj<N>> {
+        if parts.iter().any(|p| p.is_cpu()) {
+            return Ok(Proj::Split(parts));
+        }
+        Proj::stacked(parts)
+    }
+
+    /// `parts` stacked wherever they are, where they share a format and an
+    /// input width (split otherwise).
+    pub(crate) fn stacked(parts: [QLinear; N]) -> Result<Proj<N>> {
+        match stack(&parts)? {
+            Some(w) => Ok(Proj::Stacked(w, parts.map(|p| p.out_features()))),
+            None => Ok(Proj::Split(parts)),
+        }
+    }
+
+    /// The separate weights (the CPU fast path reads them); `None` once
+    /// stacked.
+    pub fn split(&self) -> Option<&[QLinear; N]> {
+        match self {
+            Proj::Split(p) => Some(p),
+            Proj::Stacked(..) => None,
+        }
+    }
+
+    /// `x`: `[T, in]` → the `N` outputs `[T, out_i]`.
+    pub fn forward(&self, x: &Tensor) -> Result<[Tensor; N]> {
+        match self {
+            Proj::Split(p) => {
+                let ys = p.iter().map(|w| w.forward(x)).collect::<Result<Vec<_>>>()?;
+                Ok(ys.try_into().unwrap_or_else(|_| unreachable!("N outputs")))
+            }
+            Proj::Stacked(w, widths) => {
+                let y = w.forward(x)?;
+                let mut at = 0;
+                let ys = widths
+                    .iter()
+                    .map(|&n| {
+                        let part = y.narrow(1, at, n);
+                        at += n;
+                        part
+                    })
+                    .collect::<candle_core::Result<Vec<_>>>()?;
+                Ok(ys.try_into().unwrap_or_else(|_| unreachable!("N outputs")))
+            }
+        }
+    }
+}
+
+/// One weight holding the rows of `parts` in order, where they share a
+/// format and an input width; `None` otherwise.
+fn stack(parts: &[QLinear]) -> Result<Option<QLinear>> {
+    use candle_core::quantized::QStorage;
+    let Some(first) = parts.first() else {
+        return Ok(None);
+    };
+    match first {
+        QLinear::Quantized(w0) => {
+            let dev = w0.device();
+            let (_, k) = w0.shape().dims2()?;
+            let mut ws = Vec::with_capacity(parts.len());
+            for p in parts {
+                match p {
+                    QLinear::Quantized(w)
+                        if w.dtype() == w0.dtype() && w.shape().dims2()?.1 == k =>
+                    {
+                        ws.push(w)
+                    }
+                    _ => return Ok(None),
+                }
+            }
+            // A row is whole blocks, so the stacked blocks are the parts'
+            // bytes one after another.
+            let mut bytes = Vec::new();
+            let mut n = 0;
+            for w in ws {
+                bytes.extend_from_slice(&w.data()?);
+                n += w.shape().dims2()?.0;
+            }
+            let storage = QStorage::from_data(std::borrow::Cow::Owned(bytes), &dev, w0.dtype())?;
+            Ok(Some(QLinear::Quantized(Arc::new(QTensor::new(
+                storage,
+                (n, k),
+            )?))))
+        }
+        QLinear::Dense(w0) => {
+            let mut ws = Vec::with_capacity(parts.len());
+            for p in parts {
+                match p {
+                    QLinear::Dense(w) if w.dtype() == w0.dtype() && w.dim(1)? == w0.dim(1)? => {
+                        ws.push(w)
+                    }
+                    _ => return Ok(None),
+                }
+            }
+            Ok(Some(QLinear::Dense(Tensor::cat(&ws, 0)?)))
+        }
+    }
+}
+
 /// Weight rows per task of the row path.
 const ROWS_PER_TASK: usize = 64;
 
@@ -204,6 +327,47 @@ mod tests {
             QLinear::Dense(dense.clone()).rows(&ids, &mut dense_got)?;
             assert_eq!(got, dense_got);
             assert!(QLinear::Dense(dense.clone()).rows(&[48], &mut got).is_err());
+        }
+        Ok(())
+    }
+
+    /// Stacked projections give each part's product (the same dot
+    /// products, one launch); mixed formats stay split.
+    #[test]
+    fn stacked_projections_give_each_parts_product() -> Result<()> {
+        let parts = |dtypes: [GgmlDType; 3]| -> Result<[QLinear; 3]> {
+            let mut out = Vec::new();
+            for (i, (dt, n)) in dtypes.iter().zip([64, 32, 32]).enumerate() {
+                let w = seeded(&[n, 64], 10 + i as u64, DType::F32)?;
+                out.push(QLinear::Quantized(Arc::new(QTensor::quantize(&w, *dt)?)));
+            }
+            Ok(out.try_into().unwrap_or_else(|_| unreachable!()))
+        };
+        let x = seeded(&[3, 64], 20, DType::F32)?;
+        let same = parts([GgmlDType::Q4_1; 3])?;
+        // On the CPU the fast path reads the parts: never stacked there.
+        assert!(Proj::new(same.clone())?.split().is_some());
+        let stacked = Proj::stacked(same.clone())?;
+        assert!(stacked.split().is_none());
+        let got = stacked.forward(&x)?;
+        for (p, g) in same.iter().zip(&got) {
+            let want = p.forward(&x)?;
+            assert_eq!(g.dims(), want.dims());
+            assert_eq!(
+                g.contiguous()?.flatten_all()?.to_vec1::<f32>()?,
+                want.flatten_all()?.to_vec1::<f32>()?
+            );
+        }
+        let mixed = parts([GgmlDType::Q4_1, GgmlDType::Q4_1, GgmlDType::Q8_0])?;
+        assert!(Proj::stacked(mixed)?.split().is_some());
+        let dense: [QLinear; 2] = [
+            QLinear::Dense(seeded(&[16, 64], 30, DType::F32)?),
+            QLinear::Dense(seeded(&[8, 64], 31, DType::F32)?),
+        ];
+        let [a, b] = Proj::stacked(dense.clone())?.forward(&x)?;
+        for (p, g) in dense.iter().zip([a, b]) {
+            let want = p.forward(&x)?.flatten_all()?.to_vec1::<f32>()?;
+            assert_eq!(g.contiguous()?.flatten_all()?.to_vec1::<f32>()?, want);
         }
         Ok(())
     }

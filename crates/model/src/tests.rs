@@ -883,11 +883,12 @@ fn gpu_forward_follows_the_cpu_reference_on_the_real_model() {
     let cpu = Model::load(&path, &mut |_, _| {}).unwrap();
     let gpu = Model::load_on(&path, &dev, &mut |_, _| {}).unwrap();
     // The GGUF blocks live on the GPU as they are (not dequantized to f32).
-    for w in [
-        &gpu.llama.layers[0].q,
-        &gpu.llama.layers[0].down,
-        &gpu.llama.lm_head,
-    ] {
+    // On the GPU q, k and v are one stacked weight, as are gate and up.
+    let (qkv, gate_up) = match (&gpu.llama.layers[0].qkv, &gpu.llama.layers[0].gate_up) {
+        (crate::Proj::Stacked(a, _), crate::Proj::Stacked(b, _)) => (a, b),
+        _ => panic!("the projections were not stacked on the GPU"),
+    };
+    for w in [qkv, gate_up, &gpu.llama.layers[0].down, &gpu.llama.lm_head] {
         match w {
             crate::QLinear::Quantized(q) => {
                 assert!(!q.device().is_cpu() && q.dtype() != GgmlDType::F32)
