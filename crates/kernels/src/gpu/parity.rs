@@ -162,6 +162,25 @@ impl Backend for OnDevice {
     }
 }
 
+/// The largest difference between paged attention on `dev` and the slow
+/// reference on the CPU, for the same (CPU) inputs.
+fn attention_diff(
+    dev: &Device,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    meta: &PagedMeta,
+) -> Result<f32> {
+    let want = crate::paged_attention_slow(q, k, v, meta)?;
+    let got = crate::paged_attention(
+        &q.to_device(dev)?,
+        &k.to_device(dev)?,
+        &v.to_device(dev)?,
+        meta,
+    )?;
+    max_abs_diff(&down(&got)?, &want)
+}
+
 /// Paged attention on `dev` against the slow reference: decode and
 /// prefill chunks, several partitions (on CUDA, of 64 and of 256
 /// positions), GQA, a sliding window, head dims 64–256, every float cache
@@ -199,14 +218,7 @@ pub(crate) fn paged_attention_on(dev: &Device) -> Result<()> {
                 window,
             };
             let q = seeded(&[new, nh, hd], 30 + i as u64, DType::F32)?;
-            let want = crate::paged_attention_slow(&q, &k, &v, &meta)?;
-            let got = crate::paged_attention(
-                &q.to_device(dev)?,
-                &k.to_device(dev)?,
-                &v.to_device(dev)?,
-                &meta,
-            )?;
-            let diff = max_abs_diff(&down(&got)?, &want)?;
+            let diff = attention_diff(dev, &q, &k, &v, &meta)?;
             assert!(diff < 1e-4, "{t} case {i}: {diff}");
         }
         // Two sequences' chunks in one launch, each through its own table:
@@ -227,14 +239,7 @@ pub(crate) fn paged_attention_on(dev: &Device) -> Result<()> {
             window: 0,
         };
         let q = seeded(&[50, nh, hd], 43, DType::F32)?;
-        let want = crate::paged_attention_slow(&q, &k, &v, &meta)?;
-        let got = crate::paged_attention(
-            &q.to_device(dev)?,
-            &k.to_device(dev)?,
-            &v.to_device(dev)?,
-            &meta,
-        )?;
-        let diff = max_abs_diff(&down(&got)?, &want)?;
+        let diff = attention_diff(dev, &q, &k, &v, &meta)?;
         assert!(diff < 1e-4, "{t} two sequences: {diff}");
     }
     Ok(())
