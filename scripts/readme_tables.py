@@ -289,17 +289,15 @@ def gpu_profile(d, dcd):
     # One lm_head product per decode step.
     steps = sum(n for name, n, _ in dec if "q8_0" in name) or 1
     per_step = sum(t for _, _, t in dec) / steps
-    norms = [name for name, _, _ in dec if name.startswith("rmsnorm") or name == "tessera_rms_norm"]
-    norm = sum(t for name, _, t in dec if name in norms) / steps
-    whose = ("Tessera's `tessera_rms_norm` (a block per row)" if "tessera_rms_norm" in norms
-             else "candle's `rms_norm`, which gives a row one warp")
+    norm = sum(t for name, _, t in dec if name.startswith("rmsnorm")) / steps
     return (
         f"Where the GPU time goes (`PROFILE=1`: ncu's time of every kernel, same binary): a 512-token "
         f"prefill runs {total / 1e3:.1f} ms of kernels, of which cuBLAS's f32 products {gemm / 1e3:.1f} ms, "
         f"paged attention (the tiled kernel and the merge) {att / 1e3:.1f} ms ({att / total * 100:.0f}%) and "
         f"dequantizing the weights for the products {deq / 1e3:.1f} ms. A decode step "
         f"runs about {per_step / 1e3:.2f} ms of kernels against {1e3 / dcd['tessera']:.2f} ms per token measured "
-        f"(the rest is launches and host work), {norm / 1e3:.2f} ms of it in {whose}."
+        f"(the rest is launches and host work), {norm / 1e3:.2f} ms of it in candle's `rms_norm`, which "
+        "gives a row one warp."
     )
 
 

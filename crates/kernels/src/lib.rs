@@ -36,7 +36,7 @@
 //!
 //! With the `cuda` feature the KV ops also run on CUDA tensors ([`gpu`]:
 //! one kernel source for CUDA, Metal and the host, `gpu/*.cu` for paged
-//! attention), as does [`rms_norm`], the GPU forward's norm. On Metal every op still returns an error that says so
+//! attention). On Metal every op still returns an error that says so
 //! (candle's default for custom ops).
 
 mod attend;
@@ -47,7 +47,6 @@ pub mod gpu;
 mod lanes;
 mod matvec;
 mod mem;
-mod norm;
 pub mod pool;
 mod qdot;
 pub mod quant;
@@ -63,7 +62,6 @@ pub use attention::{
 pub use copy::{copy_blocks, copy_blocks_slow};
 pub use matvec::{f16_to_f32, matvec, matvec_slow, Isa, WeightFormat, Weights};
 pub use mem::{advise_huge_pages, zeroed_huge};
-pub use norm::rms_norm;
 pub use qdot::{qmatvec, qmatvec_slow, quantize_row, ActBlock, Activations, Packed, QIsa, GROUP};
 pub use quant::{dequantize_cache, quantize_cache, KvType};
 pub use rope::{RopeStyle, Rotation};

@@ -541,16 +541,6 @@ impl Llama {
         ))
     }
 
-    /// RMS norm over the last dimension: on CUDA tessera's kernel (a block
-    /// per row), elsewhere candle's.
-    fn rms_norm(&self, x: &Tensor, w: &Tensor, eps: f32) -> Result<Tensor> {
-        let x = x.contiguous()?;
-        if x.device().is_cuda() && x.dtype() == DType::F32 && w.dtype() == DType::F32 {
-            return Ok(tessera_kernels::rms_norm(&x, w, eps)?);
-        }
-        Ok(candle_nn::ops::rms_norm(&x, w, eps)?)
-    }
-
     fn rope(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         // [T, H, hd] viewed as [T, H, 1, hd]: every token is its own "batch"
         // with its own cos/sin row, so positions may be arbitrary.
@@ -582,16 +572,15 @@ impl Llama {
             .map(|f| self.rope_tables(f, positions))
             .collect::<Result<Vec<_>>>()?;
         let eps = cfg.rms_eps as f32;
-        let rms = |x: &Tensor, w: &Tensor| self.rms_norm(x, w, eps);
         let norm = |x: &Tensor, w: &Option<Tensor>| -> Result<Tensor> {
             Ok(match w {
-                Some(w) => rms(x, w)?,
+                Some(w) => candle_nn::ops::rms_norm(&x.contiguous()?, w, eps)?,
                 None => x.clone(),
             })
         };
         for (l, layer) in self.layers.iter().enumerate() {
             let (cos, sin) = &tables[self.layer_rope[l]];
-            let h = rms(&x, &layer.attn_norm)?;
+            let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, eps)?;
             let [q, k, v] = layer.qkv.forward(&h)?;
             let q = bias(q, layer.q_bias.as_ref())?.reshape((t, nh, hd))?;
             let k = bias(k, layer.k_bias.as_ref())?.reshape((t, kvh, hd))?;
@@ -601,7 +590,7 @@ impl Llama {
             let a = attn.attend(l, &q, &k, &v.contiguous()?)?;
             let o = layer.o.forward(&a.reshape((t, nh * hd))?)?;
             x = (x + norm(&o, &layer.post_attn_norm)?)?;
-            let h = rms(&x, &layer.ffn_norm)?;
+            let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, eps)?;
             let [g, u] = layer.gate_up.forward(&h)?;
             let g = match cfg.block.activation {
                 Activation::Silu => g.silu()?,
@@ -618,7 +607,7 @@ impl Llama {
             )?);
         }
         let x = x.index_select(picks, 0)?;
-        let x = rms(&x, &self.norm)?;
+        let x = candle_nn::ops::rms_norm(&x, &self.norm, eps)?;
         Ok(self.lm_head.forward(&x)?.to_dtype(DType::F32)?)
     }
 

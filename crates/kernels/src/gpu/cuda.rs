@@ -22,7 +22,6 @@ use crate::{PagedMeta, RopeStyle};
 
 const KV_OPS_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/kv_ops.ptx"));
 const ATTENTION_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/paged_attention.ptx"));
-const NORM_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/norm.ptx"));
 
 fn config(l: Launch) -> LaunchConfig {
     LaunchConfig {
@@ -377,40 +376,4 @@ pub(crate) fn paged_attention(
         CudaStorage::wrap_cuda_slice(out, dev),
         Shape::from((tokens, n_heads, head_dim)),
     ))
-}
-
-/// `rms_norm` on CUDA: a thread block per row of `cols` f32 values.
-pub(crate) fn rms_norm(
-    x: (&CudaStorage, &Layout),
-    w: (&CudaStorage, &Layout),
-    rows: usize,
-    cols: usize,
-    eps: f32,
-) -> Result<(CudaStorage, Shape)> {
-    let dev = x.0.device.clone();
-    let (S::F32(xs), S::F32(ws)) = (&x.0.slice, &w.0.slice) else {
-        bail!("rms_norm on CUDA: f32 inputs only")
-    };
-    let xs = xs.slice(range(x.1, "rms_norm input")?);
-    let ws = ws.slice(range(w.1, "rms_norm weight")?);
-    // SAFETY: the kernel writes every value of every row.
-    let mut out = unsafe { dev.alloc::<f32>(rows * cols)? };
-    if rows > 0 && cols > 0 {
-        let f = dev.get_or_load_custom_func("tessera_rms_norm", "tessera_norm", NORM_PTX)?;
-        let mut b = f.builder();
-        b.arg(&xs);
-        b.arg(&ws);
-        b.arg(&mut out);
-        let c = cols as u32;
-        b.arg(&c);
-        b.arg(&eps);
-        let cfg = LaunchConfig {
-            grid_dim: (rows as u32, 1, 1),
-            block_dim: (super::NORM_THREADS as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: `xs` holds `rows` rows of `cols`, `ws` one.
-        unsafe { b.launch(cfg) }.w()?;
-    }
-    Ok((CudaStorage::wrap_cuda_slice(out, dev), x.1.shape().clone()))
 }

@@ -4,9 +4,3 @@
 //! device` and passes, unless `TESSERA_REQUIRE_GPU=1`.
 
 super::parity::device_tests!("CUDA", Device::new_cuda(0));
-
-#[test]
-fn rms_norm_matches_the_cpu() -> Result<()> {
-    let Some(dev) = gpu() else { return Ok(()) };
-    parity::rms_norm_on(&dev)
-}

@@ -242,9 +242,6 @@ pub fn attention_split(meta: &crate::PagedMeta, n_heads: usize) -> (usize, usize
     (part, longest.div_ceil(part).max(1))
 }
 
-/// Threads per block of the CUDA `rms_norm` (`TS_NORM_THREADS`).
-pub const NORM_THREADS: usize = 256;
-
 /// Query rows (token × query head pairs) one block of the CUDA tiled
 /// attention holds for each head dimension it has a kernel for
 /// (`TS_TILE_ROWS_*` in its source); other head dimensions take the
@@ -437,8 +434,6 @@ mod tests {
             assert!(src.contains(&format!("#define TS_ATT_PART {ATT_PART}\n")));
             assert!(src.contains(&format!("#define TS_ATT_THREADS {ATT_THREADS}\n")));
         }
-        let norm = include_str!("../../gpu/norm.cu");
-        assert!(norm.contains(&format!("#define TS_NORM_THREADS {NORM_THREADS}\n")));
         // The tiled kernels' rows per block and names are the plan's.
         for (dim, rows) in TILE_ROWS {
             assert!(cuda.contains(&format!("#define TS_TILE_ROWS_{dim} {rows}\n")));

@@ -245,24 +245,6 @@ pub(crate) fn paged_attention_on(dev: &Device) -> Result<()> {
     Ok(())
 }
 
-/// `rms_norm` on `dev` against the CPU op: rows shorter and longer than a
-/// thread block, one row and many (CUDA only: Metal runs candle's).
-#[cfg(feature = "cuda")]
-pub(crate) fn rms_norm_on(dev: &Device) -> Result<()> {
-    for (i, &(rows, cols)) in [(1, 576), (37, 576), (3, 2048), (5, 100)]
-        .iter()
-        .enumerate()
-    {
-        let x = seeded(&[rows, cols], 50 + i as u64, DType::F32)?;
-        let w = seeded(&[cols], 60 + i as u64, DType::F32)?;
-        let want = crate::rms_norm(&x, &w, 1e-5)?;
-        let got = crate::rms_norm(&x.to_device(dev)?, &w.to_device(dev)?, 1e-5)?;
-        let diff = max_abs_diff(&got.to_device(&Device::Cpu)?, &want)?;
-        assert!(diff < 1e-5, "{rows}x{cols}: {diff}");
-    }
-    Ok(())
-}
-
 /// The tests of a device backend: `$open` gives the device (`Err` when
 /// there is none: the tests print `skipped: no $what device` and pass,
 /// unless `TESSERA_REQUIRE_GPU=1`, which makes them fail, so a GPU run
