@@ -256,7 +256,7 @@ impl Attention for DenseAttention<'_> {
     }
 }
 
-fn bias(y: Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+fn add_bias(y: Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
     Ok(match bias {
         Some(b) => y.broadcast_add(b)?,
         None => y,
@@ -582,9 +582,9 @@ impl Llama {
             let (cos, sin) = &tables[self.layer_rope[l]];
             let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, eps)?;
             let [q, k, v] = layer.qkv.forward(&h)?;
-            let q = bias(q, layer.q_bias.as_ref())?.reshape((t, nh, hd))?;
-            let k = bias(k, layer.k_bias.as_ref())?.reshape((t, kvh, hd))?;
-            let v = bias(v, layer.v_bias.as_ref())?.reshape((t, kvh, hd))?;
+            let q = add_bias(q, layer.q_bias.as_ref())?.reshape((t, nh, hd))?;
+            let k = add_bias(k, layer.k_bias.as_ref())?.reshape((t, kvh, hd))?;
+            let v = add_bias(v, layer.v_bias.as_ref())?.reshape((t, kvh, hd))?;
             let q = self.rope(&norm(&q, &layer.q_norm)?, cos, sin)?;
             let k = self.rope(&norm(&k, &layer.k_norm)?, cos, sin)?;
             let a = attn.attend(l, &q, &k, &v.contiguous()?)?;
