@@ -38,6 +38,11 @@ __device__ __forceinline__ float ts_warp_max(float x) {
     return x;
 }
 
+// The first position a query at pos sees (window_start in attention.rs).
+__device__ __forceinline__ uint32_t ts_window_start(uint32_t pos, uint32_t window) {
+    return window == 0 ? 0 : (pos + 1 > window ? pos + 1 - window : 0);
+}
+
 // The whole block's max (op 0) or sum (op 1) of one value per thread.
 __device__ __forceinline__ float ts_block_reduce(float x, float* red, int op) {
     int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -65,7 +70,7 @@ __device__ void ts_paged_attention(
     uint32_t h = blockIdx.x, t = blockIdx.y, part = blockIdx.z;
     uint32_t g = h / (n_heads / n_kv_heads);
     uint32_t pos = token_pos[t];
-    uint32_t lo = window == 0 ? 0 : (pos + 1 > window ? pos + 1 - window : 0);
+    uint32_t lo = ts_window_start(pos, window);
     uint32_t from = lo + part * part_len;
     uint32_t to = min(pos + 1, from + part_len); // exclusive
     ts_u64 slot_out = ((ts_u64)t * n_heads + h) * parts + part;
@@ -215,7 +220,7 @@ __device__ void ts_tiled_attention(
         uint32_t r = threadIdx.x, lo = 1, hi = 0; // no positions
         if (r < rows) {
             uint32_t pos = token_pos[t0 + r / nh];
-            lo = window == 0 ? 0 : (pos + 1 > window ? pos + 1 - window : 0);
+            lo = ts_window_start(pos, window);
             hi = pos + 1;
         }
         row_lo[r] = lo;

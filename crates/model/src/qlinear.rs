@@ -175,25 +175,22 @@ impl<const N: usize> Proj<N> {
 
     /// `x`: `[T, in]` → the `N` outputs `[T, out_i]`.
     pub fn forward(&self, x: &Tensor) -> Result<[Tensor; N]> {
-        match self {
-            Proj::Split(p) => {
-                let ys = p.iter().map(|w| w.forward(x)).collect::<Result<Vec<_>>>()?;
-                Ok(ys.try_into().unwrap_or_else(|_| unreachable!("N outputs")))
-            }
+        let ys = match self {
+            Proj::Split(p) => p.iter().map(|w| w.forward(x)).collect::<Result<Vec<_>>>()?,
             Proj::Stacked(w, widths) => {
                 let y = w.forward(x)?;
                 let mut at = 0;
-                let ys = widths
+                widths
                     .iter()
                     .map(|&n| {
                         let part = y.narrow(1, at, n);
                         at += n;
                         part
                     })
-                    .collect::<candle_core::Result<Vec<_>>>()?;
-                Ok(ys.try_into().unwrap_or_else(|_| unreachable!("N outputs")))
+                    .collect::<candle_core::Result<Vec<_>>>()?
             }
-        }
+        };
+        Ok(ys.try_into().unwrap_or_else(|_| unreachable!("N outputs")))
     }
 }
 

@@ -287,19 +287,23 @@ pub(crate) fn paged_attention(
         u(meta.max_blocks),
     ];
     let (window, parts_u, part_len) = (u(meta.window), u(parts), u(part_len));
-    let (kind, dims) = match &tiled {
-        Some(_) => ("tiled", format!("_{head_dim}")),
-        None => ("paged", String::new()),
-    };
-    let tile_table = match &tiled {
-        Some(t) => Some(upload(&dev, t.tiles.as_flattened())?),
-        None => None,
+    // The kernel's name around its cache type, its tile table, its grid.
+    let (kind, dims, tile_table, grid_dim) = match &tiled {
+        Some(t) => (
+            "tiled",
+            format!("_{head_dim}"),
+            Some(upload(&dev, t.tiles.as_flattened())?),
+            (u(t.tiles.len()), parts_u, 1),
+        ),
+        None => (
+            "paged",
+            String::new(),
+            None,
+            (u(n_heads), u(tokens), parts_u),
+        ),
     };
     let cfg = LaunchConfig {
-        grid_dim: match &tiled {
-            Some(t) => (u(t.tiles.len()), parts_u, 1),
-            None => (u(n_heads), u(tokens), parts_u),
-        },
+        grid_dim,
         block_dim: (ATT_THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
