@@ -8,7 +8,8 @@
 # same run). Everything it prints and measures goes to $OUT (default
 # target/gpu-run): tests.log, gpu.jsonl (one bench object a line) and
 # meta.json (GPU, driver, date), which `scripts/readme_tables.py gpu` turns
-# into the README's GPU table; with PROFILE=1, ncu's per-kernel times too.
+# into the README's GPU table; with PROFILE=1, ncu's per-kernel times too;
+# with OLD=<previous tessera>, the two alternating (ab.jsonl).
 #
 # Usage: cuda_device_run.sh BUNDLE_DIR MODEL_GGUF
 set -uo pipefail
@@ -104,6 +105,24 @@ if [ "${PROFILE:-0}" = 1 ] && command -v ncu >/dev/null; then
         --no-baseline >"$OUT/ncu-prefill.txt" 2>&1 || fail=1
     timeout 150 $N --launch-skip 1500 -c 1000 "$T" --device cuda bench --model "$MODEL" \
         --scenario decode --runs 1 --no-baseline >"$OUT/ncu-decode.txt" 2>&1 || fail=1
+fi
+# A change against the binary before it (OLD=path to that `tessera`): both
+# alternating, three rounds of decode, prefill and 8 sequences decoding
+# together, into ab.jsonl (a {"bin": "old"|"new"} line before each result),
+# which `scripts/readme_tables.py gpu-ab` reads.
+if [ -n "${OLD:-}" ]; then
+    : >"$OUT/ab.jsonl"
+    for round in 1 2 3; do
+        for side in old new; do
+            bin=$T
+            [ "$side" = old ] && bin=$OLD
+            for sc in decode prefill decode-batch; do
+                echo "{\"bin\": \"$side\", \"round\": $round}" >>"$OUT/ab.jsonl"
+                timeout 60 "$bin" --device cuda bench --model "$MODEL" --json --scenario "$sc" \
+                    --runs 3 --no-baseline 2>>"$LOG" >>"$OUT/ab.jsonl" || fail=1
+            done
+        done
+    done
 fi
 echo "=== done, fail=$fail" | tee -a "$LOG"
 exit $fail

@@ -266,6 +266,39 @@ def gpu():
     return out
 
 
+def gpu_ab():
+    """Changes to the GPU path, each against the binary before it,
+    alternating in one call on the GPU (`OLD=... scripts/cuda_device_run.sh`
+    writes ab.jsonl; kept as target/bench/gpu/ab/OLD-NEW.jsonl, described
+    in changes.json there)."""
+    d = BENCH / "gpu" / "ab"
+    changes = json.loads((d / "changes.json").read_text())
+    metric = {"prefill": "tessera", "decode": "tessera", "decode-batch": "batch8"}
+    label = {"prefill": "prefill, 512 tokens", "decode": "decode",
+             "decode-batch": "8 sequences decoding together"}
+    out = [
+        "Each change to the GPU path against the binary before it, the two alternating in one call on "
+        "the GPU (medians over the rounds; tok/s):",
+        "",
+        "| change | scenario | before | after | after / before | rounds |",
+        "|---|---|---|---|---|---|",
+    ]
+    for c in changes:
+        side, got = None, {}
+        for r in lines(f"gpu/ab/{c['old']}-{c['new']}.jsonl"):
+            if "bin" in r:
+                side = "old" if "old" in r["bin"] else "new"
+            elif r["scenario"] in metric:
+                got.setdefault((r["scenario"], side), []).append(r[metric[r["scenario"]]])
+        what = f"{c['what']} ({c['old']} → {c['new']}{'' if c['kept'] else ', reverted'})"
+        for sc in metric:
+            if (sc, "old") in got and (sc, "new") in got:
+                a, b = statistics.median(got[(sc, "old")]), statistics.median(got[(sc, "new")])
+                out.append(f"| {what} | {label[sc]} | {a:,.1f} | {b:,.1f} | {b / a:.2f}× | "
+                           f"{len(got[(sc, 'new')])} |")
+    return out
+
+
 def ncu_kernels(path):
     """(name, launches, total µs) per kernel of an `ncu --print-summary
     per-kernel` report of gpu__time_duration.sum."""
@@ -350,7 +383,7 @@ def splice(section, script, lines):
 
 def main():
     which = sys.argv[1] if len(sys.argv) > 1 else ""
-    make = {"model": model, "engine": engine, "swa": swa, "gpu": gpu}.get(which)
+    make = {"model": model, "engine": engine, "swa": swa, "gpu": gpu, "gpu-ab": gpu_ab}.get(which)
     if make is None:
         sys.exit(__doc__)
     splice(which, "readme_tables.py", make())
