@@ -207,6 +207,31 @@ enum Weights {
     Gemma3(quantized_gemma3::ModelWeights),
 }
 
+/// While alive on a CUDA device: candle's default quantized kernels
+/// (`set_force_dmmv(false)`); dropped, Tessera's exact ones again.
+#[cfg(feature = "cuda")]
+struct CandleKernels(bool);
+
+#[cfg(feature = "cuda")]
+impl CandleKernels {
+    fn enter(device: &Device) -> CandleKernels {
+        let cuda = device.is_cuda();
+        if cuda {
+            candle_core::quantized::cuda::set_force_dmmv(false);
+        }
+        CandleKernels(cuda)
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl Drop for CandleKernels {
+    fn drop(&mut self) {
+        if self.0 {
+            candle_core::quantized::cuda::set_force_dmmv(true);
+        }
+    }
+}
+
 /// candle's own quantized model on `device` (the device Tessera runs on,
 /// so a GPU run compares GPU with GPU).
 pub struct Candle {
@@ -240,6 +265,11 @@ impl Candle {
     }
 
     fn forward(&mut self, x: &Tensor, pos: usize) -> Result<Tensor> {
+        // candle at its best on CUDA: its default kernels, which quantize
+        // the activations to 8 bits (Q8_1). Tessera's loader switched them
+        // off process-wide for its own exact products; back on after.
+        #[cfg(feature = "cuda")]
+        let _default = CandleKernels::enter(&self.device);
         Ok(match &mut self.weights {
             Weights::Llama(m) => m.forward(x, pos)?,
             Weights::Gemma3(m) => m.forward(x, pos)?,
