@@ -249,10 +249,10 @@ fn bench_attention(c: &mut Criterion) {
     // The same query over the first four blocks again and again (24 KB of
     // K and of V, read from L1 and L2): the arithmetic alone.
     let near: Vec<u32> = (0..blocks as u32).map(|b| b % 4).collect();
-    for (name, new) in [
-        ("decode_1_at_2048", 1usize),
-        ("decode_1_at_2048_rows_in_l2", 1),
-        ("prefill_128_at_2048", 128),
+    for (name, new, blocks_read) in [
+        ("decode_1_at_2048", 1usize, &table),
+        ("decode_1_at_2048_rows_in_l2", 1, &near),
+        ("prefill_128_at_2048", 128, &table),
     ] {
         let q = seeded(&[new, nh, hd], 3, DType::F32)
             .flatten_all()
@@ -267,11 +267,7 @@ fn bench_attention(c: &mut Criterion) {
             q: &q,
             positions: &pos,
             token_seq: &seq,
-            block_tables: if name.ends_with("_in_l2") {
-                &near
-            } else {
-                &table
-            },
+            block_tables: blocks_read,
             max_blocks: blocks,
             k: KvRows::F16(&kb),
             v: KvRows::F16(&vb),
