@@ -335,7 +335,7 @@ fn bench_model(
     let model = reuse.model();
     // candle's quantized_llama runs the Llama family only: the full runs.
     let mut candle = if full {
-        Some(Candle::load(model_path)?)
+        Some(Candle::load(model_path, &candle_core::Device::Cpu)?)
     } else {
         None
     };
