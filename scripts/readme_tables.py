@@ -109,20 +109,33 @@ def model():
         )
     if "decode-long" in r and "decode-batch" in r:
         lg, bt = r["decode-long"], r["decode-batch"]
+
+        def phases(x, att, fwd):
+            """A decode forward's attention phases: 'a of f ms (s%)'."""
+            a, f = x.get(att), x.get(fwd)
+            if a is None or f is None or a != a or f != f:
+                return "–"
+            return f"{a:.2f} of {f:.2f} ms ({100 * a / f:.0f}%)"
+
         out += [
             "",
             f"Decode deep in a context and several sequences at once (`--scenario decode-long|decode-batch`, "
             f"median of {lg['runs']} runs), each beside one sequence decoding after a 16-token prompt in the "
-            "same run:",
+            "same run. The last two columns time the attention phases of each decode forward (from the "
+            "barrier after the fused QKV to the one after the merge, all layers; `tessera_model::phases`) "
+            "against the whole forward:",
             "",
-            "| scenario | Tessera | one sequence, short context | ratio |",
-            "|---|---|---|---|",
+            "| scenario | Tessera | one sequence, short context | ratio | attention, Tessera | attention, one sequence |",
+            "|---|---|---|---|---|---|",
             f"| decode-long: 128 tokens after {lg['context']:,} tokens of context | {lg['tessera']:.1f} tok/s | "
-            f"{lg['short_tessera']:.1f} tok/s | {lg['ratio_to_short']:.2f}× |",
+            f"{lg['short_tessera']:.1f} tok/s | {lg['ratio_to_short']:.2f}× | "
+            f"{phases(lg, 'attention_ms', 'forward_ms')} | {phases(lg, 'short_attention_ms', 'short_forward_ms')} |",
             f"| decode-batch: 4 sequences decoding together, aggregate | {bt['batch4']:.1f} tok/s | "
-            f"{bt['single']:.1f} tok/s | {bt['ratio4']:.2f}× |",
+            f"{bt['single']:.1f} tok/s | {bt['ratio4']:.2f}× | "
+            f"{phases(bt, 'batch4_attention_ms', 'batch4_forward_ms')} | {phases(bt, 'single_attention_ms', 'single_forward_ms')} |",
             f"| decode-batch: 8 sequences decoding together, aggregate | {bt['batch8']:.1f} tok/s | "
-            f"{bt['single']:.1f} tok/s | {bt['ratio8']:.2f}× |",
+            f"{bt['single']:.1f} tok/s | {bt['ratio8']:.2f}× | "
+            f"{phases(bt, 'batch8_attention_ms', 'batch8_forward_ms')} | {phases(bt, 'single_attention_ms', 'single_forward_ms')} |",
         ]
     return out + fidelity("model.jsonl")
 

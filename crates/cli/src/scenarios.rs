@@ -330,9 +330,31 @@ pub fn shift(model: Model, args: &BenchArgs) -> Result<()> {
     Ok(())
 }
 
+/// A decode run's attention phases and whole forward, ms per step.
+type Phases = (f64, f64);
+
+/// Each run's tok/s and [`Phases`].
+#[derive(Default)]
+struct Runs(Vec<f64>, Vec<f64>, Vec<f64>);
+
+impl Runs {
+    fn push(&mut self, (tps, (att, fwd)): (f64, Phases)) {
+        self.0.push(tps);
+        self.1.push(att);
+        self.2.push(fwd);
+    }
+
+    /// The medians of each.
+    fn medians(self) -> (f64, Phases) {
+        (median(self.0), (median(self.1), median(self.2)))
+    }
+}
+
 /// `decode-long`: 128 tokens after 2,048 tokens of context; `decode-batch`:
 /// 4 and 8 sequences decoding together. Each beside one sequence decoding
-/// after a 16-token prompt, in the same run (medians over the runs).
+/// after a 16-token prompt, in the same run (medians over the runs), with
+/// the share of a decode forward its attention phases take
+/// ([`tessera_model::phases`]).
 pub fn decode_depth_and_width(model: Model, args: &BenchArgs) -> Result<()> {
     let short = tessera_bench::decode_prompt(&model)?;
     let long = tessera_bench::long_prompt(&model)?;
@@ -342,25 +364,35 @@ pub fn decode_depth_and_width(model: Model, args: &BenchArgs) -> Result<()> {
     );
     let engine = Engine::from_model(model, args.kv.config(false))?;
     let long_scenario = args.scenario == crate::bench::Scenario::DecodeLong;
-    let (mut base, mut a, mut b) = (Vec::new(), Vec::new(), Vec::new());
+    // Each run's tok/s and its decode steps' attention and forward times.
+    let run = |prompts: &[Vec<u32>]| -> Result<(f64, Phases)> {
+        tessera_model::phases::start();
+        let tps = tessera_bench::decode_together(&engine, prompts);
+        let p = tessera_model::phases::stop();
+        Ok((
+            tps?,
+            p.map_or((f64::NAN, f64::NAN), |p| (p.attention_ms, p.forward_ms)),
+        ))
+    };
+    let (mut base, mut a, mut b) = (Runs::default(), Runs::default(), Runs::default());
     for _ in 0..args.runs {
-        base.push(tessera_bench::decode_together(
-            &engine,
-            std::slice::from_ref(&short),
-        )?);
+        base.push(run(std::slice::from_ref(&short))?);
         if long_scenario {
-            a.push(tessera_bench::decode_together(
-                &engine,
-                std::slice::from_ref(&long),
-            )?);
+            a.push(run(std::slice::from_ref(&long))?);
         } else {
-            a.push(tessera_bench::decode_together(&engine, &four)?);
-            b.push(tessera_bench::decode_together(&engine, &eight)?);
+            a.push(run(&four)?);
+            b.push(run(&eight)?);
         }
     }
-    let base = median(base);
+    let (base, base_p) = base.medians();
+    let phases = |label: &str, (att, fwd): Phases| {
+        format!(
+            "{label} {att:.3} of {fwd:.3} ms ({:.0}%)",
+            100.0 * att / fwd
+        )
+    };
     let (v, lines) = if long_scenario {
-        let l = median(a);
+        let (l, l_p) = a.medians();
         (
             serde_json::json!({
                 "scenario": "decode-long",
@@ -368,16 +400,27 @@ pub fn decode_depth_and_width(model: Model, args: &BenchArgs) -> Result<()> {
                 "tessera": l,
                 "short_tessera": base,
                 "ratio_to_short": l / base,
+                "attention_ms": l_p.0,
+                "forward_ms": l_p.1,
+                "short_attention_ms": base_p.0,
+                "short_forward_ms": base_p.1,
                 "runs": args.runs,
             }),
-            vec![format!(
-                "decode-long: 128 tokens after {} tokens: {l:.1} tok/s; after 16 tokens: {base:.1} tok/s ({:.0}%)",
-                long.len(),
-                100.0 * l / base
-            )],
+            vec![
+                format!(
+                    "decode-long: 128 tokens after {} tokens: {l:.1} tok/s; after 16 tokens: {base:.1} tok/s ({:.0}%)",
+                    long.len(),
+                    100.0 * l / base
+                ),
+                format!(
+                    "  attention phases of a decode forward (medians): {}; {}",
+                    phases(&format!("after {} tokens", long.len()), l_p),
+                    phases("after 16", base_p)
+                ),
+            ],
         )
     } else {
-        let (x4, x8) = (median(a), median(b));
+        let ((x4, p4), (x8, p8)) = (a.medians(), b.medians());
         (
             serde_json::json!({
                 "scenario": "decode-batch",
@@ -386,13 +429,27 @@ pub fn decode_depth_and_width(model: Model, args: &BenchArgs) -> Result<()> {
                 "batch8": x8,
                 "ratio4": x4 / base,
                 "ratio8": x8 / base,
+                "single_attention_ms": base_p.0,
+                "single_forward_ms": base_p.1,
+                "batch4_attention_ms": p4.0,
+                "batch4_forward_ms": p4.1,
+                "batch8_attention_ms": p8.0,
+                "batch8_forward_ms": p8.1,
                 "runs": args.runs,
             }),
-            vec![format!(
-                "decode-batch: aggregate tok/s, 1 sequence {base:.1} | 4 together {x4:.1} ({:.2}×) | 8 together {x8:.1} ({:.2}×)",
-                x4 / base,
-                x8 / base
-            )],
+            vec![
+                format!(
+                    "decode-batch: aggregate tok/s, 1 sequence {base:.1} | 4 together {x4:.1} ({:.2}×) | 8 together {x8:.1} ({:.2}×)",
+                    x4 / base,
+                    x8 / base
+                ),
+                format!(
+                    "  attention phases of a decode forward (medians): {}; {}; {}",
+                    phases("1 sequence", base_p),
+                    phases("4", p4),
+                    phases("8", p8)
+                ),
+            ],
         )
     };
     emit(args, v, &lines);

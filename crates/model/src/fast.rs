@@ -872,6 +872,7 @@ impl Llama {
         let next_item = AtomicUsize::new(0);
         let units = nh + 2 * kvh;
 
+        let timing = crate::phases::CLOCK.timing(batch.token_seq);
         let body = |team: &Team| {
             let mut local = locals[team.id()].lock().unwrap_or_else(|e| e.into_inner());
             let Local {
@@ -1003,6 +1004,7 @@ impl Llama {
                     }
                 }
                 team.barrier();
+                let attention = (timing && team.id() == 0).then(std::time::Instant::now);
                 for (g0, g1, plan) in &plans[lc.wset][..ngroups] {
                     let (g0, g1) = (*g0, *g1);
                     let chunks = |i: usize| sh.chunks(batch.positions[g0 + i] as usize).1;
@@ -1062,6 +1064,9 @@ impl Llama {
                     }
                     team.barrier();
                 }
+                if let Some(at) = attention {
+                    crate::phases::CLOCK.add_attention(at.elapsed().as_nanos() as u64);
+                }
                 let av = unsafe { a.all() };
                 let qa = quantize(team, packed(lc, &[3]), levels, av, t, nh * hd, qown, &qx);
                 residual(lc, w, 3, (av, qa), &lc.post_attn, deq, nrow);
@@ -1104,7 +1109,11 @@ impl Llama {
                 });
             }
         };
+        let start = std::time::Instant::now();
         fast.pool.run(&body);
+        if timing {
+            crate::phases::CLOCK.add_step(start.elapsed().as_nanos() as u64);
+        }
         let out = fast.logits[..picks * vocab].to_vec();
         Ok(Tensor::from_vec(out, (picks, vocab), &self.device)?)
     }

@@ -13,6 +13,7 @@ mod fast;
 mod llama;
 mod loader;
 mod model;
+pub mod phases;
 mod qlinear;
 mod template;
 pub mod testing;

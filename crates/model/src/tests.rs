@@ -787,6 +787,24 @@ fn fast_near_reference(
     m.llama.set_activations(Activations::from_env());
 }
 
+/// The decode clock ([`crate::phases`]): the fast path's decode forwards
+/// report their attention phases and their whole time, the attention the
+/// smaller; a stopped clock reports nothing more.
+#[test]
+fn decode_forwards_report_their_attention_phases() {
+    let (_d, m) = tiny(TinySpec::default());
+    let prompt: Vec<u32> = (0..40).map(|i| (i * 7 + 3) % 200).collect();
+    crate::phases::start();
+    crate::testing::paged_greedy(&m.llama, &prompt, 5, 40, KvType::F16).unwrap();
+    let p = crate::phases::stop().expect("decode steps were timed");
+    assert!(p.steps >= 4, "{p:?}");
+    assert!(
+        p.attention_ms > 0.0 && p.attention_ms <= p.forward_ms,
+        "{p:?}"
+    );
+    assert!(p.attention_share() > 0.0 && p.attention_share() <= 1.0);
+}
+
 /// Batch, chunk, worker-count and prefix-reuse invariance on the tiny
 /// model (the real model runs the same property in the e2e tests).
 #[test]
