@@ -385,7 +385,11 @@ pub fn decode_depth_and_width(model: Model, args: &BenchArgs) -> Result<()> {
         }
     }
     let (base, base_p) = base.medians();
+    // (Not timed off the CPU fast path: a GPU forward, or the reference.)
     let phases = |label: &str, (att, fwd): Phases| {
+        if att.is_nan() || fwd.is_nan() {
+            return format!("{label} not timed (not the CPU fast path)");
+        }
         format!(
             "{label} {att:.3} of {fwd:.3} ms ({:.0}%)",
             100.0 * att / fwd
