@@ -1,5 +1,5 @@
 //! Attention of a forward pass's queries over the paged cache, split into
-//! work items a team of workers takes from a counter, on raw cache rows.
+//! work items a team of workers takes in turn, on raw cache rows.
 //!
 //! The context of every query is cut into fixed chunks of [`CHUNK`]
 //! positions. An item is (a run of ≤ 16 consecutive query tokens of one
@@ -8,8 +8,9 @@
 //! of the group, and leaves one partial softmax state per (token, head,
 //! chunk): `(Σ p·v, max, Σ p)`. An item of a single token (a decoding
 //! sequence) makes no copy of the chunk: it converts sixteen K rows at a
-//! time into L1 and each V row in registers, once for all the query heads
-//! of the group. Scores are formed sixteen keys at a time and their
+//! time into L1 (whole slots in address order where its KV heads fit) and
+//! each V row in registers, once for all the query heads of the group,
+//! hinting the rows it reads next a little at a time. Scores are formed sixteen keys at a time and their
 //! sixteen-lane sums reduced together (the same tree per key, by
 //! shuffles); values two query heads at a time (eight chains of fused
 //! sums). [`merge`] combines a query's chunks in
@@ -41,8 +42,9 @@ use crate::quant::{BlockQ4_0, BlockQ8_0, QBlock, QK};
 /// Positions per chunk of context.
 pub const CHUNK: usize = 128;
 /// Rows a decoding item prefetches ahead of the row it reads: one row's
-/// hints per row read, not sixteen rows' in a burst, and the keys' pass
-/// runs on into the first value rows (measured best of 8, 16 and 32).
+/// hints per row read (in shares, see [`heads_one`]), not sixteen rows'
+/// in a burst, and the keys' pass runs on into the first value rows
+/// (measured best of 8, 16 and 32; 24 and 32 no better).
 const AHEAD: usize = 16;
 /// Chunks of context from which a decoding item covers all KV heads.
 const WIDE: usize = 4;
@@ -561,9 +563,22 @@ impl Rows for KvRows<'_> {
 /// converted in registers once for all of them: the arithmetic of
 /// [`scores_lanes`], the softmax and [`values_lanes`], in the same order,
 /// so the same bits. Rows go by sixteen, all `ng` heads of them before
-/// the next sixteen: with every KV head of a slot, the item reads whole
-/// slots in address order. `pf`: values of each row to prefetch (0:
-/// none).
+/// the next sixteen. The keys of sixteen rows are converted for up to
+/// 16 KB of their heads at once, row after row: with every KV head of a
+/// slot (SmolLM2's three of 64), whole slots in address order. The values
+/// go head by head. `pf`: values of each row to prefetch (0: none), in
+/// shares: each pass over a row hints its heads' share of the row
+/// [`AHEAD`] rows on, and the last values' hints run on into `next`
+/// (the next chunk's first rows, or none).
+///
+/// Hints in bursts stall: on an AMD EPYC, hinting whole rows on the
+/// first head's pass only, and converting the keys head by head (each
+/// pass striding over the slots), left the arithmetic and the stream
+/// adding up: 3.0–3.1 ms for 30 layers' 2,048 rows (criterion's
+/// `decode_1_at_2048_30_layers`, one thread, alternating runs) against
+/// 2.6–2.75 ms this way, where the arithmetic alone (rows in L1) takes
+/// about 1.9–2.0 ms and the same bytes read in the same order, with the
+/// same hints and nothing else, 1.0 ms.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn heads_one<L: Lanes, R: Rows, const NC: usize, const GH: usize>(
@@ -573,7 +588,7 @@ unsafe fn heads_one<L: Lanes, R: Rows, const NC: usize, const GH: usize>(
     t: usize,
     head0: usize,
     chunk: usize,
-    rows: &[usize],
+    (rows, next): (&[usize], &[usize]),
     sc: &mut AttnScratch,
     write: &mut dyn FnMut(usize, usize, &[f32]),
 ) {
@@ -583,63 +598,80 @@ unsafe fn heads_one<L: Lanes, R: Rows, const NC: usize, const GH: usize>(
     let n = rows.len();
     let heads = ng * GH;
     sc.s.resize(sc.s.len().max(heads * CHUNK), 0.0);
-    sc.k.resize(sc.k.len().max(16 * hd), 0.0);
+    // KV heads whose sixteen rows are converted together (at most 16 KB
+    // of f32 in L1): SmolLM2's three heads of 64, whole slots.
+    let js = (256 / hd).clamp(1, ng);
+    sc.k.resize(sc.k.len().max(js * 16 * hd), 0.0);
     // Each head's record `(Σ p·v, max, Σ p)` in place, written whole;
     // records sixteen lanes apart, so each head's sums stay aligned.
     let rs = hd + 16;
     sc.v.resize(sc.v.len().max(heads * rs), 0.0);
     let (s, kf, vacc) = (
         &mut sc.s[..heads * CHUNK],
-        &mut sc.k[..16 * hd],
+        &mut sc.k[..js * 16 * hd],
         &mut sc.v[..],
     );
     let head = |j: usize, h: usize| head0 + j * group + h;
+    // Each KV head's share of a row's hints: each pass over a row hints
+    // its heads' share of the row `AHEAD` on, so that the hints spread
+    // over the whole group of rows.
+    let pfj = pf / ng;
     prefetch_rows::<L, R>(kr, &rows[..n.min(AHEAD)], pf);
     // Sixteen keys at a time, converted once into `kf` (in L1) for the
     // query heads of their KV head.
     for i in (0..n).step_by(16) {
         let m = (n - i).min(16);
-        for j in 0..ng {
+        for j0 in (0..ng).step_by(js) {
+            let je = (j0 + js).min(ng);
+            // The rows of heads j0..je in address order (whole slots
+            // when they are all the item's heads).
             for r in 0..m {
-                if j == 0 && pf > 0 {
-                    let a = i + r + AHEAD;
+                if pf > 0 {
+                    let (a, pfs) = (i + r + AHEAD, (j0 * pfj, (je - j0) * pfj));
                     if a < n {
-                        kr.prefetch::<L>(rows[a], pf);
+                        kr.prefetch::<L>(rows[a] + pfs.0, pfs.1);
                     } else if a - n < n {
-                        vr.prefetch::<L>(rows[a - n], pf);
+                        vr.prefetch::<L>(rows[a - n] + pfs.0, pfs.1);
                     }
                 }
-                for c in 0..NC {
-                    let dst = &mut *(kf.as_mut_ptr().add(r * hd + c * 16) as *mut [f32; 16]);
-                    kr.lanes::<L>(rows[i + r] + goff + j * hd, c).store(dst);
+                let at = rows[i + r] + goff;
+                for j in j0..je {
+                    for c in 0..NC {
+                        let dst = (j - j0) * 16 + r;
+                        let dst = &mut *(kf.as_mut_ptr().add(dst * hd + c * 16) as *mut [f32; 16]);
+                        kr.lanes::<L>(at + j * hd, c).store(dst);
+                    }
                 }
             }
-            for h in 0..GH {
-                let q = inp.q.as_ptr().add((t * nh + head(j, h)) * hd);
-                let s = &mut s[(j * GH + h) * CHUNK + i..][..m];
-                if m < 16 {
-                    let q = std::slice::from_raw_parts(q, hd);
-                    scores_lanes::<L>(q, kf, hd, sh.scale, s);
-                    continue;
-                }
-                // As scores_lanes, with the query in registers across
-                // groups.
-                let mut qv = [L::zero(); NC];
-                for c in 0..NC {
-                    qv[c] = L::load(at16(q.add(16 * c)));
-                }
-                let mut acc = [L::zero(); 16];
-                for r in 0..16 {
-                    for c in 0..NC {
-                        let k = L::load(at16(kf.as_ptr().add(r * hd + c * 16)));
-                        acc[r] = L::fma(qv[c], k, acc[r]);
+            for j in j0..je {
+                let kf = &kf[(j - j0) * 16 * hd..][..16 * hd];
+                for h in 0..GH {
+                    let q = inp.q.as_ptr().add((t * nh + head(j, h)) * hd);
+                    let s = &mut s[(j * GH + h) * CHUNK + i..][..m];
+                    if m < 16 {
+                        let q = std::slice::from_raw_parts(q, hd);
+                        scores_lanes::<L>(q, kf, hd, sh.scale, s);
+                        continue;
                     }
-                }
-                let mut sums = [0f32; 16];
-                L::reduce_rows(&acc, &mut sums);
-                let dst: &mut [f32; 16] = s.try_into().expect("16");
-                for r in 0..16 {
-                    dst[r] = sums[r] * sh.scale;
+                    // As scores_lanes, with the query in registers across
+                    // groups.
+                    let mut qv = [L::zero(); NC];
+                    for c in 0..NC {
+                        qv[c] = L::load(at16(q.add(16 * c)));
+                    }
+                    let mut acc = [L::zero(); 16];
+                    for r in 0..16 {
+                        for c in 0..NC {
+                            let k = L::load(at16(kf.as_ptr().add(r * hd + c * 16)));
+                            acc[r] = L::fma(qv[c], k, acc[r]);
+                        }
+                    }
+                    let mut sums = [0f32; 16];
+                    L::reduce_rows(&acc, &mut sums);
+                    let dst: &mut [f32; 16] = s.try_into().expect("16");
+                    for r in 0..16 {
+                        dst[r] = sums[r] * sh.scale;
+                    }
                 }
             }
         }
@@ -664,9 +696,12 @@ unsafe fn heads_one<L: Lanes, R: Rows, const NC: usize, const GH: usize>(
                 }
             }
             for r in i..i + m {
-                if j == 0 && pf > 0 {
-                    if let Some(&at) = rows.get(r + AHEAD) {
-                        vr.prefetch::<L>(at, pf);
+                if pf > 0 {
+                    let a = r + AHEAD;
+                    if a < n {
+                        vr.prefetch::<L>(rows[a] + j * pfj, pfj);
+                    } else if let Some(&at) = next.get(a - n) {
+                        kr.prefetch::<L>(at + j * pfj, pfj);
                     }
                 }
                 let mut v = [L::zero(); NC];
@@ -724,17 +759,25 @@ unsafe fn item_one<L: Lanes, R: Rows, const NC: usize>(
     // Offsets of the item's first KV head's rows.
     let mut rows = std::mem::take(&mut sc.rows);
     rows.clear();
+    let ng = item.ng as usize;
+    // Then, for an item of whole slots, the first rows of the next chunk
+    // (a worker's next item), which the last values' hints run on into.
+    let upto = if ng == kvh {
+        (pos + 1).min(start + n + AHEAD)
+    } else {
+        start + n
+    };
     let mut p = start;
-    while p < start + n {
+    while p < upto {
         let b = p / bs;
-        let end = ((b + 1) * bs).min(start + n);
+        let end = ((b + 1) * bs).min(upto);
         let slot = table[b] as usize * bs;
         for q in p..end {
             rows.push(((slot + q - b * bs) * kvh + g0) * hd);
         }
         p = end;
     }
-    let ng = item.ng as usize;
+    let (rows_n, next) = rows.split_at(n);
     let most = (16 / NC).clamp(1, 4);
     let rc = c - c0;
     // The passes over the rows: (query heads, (first KV head's offset,
@@ -759,7 +802,7 @@ unsafe fn item_one<L: Lanes, R: Rows, const NC: usize>(
         // Only the query-head counts whose lanes fit in the registers.
         macro_rules! go {
             ($n:literal) => {
-                heads_one::<L, R, NC, $n>(inp, kv, at, t, head0, rc, &rows, sc, write)
+                heads_one::<L, R, NC, $n>(inp, kv, at, t, head0, rc, (rows_n, next), sc, write)
             };
         }
         match (NC, gh) {
