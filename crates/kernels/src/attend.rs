@@ -10,10 +10,10 @@
 //! sequence) makes no copy of the chunk: it converts sixteen K rows at a
 //! time into L1 (whole slots in address order where its KV heads fit) and
 //! each V row in registers, once for all the query heads of the group,
-//! hinting the rows it reads next a little at a time. Scores are formed sixteen keys at a time and their
-//! sixteen-lane sums reduced together (the same tree per key, by
-//! shuffles); values two query heads at a time (eight chains of fused
-//! sums). [`merge`] combines a query's chunks in
+//! hinting the rows it reads next a little at a time. Scores are formed
+//! sixteen keys at a time and their sixteen-lane sums reduced together
+//! (the same tree per key, by shuffles); values two query heads at a time
+//! (eight chains of fused sums). [`merge`] combines a query's chunks in
 //! chunk order by their log-sum-exp weights. A long context thus gives a
 //! single decoding sequence many items (one per KV head and chunk), and
 //! the arithmetic of a query depends only on its position and its keys:
