@@ -2,9 +2,12 @@
 """The latest criterion results in target/criterion as a Markdown table
 (median per iteration; per element, GB/s or GMAC/s where the bench sets a
 throughput). With --readme, replaces the README text between the
-bench-criterion markers instead of printing; nothing is typed by hand."""
+bench-criterion markers instead of printing; nothing is typed by hand.
+Only the benches `cargo bench --bench kv -- --list` names are shown:
+target/criterion keeps the results of benches that no longer exist."""
 import json
 import pathlib
+import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -18,10 +21,20 @@ def fmt(ns: float) -> str:
     return f"{ns:.3g} ns"
 
 
+def defined():
+    """The full ids of the benches `benches/kv.rs` defines now."""
+    out = subprocess.run(["cargo", "bench", "-q", "--bench", "kv", "--", "--list"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    return {line.rsplit(": ", 1)[0] for line in out.splitlines() if line.endswith(": benchmark")}
+
+
 def table():
     rows = []
+    names = defined()
     for bench in sorted(CRITERION.glob("*/*/new/benchmark.json")):
         meta = json.loads(bench.read_text())
+        if meta["full_id"] not in names:
+            continue
         est = json.loads((bench.parent / "estimates.json").read_text())
         median = est["median"]["point_estimate"]
         per = ""
