@@ -16,7 +16,11 @@ BIN=$OUT/build/bin
 mkdir -p "$OUT"
 SRC=$OUT/llama_cpp_python-$VERSION
 if [ ! -d "$SRC" ]; then
-    python3 -m pip download --quiet --no-deps --no-binary :all: --dest "$OUT" "llama-cpp-python==$VERSION"
+    # The sdist of this package only: with `--no-binary :all:` pip would
+    # also build its build backend's own dependencies (cmake among them)
+    # from source just to read its metadata (on 2 cores, still compiling
+    # cmake after a quarter of an hour).
+    python3 -m pip download --quiet --no-deps --no-binary llama-cpp-python --dest "$OUT" "llama-cpp-python==$VERSION"
     tar xzf "$OUT/llama_cpp_python-$VERSION.tar.gz" -C "$OUT"
 fi
 cmake -S "$SRC/vendor/llama.cpp" -B "$OUT/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
