@@ -44,7 +44,7 @@ pub const CHUNK: usize = 128;
 /// Rows a decoding item prefetches ahead of the row it reads: one row's
 /// hints per row read (in shares, see [`heads_one`]), not sixteen rows'
 /// in a burst, and the keys' pass runs on into the first value rows
-/// (measured best of 8, 16 and 32; 24 and 32 no better).
+/// (the best measured of 8, 16, 24 and 32).
 const AHEAD: usize = 16;
 /// Chunks of context from which a decoding item covers all KV heads.
 const WIDE: usize = 4;
