@@ -1,17 +1,20 @@
 //! `tessera serve`: the OpenAI-compatible server (tessera-server) on a
 //! socket. It listens at once, answers `/health` with 503 while the model
 //! loads, then serves; SIGINT or SIGTERM stops it after the requests in
-//! flight (and writes the prefix cache to `--cache-dir` when given).
+//! flight, or after `--shutdown-timeout` ends those still running with an
+//! error event (and writes the prefix cache, every partition's, to
+//! `--cache-dir` when given).
 
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::Args;
 use tessera_engine::Engine;
 use tessera_server::{Server, ServerConfig};
 
-use crate::{load_model, KvArgs, ModelArg};
+use crate::{load_model, parse_size, KvArgs, ModelArg};
 
 #[derive(Args)]
 pub(crate) struct ServeArgs {
@@ -26,9 +29,14 @@ pub(crate) struct ServeArgs {
     #[arg(long, default_value_t = 8080)]
     port: u16,
     /// Require `Authorization: Bearer KEY` (repeatable; every route but
-    /// /health).
+    /// /health, and /metrics and /openapi.json with --public-metrics).
+    /// With two or more keys each key is a tenant: its cached K/V and its
+    /// sessions are its own.
     #[arg(long = "api-key")]
     api_keys: Vec<String>,
+    /// Serve /metrics and /openapi.json without a key.
+    #[arg(long)]
+    public_metrics: bool,
     /// The model name clients send (default: the file's name without its
     /// extension).
     #[arg(long)]
@@ -45,6 +53,18 @@ pub(crate) struct ServeArgs {
     /// directory; without it those endpoints answer 404.
     #[arg(long)]
     session_dir: Option<PathBuf>,
+    /// Most tokens one session may hold (default: the context length);
+    /// larger saves are answered 413.
+    #[arg(long)]
+    max_session_tokens: Option<usize>,
+    /// Most bytes all session files together may take (e.g. 2GiB); a save
+    /// past it is answered 507. Default: no limit.
+    #[arg(long, value_parser = parse_size)]
+    session_quota: Option<usize>,
+    /// Seconds to let requests in flight finish after SIGINT or SIGTERM;
+    /// then those still running end with an error event.
+    #[arg(long, default_value_t = 30.0)]
+    shutdown_timeout: f64,
     /// Most generation requests held at once (running or queued); more
     /// are answered 429 with Retry-After.
     #[arg(long, default_value_t = 512)]
@@ -76,6 +96,9 @@ pub(crate) fn serve(args: ServeArgs) -> Result<()> {
         api_keys: args.api_keys.clone(),
         metrics_prefix: args.metrics_prefix.clone(),
         session_dir: args.session_dir.clone(),
+        max_session_tokens: args.max_session_tokens,
+        session_quota: args.session_quota.map(|b| b as u64),
+        public_metrics: args.public_metrics,
         max_queue: args.max_queue.max(1),
         ..ServerConfig::new(name.clone())
     });
@@ -92,7 +115,11 @@ pub(crate) fn serve(args: ServeArgs) -> Result<()> {
         let local = listener.local_addr()?;
         eprintln!("tessera serve: listening on http://{local} (model `{name}` loading)");
         let app = server.router();
-        let serving = tokio::spawn(tessera_server::serve(listener, app, shutdown()));
+        let (stopping, mut stop_seen) = tokio::sync::watch::channel(false);
+        let serving = tokio::spawn(tessera_server::serve(listener, app, async move {
+            shutdown().await;
+            let _ = stopping.send(true);
+        }));
         let (spec, cfg, dir) = (
             args.model.model.clone(),
             args.kv.config(true),
@@ -106,7 +133,7 @@ pub(crate) fn serve(args: ServeArgs) -> Result<()> {
                         format!("restoring the prefix cache from {}", dir.display())
                     })?;
                     eprintln!(
-                        "tessera serve: {n} cached sequences restored from {}",
+                        "tessera serve: {n} cached tokens restored from {}",
                         dir.display()
                     );
                 }
@@ -116,6 +143,24 @@ pub(crate) fn serve(args: ServeArgs) -> Result<()> {
         .await??;
         server.set_engine(engine.clone());
         eprintln!("tessera serve: ready");
+        // The shutdown timeout: once it passes, the requests still running
+        // end with an error event, so the graceful shutdown ends.
+        let patience = Duration::from_secs_f64(args.shutdown_timeout.max(0.0));
+        let e2 = engine.clone();
+        tokio::spawn(async move {
+            if stop_seen.wait_for(|&s| s).await.is_err() {
+                return;
+            }
+            tokio::time::sleep(patience).await;
+            eprintln!(
+                "tessera serve: ending the requests still running after {:.0} s",
+                patience.as_secs_f64()
+            );
+            let _ = tokio::task::spawn_blocking(move || {
+                e2.fail_all("the shutdown timeout passed (--shutdown-timeout)")
+            })
+            .await;
+        });
         serving.await??;
         if let Some(dir) = args.cache_dir {
             let shown = dir.display().to_string();

@@ -18,8 +18,8 @@ use crate::sampler::argmax_and_norm;
 use crate::snapshot::{read_file, write_file, Geometry, KvSnapshot, CACHE_FILE};
 use crate::stream::{Event, RequestStream};
 use crate::types::{
-    Completion, ContextShift, EngineConfig, EngineStats, FinishReason, GenerateRequest, Prompt,
-    TokenEvent,
+    Completion, ContextShift, EngineConfig, EngineStats, FinishReason, GenerateRequest, Partition,
+    Prompt, TokenEvent,
 };
 use crate::worker::{Command, KvLayout, Worker};
 use crate::{EngineError, ModelSource, Result};
@@ -64,7 +64,7 @@ impl Drop for Inner {
                 .and_then(|()| rx.recv().ok());
             let geometry = Geometry::of(&self.model, self.cfg.cache_dtype);
             let written = match snaps {
-                Some(Ok(snaps)) => write_cache_dir(&dir, &geometry, &snaps),
+                Some(Ok(snaps)) => write_cache_dir(&dir, &geometry, snaps),
                 Some(Err(e)) => Err(e),
                 None => Err(EngineError::Stopped),
             };
@@ -182,6 +182,13 @@ impl Engine {
         self.call(Command::Stats).unwrap_or_default()
     }
 
+    /// Ends every request in flight with [`EngineError::ShuttingDown`]
+    /// (`why` says what stops it); what they computed stays cached.
+    pub fn fail_all(&self, why: &str) -> Result<()> {
+        let e = EngineError::ShuttingDown(why.to_string());
+        self.call(|tx| Command::FailAll(e, tx))
+    }
+
     /// Drops every cached prefix no request uses; returns the blocks freed.
     pub fn clear_cache(&self) -> Result<usize> {
         self.call(Command::ClearCache)?
@@ -280,6 +287,7 @@ impl Engine {
         if req.n == 0 {
             return Err(EngineError::Invalid("n must be at least 1".into()));
         }
+        check_stops(&req.stop)?;
         let (events, rx) = mpsc::channel();
         let cancel = Arc::new(std::sync::atomic::AtomicBool::new(false));
         self.call(|reply| Command::Submit {
@@ -467,14 +475,33 @@ impl Engine {
 
     /// The K/V of `tokens` (computed now for any part not cached).
     pub fn export_kv(&self, tokens: &[u32]) -> Result<KvSnapshot> {
+        Ok(self.export_kv_in(&Partition::default(), tokens)?.0)
+    }
+
+    /// The K/V of `tokens` in partition `p`, and how many of them came
+    /// from the cache. What the cache lacks is computed as a background
+    /// request: a few tokens a step beside other requests' work (whole
+    /// chunks when there is none), so a long export never stalls them.
+    pub fn export_kv_in(&self, p: &Partition, tokens: &[u32]) -> Result<(KvSnapshot, usize)> {
         self.check_tokens(tokens)?;
-        self.call(|tx| Command::Export(tokens.to_vec(), tx))?
+        self.call(|tx| Command::Export(p.clone(), tokens.to_vec(), tx))?
     }
 
     /// Inserts saved K/V into the prefix cache; returns the tokens added.
     pub fn import_kv(&self, snaps: Vec<KvSnapshot>) -> Result<usize> {
+        self.import_kv_in(&Partition::default(), snaps)
+    }
+
+    /// [`import_kv`](Self::import_kv) into partition `p`: only its
+    /// requests see the K/V.
+    pub fn import_kv_in(&self, p: &Partition, snaps: Vec<KvSnapshot>) -> Result<usize> {
+        self.import_each(snaps.into_iter().map(|s| (p.clone(), s)).collect())
+    }
+
+    /// Inserts snapshots, each into its partition.
+    fn import_each(&self, snaps: Vec<(Partition, KvSnapshot)>) -> Result<usize> {
         let vocab = self.model().config().vocab_size;
-        for s in &snaps {
+        for (_, s) in &snaps {
             if let Some(&t) = s.tokens.iter().find(|&&t| t as usize >= vocab) {
                 return Err(EngineError::Invalid(format!(
                     "saved token id {t} is outside the vocabulary of {vocab}"
@@ -488,10 +515,24 @@ impl Engine {
     /// to `path` as a session file (replaced whole or not at all); returns
     /// the tokens written.
     pub fn save_kv_session(&self, path: &Path, tokens: &[u32]) -> Result<usize> {
+        Ok(self
+            .save_kv_session_in(&Partition::default(), path, tokens)?
+            .tokens)
+    }
+
+    /// [`save_kv_session`](Self::save_kv_session) from partition `p`'s
+    /// cache: its K/V is computed (in the background, see
+    /// [`export_kv_in`](Self::export_kv_in)) and cached in `p` only.
+    pub fn save_kv_session_in(
+        &self,
+        p: &Partition,
+        path: &Path,
+        tokens: &[u32],
+    ) -> Result<SessionSaved> {
         if tokens.is_empty() {
             return Err(EngineError::EmptyPrompt);
         }
-        let snap = self.export_kv(tokens)?;
+        let (snap, cached) = self.export_kv_in(p, tokens)?;
         write_file(
             path,
             KV_SESSION,
@@ -499,7 +540,20 @@ impl Engine {
             &[snap],
             serde_json::Value::Null,
         )?;
-        Ok(tokens.len())
+        Ok(SessionSaved {
+            tokens: tokens.len(),
+            cached,
+        })
+    }
+
+    /// Bytes a session file of `tokens` tokens takes (within a few hundred
+    /// bytes of header), for quotas checked before the K/V is computed.
+    pub fn session_bytes(&self, tokens: usize) -> usize {
+        let mc = self.model().config();
+        let per_token = mc.kv_bytes_per_token(self.config().cache_dtype);
+        tokens
+            .saturating_mul(per_token.saturating_add(4))
+            .saturating_add(1024)
     }
 
     /// Loads a file written by [`save_kv_session`](Self::save_kv_session)
@@ -507,45 +561,102 @@ impl Engine {
     /// corrupted, of another kind or of another model is refused with the
     /// reason and the cache is left as it was. Returns the tokens it holds.
     pub fn load_kv_session(&self, path: &Path) -> Result<usize> {
+        self.load_kv_session_in(&Partition::default(), path)
+    }
+
+    /// [`load_kv_session`](Self::load_kv_session) into partition `p`.
+    pub fn load_kv_session_in(&self, p: &Partition, path: &Path) -> Result<usize> {
         let (snaps, _) = read_file(path, KV_SESSION, &self.geometry())?;
         let n = snaps.iter().map(|s| s.tokens.len()).sum();
-        self.import_kv(snaps)?;
+        self.import_kv_in(p, snaps)?;
         Ok(n)
     }
 
-    /// Writes the whole prefix cache to `dir` now (the engine also does it
-    /// when it stops, if `cache_dir` is set).
+    /// Writes the whole prefix cache, every partition's, to `dir` now (the
+    /// engine also does it when it stops, if `cache_dir` is set).
     pub fn save_cache_dir(&self, dir: &Path) -> Result<()> {
         let snaps = self.call(Command::ExportCache)??;
-        write_cache_dir(dir, &self.geometry(), &snaps)
+        write_cache_dir(dir, &self.geometry(), snaps)
     }
 
-    /// Fills the prefix cache from `dir`, if it holds a cache file; returns
-    /// the tokens restored.
+    /// Fills the prefix cache from `dir`, if it holds a cache file, each
+    /// entry into the partition it was saved from; returns the tokens
+    /// restored.
     pub fn restore_cache_dir(&self, dir: &Path) -> Result<usize> {
+        // What a write killed mid-way left (a whole file or none is there).
+        crate::snapshot::clean_temporaries(dir);
         let path: PathBuf = dir.join(CACHE_FILE);
         if !path.exists() {
             return Ok(0);
         }
-        let (snaps, _) = read_file(&path, "prefix cache", &self.geometry())?;
-        self.import_kv(snaps)
+        let (snaps, meta) = read_file(&path, "prefix cache", &self.geometry())?;
+        let bad = |why: String| EngineError::Snapshot {
+            path: path.clone(),
+            reason: format!("corrupted partitions: {why}"),
+        };
+        // Files of before partitions were saved hold the default one's.
+        let parts: Vec<Partition> = match meta.get("partitions") {
+            None => vec![Partition::default(); snaps.len()],
+            Some(v) => serde_json::from_value(v.clone()).map_err(|e| bad(e.to_string()))?,
+        };
+        if parts.len() != snaps.len() {
+            return Err(bad(format!(
+                "{} partitions for {} entries",
+                parts.len(),
+                snaps.len()
+            )));
+        }
+        self.import_each(parts.into_iter().zip(snaps).collect())
     }
+}
+
+/// What [`Engine::save_kv_session_in`] wrote: the tokens, and how many of
+/// them came from the partition's cache (the rest were computed).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SessionSaved {
+    pub tokens: usize,
+    pub cached: usize,
+}
+
+/// Refuses stop lists past the limits (every generated token is checked
+/// against each stop string).
+fn check_stops(stops: &[String]) -> Result<()> {
+    use crate::request::{MAX_STOP_BYTES, MAX_STOP_STRINGS};
+    if stops.len() > MAX_STOP_STRINGS {
+        return Err(EngineError::Invalid(format!(
+            "{} stop strings; at most {MAX_STOP_STRINGS} are allowed",
+            stops.len()
+        )));
+    }
+    if let Some(long) = stops.iter().find(|s| s.len() > MAX_STOP_BYTES) {
+        return Err(EngineError::Invalid(format!(
+            "a stop string of {} bytes; at most {MAX_STOP_BYTES} are allowed",
+            long.len()
+        )));
+    }
+    Ok(())
 }
 
 /// The kind of the files of [`Engine::save_kv_session`].
 const KV_SESSION: &str = "kv session";
 
-/// Writes the prefix cache file into `dir` (created if missing).
-fn write_cache_dir(dir: &Path, geometry: &Geometry, snaps: &[KvSnapshot]) -> Result<()> {
+/// Writes the prefix cache file into `dir` (created if missing): the
+/// entries, and in the metadata the partition of each.
+fn write_cache_dir(
+    dir: &Path,
+    geometry: &Geometry,
+    entries: Vec<(Partition, KvSnapshot)>,
+) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| EngineError::Snapshot {
         path: dir.to_path_buf(),
         reason: format!("cannot create: {e}"),
     })?;
+    let (parts, snaps): (Vec<Partition>, Vec<KvSnapshot>) = entries.into_iter().unzip();
     write_file(
         &dir.join(CACHE_FILE),
         "prefix cache",
         geometry,
-        snaps,
-        serde_json::Value::Null,
+        &snaps,
+        serde_json::json!({ "partitions": parts }),
     )
 }

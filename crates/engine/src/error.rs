@@ -43,6 +43,33 @@ pub enum EngineError {
     Injected,
     #[error("the engine has stopped")]
     Stopped,
+    /// The server stopped waiting for this request (its shutdown timeout).
+    #[error("the server is shutting down: {0}")]
+    ShuttingDown(String),
+}
+
+impl EngineError {
+    /// The same error again, for one more listener (errors hold no
+    /// resources; the ones a request can end with keep their kind).
+    pub fn again(&self) -> EngineError {
+        match self {
+            EngineError::OutOfKvMemory {
+                needed,
+                total,
+                block_size,
+            } => EngineError::OutOfKvMemory {
+                needed: *needed,
+                total: *total,
+                block_size: *block_size,
+            },
+            EngineError::Injected => EngineError::Injected,
+            EngineError::Stopped => EngineError::Stopped,
+            EngineError::ShuttingDown(why) => EngineError::ShuttingDown(why.clone()),
+            EngineError::Step(why) => EngineError::Step(why.clone()),
+            EngineError::Invalid(why) => EngineError::Invalid(why.clone()),
+            other => EngineError::Step(other.to_string()),
+        }
+    }
 }
 
 pub type Result<T> = std::result::Result<T, EngineError>;

@@ -40,17 +40,20 @@ mod types;
 mod worker;
 
 pub use chat::{ChatSession, TurnOptions};
-pub use engine::Engine;
+pub use engine::{Engine, SessionSaved};
 pub use error::{EngineError, Result};
+pub use request::{MAX_STOP_BYTES, MAX_STOP_STRINGS};
 pub use sampler::{argmax_and_norm, Sampler, SamplingParams, SplitMix64, TokenLogprob};
 pub use self_extend::SelfExtend;
-pub use snapshot::{Geometry, KvSnapshot, LayerBytes, CACHE_FILE, FORMAT_VERSION};
+pub use snapshot::{
+    clean_temporaries, Geometry, KvSnapshot, LayerBytes, CACHE_FILE, FORMAT_VERSION,
+};
 pub use source::ModelSource;
-pub use stream::{Event, RequestStream};
+pub use stream::{Canceller, Event, RequestStream};
 pub use tessera_model::Activations;
 pub use tessera_model::{DeviceSpec, Message, Model};
 pub use types::{
     CacheDType, Completion, ContextShift, EngineConfig, EngineStats, Fault, FaultHook, FaultSite,
-    FinishReason, GenerateRequest, Prompt, Timings, TokenEvent, Usage,
+    FinishReason, GenerateRequest, Partition, Prompt, Timings, TokenEvent, Usage,
 };
 pub use worker::INJECTED_PANIC;

@@ -106,15 +106,11 @@ impl Active {
         }
         self.out.push(t);
         self.history.push(t);
+        let before = self.text.len();
         if let Some(piece) = self.decoder.push(tok, t)? {
             self.text.push_str(&piece);
         }
-        if let Some(at) = req
-            .stop
-            .iter()
-            .filter_map(|s| self.text.find(s.as_str()))
-            .min()
-        {
+        if let Some(at) = find_stop(&self.text, before, &req.stop) {
             self.text.truncate(at);
             self.send_text(t, &self.text[self.emitted.min(at)..], true);
             self.emitted = self.text.len();
@@ -179,6 +175,29 @@ impl Active {
     }
 }
 
+/// Most stop strings a request may give, and the longest one in bytes:
+/// each generated token is checked against every one of them.
+pub const MAX_STOP_STRINGS: usize = 16;
+pub const MAX_STOP_BYTES: usize = 256;
+
+/// Where the first stop string in `text` starts, of those that end past
+/// `before` (the text's length before the last token: an earlier match
+/// would have stopped already). Only the last `before`'s tail that a stop
+/// string could reach back into is searched, so a token costs the same
+/// however long the text is.
+pub(crate) fn find_stop(text: &str, before: usize, stops: &[String]) -> Option<usize> {
+    let reach = stops.iter().map(String::len).max()?.saturating_sub(1);
+    let mut from = before.saturating_sub(reach);
+    while !text.is_char_boundary(from) {
+        from -= 1;
+    }
+    stops
+        .iter()
+        .filter(|s| !s.is_empty())
+        .filter_map(|s| text[from..].find(s.as_str()).map(|at| from + at))
+        .min()
+}
+
 /// Length of the longest suffix of `text` that begins some stop string.
 pub(crate) fn held_back(text: &str, stops: &[String]) -> usize {
     let mut hold = 0;
@@ -194,7 +213,21 @@ pub(crate) fn held_back(text: &str, stops: &[String]) -> usize {
 
 #[cfg(test)]
 mod tests {
-    use super::held_back;
+    use super::{find_stop, held_back};
+
+    /// The incremental search finds what a search of the whole text finds,
+    /// for stops that end in the last token's text.
+    #[test]
+    fn finds_stops_in_the_new_tail_only() {
+        let stops = vec!["</end>".to_string(), "é!".to_string(), String::new()];
+        assert_eq!(find_stop("abc </en", 5, &stops), None);
+        assert_eq!(find_stop("abc </end>", 8, &stops), Some(4));
+        assert_eq!(find_stop("xxé!", 3, &stops), Some(2));
+        assert_eq!(find_stop("ééé!", 6, &stops), Some(4));
+        // The empty string never stops a sample.
+        assert_eq!(find_stop("abc", 2, &[String::new()]), None);
+        assert_eq!(find_stop("abc", 2, &[]), None);
+    }
 
     #[test]
     fn holds_back_possible_stop_prefixes() {

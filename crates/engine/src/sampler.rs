@@ -139,10 +139,14 @@ impl Sampler {
         if p.temperature <= 0.0 {
             return argmax(&logits);
         }
+        // The largest logit is subtracted before dividing, so that any
+        // temperature above 0, however small, gives finite values (the
+        // most likely token 0, the others at most 0, down to -inf).
+        let top = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let mut cands: Vec<(u32, f32)> = logits
             .iter()
             .enumerate()
-            .map(|(i, &l)| (i as u32, l / p.temperature))
+            .map(|(i, &l)| (i as u32, scaled(l, top, p.temperature)))
             .collect();
         if p.top_k > 0 && p.top_k < cands.len() {
             cands.select_nth_unstable_by(p.top_k - 1, by_logit);
@@ -181,6 +185,22 @@ impl Sampler {
             r -= x;
         }
         cands[keep - 1].0
+    }
+}
+
+/// `(l - top) / t`: 0 for the largest logit, never NaN (a logit of
+/// -inf, or a difference that overflows, is -inf).
+fn scaled(l: f32, top: f32, t: f32) -> f32 {
+    let d = l - top;
+    if d == 0.0 {
+        0.0
+    } else {
+        let v = d / t;
+        if v.is_nan() {
+            f32::NEG_INFINITY
+        } else {
+            v
+        }
     }
 }
 
@@ -318,6 +338,26 @@ mod tests {
         assert_eq!(argmax(&[f32::NAN, 1.0, 2.0]), 0);
         assert_eq!(argmax(&[f32::NEG_INFINITY; 20]), 0);
         assert_eq!(argmax(&[-0.0, 0.0, -1.0]), 0);
+    }
+
+    /// Any temperature above 0 samples: the smallest positive floats
+    /// (where `logit / t` overflowed to inf and every probability became
+    /// NaN) pick the most likely token, and -inf logits stay out.
+    #[test]
+    fn tiny_temperatures_pick_the_most_likely_token() {
+        let mut logits: Vec<f32> = (0..64).map(|i| (i as f32 * 0.61).cos() * 5.0).collect();
+        logits[3] = f32::NEG_INFINITY;
+        let best = argmax(&logits);
+        for t in [1e-45_f32, f32::MIN_POSITIVE, 1e-30, 1e-6] {
+            for seed in 0..20 {
+                let mut s = Sampler::new(SamplingParams {
+                    temperature: t,
+                    seed,
+                    ..Default::default()
+                });
+                assert_eq!(s.sample(&logits, &[], &[]), best, "temperature {t}");
+            }
+        }
     }
 
     #[test]

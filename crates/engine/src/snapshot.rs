@@ -179,6 +179,9 @@ pub fn write_file(
 /// to a temporary file beside it, are flushed to the disk, and the file is
 /// renamed over the old one (then the directory is flushed too). On an
 /// error the temporary file is removed and the old file is untouched.
+/// Every write has a temporary file of its own (the process id and a
+/// counter), so writers of one name in one process never share one: the
+/// last rename wins, and the file is always one of the writes whole.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     use std::io::Write;
     let dir = match path.parent() {
@@ -188,7 +191,9 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let name = path
         .file_name()
         .map_or_else(Default::default, |n| n.to_string_lossy());
-    let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
+    static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = dir.join(format!(".{name}.{}.{n}.tmp", std::process::id()));
     let written = (|| {
         let mut f = std::fs::File::create(&tmp)?;
         f.write_all(bytes)?;
@@ -212,24 +217,56 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 /// (their process is gone). Linux only: elsewhere a writer's liveness
 /// cannot be told, and the files stay.
 fn remove_stale_temporaries(dir: &Path, name: &str) {
+    remove_temporaries(dir, Some(name), false);
+}
+
+/// Removes what writers that died mid-write (killed, or the machine
+/// stopped) left in `dir`: [`write_atomic`]'s temporary files of processes
+/// that are gone. Called at start, before this process writes anything
+/// there, so its own process id counts as gone too (a restarted container
+/// often gets the same one). Returns the files removed. Linux only (a
+/// writer's liveness is read from /proc).
+pub fn clean_temporaries(dir: &Path) -> usize {
+    remove_temporaries(dir, None, true)
+}
+
+fn remove_temporaries(dir: &Path, name: Option<&str>, own_too: bool) -> usize {
     if !Path::new("/proc/self").exists() {
-        return;
+        return 0;
     }
-    let prefix = format!(".{name}.");
     let Ok(entries) = std::fs::read_dir(dir) else {
-        return;
+        return 0;
     };
+    let mut removed = 0;
     for e in entries.flatten() {
         let file = e.file_name().to_string_lossy().into_owned();
-        let pid = file
-            .strip_prefix(&prefix)
-            .and_then(|rest| rest.strip_suffix(".tmp"))
-            .and_then(|pid| pid.parse::<u32>().ok());
-        if let Some(pid) = pid {
-            if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
-                let _ = std::fs::remove_file(e.path());
-            }
+        let Some(pid) = temporary_pid(&file, name) else {
+            continue;
+        };
+        let own = pid == std::process::id();
+        let gone = !own && !Path::new(&format!("/proc/{pid}")).exists();
+        if (gone || (own && own_too)) && std::fs::remove_file(e.path()).is_ok() {
+            removed += 1;
         }
+    }
+    removed
+}
+
+/// The writer's process id of a temporary file name of [`write_atomic`]
+/// (`.{name}.{pid}.{n}.tmp`, or `.{name}.{pid}.tmp` of older builds), of
+/// `name`'s writes when given. The files written end in a non-numeric
+/// extension (`.tkv`, `.bin`), so the digits at the end are the writer's.
+fn temporary_pid(file: &str, name: Option<&str>) -> Option<u32> {
+    let rest = file.strip_prefix('.')?.strip_suffix(".tmp")?;
+    let rest = match name {
+        Some(n) => rest.strip_prefix(n)?,
+        None => rest,
+    };
+    let mut parts = rest.rsplit('.');
+    let last = parts.next()?.parse::<u64>().ok()?;
+    match parts.next().map(str::parse::<u32>) {
+        Some(Ok(pid)) => Some(pid),
+        _ => u32::try_from(last).ok(),
     }
 }
 
@@ -395,4 +432,53 @@ pub fn read_file(
         })
         .collect();
     Ok((snaps, header.meta))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn temporary_names_tell_their_writer() {
+        assert_eq!(temporary_pid(".a.tkv.123.7.tmp", None), Some(123));
+        assert_eq!(temporary_pid(".a.tkv.123.7.tmp", Some("a.tkv")), Some(123));
+        assert_eq!(temporary_pid(".a.tkv.123.tmp", None), Some(123));
+        assert_eq!(temporary_pid(".9.tkv.55.0.tmp", Some("9.tkv")), Some(55));
+        assert_eq!(temporary_pid(".a.tkv.123.7.tmp", Some("b.tkv")), None);
+        assert_eq!(temporary_pid("a.tkv", None), None);
+        assert_eq!(temporary_pid(".a.tkv.x.tmp", None), None);
+    }
+
+    /// Concurrent writers of one name each use a temporary file of their
+    /// own: every write succeeds, the file is one of them whole, and no
+    /// temporary file is left; one left by a writer that died is removed
+    /// at start.
+    #[test]
+    fn concurrent_writers_of_one_name_never_break_it() {
+        let dir = std::env::temp_dir().join(format!("tessera-atomic-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("s.tkv");
+        std::thread::scope(|s| {
+            for i in 0..12u8 {
+                let path = &path;
+                s.spawn(move || write_atomic(path, &vec![i; 100_000 + i as usize]).unwrap());
+            }
+        });
+        let got = std::fs::read(&path).unwrap();
+        let i = got[0];
+        assert_eq!(got, vec![i; 100_000 + i as usize]);
+        let stale = dir.join(format!(".s.tkv.{}.3.tmp", std::process::id()));
+        std::fs::write(&stale, b"partial").unwrap();
+        let others: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name())
+            .collect();
+        assert_eq!(others.len(), 2, "{others:?}");
+        if Path::new("/proc/self").exists() {
+            assert_eq!(clean_temporaries(&dir), 1);
+            assert!(!stale.exists());
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

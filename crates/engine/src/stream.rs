@@ -50,6 +50,23 @@ impl RequestStream {
     pub fn cancel(&self) {
         self.cancel.store(true, Ordering::Relaxed);
     }
+
+    /// A handle that cancels this request from elsewhere (another thread,
+    /// a guard dropped when a client hangs up), queued or running; after
+    /// the request ended it does nothing.
+    pub fn canceller(&self) -> Canceller {
+        Canceller(self.cancel.clone())
+    }
+}
+
+/// Cancels one request: see [`RequestStream::canceller`].
+#[derive(Debug, Clone)]
+pub struct Canceller(Arc<AtomicBool>);
+
+impl Canceller {
+    pub fn cancel(&self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
 }
 
 impl Iterator for RequestStream {

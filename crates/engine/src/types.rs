@@ -61,6 +61,11 @@ pub struct EngineConfig {
     /// size, so a model reads past its trained context. Such requests
     /// neither read nor fill the prefix cache.
     pub self_extend: Option<SelfExtend>,
+    /// Prompt tokens a background prefill (a session save's K/V that the
+    /// cache lacks) computes in a step beside other requests' work; alone
+    /// it takes whole chunks. Small, so that a save stretches decoding
+    /// steps by little (the step's weights are read once for all rows).
+    pub background_chunk: usize,
     /// Where [`crate::Engine::load`] puts the model and its K/V (default
     /// `auto`: CUDA, then Metal, then the CPU, as this build and machine
     /// allow). [`crate::Engine::from_model`] keeps the model's own device.
@@ -85,6 +90,7 @@ impl Default for EngineConfig {
             swa_full: false,
             swa_blocks: None,
             self_extend: None,
+            background_chunk: 16,
             device: DeviceSpec::Auto,
         }
     }
@@ -104,8 +110,12 @@ pub enum Prompt {
 pub struct GenerateRequest {
     pub prompt: Prompt,
     pub sampling: SamplingParams,
+    /// Most tokens to generate ([`GenerateRequest::UNLIMITED`]: no limit
+    /// of its own).
     pub max_tokens: usize,
-    /// Generation stops before any of these strings.
+    /// Generation stops before any of these strings (at most
+    /// [`crate::MAX_STOP_STRINGS`], each at most [`crate::MAX_STOP_BYTES`]
+    /// bytes; empty ones are ignored).
     pub stop: Vec<String>,
     /// Keep generating through end-of-generation tokens (benchmarks).
     pub ignore_eos: bool,
@@ -120,12 +130,41 @@ pub struct GenerateRequest {
     /// Reuse cached K/V of the prompt (llama-server's `cache_prompt`). Off,
     /// the whole prompt is computed; the result is still cached.
     pub reuse_prefix: bool,
-    /// Partitions the prefix cache: requests see only cached K/V of
-    /// requests with the same salt (`None` is a partition of its own).
-    pub cache_salt: Option<String>,
+    /// The prefix-cache partition: the request reads and adds cached K/V
+    /// of its own partition only.
+    pub partition: Partition,
     /// SelfExtend for this request (instead of the engine's
     /// [`EngineConfig::self_extend`]).
     pub self_extend: Option<SelfExtend>,
+}
+
+/// A partition of the prefix cache: requests, sessions and the cache
+/// directory's entries of one partition never see, time or change another's
+/// K/V. A tenant (the server: a digest of the API key a request came with)
+/// and vLLM's `cache_salt` together name one; the default (neither) is the
+/// model's own. Each maps to its cache namespace through HMAC-SHA256 under
+/// a secret the engine draws at start, so a client that picks its salt
+/// cannot aim it at another partition's namespace.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub struct Partition {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub salt: Option<String>,
+}
+
+impl Partition {
+    /// The partition of a `cache_salt` alone.
+    pub fn salt(salt: impl Into<String>) -> Partition {
+        Partition {
+            tenant: None,
+            salt: Some(salt.into()),
+        }
+    }
+
+    pub fn is_default(&self) -> bool {
+        self.tenant.is_none() && self.salt.is_none()
+    }
 }
 
 /// Context-shift policy at the context limit.
@@ -140,6 +179,12 @@ pub enum ContextShift {
 }
 
 impl GenerateRequest {
+    /// `max_tokens` for no limit of its own: the request generates until
+    /// an end-of-generation token, a stop string, the context, or the KV
+    /// pool's room for it alone (finish reason `length`). It is admitted
+    /// on what its prompt needs and grows as it generates.
+    pub const UNLIMITED: usize = usize::MAX;
+
     pub fn new(prompt: Prompt) -> Self {
         GenerateRequest {
             prompt,
@@ -151,7 +196,7 @@ impl GenerateRequest {
             n: 1,
             logprobs: None,
             reuse_prefix: true,
-            cache_salt: None,
+            partition: Partition::default(),
             self_extend: None,
         }
     }

@@ -39,6 +39,7 @@ use crate::snapshot::KvSnapshot;
 use crate::stream::Event;
 use crate::types::{
     ContextShift, EngineConfig, EngineStats, Fault, FaultSite, FinishReason, GenerateRequest,
+    Partition,
 };
 use crate::{EngineError, Result};
 
@@ -56,12 +57,23 @@ pub(crate) enum Command {
     Defragment(mpsc::Sender<Result<usize>>),
     /// New number of blocks.
     Resize(usize, mpsc::Sender<Result<usize>>),
-    /// The K/V of these tokens (computed if not cached).
-    Export(Vec<u32>, mpsc::Sender<Result<KvSnapshot>>),
-    /// Every cached path of the prefix tree.
-    ExportCache(mpsc::Sender<Result<Vec<KvSnapshot>>>),
-    /// Into the prefix tree; answers the tokens inserted.
-    Import(Vec<KvSnapshot>, mpsc::Sender<Result<usize>>),
+    /// The K/V of these tokens in this partition, and how many of them
+    /// were cached: what the cache lacks is computed as a background
+    /// request, between and beside the other requests' steps.
+    Export(
+        Partition,
+        Vec<u32>,
+        mpsc::Sender<Result<(KvSnapshot, usize)>>,
+    ),
+    /// Every cached path of the prefix tree, with its partition (paths of
+    /// namespaces no partition of this engine maps to are left out).
+    ExportCache(mpsc::Sender<Result<Vec<(Partition, KvSnapshot)>>>),
+    /// Into the prefix tree, each into its partition; answers the tokens
+    /// inserted.
+    Import(Vec<(Partition, KvSnapshot)>, mpsc::Sender<Result<usize>>),
+    /// Ends every request in flight with this error (the server's shutdown
+    /// timeout); what they computed stays cached.
+    FailAll(EngineError, mpsc::Sender<()>),
     /// Verify the KV bookkeeping.
     Check(mpsc::Sender<Result<()>>),
     /// The logits after each token of a text from a position on.
@@ -82,7 +94,24 @@ pub(crate) struct Worker {
     totals: EngineStats,
     /// SelfExtend requests: each one's RoPE position map.
     maps: HashMap<ReqId, PositionMap>,
+    /// Drawn at start: the key of the partitions' namespaces.
+    secret: [u8; 32],
+    /// The partition of each namespace this engine has served (the
+    /// default one's is `ns`), for the cache directory.
+    partitions: HashMap<Namespace, Partition>,
+    /// Session exports computing as background requests.
+    exports: HashMap<ReqId, Export>,
 }
+
+/// A session export in the scheduler: its tokens and who waits for them.
+struct Export {
+    ids: Vec<u32>,
+    reply: mpsc::Sender<Result<(KvSnapshot, usize)>>,
+}
+
+/// Partitions beyond which the idle worker forgets those with nothing
+/// cached and nothing running.
+const PARTITIONS_KEPT: usize = 4096;
 
 fn sched_error(e: SchedError) -> EngineError {
     match e {
@@ -139,20 +168,33 @@ fn advance(
     Ok(map.append(k))
 }
 
-/// The prefix-cache partition of requests with this salt: the model's own
-/// for none, else a 64-bit FNV-1a mix of the model's and the salt's bytes.
-fn salted(ns: Namespace, salt: Option<&str>) -> Namespace {
-    let Some(salt) = salt else { return ns };
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in
-        ns.0.to_le_bytes()
-            .iter()
-            .chain([0xff].iter())
-            .chain(salt.as_bytes())
-    {
-        h = (h ^ *b as u64).wrapping_mul(0x0100_0000_01b3);
+/// The namespace of a partition: the model's own (`ns`) for the default
+/// one, else the first 8 bytes of HMAC-SHA256 under `secret` of the
+/// model's namespace and the partition's parts, each length-prefixed (so
+/// no choice of salt reads as another tenant and salt). Without the secret
+/// a client cannot compute a namespace at all, let alone aim at one.
+fn partition_namespace(secret: &[u8; 32], ns: Namespace, p: &Partition) -> Namespace {
+    use hmac::{Hmac, Mac};
+    if p.is_default() {
+        return ns;
     }
-    Namespace(h)
+    let mut mac = Hmac::<sha2::Sha256>::new_from_slice(secret).expect("any key length");
+    mac.update(b"tessera partition v1");
+    mac.update(&ns.0.to_le_bytes());
+    for part in [&p.tenant, &p.salt] {
+        match part {
+            None => mac.update(&[0]),
+            Some(s) => {
+                mac.update(&[1]);
+                mac.update(&(s.len() as u64).to_le_bytes());
+                mac.update(s.as_bytes());
+            }
+        }
+    }
+    let out = mac.finalize().into_bytes();
+    let h = u64::from_le_bytes(out[..8].try_into().expect("8 bytes"));
+    // The default partition's namespace is the model's alone.
+    Namespace(if h == ns.0 { h ^ 1 } else { h })
 }
 
 /// What an injected [`Fault::Panic`] panics with.
@@ -274,8 +316,13 @@ impl Worker {
                 max_wait_steps: 64,
                 prefix_cache: cfg.prefix_cache,
                 context_length: ctx,
+                background_tokens: cfg.background_chunk.max(1),
             },
         );
+        let mut secret = [0u8; 32];
+        getrandom::getrandom(&mut secret).map_err(|e| {
+            EngineError::Invalid(format!("cannot draw the partitions' secret: {e}"))
+        })?;
         Ok(Worker {
             ns: Namespace(model.fingerprint),
             runner,
@@ -285,7 +332,27 @@ impl Worker {
             active: HashMap::new(),
             maps: HashMap::new(),
             totals: EngineStats::default(),
+            secret,
+            partitions: HashMap::new(),
+            exports: HashMap::new(),
         })
+    }
+
+    /// The namespace of partition `p`, remembered for the cache directory.
+    fn namespace(&mut self, p: &Partition) -> Namespace {
+        let ns = partition_namespace(&self.secret, self.ns, p);
+        if !p.is_default() {
+            self.partitions.entry(ns).or_insert_with(|| p.clone());
+        }
+        ns
+    }
+
+    /// The partition of namespace `ns`, when this engine knows it.
+    fn partition_of(&self, ns: Namespace) -> Option<Partition> {
+        if ns == self.ns {
+            return Some(Partition::default());
+        }
+        self.partitions.get(&ns).cloned()
     }
 
     /// The worker thread's loop.
@@ -334,6 +401,7 @@ impl Worker {
             .expect("the same configuration was valid");
             self.sched = Scheduler::new(kv, self.sched.config().clone());
             self.active.clear();
+            self.exports.clear();
         }
     }
 
@@ -360,14 +428,16 @@ impl Worker {
             Command::Resize(blocks, reply) => {
                 let _ = reply.send(self.resize(blocks));
             }
-            Command::Export(ids, reply) => {
-                let _ = reply.send(self.export(&ids));
-            }
+            Command::Export(partition, ids, reply) => self.start_export(&partition, ids, reply),
             Command::ExportCache(reply) => {
                 let _ = reply.send(self.export_cache());
             }
             Command::Import(snaps, reply) => {
                 let _ = reply.send(self.import(&snaps));
+            }
+            Command::FailAll(e, reply) => {
+                self.fail_all(&e);
+                let _ = reply.send(());
             }
             Command::CancelAll(reply) => {
                 self.cancel_all();
@@ -426,15 +496,22 @@ impl Worker {
                 return Err(EngineError::Invalid(ga.refusal(why)));
             }
         }
+        let namespace = self.namespace(&req.partition);
         let id = self
             .sched
             .add(NewRequest {
-                namespace: salted(self.ns, req.cache_salt.as_deref()),
+                namespace,
                 prompt: token_ids(&ids),
-                max_new_tokens: req.max_tokens,
+                // Unlimited: what it needs now; it grows as it generates.
+                max_new_tokens: if req.max_tokens == GenerateRequest::UNLIMITED {
+                    1
+                } else {
+                    req.max_tokens
+                },
                 shift_keep,
                 reuse_prefix: req.reuse_prefix,
                 private: self_extend.is_some(),
+                background: false,
             })
             .map_err(sched_error)?;
         if let Some(ga) = self_extend {
@@ -494,28 +571,116 @@ impl Worker {
                 Err(e) => return self.abort(&plan, &e),
             };
         self.end_scheduled(&plan);
+        let sampled: Vec<ReqId> = plan
+            .items
+            .iter()
+            .filter(|i| self.samples(i))
+            .map(|i| i.req)
+            .collect();
+        for item in &plan.items {
+            let done = self
+                .exports
+                .get(&item.req)
+                .is_some_and(|x| item.start + item.tokens.len() == x.ids.len());
+            if done {
+                self.end_export(item.req, item.seq);
+            }
+        }
         let _span = debug_span!("sample").entered();
-        let mut wanting = plan.items.iter().filter(|i| i.wants_logits);
+        let mut wanting = sampled.iter();
         let read = logits.each_row(|row| {
-            if let Some(item) = wanting.next() {
-                if let Err(e) = self.on_logits(item.req, row) {
-                    self.fail(item.req, &e);
+            if let Some(&req) = wanting.next() {
+                if let Err(e) = self.on_logits(req, row) {
+                    self.fail(req, &e);
                 }
             }
         });
         if let Err(e) = read {
             // Reading fails before the first row, if at all.
-            for item in plan.items.iter().filter(|i| i.wants_logits) {
-                self.fail(item.req, &e);
+            for req in sampled {
+                self.fail(req, &e);
             }
         }
+    }
+
+    /// Whether a step item's last row is sampled (an export's is not).
+    fn samples(&self, item: &tessera_sched::StepItem) -> bool {
+        item.wants_logits && !self.exports.contains_key(&item.req)
+    }
+
+    /// Queues the export of `ids`' K/V in partition `p` as a background
+    /// request; the answer goes to `reply` once its prompt is computed.
+    fn start_export(
+        &mut self,
+        p: &Partition,
+        ids: Vec<u32>,
+        reply: mpsc::Sender<Result<(KvSnapshot, usize)>>,
+    ) {
+        if ids.is_empty() {
+            let empty = KvSnapshot {
+                tokens: Vec::new(),
+                layers: Vec::new(),
+                sliding_from: 0,
+            };
+            let _ = reply.send(Ok((empty, 0)));
+            return;
+        }
+        let namespace = self.namespace(p);
+        let added = self.sched.add(NewRequest {
+            namespace,
+            prompt: token_ids(&ids),
+            max_new_tokens: 0,
+            shift_keep: None,
+            reuse_prefix: true,
+            private: false,
+            background: true,
+        });
+        match added {
+            Ok(id) => {
+                self.exports.insert(id, Export { ids, reply });
+            }
+            Err(e) => {
+                let _ = reply.send(Err(sched_error(e)));
+            }
+        }
+    }
+
+    /// An export's prompt is computed: its K/V goes to the caller, its
+    /// sequence into the prefix tree.
+    fn end_export(&mut self, id: ReqId, seq: SeqId) {
+        let Some(x) = self.exports.remove(&id) else {
+            return;
+        };
+        let cached = self.sched.cached_tokens(id).ok().flatten().unwrap_or(0);
+        let snap = self
+            .read_kv(seq, x.ids.len())
+            .map(|(layers, sliding_from)| {
+                let snap = KvSnapshot {
+                    tokens: x.ids,
+                    layers,
+                    sliding_from,
+                };
+                (snap, cached)
+            });
+        if let Err(e) = self.sched.finish(id) {
+            warn!("finishing export {id}: {e}");
+        }
+        let _ = x.reply.send(snap);
     }
 
     /// Finishes the requests the scheduler ended.
     fn end_scheduled(&mut self, plan: &StepPlan) {
         for &(req, reason) in &plan.ended {
+            let unlimited = self
+                .active
+                .get(&req)
+                .is_some_and(|a| a.group.req.max_tokens == GenerateRequest::UNLIMITED);
             match reason {
                 EndReason::ContextFull => self.finish(req, FinishReason::Length),
+                // No limit asked for: the pool's room for it alone is one.
+                EndReason::OutOfKvMemory { .. } if unlimited => {
+                    self.finish(req, FinishReason::Length)
+                }
                 EndReason::OutOfKvMemory { needed, total } => {
                     let e = EngineError::OutOfKvMemory {
                         needed,
@@ -571,7 +736,7 @@ impl Worker {
                 start: i.start,
                 slots: i.slots.iter().map(|s| s.0).collect(),
                 table: i.block_table.iter().map(|b| b.0).collect(),
-                logits_from: i.wants_logits.then(|| i.tokens.len() - 1),
+                logits_from: self.samples(i).then(|| i.tokens.len() - 1),
                 sliding: split.then(|| sliding_part(&i.sliding_slots, &i.sliding_table)),
                 rope: Vec::new(),
             })
@@ -682,25 +847,15 @@ impl Worker {
         let _ = events.send(Event::Done(Box::new(done)));
     }
 
-    /// Ends a sample with an error; what it computed stays cached.
+    /// Ends a sample (or an export) with an error; what it computed stays
+    /// cached.
     fn fail(&mut self, id: ReqId, e: &EngineError) {
         if let Some(a) = self.active.remove(&id) {
             self.totals.failed_requests += 1;
-            let err = match e {
-                EngineError::OutOfKvMemory {
-                    needed,
-                    total,
-                    block_size,
-                } => EngineError::OutOfKvMemory {
-                    needed: *needed,
-                    total: *total,
-                    block_size: *block_size,
-                },
-                EngineError::Injected => EngineError::Injected,
-                EngineError::Step(why) => EngineError::Step(why.clone()),
-                other => EngineError::Step(other.to_string()),
-            };
-            let _ = a.group.events.send(Event::Error(err));
+            let _ = a.group.events.send(Event::Error(e.again()));
+        }
+        if let Some(x) = self.exports.remove(&id) {
+            let _ = x.reply.send(Err(e.again()));
         }
         if let Err(e) = self.sched.finish(id) {
             warn!("dropping failed {id}: {e}");
@@ -708,14 +863,31 @@ impl Worker {
     }
 
     fn fail_all(&mut self, e: &EngineError) {
-        let ids: Vec<ReqId> = self.active.keys().copied().collect();
+        let ids: Vec<ReqId> = self
+            .active
+            .keys()
+            .chain(self.exports.keys())
+            .copied()
+            .collect();
         for id in ids {
             self.fail(id, e);
         }
     }
 
-    /// Between requests: defragment when holes pass the threshold.
+    /// Between requests: defragment when holes pass the threshold, and
+    /// forget partitions with nothing cached once there are many.
     fn idle(&mut self) {
+        if self.partitions.len() > PARTITIONS_KEPT {
+            let live: std::collections::HashSet<Namespace> = self
+                .sched
+                .kv()
+                .tree()
+                .paths()
+                .into_iter()
+                .map(|p| p.namespace)
+                .collect();
+            self.partitions.retain(|ns, _| live.contains(ns));
+        }
         let pool = self.sched.kv().pool();
         let live = pool.num_live();
         let span = pool.highest_live().map_or(0, |b| b.index() + 1);
@@ -781,11 +953,12 @@ impl Worker {
     /// computed tokens stay cached when caching is on and all went well.
     fn with_computed<T>(
         &mut self,
+        ns: Namespace,
         tokens: &[u32],
         f: impl FnOnce(&Self, SeqId) -> Result<T>,
     ) -> Result<T> {
         let toks = token_ids(tokens);
-        let (seq, cached) = self.sched.kv_mut().add_sequence(self.ns, &toks);
+        let (seq, cached) = self.sched.kv_mut().add_sequence(ns, &toks);
         let result = self
             .compute_on(seq, &toks[cached..])
             .and_then(|()| f(self, seq));
@@ -936,15 +1109,10 @@ impl Worker {
         Ok((layers, from))
     }
 
-    fn export(&mut self, ids: &[u32]) -> Result<KvSnapshot> {
-        if ids.is_empty() {
-            return Ok(KvSnapshot {
-                tokens: Vec::new(),
-                layers: Vec::new(),
-                sliding_from: 0,
-            });
-        }
-        self.with_computed(ids, |w, seq| {
+    /// The K/V of a cached path of namespace `ns` (computed here, outside
+    /// the scheduler, for any part the cache lost).
+    fn export_now(&mut self, ns: Namespace, ids: &[u32]) -> Result<KvSnapshot> {
+        self.with_computed(ns, ids, |w, seq| {
             let (layers, sliding_from) = w.read_kv(seq, ids.len())?;
             Ok(KvSnapshot {
                 tokens: ids.to_vec(),
@@ -954,13 +1122,18 @@ impl Worker {
         })
     }
 
-    fn export_cache(&mut self) -> Result<Vec<KvSnapshot>> {
+    fn export_cache(&mut self) -> Result<Vec<(Partition, KvSnapshot)>> {
         let paths = self.sched.kv().tree().paths();
         let mut out = Vec::new();
-        let ns = self.ns;
-        for p in paths.into_iter().filter(|p| p.namespace == ns) {
+        for p in paths {
+            let Some(partition) = self.partition_of(p.namespace) else {
+                continue;
+            };
             let ids: Vec<u32> = p.tokens.iter().map(|t| t.0).collect();
-            out.push(self.export(&ids)?);
+            if ids.is_empty() {
+                continue;
+            }
+            out.push((partition, self.export_now(p.namespace, &ids)?));
         }
         Ok(out)
     }
@@ -969,7 +1142,7 @@ impl Worker {
     /// ids in the vocabulary, one K and one V row per token per layer)
     /// before any of its bytes is written; a bad one is refused and what
     /// came before it stays.
-    fn import(&mut self, snaps: &[KvSnapshot]) -> Result<usize> {
+    fn import(&mut self, snaps: &[(Partition, KvSnapshot)]) -> Result<usize> {
         if !self.cfg.prefix_cache {
             return Err(EngineError::Invalid(
                 "loading saved K/V needs the prefix cache, which is off".into(),
@@ -977,7 +1150,8 @@ impl Worker {
         }
         let vocab = self.runner.model().config().vocab_size;
         let mut total = 0;
-        for snap in snaps.iter().filter(|s| !s.tokens.is_empty()) {
+        for (partition, snap) in snaps.iter().filter(|s| !s.1.tokens.is_empty()) {
+            let ns = self.namespace(partition);
             if let Some(&t) = snap.tokens.iter().find(|&&t| t as usize >= vocab) {
                 return Err(EngineError::Invalid(format!(
                     "saved token id {t} is outside the vocabulary of {vocab}"
@@ -988,7 +1162,7 @@ impl Worker {
             let from = snap.sliding_from.min(n);
             self.runner.check_rows(&snap.layers, n, n - from)?;
             let toks = token_ids(&snap.tokens);
-            let (seq, cached) = self.sched.kv_mut().add_sequence(self.ns, &toks);
+            let (seq, cached) = self.sched.kv_mut().add_sequence(ns, &toks);
             let result = self
                 .append_now_from(seq, &toks[cached..], from)
                 .and_then(|plan| {
@@ -1028,6 +1202,9 @@ impl Worker {
     fn cancel_all(&mut self) {
         for id in self.active.keys().copied().collect::<Vec<_>>() {
             self.finish(id, FinishReason::Cancelled);
+        }
+        for id in self.exports.keys().copied().collect::<Vec<_>>() {
+            self.fail(id, &EngineError::Stopped);
         }
     }
 

@@ -22,7 +22,10 @@
 //! - **Budget.** A step computes at most `max_batch_tokens` tokens over at
 //!   most `max_running` sequences. Running sequences go first, oldest first
 //!   (one token each when decoding, a chunk when prefilling); what is left
-//!   admits waiting requests, prefilled in chunks.
+//!   admits waiting requests, prefilled in chunks. A background request
+//!   (a prompt computed for its K/V alone: a session save) is admitted
+//!   last and, while others have work, computes at most
+//!   `background_tokens` a step, so it rides along their steps.
 //! - **Cache-aware order.** Waiting requests with the longest cached prefix
 //!   are admitted first; one that has waited `max_wait_steps` steps goes
 //!   before all others (first come, first served among those), so no
@@ -80,6 +83,9 @@ pub struct SchedConfig {
     pub prefix_cache: bool,
     /// Positions a sequence may hold.
     pub context_length: usize,
+    /// Most tokens a background request computes in a step that has other
+    /// requests' work (alone it takes the whole budget).
+    pub background_tokens: usize,
 }
 
 impl Default for SchedConfig {
@@ -90,6 +96,7 @@ impl Default for SchedConfig {
             max_wait_steps: 64,
             prefix_cache: true,
             context_length: 2048,
+            background_tokens: 16,
         }
     }
 }
@@ -109,6 +116,11 @@ pub struct NewRequest {
     /// Its K/V is its own (keys rotated for its own position map:
     /// SelfExtend): it neither reads the prefix tree nor adds to it.
     pub private: bool,
+    /// Low priority (a prompt computed for its K/V alone, as a session
+    /// save's): admitted after every other waiting request, and while
+    /// other requests have work it computes at most
+    /// [`SchedConfig::background_tokens`] a step.
+    pub background: bool,
 }
 
 /// Why a request was refused at [`Scheduler::add`].
@@ -220,6 +232,8 @@ struct Request {
     reuse: bool,
     /// Never reads or adds to the prefix tree.
     private: bool,
+    /// Low priority: see [`NewRequest::background`].
+    background: bool,
     /// Prompt tokens served from the cache at first admission.
     cached: Option<usize>,
     /// Blocks it holds at most (prompt and new tokens, within the context).
@@ -344,6 +358,7 @@ impl Scheduler {
                 shift_keep: r.shift_keep,
                 reuse: r.reuse_prefix && !r.private,
                 private: r.private,
+                background: r.background,
                 cached: None,
                 most_blocks: needed,
                 solo_until: None,
@@ -374,7 +389,11 @@ impl Scheduler {
         let mut i = 0;
         while i < self.running.len() && budget > 0 && plan.items.len() < self.cfg.max_running {
             let id = self.running[i];
-            match self.schedule_running(id, &mut budget, &mut plan)? {
+            let mut part = self.share(id, budget);
+            let before = part;
+            let placed = self.schedule_running(id, &mut part, &mut plan)?;
+            budget -= before - part;
+            match placed {
                 Placed::Yes | Placed::Ended => i += 1,
                 // The victim was the newest: either this one (now gone) or
                 // one behind it; this one is retried.
@@ -394,6 +413,20 @@ impl Scheduler {
             self.admit(order, &mut budget, &mut plan)?;
         }
         Ok(plan)
+    }
+
+    /// The part of `budget` request `id` may take this step: all of it,
+    /// or for a background request beside other requests' work, at most
+    /// `background_tokens`.
+    fn share(&self, id: ReqId, budget: usize) -> usize {
+        let others = |r: &ReqId| *r != id && !self.reqs[r].background;
+        if self.reqs[&id].background
+            && (self.running.iter().any(others) || self.waiting.iter().any(others))
+        {
+            budget.min(self.cfg.background_tokens.max(1))
+        } else {
+            budget
+        }
     }
 
     /// A request that must run alone: a running one first, else the first
@@ -654,7 +687,10 @@ impl Scheduler {
                 self.kv
                     .keep_front(seq, keep.min(self.cfg.context_length / 2))?;
             }
-            let end = r.tokens.len().min(cached.saturating_add(*budget));
+            let end = r
+                .tokens
+                .len()
+                .min(cached.saturating_add(self.share(id, *budget)));
             let chunk = r.tokens[cached..end].to_vec();
             match self.kv.append(seq, &chunk)? {
                 Admission::Ok(a) => {
@@ -698,10 +734,10 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Overdue requests first (in queue order), then the longest cached
-    /// prefix, then queue order.
+    /// Background requests after all others; then overdue requests first
+    /// (in queue order), then the longest cached prefix, then queue order.
     fn admission_order(&self) -> Vec<ReqId> {
-        let mut keyed: Vec<(bool, usize, usize, ReqId)> = self
+        let mut keyed: Vec<(bool, bool, usize, usize, ReqId)> = self
             .waiting
             .iter()
             .enumerate()
@@ -717,15 +753,16 @@ impl Scheduler {
                 } else {
                     0
                 };
-                (overdue, hit, qpos, id)
+                (r.background, overdue, hit, qpos, id)
             })
             .collect();
         keyed.sort_by(|a, b| {
-            b.0.cmp(&a.0)
-                .then(if a.0 { a.2.cmp(&b.2) } else { b.1.cmp(&a.1) })
-                .then(a.2.cmp(&b.2))
+            a.0.cmp(&b.0)
+                .then(b.1.cmp(&a.1))
+                .then(if a.1 { a.3.cmp(&b.3) } else { b.2.cmp(&a.2) })
+                .then(a.3.cmp(&b.3))
         });
-        keyed.into_iter().map(|k| k.3).collect()
+        keyed.into_iter().map(|k| k.4).collect()
     }
 
     /// Records that the plan's K/V is written. Prompt chunks that do not
@@ -841,7 +878,7 @@ impl Scheduler {
         }
         let (ns, tokens, shift_keep, cached) = (r.ns, r.tokens.clone(), r.shift_keep, r.cached);
         let (most_blocks, solo_until, reuse) = (r.most_blocks, r.solo_until, r.reuse);
-        let private = r.private;
+        let (private, background) = (r.private, r.background);
         let child_seq = self.kv.fork(seq)?;
         let child = Request {
             ns,
@@ -849,6 +886,7 @@ impl Scheduler {
             shift_keep,
             reuse,
             private,
+            background,
             cached,
             most_blocks,
             solo_until,

@@ -71,6 +71,7 @@ impl Sim {
             shift_keep,
             reuse_prefix: true,
             private: false,
+            background: false,
         })
     }
 
@@ -199,6 +200,7 @@ fn cfg(max_batch_tokens: usize, max_running: usize) -> SchedConfig {
         max_wait_steps: 64,
         prefix_cache: true,
         context_length: 4096,
+        background_tokens: 16,
     }
 }
 
@@ -260,6 +262,7 @@ fn a_request_without_prefix_reuse_computes_everything_and_the_cache_keeps_one_co
         shift_keep: None,
         reuse_prefix: false,
         private: false,
+        background: false,
     });
     sim.step();
     let item = &sim.log.last().unwrap().items[0];
@@ -347,6 +350,7 @@ fn requests_that_cannot_fit_alone_are_rejected_with_numbers() {
             shift_keep: None,
             reuse_prefix: true,
             private: false,
+            background: false,
         })
         .unwrap_err();
     assert_eq!(
@@ -370,6 +374,7 @@ fn requests_that_cannot_fit_alone_are_rejected_with_numbers() {
             shift_keep: None,
             reuse_prefix: true,
             private: false,
+            background: false,
         })
         .unwrap_err();
     assert_eq!(
@@ -923,6 +928,7 @@ fn private_requests_neither_read_nor_fill_the_prefix_tree() {
         shift_keep: None,
         reuse_prefix: true,
         private: true,
+        background: false,
     });
     sim.run();
     let computed: usize = sim
@@ -935,4 +941,51 @@ fn private_requests_neither_read_nor_fill_the_prefix_tree() {
     assert_eq!(computed, 12 + 3, "every prompt token computed");
     assert_eq!(sim.sched.kv().stats().cached_tokens, held, "nothing added");
     assert_eq!(sim.outputs()[&private], sim.outputs()[&shared]);
+}
+
+/// A background request (a session save's prefill) rides along other
+/// requests' steps a few tokens at a time, is admitted after the
+/// foreground requests waiting beside it, and takes whole chunks once it
+/// is alone; what it computes is the same K/V.
+#[test]
+fn a_background_request_takes_a_small_share_beside_others_and_all_alone() {
+    let mut sim = Sim::new(512, 4, cfg(64, 8));
+    let fg = sim.add(&prompt(1, 8), 30);
+    sim.step();
+    let bg = sim.add_req(NewRequest {
+        namespace: NS,
+        prompt: token_ids(&prompt(2, 600)),
+        max_new_tokens: 1,
+        shift_keep: None,
+        reuse_prefix: true,
+        private: false,
+        background: true,
+    });
+    let late = sim.add(&prompt(3, 40), 4);
+    sim.step();
+    let items = &sim.log.last().unwrap().items;
+    let share = |items: &[StepItem], r: ReqId| {
+        items
+            .iter()
+            .find(|i| i.req == r)
+            .map_or(0, |i| i.tokens.len())
+    };
+    assert_eq!(share(items, late), 40, "the foreground request first");
+    assert!(share(items, bg) <= 16, "{}", share(items, bg));
+    let mut alone = false;
+    while sim.sched.has_work() {
+        sim.step();
+        let items = &sim.log.last().unwrap().items;
+        let others = items.iter().any(|i| i.req != bg);
+        let n = share(items, bg);
+        if others {
+            assert!(n <= 16, "beside others: {n} tokens");
+        } else if n > 16 {
+            alone = true;
+        }
+    }
+    assert!(alone, "alone it took more than the background share");
+    let out = sim.outputs();
+    assert_eq!(out[&fg].len(), 30);
+    assert_eq!(out[&bg].len(), 1);
 }

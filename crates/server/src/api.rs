@@ -142,6 +142,17 @@ pub struct SessionSaveRequest {
     pub messages: Option<Vec<ChatMessage>>,
     #[serde(default)]
     pub tokens: Option<Vec<u32>>,
+    /// The partition the session lives in (with the API key's), as the
+    /// requests that continue it send it.
+    #[serde(default)]
+    pub cache_salt: Option<String>,
+}
+
+/// A restore's optional body.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct SessionRestoreRequest {
+    #[serde(default)]
+    pub cache_salt: Option<String>,
 }
 
 /// `usage` of a response: `cached_tokens` are the prompt tokens whose K/V
@@ -263,7 +274,9 @@ impl From<tessera_engine::EngineError> for ApiError {
             E::Model(
                 tessera_model::ModelError::Tokenizer(_) | tessera_model::ModelError::Template(_),
             ) => ApiError::bad(message),
-            E::Stopped => ApiError::server(StatusCode::SERVICE_UNAVAILABLE, message),
+            E::Stopped | E::ShuttingDown(_) => {
+                ApiError::server(StatusCode::SERVICE_UNAVAILABLE, message)
+            }
             _ => ApiError::server(StatusCode::INTERNAL_SERVER_ERROR, message),
         }
     }

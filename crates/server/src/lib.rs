@@ -10,9 +10,16 @@
 //! axum handler ── spawn_blocking: Engine::generate ──▶ RequestStream (blocking)
 //!      ▲                                   │ forwarder thread: events → channel
 //!      └── JSON, or SSE chunks ◀── converter task ◀──┘
-//! client gone → SSE body dropped → channels close → RequestStream dropped
-//!             → the engine cancels the request at its next step
+//! client gone → the handler (or the SSE body) is dropped → its cancel
+//!             guard cancels the request, queued or running, at the
+//!             engine's next step; its queue slot is freed when it ends
 //! ```
+//!
+//! Tenants: with several API keys each key is a tenant, and a request's
+//! prefix-cache partition is its tenant and its `cache_salt`
+//! ([`tessera_engine::Partition`]). Sessions live inside the partition too
+//! (a directory of their own), so one tenant never reads, overwrites or
+//! times another's cached K/V or sessions.
 
 mod api;
 mod logprobs;
@@ -35,8 +42,8 @@ use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
 use serde_json::{json, Value};
 use tessera_engine::{
-    Completion, ContextShift, Engine, EngineError, Event, FinishReason, GenerateRequest, Message,
-    Prompt, SamplingParams, TokenLogprob,
+    Canceller, Completion, ContextShift, Engine, EngineError, Event, FinishReason, GenerateRequest,
+    Message, Partition, Prompt, SamplingParams, TokenLogprob,
 };
 use tokio::sync::mpsc;
 
@@ -68,6 +75,14 @@ pub struct ServerConfig {
     /// Where `/v1/sessions/{name}/save` and `/restore` keep sessions;
     /// `None`: those endpoints answer 404.
     pub session_dir: Option<std::path::PathBuf>,
+    /// Most tokens one session may hold (`None`: the context length);
+    /// larger saves are answered 413.
+    pub max_session_tokens: Option<usize>,
+    /// Most bytes all session files together may take; a save past it is
+    /// answered 507 (`None`: no limit).
+    pub session_quota: Option<u64>,
+    /// `/metrics` and `/openapi.json` without a key, when keys are set.
+    pub public_metrics: bool,
 }
 
 impl ServerConfig {
@@ -81,6 +96,9 @@ impl ServerConfig {
             metrics_prefix: "tessera".into(),
             max_queue: 512,
             session_dir: None,
+            max_session_tokens: None,
+            session_quota: None,
+            public_metrics: false,
         }
     }
 }
@@ -89,6 +107,11 @@ impl ServerConfig {
 /// model has loaded (`/health` answers 503 until then).
 pub struct Server {
     cfg: ServerConfig,
+    /// SHA-256 of each API key, compared in constant time.
+    key_digests: Vec<[u8; 32]>,
+    /// Session files being written now (one writer per file), and bytes
+    /// reserved against the quota by saves in flight.
+    sessions: sessions::Writers,
     engine: OnceLock<Arc<Engine>>,
     next_id: AtomicU64,
     metrics: metrics::Metrics,
@@ -107,7 +130,18 @@ impl Drop for QueueSlot {
 
 impl Server {
     pub fn new(cfg: ServerConfig) -> Arc<Server> {
+        if let Some(dir) = &cfg.session_dir {
+            let n = sessions::clean(dir);
+            if n > 0 {
+                tracing::info!(
+                    "removed {n} unfinished session writes from {}",
+                    dir.display()
+                );
+            }
+        }
         Arc::new(Server {
+            key_digests: cfg.api_keys.iter().map(|k| digest(k)).collect(),
+            sessions: sessions::Writers::default(),
             metrics: metrics::Metrics::new(&cfg.metrics_prefix),
             cfg,
             engine: OnceLock::new(),
@@ -155,14 +189,21 @@ impl Server {
         format!("{prefix}-{}", self.next_id.fetch_add(1, Ordering::Relaxed))
     }
 
-    /// The routes, with the API key check (every route but `/health` and
-    /// `/metrics`), the body limit and the response timeout.
+    /// The routes, with the API key check (every route but `/health`, and
+    /// with `public_metrics` `/metrics` and `/openapi.json`), the body
+    /// limit (of every body, JSON included) and the response timeout.
     pub fn router(self: &Arc<Self>) -> Router {
-        let open = Router::new()
-            .route("/health", get(health))
+        let mut open = Router::new().route("/health", get(health));
+        let mut keyed = Router::new();
+        let docs = Router::new()
             .route("/metrics", get(metrics_text))
             .route("/openapi.json", get(openapi::document));
-        let keyed = Router::new()
+        if self.cfg.public_metrics {
+            open = open.merge(docs);
+        } else {
+            keyed = keyed.merge(docs);
+        }
+        let keyed = keyed
             .route("/v1/models", get(models))
             .route("/v1/chat/completions", post(chat))
             .route("/v1/completions", post(completions))
@@ -172,6 +213,7 @@ impl Server {
             .route("/v1/sessions/{name}/restore", post(sessions::restore))
             .route_layer(middleware::from_fn_with_state(self.clone(), auth));
         open.merge(keyed)
+            .layer(axum::extract::DefaultBodyLimit::max(self.cfg.body_limit))
             .layer(tower_http::limit::RequestBodyLimitLayer::new(
                 self.cfg.body_limit,
             ))
@@ -200,6 +242,26 @@ pub async fn serve(
 #[derive(Debug, Clone, Copy, Default)]
 struct Tenant(Option<usize>);
 
+fn digest(key: &str) -> [u8; 32] {
+    use sha2::Digest;
+    sha2::Sha256::digest(key.as_bytes()).into()
+}
+
+/// The configured key `given` is, if any: its digest is compared with
+/// every key's in constant time (no early exit, no length leak), so the
+/// time taken says nothing of how close a guess was.
+fn key_index(digests: &[[u8; 32]], given: &str) -> Option<usize> {
+    use subtle::{ConditionallySelectable, ConstantTimeEq};
+    let d = digest(given);
+    let (mut found, mut any) = (0u64, subtle::Choice::from(0));
+    for (i, k) in digests.iter().enumerate() {
+        let hit = k.ct_eq(&d);
+        found.conditional_assign(&(i as u64), hit);
+        any |= hit;
+    }
+    bool::from(any).then_some(found as usize)
+}
+
 async fn auth(State(s): State<Arc<Server>>, mut req: Request, next: Next) -> Response {
     if s.cfg.api_keys.is_empty() {
         req.extensions_mut().insert(Tenant(None));
@@ -210,7 +272,7 @@ async fn auth(State(s): State<Arc<Server>>, mut req: Request, next: Next) -> Res
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "));
-    if let Some(i) = given.and_then(|k| s.cfg.api_keys.iter().position(|a| a == k)) {
+    if let Some(i) = given.and_then(|k| key_index(&s.key_digests, k)) {
         req.extensions_mut().insert(Tenant(Some(i)));
         return next.run(req).await;
     }
@@ -299,11 +361,15 @@ async fn tokenize(
     } else {
         tessera_model::Special::AsText
     };
-    let ids = engine
-        .model()
-        .tokenizer
-        .encode(&req.content, special, req.add_special)
-        .map_err(EngineError::from)?;
+    // Megabytes of text take a while: off the async threads.
+    let ids = blocking("tokenize", move || {
+        Ok(engine
+            .model()
+            .tokenizer
+            .encode(&req.content, special, req.add_special)
+            .map_err(EngineError::from)?)
+    })
+    .await?;
     Ok(Json(json!({"tokens": ids})))
 }
 
@@ -319,11 +385,14 @@ async fn detokenize(
             "token id {bad} is outside the vocabulary of {vocab}"
         )));
     }
-    let text = engine
-        .model()
-        .tokenizer
-        .decode(&req.tokens)
-        .map_err(EngineError::from)?;
+    let text = blocking("detokenize", move || {
+        Ok(engine
+            .model()
+            .tokenizer
+            .decode(&req.tokens)
+            .map_err(EngineError::from)?)
+    })
+    .await?;
     Ok(Json(json!({"content": text})))
 }
 
@@ -497,20 +566,37 @@ fn request(
     if let Some(seed) = c.seed {
         sampling.seed = seed;
     }
+    // Unset: until the end of generation, the context or the pool (the
+    // request is admitted on what its prompt needs and grows).
     let max_tokens = c
         .max_completion_tokens
         .or(c.max_tokens)
-        .unwrap_or(engine.context_length());
+        .unwrap_or(GenerateRequest::UNLIMITED);
+    let stop = c.stop.clone().map(|s| s.into_vec()).unwrap_or_default();
+    if stop.len() > tessera_engine::MAX_STOP_STRINGS
+        || stop
+            .iter()
+            .any(|s| s.len() > tessera_engine::MAX_STOP_BYTES)
+    {
+        return Err(ApiError::param(
+            "stop",
+            format!(
+                "stop takes at most {} strings of at most {} bytes each",
+                tessera_engine::MAX_STOP_STRINGS,
+                tessera_engine::MAX_STOP_BYTES
+            ),
+        ));
+    }
     Ok(GenerateRequest {
         sampling,
         max_tokens,
-        stop: c.stop.clone().map(|s| s.into_vec()).unwrap_or_default(),
+        stop,
         ignore_eos: c.ignore_eos,
         n,
         logprobs,
         context_shift: c.n_keep.map_or(ContextShift::Off, ContextShift::Keep),
         reuse_prefix: c.cache_prompt.unwrap_or(true),
-        cache_salt: salt(s, tenant, c.cache_salt.as_deref()),
+        partition: partition(s, tenant, c.cache_salt.as_deref()),
         ..GenerateRequest::new(prompt)
     })
 }
@@ -554,16 +640,29 @@ fn logprobs_wanted(c: &Common, endpoint: Endpoint) -> Result<Option<usize>, ApiE
 
 /// The prefix-cache partition of a request: its `cache_salt`, and with
 /// several API keys configured, the key it came with (one partition per
-/// key, so one tenant cannot time another's prompts).
-fn salt(s: &Server, tenant: &Tenant, cache_salt: Option<&str>) -> Option<String> {
+/// key, so one tenant cannot see or time another's prompts). The tenant
+/// is named by a digest of its key, never the key, and stays the same
+/// across restarts (the cache directory restores each partition's K/V
+/// into its own).
+fn partition(s: &Server, tenant: &Tenant, cache_salt: Option<&str>) -> Partition {
     let key = tenant.0.filter(|_| s.cfg.api_keys.len() > 1);
-    match (key, cache_salt) {
-        (None, None) => None,
-        (key, salt) => Some(format!(
-            "key:{}\u{0}salt:{}",
-            key.map_or(String::new(), |k| k.to_string()),
-            salt.unwrap_or("")
-        )),
+    Partition {
+        tenant: key.map(|k| {
+            s.key_digests[k][..16]
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect()
+        }),
+        salt: cache_salt.map(str::to_string),
+    }
+}
+
+/// Cancels its request when dropped.
+struct CancelOnDrop(Canceller);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.cancel();
     }
 }
 
@@ -615,6 +714,10 @@ async fn generate(
     // sent, as a status code.
     let e2 = engine.clone();
     let stream = blocking("request", move || Ok(e2.generate(req)?)).await?;
+    // Dropped when the client is gone (this handler's future, or the SSE
+    // body's task, dropped): the request is cancelled at once, queued or
+    // running, rather than when an event next fails to reach the client.
+    let guard = CancelOnDrop(stream.canceller());
     let (tx, mut rx) = mpsc::channel::<Event>(256);
     // The engine's stream is blocking: a thread forwards it, and stops (so
     // dropping the stream cancels the request) when the receiver is gone.
@@ -651,6 +754,7 @@ async fn generate(
     let created = now();
     let model = s.cfg.model_name.clone();
     if !c.stream {
+        let _guard = guard;
         let mut done: Vec<Option<Completion>> = vec![None; n];
         while let Some(ev) = rx.recv().await {
             match ev {
@@ -725,6 +829,7 @@ async fn generate(
     // Engine events become SSE chunks; when the client is gone, `out`
     // fails and this task ends, closing `rx` in turn.
     tokio::spawn(async move {
+        let _guard = guard;
         let tok = &engine.model().tokenizer;
         // Log-probabilities of tokens not yet sent (their text may be held
         // back), and where each choice's next text starts (completions).
@@ -773,7 +878,14 @@ async fn generate(
             }
         }
         let mut done = Vec::with_capacity(n);
-        while let Some(ev) = rx.recv().await {
+        loop {
+            // A client gone while nothing is sent (its request queued, or
+            // a long prefill) ends the task too, and so the request.
+            let ev = tokio::select! {
+                ev = rx.recv() => ev,
+                () = out.closed() => return,
+            };
+            let Some(ev) = ev else { break };
             let sent = match ev {
                 Event::Token {
                     index,

@@ -92,10 +92,12 @@ fn snapshots_round_trip_between_pools() {
         let (mut a, d1) = tiny_worker(dtype);
         let (mut b, d2) = tiny_worker(dtype);
         let ids: Vec<u32> = (0..19).map(|i| 3 + (i * 5) % 80).collect();
-        let snap = a.export(&ids).unwrap();
+        let ns = a.ns;
+        let snap = a.export_now(ns, &ids).unwrap();
         assert_eq!(snap.layers.len(), 2);
-        assert_eq!(b.import(std::slice::from_ref(&snap)).unwrap(), ids.len());
-        let again = b.export(&ids).unwrap();
+        let entry = [(Partition::default(), snap.clone())];
+        assert_eq!(b.import(&entry).unwrap(), ids.len());
+        let again = b.export_now(ns, &ids).unwrap();
         assert_eq!(again, snap);
         // The imported tokens are served from b's cache.
         let (seq, cached) = b.sched.kv_mut().add_sequence(b.ns, &token_ids(&ids));
@@ -623,10 +625,10 @@ fn logprobs_salts_and_prefix_reuse_off() {
     let cached = |r: &GenerateRequest| engine.complete(r, &mut |_| {}).unwrap().usage;
     // Cached under no salt: a salted request sees none of it, then its own.
     let mut salted = greedy(&prompt, 6);
-    salted.cache_salt = Some("tenant-a".into());
+    salted.partition = Partition::salt("tenant-a");
     assert_eq!(cached(&salted).cached_tokens, 0);
     assert_eq!(cached(&salted).cached_tokens, prompt.len() - 1);
-    salted.cache_salt = Some("tenant-b".into());
+    salted.partition = Partition::salt("tenant-b");
     assert_eq!(cached(&salted).cached_tokens, 0);
     assert_eq!(cached(&greedy(&prompt, 6)).cached_tokens, prompt.len() - 1);
     // Reuse off: nothing cached is used, the tokens are the same.
