@@ -854,3 +854,445 @@ fn context_shift_only_when_the_request_asks() {
         "went on past the context"
     );
 }
+
+/// `post` with a raw body and content type, for bodies `serde_json` would
+/// not build.
+fn post_raw(s: &Running, path: &str, body: &[u8], key: Option<&str>) -> (u16, Value) {
+    let mut req = agent()
+        .post(&format!("{}{path}", s.base))
+        .set("Content-Type", "application/json");
+    if let Some(k) = key {
+        req = req.set("Authorization", &format!("Bearer {k}"));
+    }
+    match req.send_bytes(body) {
+        Ok(r) => (r.status(), r.into_json().unwrap_or(Value::Null)),
+        Err(ureq::Error::Status(code, r)) => (code, r.into_json().unwrap_or(Value::Null)),
+        // The server answered (413) and closed before the body was sent.
+        Err(ureq::Error::Transport(t)) => (0, json!(t.to_string())),
+    }
+}
+
+fn cached_of(r: &Value) -> u64 {
+    r["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no cached_tokens in {r}"))
+}
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs[xs.len() / 2]
+}
+
+/// Two API keys and salts: a tenant's sessions are its own (another
+/// tenant can neither restore, overwrite nor time them), a restored
+/// session serves its own tenant's (and salt's) next request from the
+/// cache, and no other.
+#[test]
+fn tenants_keep_their_sessions_and_cached_tokens_apart() {
+    let s = start_with("tenants", EngineConfig::default(), |c| {
+        c.api_keys = vec!["k1".into(), "k2".into()];
+        c.session_dir = Some("sessions".into());
+    });
+    let conv = |i: usize| {
+        let words: Vec<String> = (0..60)
+            .map(|w| format!("w{}", (w * 7 + i * 13) % 97))
+            .collect();
+        json!([{"role": "user", "content": words.join(" ")}])
+    };
+    let notes = conv(0);
+    let (code, v) = post(
+        &s,
+        "/v1/sessions/notes/save",
+        &json!({"messages": notes}),
+        Some("k1"),
+    );
+    assert_eq!(code, 200, "{v}");
+    let n = v["tokens"].as_u64().unwrap();
+    assert!(n > 50, "{v}");
+    // k2 sees no session of that name, and its own save is its own.
+    let (code, v) = post(&s, "/v1/sessions/notes/restore", &json!({}), Some("k2"));
+    assert_eq!(
+        (code, v["error"]["code"].as_str()),
+        (404, Some("session_not_found")),
+        "{v}"
+    );
+    let (code, v) = post(
+        &s,
+        "/v1/sessions/notes/save",
+        &json!({"tokens": [5, 6, 7]}),
+        Some("k2"),
+    );
+    assert_eq!((code, v["tokens"].as_u64()), (200, Some(3)), "{v}");
+    let (code, v) = post(&s, "/v1/sessions/notes/restore", &json!({}), Some("k1"));
+    assert_eq!((code, v["restored_tokens"].as_u64()), (200, Some(n)), "{v}");
+    let (code, v) = post(&s, "/v1/sessions/notes/restore", &json!({}), Some("k2"));
+    assert_eq!((code, v["restored_tokens"].as_u64()), (200, Some(3)), "{v}");
+    // Saving k1's conversation tells k2 nothing: none of it comes from a
+    // cache k2 can reach (k1's own save of it again reuses its cache).
+    let (_, v) = post(
+        &s,
+        "/v1/sessions/guess/save",
+        &json!({"messages": notes}),
+        Some("k2"),
+    );
+    assert_eq!(v["cached_tokens"].as_u64(), Some(0), "{v}");
+    let (_, v) = post(
+        &s,
+        "/v1/sessions/again/save",
+        &json!({"messages": notes}),
+        Some("k1"),
+    );
+    assert_eq!(v["cached_tokens"].as_u64(), Some(n - 1), "{v}");
+    // Nor does the time it takes: guesses of conversations k1 holds cost
+    // k2 what conversations nobody holds cost (medians, generous slack).
+    let mut held = Vec::new();
+    let mut fresh = Vec::new();
+    for i in 1..=7 {
+        let (code, _) = post(
+            &s,
+            &format!("/v1/sessions/h{i}/save"),
+            &json!({"messages": conv(i)}),
+            Some("k1"),
+        );
+        assert_eq!(code, 200);
+    }
+    for i in 1..=7 {
+        for (conv_i, out) in [(i, &mut held), (i + 100, &mut fresh)] {
+            let t = Instant::now();
+            let (code, _) = post(
+                &s,
+                &format!("/v1/sessions/t{conv_i}/save"),
+                &json!({"messages": conv(conv_i)}),
+                Some("k2"),
+            );
+            assert_eq!(code, 200);
+            out.push(t.elapsed().as_secs_f64());
+        }
+    }
+    let (h, f) = (median(held), median(fresh));
+    assert!(
+        h > 0.5 * f,
+        "k1's conversations save faster for k2: {h:.4} s against {f:.4} s"
+    );
+
+    // A restored session serves the next request of its own tenant only.
+    s.engine.clear_cache().unwrap();
+    let (code, _) = post(&s, "/v1/sessions/notes/restore", &json!({}), Some("k1"));
+    assert_eq!(code, 200);
+    let chat = json!({"messages": notes, "max_tokens": 2, "temperature": 0});
+    let (_, r) = post(&s, "/v1/chat/completions", &chat, Some("k2"));
+    assert_eq!(cached_of(&r), 0, "k2 reads nothing of k1's session");
+    let (_, r) = post(&s, "/v1/chat/completions", &chat, Some("k1"));
+    assert_eq!(
+        cached_of(&r),
+        n - 1,
+        "k1's next request computes only its last token"
+    );
+
+    // With a salt: saved and restored in the salt's partition, used there.
+    let salted = conv(50);
+    let body = json!({"messages": salted, "cache_salt": "blue"});
+    let (code, v) = post(&s, "/v1/sessions/salted/save", &body, Some("k1"));
+    assert_eq!(code, 200, "{v}");
+    let m = v["tokens"].as_u64().unwrap();
+    s.engine.clear_cache().unwrap();
+    let (code, _) = post(&s, "/v1/sessions/salted/restore", &json!({}), Some("k1"));
+    assert_eq!(code, 404, "the session lives in the salt's partition");
+    let (code, v) = post(
+        &s,
+        "/v1/sessions/salted/restore",
+        &json!({"cache_salt": "blue"}),
+        Some("k1"),
+    );
+    assert_eq!((code, v["restored_tokens"].as_u64()), (200, Some(m)), "{v}");
+    let chat = json!({"messages": salted, "max_tokens": 2, "temperature": 0});
+    let (_, r) = post(&s, "/v1/chat/completions", &chat, Some("k1"));
+    assert_eq!(cached_of(&r), 0, "unsalted requests do not see it");
+    let mut with_salt = chat.clone();
+    with_salt["cache_salt"] = json!("blue");
+    let (_, r) = post(&s, "/v1/chat/completions", &with_salt, Some("k1"));
+    assert_eq!(cached_of(&r), m - 1);
+    let (_, r) = post(&s, "/v1/chat/completions", &with_salt, Some("k2"));
+    assert_eq!(
+        cached_of(&r),
+        0,
+        "the same salt under another key is another partition"
+    );
+    // Neither keys nor salts appear in the session directory.
+    let mut names = Vec::new();
+    for e in std::fs::read_dir(s.dir.join("sessions")).unwrap().flatten() {
+        names.push(e.file_name().to_string_lossy().into_owned());
+    }
+    assert!(
+        names
+            .iter()
+            .all(|n| !n.contains("k1") && !n.contains("blue")),
+        "{names:?}"
+    );
+}
+
+/// Twelve saves of one name at once: each is answered 200 or 409 (one
+/// writer at a time), never 500, and the file always restores to one of
+/// the conversations saved whole; no temporary file is left behind.
+#[test]
+fn concurrent_saves_of_one_name_never_lose_the_session() {
+    let s = start_with("concurrent", EngineConfig::default(), |c| {
+        c.session_dir = Some("sessions".into())
+    });
+    let lens: Vec<usize> = (0..12).map(|i| 40 + 9 * i).collect();
+    for round in 0..3 {
+        let codes: Vec<u16> = std::thread::scope(|sc| {
+            let handles: Vec<_> = lens
+                .iter()
+                .map(|&len| {
+                    let s = &s;
+                    sc.spawn(move || {
+                        let ids: Vec<u32> =
+                            (0..len as u32).map(|t| 3 + (t * 11 + round) % 90).collect();
+                        post(s, "/v1/sessions/same/save", &json!({"tokens": ids}), None).0
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert!(codes.iter().all(|&c| c == 200 || c == 409), "{codes:?}");
+        assert!(codes.contains(&200), "{codes:?}");
+        s.engine.clear_cache().unwrap();
+        let (code, v) = post(&s, "/v1/sessions/same/restore", &json!({}), None);
+        assert_eq!(code, 200, "round {round}: {v}");
+        let n = v["restored_tokens"].as_u64().unwrap() as usize;
+        assert!(lens.contains(&n), "{n}");
+        let left: Vec<String> = std::fs::read_dir(s.dir.join("sessions"))
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".tmp"))
+            .collect();
+        assert!(left.is_empty(), "{left:?}");
+    }
+}
+
+/// What a client controls is bounded, each limit with the status and
+/// message that name it: session size (413) and the directory's quota
+/// (507), stop lists, bodies up to the documented 8 MiB; any accepted
+/// temperature samples; an unset `max_tokens` works on a pool far smaller
+/// than the context; `/metrics` and `/openapi.json` need a key unless
+/// public.
+#[test]
+fn limits_and_small_defects() {
+    let cfg = EngineConfig {
+        kv_memory: 64 << 10,
+        block_size: 16,
+        ..EngineConfig::default()
+    };
+    let s = start_with("limits", cfg, |c| {
+        c.session_dir = Some("sessions".into());
+        c.max_session_tokens = Some(30);
+        c.session_quota = Some(60 << 10);
+        c.api_keys = vec!["k".into()];
+    });
+    let key = Some("k");
+    let ids = |n: u32| json!({"tokens": (0..n).map(|t| 3 + t % 90).collect::<Vec<u32>>()});
+    let (code, v) = post(&s, "/v1/sessions/big/save", &ids(31), key);
+    assert_eq!(
+        (code, v["error"]["code"].as_str()),
+        (413, Some("session_too_large")),
+        "{v}"
+    );
+    let mut saved = 0;
+    let mut last = (0, Value::Null);
+    for i in 0..40 {
+        last = post(&s, &format!("/v1/sessions/q{i}/save"), &ids(30), key);
+        if last.0 != 200 {
+            break;
+        }
+        saved += 1;
+    }
+    assert_eq!(last.0, 507, "{:?}", last.1);
+    assert_eq!(last.1["error"]["code"], "session_quota_exceeded");
+    assert!(saved >= 1, "the quota holds some sessions");
+    // Replacing a session within the quota is allowed.
+    assert_eq!(post(&s, "/v1/sessions/q0/save", &ids(30), key).0, 200);
+
+    // Stop lists.
+    let many: Vec<String> = (0..17).map(|i| format!("s{i}")).collect();
+    let body = json!({"prompt": "the", "max_tokens": 4, "stop": many});
+    let (code, v) = post(&s, "/v1/completions", &body, key);
+    assert_eq!(
+        (code, v["error"]["param"].as_str()),
+        (400, Some("stop")),
+        "{v}"
+    );
+    let body = json!({"prompt": "the", "max_tokens": 4, "stop": ["x".repeat(257)]});
+    assert_eq!(post(&s, "/v1/completions", &body, key).0, 400);
+    let body = json!({"prompt": "the", "max_tokens": 4, "stop": ["", "zz"]});
+    assert_eq!(post(&s, "/v1/completions", &body, key).0, 200);
+
+    // A 3 MB body is within the documented 8 MiB (axum's own JSON limit
+    // was 2 MiB); 9 MB is not.
+    let pad = "a ".repeat(1_500_000);
+    let body = serde_json::to_vec(&json!({"content": pad})).unwrap();
+    let (code, v) = post_raw(&s, "/tokenize", &body, key);
+    assert_eq!(code, 200, "{v}");
+    let body = serde_json::to_vec(&json!({"content": "a".repeat(9 << 20)})).unwrap();
+    let (code, v) = post_raw(&s, "/tokenize", &body, key);
+    assert!(code == 413 || code == 0, "{code}: {v}");
+
+    // The smallest temperature samples the most likely token.
+    let body =
+        json!({"prompt": "the cat", "max_tokens": 6, "temperature": 1e-45, "ignore_eos": true});
+    let (code, r) = post(&s, "/v1/completions", &body, key);
+    assert_eq!(code, 200, "{r}");
+    let greedy_text = greedy(&s.engine, Prompt::Text("the cat".into()), 6);
+    assert_eq!(r["choices"][0]["text"].as_str(), Some(greedy_text.as_str()));
+    assert_eq!(r["usage"]["completion_tokens"], 6);
+
+    // No max_tokens: the pool (4 blocks of 16) holds far less than the
+    // context (512); the request runs until the pool is full, `length`.
+    let body = json!({"prompt": "the cat", "ignore_eos": true});
+    let (code, r) = post(&s, "/v1/completions", &body, key);
+    assert_eq!(code, 200, "{r}");
+    assert_eq!(r["choices"][0]["finish_reason"], "length");
+    assert!(r["usage"]["completion_tokens"].as_u64().unwrap() > 8, "{r}");
+
+    // Metrics and the API document need the key.
+    for path in ["/metrics", "/openapi.json"] {
+        let r = agent().get(&format!("{}{path}", s.base)).call();
+        assert!(matches!(r, Err(ureq::Error::Status(401, _))), "{path}");
+        let r = agent()
+            .get(&format!("{}{path}", s.base))
+            .set("Authorization", "Bearer k")
+            .call()
+            .unwrap();
+        assert_eq!(r.status(), 200);
+    }
+    let open = start_with("public", EngineConfig::default(), |c| {
+        c.api_keys = vec!["k".into()];
+        c.public_metrics = true;
+    });
+    assert_eq!(
+        agent()
+            .get(&format!("{}/metrics", open.base))
+            .call()
+            .unwrap()
+            .status(),
+        200
+    );
+    let r = agent().get(&format!("{}/v1/models", open.base)).call();
+    assert!(matches!(r, Err(ureq::Error::Status(401, _))));
+}
+
+/// Clients that send a long prompt and hang up before the answer (not
+/// streaming, so nothing is ever written to them) are cancelled at once,
+/// queued or running: their queue slots come back, the engine drops their
+/// work, and a short request that follows is served as on an idle server.
+#[test]
+fn hung_up_clients_cost_nothing() {
+    use std::io::Write;
+    // Steps of 5 ms: the 24 prompts would take hundreds of them.
+    let slow = tessera_engine::FaultHook::new(|_| {
+        std::thread::sleep(Duration::from_millis(5));
+        None
+    });
+    let cfg = EngineConfig {
+        max_running: 4,
+        prefill_chunk: 64,
+        faults: Some(slow),
+        ..EngineConfig::default()
+    };
+    let s = start_with("hangups", cfg, |c| c.max_queue = 30);
+    let addr = s.base.trim_start_matches("http://").to_string();
+    let long: Vec<u32> = (0..500).map(|t| 3 + (t * 7) % 90).collect();
+    let ttft = |s: &Running| {
+        let body = json!({"prompt": "the", "max_tokens": 1});
+        let t = Instant::now();
+        let (code, _) = post(s, "/v1/completions", &body, None);
+        assert_eq!(code, 200);
+        t.elapsed().as_secs_f64()
+    };
+    let idle = median((0..5).map(|_| ttft(&s)).collect());
+    let before = s.engine.stats().prompt_tokens;
+    let mut socks = Vec::new();
+    for i in 0..24 {
+        let ids: Vec<u32> = long.iter().map(|t| t + (i % 3)).collect();
+        let body =
+            serde_json::to_vec(&json!({"prompt": ids, "max_tokens": 200, "ignore_eos": true}))
+                .unwrap();
+        let mut sock = std::net::TcpStream::connect(&addr).unwrap();
+        write!(
+            sock,
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+            body.len()
+        )
+        .unwrap();
+        sock.write_all(&body).unwrap();
+        socks.push(sock);
+    }
+    // Every request is in the engine, then every client hangs up.
+    let t = Instant::now();
+    while s.engine.stats().running + s.engine.stats().waiting < 24 {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "requests never arrived"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let steps = s.engine.stats().steps;
+    drop(socks);
+    let t = Instant::now();
+    loop {
+        let st = s.engine.stats();
+        if st.active_samples == 0 {
+            // Cancelled within a few steps of the hang-up (the server
+            // notices the closed sockets while the engine steps on).
+            assert!(
+                st.steps - steps <= 10,
+                "{} steps after the hang-up",
+                st.steps - steps
+            );
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "hung-up requests still held: {st:?}"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let after = median((0..5).map(|_| ttft(&s)).collect());
+    assert!(
+        after < 2.0 * idle + 0.05,
+        "TTFT {after:.4} s after the hang-ups, {idle:.4} s idle"
+    );
+    let st = s.engine.stats();
+    assert!(
+        st.completion_tokens < 24 * 200 / 4,
+        "the hung-up requests were not run out: {st:?} ({before} prompt tokens before)"
+    );
+    let m = metrics(&s);
+    assert_eq!(
+        m["tessera:num_requests_running"] + m["tessera:num_requests_waiting"],
+        0.0
+    );
+    // Their queue slots came back: a burst as large as the queue is served.
+    let ok = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..30)
+            .map(|_| {
+                sc.spawn(|| {
+                    post(
+                        &s,
+                        "/v1/completions",
+                        &json!({"prompt": "the", "max_tokens": 1}),
+                        None,
+                    )
+                    .0
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .filter(|_| true)
+            .map(|h| h.join().unwrap())
+            .filter(|&c| c == 200)
+            .count()
+    });
+    assert_eq!(ok, 30);
+}
