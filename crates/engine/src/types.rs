@@ -62,9 +62,9 @@ pub struct EngineConfig {
     /// neither read nor fill the prefix cache.
     pub self_extend: Option<SelfExtend>,
     /// Prompt tokens a background prefill (a session save's K/V that the
-    /// cache lacks) computes in a step beside other requests' work; alone
-    /// it takes whole chunks. Small, so that a save stretches decoding
-    /// steps by little (the step's weights are read once for all rows).
+    /// cache lacks) first computes in a step beside other requests' work;
+    /// the engine then adapts the share so that such steps take at most
+    /// about 1.5 times a step without them. Alone it takes whole chunks.
     pub background_chunk: usize,
     /// Where [`crate::Engine::load`] puts the model and its K/V (default
     /// `auto`: CUDA, then Metal, then the CPU, as this build and machine
@@ -90,7 +90,7 @@ impl Default for EngineConfig {
             swa_full: false,
             swa_blocks: None,
             self_extend: None,
-            background_chunk: 16,
+            background_chunk: 4,
             device: DeviceSpec::Auto,
         }
     }

@@ -101,6 +101,9 @@ pub(crate) struct Worker {
     partitions: HashMap<Namespace, Partition>,
     /// Session exports computing as background requests.
     exports: HashMap<ReqId, Export>,
+    /// Seconds of a recent step without background tokens (a moving
+    /// average), against which steps with them are held.
+    plain_step: Option<f64>,
 }
 
 /// A session export in the scheduler: its tokens and who waits for them.
@@ -335,6 +338,7 @@ impl Worker {
             secret,
             partitions: HashMap::new(),
             exports: HashMap::new(),
+            plain_step: None,
         })
     }
 
@@ -552,6 +556,17 @@ impl Worker {
         };
         self.totals.steps += 1;
         let now = Instant::now();
+        let background: usize = plan
+            .items
+            .iter()
+            .filter(|i| self.exports.contains_key(&i.req))
+            .map(|i| i.tokens.len())
+            .sum();
+        let beside = background > 0
+            && plan
+                .items
+                .iter()
+                .any(|i| !self.exports.contains_key(&i.req));
         for item in &plan.items {
             if let Some(a) = self.active.get_mut(&item.req) {
                 a.started.get_or_insert(now);
@@ -601,6 +616,33 @@ impl Worker {
                 self.fail(req, &e);
             }
         }
+        self.pace_background(now.elapsed().as_secs_f64(), background, beside);
+    }
+
+    /// Adapts the background share of a step (additive increase,
+    /// multiplicative decrease) so that steps computing background tokens
+    /// beside other requests' work take at most about 1.5 times a step
+    /// without them: a stream decoding beside a session save keeps its pace
+    /// on any model and machine, and the save goes as fast as that allows.
+    fn pace_background(&mut self, secs: f64, background: usize, beside: bool) {
+        if background == 0 {
+            let avg = self.plain_step.map_or(secs, |a| 0.8 * a + 0.2 * secs);
+            self.plain_step = Some(avg);
+            return;
+        }
+        let (Some(plain), true) = (self.plain_step, beside) else {
+            return;
+        };
+        let share = self.sched.config().background_tokens;
+        let most = self.cfg.prefill_chunk.max(1);
+        let next = if secs > 1.6 * plain {
+            share / 2
+        } else if secs < 1.3 * plain && background >= share {
+            (share + share.div_ceil(4)).min(most)
+        } else {
+            share
+        };
+        self.sched.set_background_tokens(next.max(1));
     }
 
     /// Whether a step item's last row is sampled (an export's is not).

@@ -296,6 +296,12 @@ impl Scheduler {
         &self.cfg
     }
 
+    /// Changes [`SchedConfig::background_tokens`] (the engine adapts it to
+    /// what background tokens cost beside the others' work).
+    pub fn set_background_tokens(&mut self, n: usize) {
+        self.cfg.background_tokens = n.max(1);
+    }
+
     pub fn stats(&self) -> SchedStats {
         self.stats
     }

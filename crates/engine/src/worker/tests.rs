@@ -800,3 +800,148 @@ fn self_extend_requests_are_private_and_checked() {
     drop(engine);
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// The cache directory keeps every partition's K/V, and a restarted engine
+/// restores each into its own: a tenant's and a salt's requests are
+/// served from the cache after the restart, and no other partition sees
+/// them.
+#[test]
+fn the_cache_directory_restores_each_partition_into_its_own() {
+    let store = std::env::temp_dir().join(format!("tessera-cachedir-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&store);
+    let cfg = || EngineConfig {
+        cache_dir: Some(store.clone()),
+        ..small_cfg()
+    };
+    let prompt: Vec<u32> = (0..40).map(|i| 3 + (i * 7) % 80).collect();
+    let parts = [
+        Partition::default(),
+        Partition::salt("blue"),
+        Partition {
+            tenant: Some("t1".into()),
+            salt: None,
+        },
+        Partition {
+            tenant: Some("t1".into()),
+            salt: Some("blue".into()),
+        },
+    ];
+    let in_part = |p: &Partition, prompt: &[u32]| GenerateRequest {
+        partition: p.clone(),
+        ..greedy(prompt, 2)
+    };
+    let (engine, d1) = tiny_engine(cfg());
+    // Each partition caches a prompt of its own; the first also the shared one.
+    for (i, p) in parts.iter().enumerate() {
+        let own: Vec<u32> = prompt.iter().map(|t| t + i as u32).collect();
+        engine.complete(&in_part(p, &own), &mut |_| {}).unwrap();
+    }
+    drop(engine);
+    let (engine, d2) = tiny_engine(cfg());
+    let cached = |p: &Partition, prompt: &[u32]| {
+        engine
+            .complete(&in_part(p, prompt), &mut |_| {})
+            .unwrap()
+            .usage
+            .cached_tokens
+    };
+    for (i, p) in parts.iter().enumerate() {
+        for (j, q) in parts.iter().enumerate() {
+            if i == j {
+                continue;
+            }
+            let own: Vec<u32> = prompt.iter().map(|t| t + i as u32).collect();
+            assert_eq!(cached(q, &own), 0, "partition {j} sees partition {i}'s K/V");
+        }
+    }
+    for (i, p) in parts.iter().enumerate() {
+        let own: Vec<u32> = prompt.iter().map(|t| t + i as u32).collect();
+        assert_eq!(
+            cached(p, &own),
+            own.len() - 1,
+            "partition {i} after the restart"
+        );
+    }
+    assert_no_leak(&engine);
+    drop(engine);
+    for d in [d1, d2, store] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}
+
+/// A session save computes what the cache lacks as a background request:
+/// a stream decoding beside a 2,000-token save keeps its pace (its largest
+/// gap between tokens within twice its largest gap alone, with slack for a
+/// busy machine: medians of three alternating pairs), and the saved K/V
+/// equals what a plain computation of the same tokens caches.
+#[test]
+fn a_session_save_rides_along_a_running_stream() {
+    let dir = std::env::temp_dir().join(format!("tessera-bgsave-{}", std::process::id()));
+    let spec = TinySpec {
+        hidden: 256,
+        layers: 6,
+        heads: 4,
+        kv_heads: 2,
+        context: 4096,
+        ..TinySpec::default()
+    };
+    write_tiny_model(&dir, spec).unwrap();
+    let model = Model::load(&dir, &mut |_, _| {}).unwrap();
+    let engine = Engine::from_model(
+        model,
+        EngineConfig {
+            kv_memory: 64 << 20,
+            ..EngineConfig::default()
+        },
+    )
+    .unwrap();
+    let stream_prompt: Vec<u32> = (0..20).map(|i| 3 + (i * 3) % 80).collect();
+    // The largest gap between a stream's tokens, with a save of `save`
+    // tokens started once the stream runs (or none).
+    let run = |save: Option<Vec<u32>>| -> (f64, Option<KvSnapshot>) {
+        let mut req = greedy(&stream_prompt, 48);
+        req.ignore_eos = true;
+        let stream = engine.generate(req).unwrap();
+        let mut last = None;
+        let mut gaps = Vec::new();
+        let mut saver = None;
+        for ev in stream {
+            if let Event::Token { .. } = ev {
+                let now = Instant::now();
+                if let Some(prev) = last.replace(now) {
+                    gaps.push(now.duration_since(prev).as_secs_f64());
+                }
+                if gaps.len() == 4 {
+                    if let Some(ids) = save.clone() {
+                        let e = engine.clone();
+                        saver = Some(std::thread::spawn(move || e.export_kv(&ids).unwrap()));
+                    }
+                }
+            }
+        }
+        // Only the gaps while the save could run count (from the 5th on).
+        let worst = gaps[4..].iter().copied().fold(0.0, f64::max);
+        (worst, saver.map(|h| h.join().unwrap()))
+    };
+    let mut ratios = Vec::new();
+    let mut snap = None;
+    for round in 0..3u32 {
+        let ids: Vec<u32> = (0..2000).map(|i| 3 + (i * 11 + round * 5) % 85).collect();
+        let (alone, _) = run(None);
+        let (beside, s) = run(Some(ids.clone()));
+        ratios.push(beside / alone);
+        snap = Some((ids, s.unwrap()));
+    }
+    ratios.sort_by(f64::total_cmp);
+    assert!(
+        ratios[1] <= 2.0 * 1.5,
+        "the stream's largest gap grew {ratios:?}"
+    );
+    // The background export's K/V is the cache's own: a plain export of
+    // the same tokens (all cached now) reads the same bytes.
+    let (ids, s) = snap.unwrap();
+    assert_eq!(s.tokens, ids);
+    assert_eq!(engine.export_kv(&ids).unwrap(), s);
+    drop(engine);
+    let _ = std::fs::remove_dir_all(dir);
+}
