@@ -48,6 +48,11 @@ pub enum Scenario {
     /// Each KV cache type (f16, q8_0, q4_0) in the same run: cached tokens
     /// per MiB of KV memory, and decode tok/s after 16 and 2,048 tokens.
     KvTypes,
+    /// A stream decoding while a 2,000-token session is saved (its K/V
+    /// computed as a background request): the stream's largest and median
+    /// gap between tokens beside the same stream alone, alternating runs,
+    /// and how long the save took.
+    SessionSave,
     /// A long random mix of requests (lengths, n > 1, cancellations,
     /// context shifts, sessions, defragment, shrink and grow, injected
     /// faults): errors, leaked blocks, RSS.
@@ -111,6 +116,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         Scenario::Shift => return crate::scenarios::shift(model, &args),
         Scenario::Soak => return crate::soak::soak(model, &args),
         Scenario::KvTypes => return crate::scenarios::kv_types(model, &args),
+        Scenario::SessionSave => return crate::scenarios::session_save(model, &args),
         Scenario::SlidingWindow => return crate::sliding::sliding_window(model, &args),
         Scenario::Server => return crate::serving::server(model, &args),
         Scenario::Fidelity => return crate::fidelity::fidelity(model, &args),

@@ -581,3 +581,132 @@ pub fn kv_types(model: Model, args: &BenchArgs) -> Result<()> {
     emit(args, v, &lines);
     Ok(())
 }
+
+/// Tokens of the session that `session-save` saves.
+const SESSION_TOKENS: usize = 2000;
+
+/// `session-save`: a stream decodes 128 greedy tokens; beside it, once its
+/// fourth token is out, a 2,000-token session that nothing cached is saved
+/// (its K/V computed as a background request, written to a file). Its gaps
+/// between tokens from the fifth on, largest and median, against the same
+/// stream alone, the two alternating run by run (medians over the runs);
+/// and the save's time, beside the stream and alone.
+pub fn session_save(model: Model, args: &BenchArgs) -> Result<()> {
+    let short = tessera_bench::decode_prompt(&model)?;
+    let engine = Engine::from_model(model, args.kv.config(true))?;
+    let dir = std::env::temp_dir().join(format!("tessera-bench-sessions-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let session = |run: u64| -> Result<Vec<u32>> {
+        let mut ids = Vec::new();
+        let mut i = 0;
+        while ids.len() < SESSION_TOKENS {
+            ids.extend(engine.model().tokenizer.encode(
+                &text(engine.model(), 7000 + run * 100 + i, 512)?,
+                Special::AsText,
+                ids.is_empty(),
+            )?);
+            i += 1;
+        }
+        ids.truncate(SESSION_TOKENS);
+        Ok(ids)
+    };
+    // The stream's gaps (seconds) from its fifth token on, and the save's
+    // seconds when one ran beside it.
+    let run = |save: Option<Vec<u32>>| -> Result<(Vec<f64>, Option<f64>)> {
+        engine.clear_cache()?;
+        let req = GenerateRequest {
+            sampling: SamplingParams::greedy(),
+            max_tokens: 128,
+            ignore_eos: true,
+            ..GenerateRequest::new(Prompt::Tokens(short.clone()))
+        };
+        let stream = engine.generate(req)?;
+        let (mut last, mut gaps, mut saver) = (None, Vec::new(), None);
+        let mut tokens = 0;
+        for ev in stream {
+            match ev {
+                Event::Token { .. } => {
+                    tokens += 1;
+                    let now = Instant::now();
+                    if let Some(prev) = last.replace(now) {
+                        if tokens > 5 {
+                            gaps.push(now.duration_since(prev).as_secs_f64());
+                        }
+                    }
+                    if tokens == 4 {
+                        if let Some(ids) = save.clone() {
+                            let (e, path) = (engine.clone(), dir.join("bench.tkv"));
+                            saver = Some(std::thread::spawn(move || {
+                                let t = Instant::now();
+                                e.save_kv_session(&path, &ids)
+                                    .map(|_| t.elapsed().as_secs_f64())
+                            }));
+                        }
+                    }
+                }
+                Event::Error(e) => return Err(e.into()),
+                Event::Done(_) => {}
+            }
+        }
+        let took = match saver {
+            Some(h) => Some(
+                h.join()
+                    .map_err(|_| anyhow::anyhow!("the save panicked"))??,
+            ),
+            None => None,
+        };
+        Ok((gaps, took))
+    };
+    let worst = |g: &[f64]| g.iter().copied().fold(0.0, f64::max);
+    let (mut alone_max, mut alone_med, mut with_max, mut with_med, mut took) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for r in 0..args.runs.max(1) {
+        let (g, _) = run(None)?;
+        alone_max.push(worst(&g));
+        alone_med.push(median(g.clone()));
+        let (g, t) = run(Some(session(r as u64)?))?;
+        with_max.push(worst(&g));
+        with_med.push(median(g.clone()));
+        took.extend(t);
+    }
+    // The save alone, on an idle engine.
+    let mut alone_save = Vec::new();
+    for r in 0..args.runs.max(1) {
+        engine.clear_cache()?;
+        let ids = session(r as u64)?;
+        let t = Instant::now();
+        engine.save_kv_session(&dir.join("bench.tkv"), &ids)?;
+        alone_save.push(t.elapsed().as_secs_f64());
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    let ms = |v: &[f64]| median(v.to_vec()) * 1e3;
+    let (am, wm) = (ms(&alone_max), ms(&with_max));
+    let (ad, wd) = (ms(&alone_med), ms(&with_med));
+    let v = serde_json::json!({
+        "scenario": "session_save",
+        "session_tokens": SESSION_TOKENS,
+        "alone_max_gap_ms": am,
+        "beside_save_max_gap_ms": wm,
+        "max_gap_ratio": wm / am,
+        "alone_median_gap_ms": ad,
+        "beside_save_median_gap_ms": wd,
+        "median_gap_ratio": wd / ad,
+        "save_s_beside_stream": median(took.clone()),
+        "save_s_alone": median(alone_save.clone()),
+        "runs": args.runs,
+    });
+    let lines = vec![
+        format!(
+            "session-save: a stream's largest gap {wm:.2} ms beside a {SESSION_TOKENS}-token save, {am:.2} ms alone ({:.2}x); median gap {wd:.2} against {ad:.2} ms ({:.2}x)",
+            wm / am,
+            wd / ad
+        ),
+        format!(
+            "  the save took {:.2} s beside the stream, {:.2} s alone",
+            median(took.clone()),
+            median(alone_save.clone())
+        ),
+    ];
+    emit(args, v, &lines);
+    Ok(())
+}

@@ -621,3 +621,114 @@ fn perplexity_of_the_default_model_on_the_shipped_text() {
 fn text_of(out: &Output) -> String {
     format!("{}{}", text(&out.stdout), text(&out.stderr))
 }
+
+/// Sends one HTTP/1.1 POST on loopback and reads the answer to its end.
+fn http_post(addr: &str, path: &str, key: &str, body: &str) -> String {
+    use std::io::Read;
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    write!(
+        s,
+        "POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    out
+}
+
+/// `tessera serve` with two keys and a cache directory: SIGTERM with a
+/// stream that would run forever ends it after `--shutdown-timeout` with
+/// an error event, the server exits on its own and writes the prefix cache
+/// of both tenants, and a restarted server serves each tenant's prompt
+/// from the cache (and only its own).
+#[test]
+fn serve_stops_after_its_shutdown_timeout_and_keeps_every_tenants_cache() {
+    use std::io::{BufRead, BufReader};
+    let dir = scratch("shutdown");
+    write_tiny_model(&dir.join("m"), TinySpec::default()).unwrap();
+    let m = dir.join("m").to_string_lossy().into_owned();
+    let cache = dir.join("cache").to_string_lossy().into_owned();
+    let start = || {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_tessera"))
+            .args(["serve", "--model", &m, "--port", "0", "--api-key", "k1"])
+            .args([
+                "--api-key",
+                "k2",
+                "--cache-dir",
+                &cache,
+                "--shutdown-timeout",
+                "1",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut err = BufReader::new(child.stderr.take().unwrap());
+        let (mut addr, mut log) = (String::new(), String::new());
+        loop {
+            let mut line = String::new();
+            assert!(err.read_line(&mut line).unwrap() > 0, "serve exited: {log}");
+            log.push_str(&line);
+            if let Some(rest) = line.split("http://").nth(1) {
+                addr = rest.split_whitespace().next().unwrap().to_string();
+            }
+            if line.contains("ready") {
+                break;
+            }
+        }
+        (child, err, addr, log)
+    };
+    let (mut child, mut err, addr, _) = start();
+    let cached = |addr: &str, key: &str, prompt: &str| -> u64 {
+        let body = format!(r#"{{"prompt": "{prompt}", "max_tokens": 1}}"#);
+        let out = http_post(addr, "/v1/completions", key, &body);
+        let json = &out[out.find("\r\n\r\n").unwrap() + 4..];
+        let v: serde_json::Value = serde_json::from_str(json).unwrap_or_else(|_| panic!("{out}"));
+        v["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+    };
+    let (p1, p2) = ("the cat sat on the mat and", "a dog ran in the park then");
+    assert_eq!(cached(&addr, "k1", p1), 0);
+    assert_eq!(cached(&addr, "k2", p2), 0);
+    // A stream that would not end: context shifts, no end of generation.
+    let a2 = addr.clone();
+    let streaming = std::thread::spawn(move || {
+        let body = r#"{"prompt": "the", "max_tokens": 100000000, "n_keep": 2, "ignore_eos": true, "stream": true}"#;
+        http_post(&a2, "/v1/completions", "k1", body)
+    });
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let t = std::time::Instant::now();
+    let killed = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let status = child.wait().unwrap();
+    let waited = t.elapsed();
+    let mut rest = String::new();
+    let _ = std::io::Read::read_to_string(&mut err, &mut rest);
+    assert!(status.success(), "{status:?}: {rest}");
+    assert!(
+        rest.contains("shutdown timeout") || rest.contains("ending the requests"),
+        "{rest}"
+    );
+    assert!(rest.contains("prefix cache written"), "{rest}");
+    let out = streaming.join().unwrap();
+    assert!(
+        out.contains("shutting down"),
+        "the stream ends with an error event: {}",
+        &out[out.len().saturating_sub(400)..]
+    );
+    assert!(waited < std::time::Duration::from_secs(60), "{waited:?}");
+    // The restart restores both tenants' cached prompts, each its own.
+    let (mut child, _err, addr, log) = start();
+    assert!(log.contains("cached tokens restored"), "{log}");
+    assert_eq!(cached(&addr, "k2", p1), 0, "k2 sees nothing of k1's");
+    assert!(cached(&addr, "k1", p1) > 0, "k1's prompt after the restart");
+    assert!(cached(&addr, "k2", p2) > 0, "k2's prompt after the restart");
+    let _ = child.kill();
+    let _ = child.wait();
+    let _ = std::fs::remove_dir_all(dir);
+}

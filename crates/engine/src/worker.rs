@@ -562,11 +562,19 @@ impl Worker {
             .filter(|i| self.exports.contains_key(&i.req))
             .map(|i| i.tokens.len())
             .sum();
-        let beside = background > 0
-            && plan
-                .items
-                .iter()
-                .any(|i| !self.exports.contains_key(&i.req));
+        // The others' items all decoding (one token each): the steps the
+        // background share is paced against.
+        let decoding = plan
+            .items
+            .iter()
+            .filter(|i| !self.exports.contains_key(&i.req))
+            .all(|i| i.tokens.len() == 1);
+        let others = plan
+            .items
+            .iter()
+            .any(|i| !self.exports.contains_key(&i.req));
+        let beside = decoding && others && background > 0;
+        let plain = decoding && others && background == 0;
         for item in &plan.items {
             if let Some(a) = self.active.get_mut(&item.req) {
                 a.started.get_or_insert(now);
@@ -616,16 +624,17 @@ impl Worker {
                 self.fail(req, &e);
             }
         }
-        self.pace_background(now.elapsed().as_secs_f64(), background, beside);
+        self.pace_background(now.elapsed().as_secs_f64(), plain, background, beside);
     }
 
     /// Adapts the background share of a step (additive increase,
-    /// multiplicative decrease) so that steps computing background tokens
-    /// beside other requests' work take at most about 1.5 times a step
-    /// without them: a stream decoding beside a session save keeps its pace
-    /// on any model and machine, and the save goes as fast as that allows.
-    fn pace_background(&mut self, secs: f64, background: usize, beside: bool) {
-        if background == 0 {
+    /// multiplicative decrease) so that decoding steps computing background
+    /// tokens take at most about 1.5 times a decoding step without them
+    /// (a moving average of those): a stream decoding beside a session save
+    /// keeps its pace on any model and machine, and the save goes as fast
+    /// as that allows. Steps with other prompts' chunks count as neither.
+    fn pace_background(&mut self, secs: f64, plain: bool, background: usize, beside: bool) {
+        if plain {
             let avg = self.plain_step.map_or(secs, |a| 0.8 * a + 0.2 * secs);
             self.plain_step = Some(avg);
             return;
