@@ -6,7 +6,13 @@
 //! over a few shared system prompts, 1 to 48 new tokens, `n` up to 3, some
 //! cancelled part way, some long enough to shift the context), and between
 //! rounds, now and then: a session saved and loaded back, a defragmentation,
-//! the pool shrunk and grown back. One step in about 150 fails with an error
+//! the pool shrunk and grown back, a session saved in a tenant's partition
+//! while a stream decodes (then restored and used there), a prompt sent in
+//! one partition and then another (a cached token in the second is a
+//! cross-partition hit, which fails the soak). Requests are spread over four
+//! partitions (two tenants, a salt, the default), and one in ten is dropped
+//! as soon as it is submitted (a client that hung up). One step in about
+//! 150 fails with an error
 //! and one in about 300 panics. At the end: requests done and failed, the
 //! blocks still held (leaked) once every request is over, the KV invariants,
 //! and the process's resident memory after warm-up, at its peak and at the
@@ -17,8 +23,8 @@ use std::time::Instant;
 
 use anyhow::{bail, Result};
 use tessera_engine::{
-    ContextShift, Engine, EngineConfig, Event, Fault, FaultHook, GenerateRequest, Prompt,
-    SamplingParams, SplitMix64, INJECTED_PANIC,
+    ContextShift, Engine, EngineConfig, Event, Fault, FaultHook, GenerateRequest, Partition,
+    Prompt, SamplingParams, SplitMix64, INJECTED_PANIC,
 };
 use tessera_model::Model;
 
@@ -68,6 +74,29 @@ struct Tally {
     sessions: usize,
     defrags: usize,
     resizes: usize,
+    /// Requests whose stream was dropped before any event (a client gone).
+    hung_up: usize,
+    /// Session saves beside a running stream, in a tenant's partition.
+    background_saves: usize,
+    /// Prompts sent in one partition, then in another: any cached token
+    /// in the second is a hit across partitions.
+    probes: usize,
+    cross_hits: usize,
+}
+
+/// The partitions the soak's requests are spread over: the default one,
+/// two tenants, and a salt within one of them.
+fn partitions() -> Vec<Partition> {
+    let tenant = |t: &str, salt: Option<&str>| Partition {
+        tenant: Some(t.into()),
+        salt: salt.map(str::to_string),
+    };
+    vec![
+        Partition::default(),
+        tenant("a", None),
+        tenant("b", None),
+        tenant("a", Some("s")),
+    ]
 }
 
 pub fn soak(model: Model, args: &BenchArgs) -> Result<()> {
@@ -101,6 +130,8 @@ pub fn soak(model: Model, args: &BenchArgs) -> Result<()> {
     let engine = Engine::from_model(model, cfg)?;
     let full_bytes = engine.stats().kv.num_blocks * engine.block_bytes();
     let session = std::env::temp_dir().join(format!("tessera-soak-{}.tkv", std::process::id()));
+    let bg_session =
+        std::env::temp_dir().join(format!("tessera-soak-bg-{}.tkv", std::process::id()));
     // Seeded: the same mix on every run.
     let mut rng = SplitMix64(42);
     let mut t = Tally::default();
@@ -108,6 +139,8 @@ pub fn soak(model: Model, args: &BenchArgs) -> Result<()> {
     let mut rss_warm = 0;
     let started = Instant::now();
     let mut submitted = 0;
+    let parts = partitions();
+    let mut probe_seed = 5000;
     while submitted < n_requests {
         let batch = (1 + rng.below(4)).min(n_requests - submitted);
         let mut streams = Vec::new();
@@ -141,11 +174,19 @@ pub fn soak(model: Model, args: &BenchArgs) -> Result<()> {
                     ContextShift::Off
                 },
                 n,
+                partition: parts[rng.below(parts.len())].clone(),
                 ..GenerateRequest::new(Prompt::Tokens(prompt))
             };
             let cancel_after = (rng.below(8) == 0).then(|| rng.below(12));
-            streams.push((engine.generate(req)?, cancel_after, n, shift));
+            let stream = engine.generate(req)?;
             submitted += 1;
+            if rng.below(10) == 0 {
+                // The client is gone before anything came back.
+                drop(stream);
+                t.hung_up += 1;
+                continue;
+            }
+            streams.push((stream, cancel_after, n, shift));
         }
         for (stream, cancel_after, n, shift) in streams {
             let mut tokens = 0;
@@ -201,6 +242,80 @@ pub fn soak(model: Model, args: &BenchArgs) -> Result<()> {
                 engine.resize_kv(full_bytes)?;
                 t.resizes += 1;
             }
+            3 => {
+                // A prompt nobody sent, in one partition, then in another:
+                // the second must compute all of it.
+                let (x, y) = (rng.below(parts.len()), rng.below(parts.len()));
+                if x != y {
+                    probe_seed += 1;
+                    let ids = tok.encode(
+                        &tessera_bench::text(engine.model(), probe_seed, 40)?,
+                        tessera_model::Special::AsText,
+                        true,
+                    )?;
+                    let probe = |p: &Partition| {
+                        let req = GenerateRequest {
+                            max_tokens: 1,
+                            partition: p.clone(),
+                            ..GenerateRequest::new(Prompt::Tokens(ids.clone()))
+                        };
+                        engine.complete(&req, &mut |_| {})
+                    };
+                    // Either may hit an injected fault like any request.
+                    if probe(&parts[x]).is_ok() {
+                        if let Ok(done) = probe(&parts[y]) {
+                            t.probes += 1;
+                            t.cross_hits += usize::from(done.usage.cached_tokens > 0);
+                        }
+                    }
+                }
+            }
+            4 => {
+                // A session saved in a tenant's partition beside a stream.
+                let p = parts[1 + rng.below(parts.len() - 1)].clone();
+                let from = rng.below(body_ids.len() - 300);
+                let ids: Vec<u32> = system_ids[0]
+                    .iter()
+                    .chain(&body_ids[from..from + 300])
+                    .copied()
+                    .collect();
+                let req = GenerateRequest {
+                    max_tokens: 24,
+                    ignore_eos: true,
+                    ..GenerateRequest::new(Prompt::Tokens(system_ids[1].clone()))
+                };
+                let stream = engine.generate(req)?;
+                let (e, path) = (engine.clone(), bg_session.clone());
+                let (p2, ids2) = (p.clone(), ids.clone());
+                let saver = std::thread::spawn(move || e.save_kv_session_in(&p2, &path, &ids2));
+                for _ in stream {}
+                let saved = saver
+                    .join()
+                    .map_err(|_| anyhow::anyhow!("a session save panicked"))?;
+                // A save may meet an injected fault in a step it rides.
+                if let Ok(saved) = saved {
+                    engine.clear_cache()?;
+                    if engine.load_kv_session_in(&p, &bg_session)? != saved.tokens {
+                        bail!("a session saved beside a stream came back with other tokens");
+                    }
+                    let req = GenerateRequest {
+                        max_tokens: 1,
+                        partition: p.clone(),
+                        ..GenerateRequest::new(Prompt::Tokens(ids.clone()))
+                    };
+                    // Served from the restored session, in its partition only.
+                    if let Ok(done) = engine.complete(&req, &mut |_| {}) {
+                        if done.usage.cached_tokens != ids.len() - 1 {
+                            bail!(
+                                "a restored session served {} of {} tokens",
+                                done.usage.cached_tokens,
+                                ids.len()
+                            );
+                        }
+                    }
+                    t.background_saves += 1;
+                }
+            }
             _ => {}
         }
         if rss_warm == 0 && submitted >= warm_up {
@@ -208,6 +323,7 @@ pub fn soak(model: Model, args: &BenchArgs) -> Result<()> {
         }
     }
     let _ = std::fs::remove_file(&session);
+    let _ = std::fs::remove_file(&bg_session);
     // Cancelled requests end at the engine's next step: wait for them.
     let idle_by = Instant::now() + std::time::Duration::from_secs(30);
     while engine.stats().active_samples > 0 && Instant::now() < idle_by {
@@ -224,6 +340,7 @@ pub fn soak(model: Model, args: &BenchArgs) -> Result<()> {
         format!("soak: {n_requests} requests in {elapsed:.0} s (context {CONTEXT}, faults in about 1 step of 150 as errors and 1 of 300 as panics)"),
         format!("  done {} ({} samples, {} with a context shift) | cancelled {} | failed {} | steps failed {}", t.done, t.samples, t.shifted, t.cancelled, t.failed, stats.failed_steps),
         format!("  sessions saved and loaded {} | defragmentations {} | shrink and grow {}", t.sessions, t.defrags, t.resizes),
+        format!("  partitions {} | hung up before an answer {} | sessions saved beside a stream {} | cross-partition probes {} with {} hits", parts.len(), t.hung_up, t.background_saves, t.probes, t.cross_hits),
         format!("  blocks leaked {leaked} | sequences left {} | KV invariants hold", stats.kv.sequences),
         format!("  RSS after warm-up {:.1} MiB, peak {:.1} MiB, end {:.1} MiB: growth {:+.1}%", mib(rss_warm), mib(rss_peak), mib(rss_end), growth * 100.0),
     ];
@@ -240,6 +357,10 @@ pub fn soak(model: Model, args: &BenchArgs) -> Result<()> {
         "sessions": t.sessions,
         "defrags": t.defrags,
         "resizes": t.resizes,
+        "hung_up": t.hung_up,
+        "background_saves": t.background_saves,
+        "probes": t.probes,
+        "cross_partition_hits": t.cross_hits,
         "leaked_blocks": leaked,
         "sequences_left": stats.kv.sequences,
         "rss_warm_bytes": rss_warm,
@@ -248,6 +369,9 @@ pub fn soak(model: Model, args: &BenchArgs) -> Result<()> {
         "rss_growth": growth,
     });
     crate::scenarios::emit(args, v, &lines);
+    if t.cross_hits != 0 {
+        bail!("{} prompts were served across partitions", t.cross_hits);
+    }
     if leaked != 0 || stats.kv.sequences != 0 {
         bail!(
             "{leaked} blocks and {} sequences leaked",
