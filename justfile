@@ -112,6 +112,14 @@ bench-self-extend: model bench-deps
     CARGO_TARGET_DIR=target/native RUSTFLAGS="-C target-cpu=native" cargo build --release -p tessera
     python3 scripts/self_extend.py
 
+# A stream decoding beside a 2,000-token session save (computed as a background request) and
+# alone, alternating: its largest and median gaps between tokens; then the README's table.
+bench-sessions: model
+    cargo build --release -p tessera
+    mkdir -p target/bench
+    ./target/release/tessera bench --model models/SmolLM2-135M-Instruct.Q4_1.gguf --scenario session-save --runs 7 --json | tee target/bench/sessions.jsonl
+    python3 scripts/readme_tables.py sessions
+
 # 2,000 random requests with injected faults: leaks, errors, RSS (target/bench/soak.json, then the README's soak table).
 bench-soak requests="2000": model
     cargo build --release -p tessera

@@ -23,7 +23,8 @@ def main():
         START,
         "",
         f"Soak (`just bench-soak`), {measured()}, SmolLM2-135M-Instruct Q4_1, "
-        "24 MiB of KV pool (so requests preempt each other), context 256: "
+        "24 MiB of KV pool (so requests preempt each other), context 256, requests spread over "
+        "four cache partitions (two tenants, a salt, the default): "
         f"{r['requests']:,} requests, up to four at a time ({r['seconds']:,.0f} s of wall "
         "time: this scenario counts failures and leaks, it is no speed measure), "
         "with about one step in 150 failing with an error and one in 300 panicking.",
@@ -34,6 +35,9 @@ def main():
         f"| requests cancelled part way | {r['cancelled']:,} |",
         f"| requests failed by an injected fault | {r['failed']:,} (steps failed: {r['failed_steps']:,}) |",
         f"| sessions saved and loaded back / defragmentations / shrink-and-grow | {r['sessions']} / {r['defrags']} / {r['resizes']} |",
+        f"| requests whose client hung up before any answer | {r['hung_up']:,} |",
+        f"| sessions saved in a tenant's partition beside a stream, restored and used there | {r['background_saves']} |",
+        f"| **prompts served across partitions** (of {r['probes']} probes over {4} partitions) | **{r['cross_partition_hits']}** |",
         f"| **blocks leaked** (held once every request is over) | **{r['leaked_blocks']}** (sequences left: {r['sequences_left']}; KV invariants hold) |",
         f"| resident memory after warm-up (10% of the requests) / peak / end | {mib(r['rss_warm_bytes'])} / {mib(r['rss_peak_bytes'])} / {mib(r['rss_end_bytes'])} |",
         f"| **RSS growth after warm-up** | **{r['rss_growth'] * 100:+.1f}%** |",

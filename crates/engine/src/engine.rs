@@ -288,6 +288,7 @@ impl Engine {
             return Err(EngineError::Invalid("n must be at least 1".into()));
         }
         check_stops(&req.stop)?;
+        check_partition(&req.partition)?;
         let (events, rx) = mpsc::channel();
         let cancel = Arc::new(std::sync::atomic::AtomicBool::new(false));
         self.call(|reply| Command::Submit {
@@ -484,6 +485,7 @@ impl Engine {
     /// chunks when there is none), so a long export never stalls them.
     pub fn export_kv_in(&self, p: &Partition, tokens: &[u32]) -> Result<(KvSnapshot, usize)> {
         self.check_tokens(tokens)?;
+        check_partition(p)?;
         self.call(|tx| Command::Export(p.clone(), tokens.to_vec(), tx))?
     }
 
@@ -616,6 +618,22 @@ impl Engine {
 pub struct SessionSaved {
     pub tokens: usize,
     pub cached: usize,
+}
+
+/// The longest tenant or salt of a [`Partition`]: the engine keeps each
+/// partition's name while it has cached K/V (for the cache directory).
+pub const MAX_PARTITION_BYTES: usize = 4096;
+
+fn check_partition(p: &Partition) -> Result<()> {
+    for part in [&p.tenant, &p.salt].into_iter().flatten() {
+        if part.len() > MAX_PARTITION_BYTES {
+            return Err(EngineError::Invalid(format!(
+                "a partition's tenant or salt of {} bytes; at most {MAX_PARTITION_BYTES} are allowed",
+                part.len()
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Refuses stop lists past the limits (every generated token is checked

@@ -596,7 +596,7 @@ fn request(
         logprobs,
         context_shift: c.n_keep.map_or(ContextShift::Off, ContextShift::Keep),
         reuse_prefix: c.cache_prompt.unwrap_or(true),
-        partition: partition(s, tenant, c.cache_salt.as_deref()),
+        partition: partition(s, tenant, c.cache_salt.as_deref())?,
         ..GenerateRequest::new(prompt)
     })
 }
@@ -644,9 +644,15 @@ fn logprobs_wanted(c: &Common, endpoint: Endpoint) -> Result<Option<usize>, ApiE
 /// is named by a digest of its key, never the key, and stays the same
 /// across restarts (the cache directory restores each partition's K/V
 /// into its own).
-fn partition(s: &Server, tenant: &Tenant, cache_salt: Option<&str>) -> Partition {
+fn partition(s: &Server, tenant: &Tenant, cache_salt: Option<&str>) -> Result<Partition, ApiError> {
+    if cache_salt.is_some_and(|salt| salt.len() > MAX_SALT_BYTES) {
+        return Err(ApiError::param(
+            "cache_salt",
+            format!("cache_salt takes at most {MAX_SALT_BYTES} bytes"),
+        ));
+    }
     let key = tenant.0.filter(|_| s.cfg.api_keys.len() > 1);
-    Partition {
+    Ok(Partition {
         tenant: key.map(|k| {
             s.key_digests[k][..16]
                 .iter()
@@ -654,8 +660,12 @@ fn partition(s: &Server, tenant: &Tenant, cache_salt: Option<&str>) -> Partition
                 .collect()
         }),
         salt: cache_salt.map(str::to_string),
-    }
+    })
 }
+
+/// The longest `cache_salt` (the engine keeps each partition's name while
+/// it has cached K/V, for the cache directory).
+const MAX_SALT_BYTES: usize = 256;
 
 /// Cancels its request when dropped.
 struct CancelOnDrop(Canceller);

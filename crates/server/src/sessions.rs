@@ -144,7 +144,7 @@ pub(crate) async fn save(
     body: Result<Json<SessionSaveRequest>, JsonRejection>,
 ) -> Result<Json<Value>, ApiError> {
     let Json(req) = body.map_err(rejected)?;
-    let part = partition(&s, &tenant, req.cache_salt.as_deref());
+    let part = partition(&s, &tenant, req.cache_salt.as_deref())?;
     let path = session_path(&s, &part, &name)?;
     let prompt = match (req.messages, req.tokens) {
         (Some(msgs), None) if !msgs.is_empty() => {
@@ -260,7 +260,7 @@ pub(crate) async fn restore(
         serde_json::from_slice(&body)
             .map_err(|e| ApiError::bad(format!("malformed request body: {e}")))?
     };
-    let part = partition(&s, &tenant, req.cache_salt.as_deref());
+    let part = partition(&s, &tenant, req.cache_salt.as_deref())?;
     let path = session_path(&s, &part, &name)?;
     if !path.is_file() {
         return Err(ApiError {

@@ -1127,6 +1127,13 @@ fn limits_and_small_defects() {
     assert_eq!(post(&s, "/v1/completions", &body, key).0, 400);
     let body = json!({"prompt": "the", "max_tokens": 4, "stop": ["", "zz"]});
     assert_eq!(post(&s, "/v1/completions", &body, key).0, 200);
+    let body = json!({"prompt": "the", "max_tokens": 1, "cache_salt": "s".repeat(257)});
+    let (code, v) = post(&s, "/v1/completions", &body, key);
+    assert_eq!(
+        (code, v["error"]["param"].as_str()),
+        (400, Some("cache_salt")),
+        "{v}"
+    );
 
     // A 3 MB body is within the documented 8 MiB (axum's own JSON limit
     // was 2 MiB); 9 MB is not.
