@@ -37,7 +37,8 @@ def main():
         f"| sessions saved and loaded back / defragmentations / shrink-and-grow | {r['sessions']} / {r['defrags']} / {r['resizes']} |",
         f"| requests whose client hung up before any answer | {r['hung_up']:,} |",
         f"| sessions saved in a tenant's partition beside a stream, restored and used there | {r['background_saves']} |",
-        f"| **prompts served across partitions** (of {r['probes']} probes over {4} partitions) | **{r['cross_partition_hits']}** |",
+        f"| **prompts served across partitions** (of {r['probes']} probes over 4 partitions; sent again in their own, "
+        f"{r['own_partition_hits']} came whole from the cache) | **{r['cross_partition_hits']}** |",
         f"| **blocks leaked** (held once every request is over) | **{r['leaked_blocks']}** (sequences left: {r['sequences_left']}; KV invariants hold) |",
         f"| resident memory after warm-up (10% of the requests) / peak / end | {mib(r['rss_warm_bytes'])} / {mib(r['rss_peak_bytes'])} / {mib(r['rss_end_bytes'])} |",
         f"| **RSS growth after warm-up** | **{r['rss_growth'] * 100:+.1f}%** |",

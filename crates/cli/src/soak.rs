@@ -23,8 +23,8 @@ use std::time::Instant;
 
 use anyhow::{bail, Result};
 use tessera_engine::{
-    ContextShift, Engine, EngineConfig, Event, Fault, FaultHook, GenerateRequest, Partition,
-    Prompt, SamplingParams, SplitMix64, INJECTED_PANIC,
+    ContextShift, Engine, EngineConfig, EngineError, Event, Fault, FaultHook, GenerateRequest,
+    Partition, Prompt, SamplingParams, SplitMix64, INJECTED_PANIC,
 };
 use tessera_model::Model;
 
@@ -82,6 +82,9 @@ struct Tally {
     /// in the second is a hit across partitions.
     probes: usize,
     cross_hits: usize,
+    /// The same prompts sent again in their first partition, whole from
+    /// the cache.
+    own_hits: usize,
 }
 
 /// The partitions the soak's requests are spread over: the default one,
@@ -140,7 +143,6 @@ pub fn soak(model: Model, args: &BenchArgs) -> Result<()> {
     let started = Instant::now();
     let mut submitted = 0;
     let parts = partitions();
-    let mut probe_seed = 5000;
     while submitted < n_requests {
         let batch = (1 + rng.below(4)).min(n_requests - submitted);
         let mut streams = Vec::new();
@@ -247,12 +249,12 @@ pub fn soak(model: Model, args: &BenchArgs) -> Result<()> {
                 // the second must compute all of it.
                 let (x, y) = (rng.below(parts.len()), rng.below(parts.len()));
                 if x != y {
-                    probe_seed += 1;
-                    let ids = tok.encode(
-                        &tessera_bench::text(engine.model(), probe_seed, 40)?,
-                        tessera_model::Special::AsText,
-                        true,
-                    )?;
+                    // Random ids: nothing else in any partition starts
+                    // like it (other prompts start with BOS and text).
+                    let vocab = engine.model().config().vocab_size as u64;
+                    let ids: Vec<u32> = (0..40)
+                        .map(|_| (1000 + rng.next_u64() % (vocab - 1000)) as u32)
+                        .collect();
                     let probe = |p: &Partition| {
                         let req = GenerateRequest {
                             max_tokens: 1,
@@ -266,6 +268,11 @@ pub fn soak(model: Model, args: &BenchArgs) -> Result<()> {
                         if let Ok(done) = probe(&parts[y]) {
                             t.probes += 1;
                             t.cross_hits += usize::from(done.usage.cached_tokens > 0);
+                            // The probe itself sees hits: its own partition's.
+                            if let Ok(again) = probe(&parts[x]) {
+                                let all = again.usage.cached_tokens == ids.len() - 1;
+                                t.own_hits += usize::from(all);
+                            }
                         }
                     }
                 }
@@ -273,10 +280,12 @@ pub fn soak(model: Model, args: &BenchArgs) -> Result<()> {
             4 => {
                 // A session saved in a tenant's partition beside a stream.
                 let p = parts[1 + rng.below(parts.len() - 1)].clone();
-                let from = rng.below(body_ids.len() - 300);
+                // Most of the context, in a partition of a tenant.
+                let len = CONTEXT - 8 - system_ids[0].len().min(CONTEXT - 8);
+                let from = rng.below(body_ids.len() - len);
                 let ids: Vec<u32> = system_ids[0]
                     .iter()
-                    .chain(&body_ids[from..from + 300])
+                    .chain(&body_ids[from..from + len])
                     .copied()
                     .collect();
                 let req = GenerateRequest {
@@ -293,7 +302,15 @@ pub fn soak(model: Model, args: &BenchArgs) -> Result<()> {
                     .join()
                     .map_err(|_| anyhow::anyhow!("a session save panicked"))?;
                 // A save may meet an injected fault in a step it rides.
-                if let Ok(saved) = saved {
+                let saved = match saved {
+                    Ok(saved) => Some(saved),
+                    Err(EngineError::Injected | EngineError::Step(_)) => {
+                        t.failed += 1;
+                        None
+                    }
+                    Err(e) => bail!("a session save beside a stream failed: {e}"),
+                };
+                if let Some(saved) = saved {
                     engine.clear_cache()?;
                     if engine.load_kv_session_in(&p, &bg_session)? != saved.tokens {
                         bail!("a session saved beside a stream came back with other tokens");
@@ -340,7 +357,7 @@ pub fn soak(model: Model, args: &BenchArgs) -> Result<()> {
         format!("soak: {n_requests} requests in {elapsed:.0} s (context {CONTEXT}, faults in about 1 step of 150 as errors and 1 of 300 as panics)"),
         format!("  done {} ({} samples, {} with a context shift) | cancelled {} | failed {} | steps failed {}", t.done, t.samples, t.shifted, t.cancelled, t.failed, stats.failed_steps),
         format!("  sessions saved and loaded {} | defragmentations {} | shrink and grow {}", t.sessions, t.defrags, t.resizes),
-        format!("  partitions {} | hung up before an answer {} | sessions saved beside a stream {} | cross-partition probes {} with {} hits", parts.len(), t.hung_up, t.background_saves, t.probes, t.cross_hits),
+        format!("  partitions {} | hung up before an answer {} | sessions saved beside a stream {} | cross-partition probes {} with {} hits (again in their own partition: {} whole from the cache)", parts.len(), t.hung_up, t.background_saves, t.probes, t.cross_hits, t.own_hits),
         format!("  blocks leaked {leaked} | sequences left {} | KV invariants hold", stats.kv.sequences),
         format!("  RSS after warm-up {:.1} MiB, peak {:.1} MiB, end {:.1} MiB: growth {:+.1}%", mib(rss_warm), mib(rss_peak), mib(rss_end), growth * 100.0),
     ];
@@ -361,6 +378,7 @@ pub fn soak(model: Model, args: &BenchArgs) -> Result<()> {
         "background_saves": t.background_saves,
         "probes": t.probes,
         "cross_partition_hits": t.cross_hits,
+        "own_partition_hits": t.own_hits,
         "leaked_blocks": leaked,
         "sequences_left": stats.kv.sequences,
         "rss_warm_bytes": rss_warm,
