@@ -291,14 +291,16 @@ impl Engine {
         check_partition(&req.partition)?;
         let (events, rx) = mpsc::channel();
         let cancel = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let backlog = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         self.call(|reply| Command::Submit {
             ids,
             req: Box::new(req.clone()),
             events,
             cancel: cancel.clone(),
+            backlog: backlog.clone(),
             reply,
         })??;
-        Ok(RequestStream::new(rx, cancel, req.n))
+        Ok(RequestStream::new(rx, cancel, backlog, req.n))
     }
 
     /// Runs a request to the end, calling `on_token` for every token of

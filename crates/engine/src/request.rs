@@ -3,7 +3,7 @@
 //! (held back until they can no longer start one), events to the stream,
 //! usage and timings. Nothing here knows blocks or tensors.
 
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Instant;
@@ -21,7 +21,21 @@ pub(crate) struct Group {
     pub prompt: Vec<u32>,
     pub events: mpsc::Sender<Event>,
     pub cancel: Arc<AtomicBool>,
+    /// Token events sent and not yet read (see [`crate::MAX_BACKLOG`]).
+    pub backlog: Arc<AtomicUsize>,
     pub submitted: Instant,
+}
+
+impl Group {
+    /// The reader is [`crate::MAX_BACKLOG`] token events behind.
+    pub fn behind(&self) -> bool {
+        self.backlog.load(Ordering::Relaxed) >= crate::MAX_BACKLOG
+    }
+
+    /// The reader has caught up by half.
+    pub fn caught_up(&self) -> bool {
+        self.backlog.load(Ordering::Relaxed) <= crate::MAX_BACKLOG / 2
+    }
 }
 
 /// One sample being generated.
@@ -41,6 +55,9 @@ pub(crate) struct Active {
     first_token: Option<Instant>,
     /// Prompt tokens served from the cache.
     pub cached: Option<usize>,
+    /// A sampled token not yet given to the scheduler: the reader is too
+    /// far behind (see [`Group::behind`]).
+    pub held: Option<u32>,
 }
 
 /// What a sampled token means for its sample.
@@ -67,6 +84,7 @@ impl Active {
             started: None,
             first_token: None,
             cached: None,
+            held: None,
             index,
             group,
         }
@@ -80,6 +98,7 @@ impl Active {
             .last()
             .filter(|_| new)
             .map(|l| Box::new(l.clone()));
+        self.group.backlog.fetch_add(1, Ordering::Relaxed);
         let _ = self.group.events.send(Event::Token {
             index: self.index,
             id,

@@ -1,7 +1,7 @@
 //! [`RequestStream`]: the events of one request, as the worker produces
 //! them. Dropping the stream cancels the request.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
 
@@ -33,14 +33,29 @@ pub enum Event {
 pub struct RequestStream {
     rx: mpsc::Receiver<Event>,
     cancel: Arc<AtomicBool>,
+    /// Token events sent and not yet read (the worker pauses the request
+    /// past [`MAX_BACKLOG`]).
+    backlog: Arc<AtomicUsize>,
     open: usize,
 }
 
+/// Token events a request may have waiting for its reader: past this many
+/// the engine pauses it (it computes nothing and keeps its blocks) until
+/// the reader has caught up by half, so a client that reads slowly, or not
+/// at all, costs bounded memory and no compute.
+pub const MAX_BACKLOG: usize = 1024;
+
 impl RequestStream {
-    pub(crate) fn new(rx: mpsc::Receiver<Event>, cancel: Arc<AtomicBool>, n: usize) -> Self {
+    pub(crate) fn new(
+        rx: mpsc::Receiver<Event>,
+        cancel: Arc<AtomicBool>,
+        backlog: Arc<AtomicUsize>,
+        n: usize,
+    ) -> Self {
         RequestStream {
             rx,
             cancel,
+            backlog,
             open: n,
         }
     }
@@ -80,7 +95,9 @@ impl Iterator for RequestStream {
         match &ev {
             Some(Event::Done(_)) => self.open -= 1,
             Some(Event::Error(_)) | None => self.open = 0,
-            Some(Event::Token { .. }) => {}
+            Some(Event::Token { .. }) => {
+                self.backlog.fetch_sub(1, Ordering::Relaxed);
+            }
         }
         ev
     }

@@ -295,6 +295,12 @@ pub struct EngineStats {
     pub running: usize,
     /// Sequences waiting for admission (new, or preempted).
     pub waiting: usize,
+    /// Samples paused because their reader is [`MAX_BACKLOG`] events
+    /// behind (a slow client): they hold their blocks and compute nothing
+    /// until it catches up.
+    ///
+    /// [`MAX_BACKLOG`]: crate::MAX_BACKLOG
+    pub paused_samples: usize,
     /// Bytes of the K/V tensors (both pools).
     pub kv_bytes: usize,
     /// Bytes of the blocks with a holder (running sequences or the

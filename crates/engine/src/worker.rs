@@ -50,6 +50,7 @@ pub(crate) enum Command {
         req: Box<GenerateRequest>,
         events: mpsc::Sender<Event>,
         cancel: Arc<AtomicBool>,
+        backlog: Arc<std::sync::atomic::AtomicUsize>,
         reply: mpsc::Sender<Result<()>>,
     },
     Stats(mpsc::Sender<EngineStats>),
@@ -363,7 +364,15 @@ impl Worker {
     pub(crate) fn run(mut self, rx: mpsc::Receiver<Command>) {
         loop {
             // Commands first, between steps; block only when idle.
-            let cmd = if self.sched.has_work() {
+            let cmd = if self.sched.has_work() && self.all_paused() {
+                // Every request waits for its reader: nothing to compute,
+                // so wait for a command a little instead of spinning.
+                match rx.recv_timeout(std::time::Duration::from_millis(2)) {
+                    Ok(c) => Some(c),
+                    Err(mpsc::RecvTimeoutError::Timeout) => None,
+                    Err(mpsc::RecvTimeoutError::Disconnected) => Some(Command::Shutdown),
+                }
+            } else if self.sched.has_work() {
                 match rx.try_recv() {
                     Ok(c) => Some(c),
                     Err(mpsc::TryRecvError::Empty) => None,
@@ -416,9 +425,10 @@ impl Worker {
                 req,
                 events,
                 cancel,
+                backlog,
                 reply,
             } => {
-                let _ = reply.send(self.submit(ids, req, events, cancel));
+                let _ = reply.send(self.submit(ids, req, events, cancel, backlog));
             }
             Command::Stats(reply) => {
                 let _ = reply.send(self.stats());
@@ -470,6 +480,7 @@ impl Worker {
             active_samples: self.active.len(),
             running: self.sched.num_running(),
             waiting: self.sched.num_waiting(),
+            paused_samples: self.active.values().filter(|a| a.held.is_some()).count(),
             ..self.totals
         }
     }
@@ -480,6 +491,7 @@ impl Worker {
         req: Box<GenerateRequest>,
         events: mpsc::Sender<Event>,
         cancel: Arc<AtomicBool>,
+        backlog: Arc<std::sync::atomic::AtomicUsize>,
     ) -> Result<()> {
         let shift_keep = match req.context_shift {
             ContextShift::Off => None,
@@ -526,6 +538,7 @@ impl Worker {
             prompt: ids,
             events,
             cancel,
+            backlog,
             submitted: Instant::now(),
         });
         self.active.insert(id, Active::new(group, 0));
@@ -543,6 +556,7 @@ impl Worker {
         for id in cancelled {
             self.finish(id, FinishReason::Cancelled);
         }
+        self.resume_caught_up();
         if !self.sched.has_work() {
             return;
         }
@@ -554,6 +568,10 @@ impl Worker {
                 return self.check_or_reset();
             }
         };
+        if plan.items.is_empty() && plan.ops.is_empty() && plan.ended.is_empty() {
+            // Every running request waits for its reader.
+            return;
+        }
         self.totals.steps += 1;
         let now = Instant::now();
         let background: usize = plan
@@ -652,6 +670,32 @@ impl Worker {
             share
         };
         self.sched.set_background_tokens(next.max(1));
+    }
+
+    /// Gives the scheduler the held tokens of samples whose reader has
+    /// caught up.
+    fn resume_caught_up(&mut self) {
+        let ready: Vec<(ReqId, u32)> = self
+            .active
+            .iter()
+            .filter_map(|(&id, a)| Some((id, a.held?)).filter(|_| a.group.caught_up()))
+            .collect();
+        for (id, t) in ready {
+            if let Some(a) = self.active.get_mut(&id) {
+                a.held = None;
+            }
+            if let Err(e) = self.sched.push_token(id, TokenId(t)) {
+                self.fail(id, &sched_error(e));
+            }
+        }
+    }
+
+    /// Whether every running request is paused for its reader: a step
+    /// would compute nothing.
+    fn all_paused(&self) -> bool {
+        self.sched.num_waiting() == 0
+            && self.exports.is_empty()
+            && self.active.values().all(|a| a.held.is_some())
     }
 
     /// Whether a step item's last row is sampled (an export's is not).
@@ -869,6 +913,8 @@ impl Worker {
         for id in ids {
             let a = self.active.get_mut(&id).expect("active");
             match a.advance(logits, &self.runner.model().tokenizer)? {
+                // Its reader is far behind: it waits, computing nothing.
+                Next::Continue(t) if a.group.behind() => a.held = Some(t),
                 Next::Continue(t) => self.sched.push_token(id, TokenId(t)).map_err(sched_error)?,
                 Next::Finish(reason) => self.finish(id, reason),
             }

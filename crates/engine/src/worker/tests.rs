@@ -845,7 +845,7 @@ fn the_cache_directory_restores_each_partition_into_its_own() {
             .usage
             .cached_tokens
     };
-    for (i, p) in parts.iter().enumerate() {
+    for i in 0..parts.len() {
         for (j, q) in parts.iter().enumerate() {
             if i == j {
                 continue;
@@ -944,4 +944,54 @@ fn a_session_save_rides_along_a_running_stream() {
     assert_eq!(engine.export_kv(&ids).unwrap(), s);
     drop(engine);
     let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A reader that falls behind pauses its request: past `MAX_BACKLOG`
+/// unread token events the sample computes nothing (and holds its blocks)
+/// until the reader catches up, then it goes on to the same tokens as a
+/// request read at once.
+#[test]
+fn a_slow_reader_pauses_its_request_and_loses_nothing() {
+    let (engine, dir) = tiny_engine(EngineConfig {
+        kv_memory: 4 << 20,
+        ..small_cfg()
+    });
+    let prompt: Vec<u32> = (0..8).map(|i| 3 + i * 5).collect();
+    let req = GenerateRequest {
+        ignore_eos: true,
+        context_shift: ContextShift::Keep(4),
+        ..greedy(&prompt, crate::MAX_BACKLOG * 2 + 100)
+    };
+    let want = engine.complete(&req, &mut |_| {}).unwrap().tokens;
+    let stream = engine.generate(req).unwrap();
+    // Nothing read: the request pauses once the backlog is full.
+    let t = Instant::now();
+    while engine.stats().paused_samples == 0 {
+        assert!(
+            t.elapsed().as_secs() < 60,
+            "never paused: {:?}",
+            engine.stats()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    let steps = engine.stats().steps;
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    assert_eq!(
+        engine.stats().steps,
+        steps,
+        "a paused request computes nothing"
+    );
+    let mut got = Vec::new();
+    for ev in stream {
+        match ev {
+            Event::Token { id, .. } => got.push(id),
+            Event::Done(d) => assert_eq!(d.tokens, want),
+            Event::Error(e) => panic!("{e}"),
+        }
+    }
+    assert_eq!(got, want, "the same tokens, each sent once");
+    assert_eq!(engine.stats().paused_samples, 0);
+    assert_no_leak(&engine);
+    drop(engine);
+    std::fs::remove_dir_all(dir).unwrap();
 }
