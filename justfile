@@ -120,6 +120,13 @@ bench-sessions: model
     ./target/release/tessera bench --model models/SmolLM2-135M-Instruct.Q4_1.gguf --scenario session-save --runs 7 --json | tee target/bench/sessions.jsonl
     python3 scripts/readme_tables.py sessions
 
+# 24 clients that send ~2,000-token prompts and hang up after 0.3 s, then a short request: its TTFT
+# beside the idle server's (scripts/hangups.py over HTTP), then the README's table.
+bench-hangups: model
+    cargo build --release -p tessera
+    python3 scripts/hangups.py target/release/tessera models/SmolLM2-135M-Instruct.Q4_1.gguf 3
+    python3 scripts/readme_tables.py hangups
+
 # 2,000 random requests with injected faults: leaks, errors, RSS (target/bench/soak.json, then the README's soak table).
 bench-soak requests="2000": model
     cargo build --release -p tessera

@@ -13,7 +13,7 @@ pool).
 gpu.jsonl, meta.json and tests.log; copied to target/bench/gpu/, they give
 the GPU section.
 
-`just bench-sessions` writes target/bench/sessions.jsonl (a stream beside a\nsession save).\n\nUsage: readme_tables.py model|engine|sessions|swa|gpu|gpu-ab
+`just bench-sessions` writes target/bench/sessions.jsonl (a stream beside a\nsession save).\n\n`just bench-hangups` writes target/bench/hangups.json (clients that hang up\nbefore their answer; hangups-before.json, when present, the same measured on\nan earlier build).\n\nUsage: readme_tables.py model|engine|sessions|hangups|swa|gpu|gpu-ab
 """
 
 import datetime
@@ -224,6 +224,35 @@ def sessions():
         f"waited for all of it: a largest gap of at least the save's own time ({r['save_s_alone']:.2f} s "
         "here).",
     ]
+
+
+def hangups():
+    path = BENCH / "hangups.json"
+    if not path.exists():
+        sys.exit(f"{path} is missing: run just bench-hangups")
+    r = json.loads(path.read_text())
+    out = [
+        f"`scripts/hangups.py`, {header()}, {isa()} host, `tessera serve` on loopback. "
+        f"{r['clients']} clients each send a prompt of {r['prompt_tokens']:,} tokens (not "
+        f"streamed) and close their socket after {r['hang_up_after_s']} s; right after them a short "
+        "streamed request asks for 4 tokens. Its time to first token beside the same request on "
+        f"the idle server just before (medians of {r['runs']} runs), and how long until the server "
+        "held no request.",
+        "",
+        "| build | TTFT idle | TTFT after the hang-ups | ratio | no request held after |",
+        "|---|---|---|---|---|",
+    ]
+    rows_ = [("this build", r)]
+    old = BENCH / "hangups-before.json"
+    if old.exists():
+        b = json.loads(old.read_text())
+        rows_.insert(0, (f"before (`{b.get('commit', '?')}`: cancelled only when an event failed to reach the client)", b))
+    for name, x in rows_:
+        out.append(
+            f"| {name} | {x['idle_ttft_s'] * 1e3:,.0f} ms | {x['after_hangups_ttft_s'] * 1e3:,.0f} ms | "
+            f"**{x['ratio']:.2f}×** | {x['drained_s']:.2f} s |"
+        )
+    return out
 
 
 def swa():
@@ -442,6 +471,7 @@ def main():
         "model": model,
         "engine": engine,
         "sessions": sessions,
+        "hangups": hangups,
         "swa": swa,
         "gpu": gpu,
         "gpu-ab": gpu_ab,
