@@ -6,9 +6,9 @@ first token of a short streamed request on the idle server; 24 clients
 that each send a ~2,000-token prompt (not streamed) and close their socket
 after 0.3 s; and right after them the same short request again. A server
 that kept computing the abandoned prompts makes the short request wait for
-them; one that cancels them serves it as on an idle server. Writes
-target/bench/hangups.json (medians over the runs, and how long the
-server took to hold no request after the hang-ups).
+them; one that cancels them serves it once the step in flight ends. Then
+the same request once the server holds no request. Writes
+target/bench/hangups.json (medians over the runs).
 
 Usage: hangups.py BINARY MODEL [RUNS]
 """
@@ -106,7 +106,7 @@ def main():
     p, addr = start(binary, model)
     try:
         n_tokens = tokens(addr, prompt(0, 0))
-        idle, after, drained = [], [], []
+        idle, after, drained, settled = [], [], [], []
         for run in range(runs):
             idle.append(first_token(addr))
             hang_up(addr, run)
@@ -115,6 +115,8 @@ def main():
             while held(addr) > 0 and time.perf_counter() - t < 600:
                 time.sleep(0.01)
             drained.append(time.perf_counter() - t)
+            # Once nothing is held: the server is as if idle again.
+            settled.append(first_token(addr))
             time.sleep(0.5)
     finally:
         p.terminate()
@@ -128,6 +130,7 @@ def main():
         "after_hangups_ttft_s": statistics.median(after),
         "ratio": statistics.median(after) / statistics.median(idle),
         "drained_s": statistics.median(drained),
+        "settled_ttft_s": statistics.median(settled),
     }
     (ROOT / "target" / "bench").mkdir(parents=True, exist_ok=True)
     (ROOT / "target" / "bench" / "hangups.json").write_text(json.dumps(out) + "\n")
