@@ -90,7 +90,7 @@ impl Default for EngineConfig {
             swa_full: false,
             swa_blocks: None,
             self_extend: None,
-            background_chunk: 4,
+            background_chunk: 1,
             device: DeviceSpec::Auto,
         }
     }

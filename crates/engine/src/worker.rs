@@ -105,6 +105,15 @@ pub(crate) struct Worker {
     /// Seconds of a recent step without background tokens (a moving
     /// average), against which steps with them are held.
     plain_step: Option<f64>,
+    pace: Pace,
+}
+
+/// The background share's memory: the largest share not found too slow,
+/// and the fast steps seen at it.
+#[derive(Debug, Clone, Copy)]
+struct Pace {
+    ceiling: usize,
+    good: usize,
 }
 
 /// A session export in the scheduler: its tokens and who waits for them.
@@ -340,6 +349,10 @@ impl Worker {
             partitions: HashMap::new(),
             exports: HashMap::new(),
             plain_step: None,
+            pace: Pace {
+                ceiling: cfg.prefill_chunk.max(1),
+                good: 0,
+            },
         })
     }
 
@@ -663,9 +676,24 @@ impl Worker {
         let share = self.sched.config().background_tokens;
         let most = self.cfg.prefill_chunk.max(1);
         let next = if secs > 1.6 * plain {
-            share / 2
+            // Too slow: in proportion to the excess, one step back to the
+            // aim; and no share this large again for a while (a kernel's
+            // cost can jump at a number of rows, which growing back to it
+            // would hit again and again).
+            self.pace.ceiling = background.saturating_sub(1).max(1);
+            self.pace.good = 0;
+            (share as f64 * 1.5 * plain / secs) as usize
         } else if secs < 1.3 * plain && background >= share {
-            (share + share.div_ceil(4)).min(most)
+            // Fast enough: grow up to the ceiling, which itself rises one
+            // token after 32 such steps at it.
+            if share >= self.pace.ceiling {
+                self.pace.good += 1;
+                if self.pace.good >= 32 {
+                    self.pace.ceiling += 1;
+                    self.pace.good = 0;
+                }
+            }
+            (share + share.div_ceil(4)).min(self.pace.ceiling).min(most)
         } else {
             share
         };
@@ -721,6 +749,10 @@ impl Worker {
             return;
         }
         let namespace = self.namespace(p);
+        if self.exports.is_empty() {
+            // A first save starts small; the share grows as steps allow.
+            self.sched.set_background_tokens(self.cfg.background_chunk);
+        }
         let added = self.sched.add(NewRequest {
             namespace,
             prompt: token_ids(&ids),

@@ -871,9 +871,11 @@ fn the_cache_directory_restores_each_partition_into_its_own() {
 
 /// A session save computes what the cache lacks as a background request:
 /// a stream decoding beside a 2,000-token save keeps its pace (its largest
-/// gap between tokens within twice its largest gap alone, with slack for a
-/// busy machine: medians of three alternating pairs), and the saved K/V
-/// equals what a plain computation of the same tokens caches.
+/// gap between tokens within twice its largest gap alone, with slack of
+/// 2.5 for a test machine's other work: the median of three alternating
+/// pairs; a save computed in one piece stalls it for the whole save, some
+/// hundred times a gap here), and the saved K/V equals what a plain
+/// computation of the same tokens caches.
 #[test]
 fn a_session_save_rides_along_a_running_stream() {
     let dir = std::env::temp_dir().join(format!("tessera-bgsave-{}", std::process::id()));
@@ -934,7 +936,7 @@ fn a_session_save_rides_along_a_running_stream() {
     }
     ratios.sort_by(f64::total_cmp);
     assert!(
-        ratios[1] <= 2.0 * 1.5,
+        ratios[1] <= 2.0 * 2.5,
         "the stream's largest gap grew {ratios:?}"
     );
     // The background export's K/V is the cache's own: a plain export of
