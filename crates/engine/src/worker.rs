@@ -116,11 +116,31 @@ struct Pace {
     good: usize,
 }
 
-/// A session export in the scheduler: its tokens and who waits for them.
+/// A session export in the scheduler: its tokens and who waits for them,
+/// and once they are computed, its K/V as read so far.
 struct Export {
     ids: Vec<u32>,
     reply: mpsc::Sender<Result<(KvSnapshot, usize)>>,
+    read: Option<Reading>,
 }
+
+/// An export's K/V read a part at a time between steps (a 2,000-token
+/// session of a 135M model is 46 MB: read at once, it would stall the
+/// running requests for milliseconds).
+struct Reading {
+    /// Every position's slot in the global layers.
+    slots: Vec<u32>,
+    /// The sliding-window layers' slots of positions `from..`.
+    sliding: Vec<u32>,
+    from: usize,
+    /// Positions read so far.
+    at: usize,
+    layers: Vec<crate::snapshot::LayerBytes>,
+}
+
+/// Positions of an export's K/V read between two steps while other
+/// requests run (all at once when none does).
+const READ_PER_STEP: usize = 128;
 
 /// Partitions beyond which the idle worker forgets those with nothing
 /// cached and nothing running.
@@ -570,6 +590,7 @@ impl Worker {
             self.finish(id, FinishReason::Cancelled);
         }
         self.resume_caught_up();
+        self.read_exports();
         if !self.sched.has_work() {
             return;
         }
@@ -764,7 +785,14 @@ impl Worker {
         });
         match added {
             Ok(id) => {
-                self.exports.insert(id, Export { ids, reply });
+                self.exports.insert(
+                    id,
+                    Export {
+                        ids,
+                        reply,
+                        read: None,
+                    },
+                );
             }
             Err(e) => {
                 let _ = reply.send(Err(sched_error(e)));
@@ -772,27 +800,91 @@ impl Worker {
         }
     }
 
-    /// An export's prompt is computed: its K/V goes to the caller, its
-    /// sequence into the prefix tree.
+    /// An export's prompt is computed: its K/V is read from the next
+    /// step on (its sequence stays held until then).
     fn end_export(&mut self, id: ReqId, seq: SeqId) {
+        let Some(n) = self.exports.get(&id).map(|x| x.ids.len()) else {
+            return;
+        };
+        match self.slots_of(seq, n) {
+            Ok((slots, sliding, from)) => {
+                let x = self.exports.get_mut(&id).expect("just found");
+                x.read = Some(Reading {
+                    slots,
+                    sliding,
+                    from,
+                    at: 0,
+                    layers: Vec::new(),
+                });
+            }
+            Err(e) => self.fail(id, &e),
+        }
+    }
+
+    /// Reads the next part of each computed export's K/V (all of it when
+    /// no request runs beside); a whole one goes to its caller, and its
+    /// sequence into the prefix tree.
+    fn read_exports(&mut self) {
+        let busy = !self.active.is_empty();
+        let ids: Vec<ReqId> = self
+            .exports
+            .iter()
+            .filter(|(_, x)| x.read.is_some())
+            .map(|(&id, _)| id)
+            .collect();
+        for id in ids {
+            let x = self.exports.get(&id).expect("listed");
+            let r = x.read.as_ref().expect("listed");
+            let n = r.slots.len();
+            let end = if busy {
+                (r.at + READ_PER_STEP).min(n)
+            } else {
+                n
+            };
+            let lo = r.at.max(r.from) - r.from;
+            let hi = end.max(r.from) - r.from;
+            let rows = Rows {
+                slots: r.slots[r.at..end].to_vec(),
+                sliding: r.sliding.get(lo..hi).unwrap_or_default().to_vec(),
+            };
+            match self.runner.read_rows(&rows) {
+                Ok(part) => {
+                    let x = self.exports.get_mut(&id).expect("listed");
+                    let r = x.read.as_mut().expect("listed");
+                    if r.layers.is_empty() {
+                        r.layers = part;
+                    } else {
+                        for (all, p) in r.layers.iter_mut().zip(part) {
+                            all.k.extend(p.k);
+                            all.v.extend(p.v);
+                        }
+                    }
+                    r.at = end;
+                    if end == n {
+                        self.send_export(id);
+                    }
+                }
+                Err(e) => self.fail(id, &e),
+            }
+        }
+    }
+
+    /// Sends a whole export to its caller; its sequence enters the tree.
+    fn send_export(&mut self, id: ReqId) {
         let Some(x) = self.exports.remove(&id) else {
             return;
         };
         let cached = self.sched.cached_tokens(id).ok().flatten().unwrap_or(0);
-        let snap = self
-            .read_kv(seq, x.ids.len())
-            .map(|(layers, sliding_from)| {
-                let snap = KvSnapshot {
-                    tokens: x.ids,
-                    layers,
-                    sliding_from,
-                };
-                (snap, cached)
-            });
         if let Err(e) = self.sched.finish(id) {
             warn!("finishing export {id}: {e}");
         }
-        let _ = x.reply.send(snap);
+        let r = x.read.expect("read whole");
+        let snap = KvSnapshot {
+            tokens: x.ids,
+            layers: r.layers,
+            sliding_from: r.from,
+        };
+        let _ = x.reply.send(Ok((snap, cached)));
     }
 
     /// Finishes the requests the scheduler ended.
@@ -1220,6 +1312,14 @@ impl Worker {
     /// and in sliding-window layers those a request resuming at `n` reads
     /// (from the returned position on).
     fn read_kv(&self, seq: SeqId, n: usize) -> Result<(Vec<crate::snapshot::LayerBytes>, usize)> {
+        let (slots, sliding, from) = self.slots_of(seq, n)?;
+        let layers = self.runner.read_rows(&Rows { slots, sliding })?;
+        Ok((layers, from))
+    }
+
+    /// The slots of `seq`'s positions `0..n` in the global layers, those
+    /// of positions `from..n` in the sliding-window layers, and `from`.
+    fn slots_of(&self, seq: SeqId, n: usize) -> Result<(Vec<u32>, Vec<u32>, usize)> {
         let kv = self.sched.kv();
         let slots: Vec<u32> = (0..n)
             .map(|p| kv.slot(seq, p).map(|s| s.0))
@@ -1234,8 +1334,7 @@ impl Worker {
                 sliding.push(slot.0);
             }
         }
-        let layers = self.runner.read_rows(&Rows { slots, sliding })?;
-        Ok((layers, from))
+        Ok((slots, sliding, from))
     }
 
     /// The K/V of a cached path of namespace `ns` (computed here, outside
