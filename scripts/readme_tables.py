@@ -219,7 +219,12 @@ def sessions():
         f"{r['median_gap_ratio']:.2f}× |",
         "",
         f"The save took {r['save_s_beside_stream']:.2f} s beside the stream and "
-        f"{r['save_s_alone']:.2f} s on an idle engine. Before saves became background requests, "
+        f"{r['save_s_alone']:.2f} s on an idle engine. The largest gaps are single spikes of a few "
+        "milliseconds (often followed by a gap near 0: two tokens delivered together), which the "
+        "runs alone have too: on 2 cores the stream's reader, the saving thread and two compute "
+        "workers share the machine; the median shows the steady cost of the save's share of each "
+        "step (paced to keep such steps within about 1.5x a plain one). "
+        "Before saves became background requests, "
         "the export computed the whole session inside one worker command, so every running stream "
         f"waited for all of it: a largest gap of at least the save's own time ({r['save_s_alone']:.2f} s "
         "here).",
