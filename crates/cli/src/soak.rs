@@ -223,14 +223,19 @@ pub fn soak(model: Model, args: &BenchArgs) -> Result<()> {
                 };
                 // A turn may hit an injected fault like any request.
                 match chat.send("Say something short.", &opts, &mut |_| {}) {
-                    Ok(_) => {
-                        chat.save(&session)?;
-                        let back = engine.load_session(&session)?;
-                        if back.token_ids() != chat.token_ids() {
-                            bail!("a session came back with other tokens");
+                    Ok(_) => match chat.save(&session) {
+                        Ok(()) => {
+                            let back = engine.load_session(&session)?;
+                            if back.token_ids() != chat.token_ids() {
+                                bail!("a session came back with other tokens");
+                            }
+                            t.sessions += 1;
                         }
-                        t.sessions += 1;
-                    }
+                        // The save computes in steps (a background
+                        // request), which may fail like any request's.
+                        Err(EngineError::Injected | EngineError::Step(_)) => t.failed += 1,
+                        Err(e) => bail!("a chat session save failed: {e}"),
+                    },
                     Err(_) => t.failed += 1,
                 }
             }
