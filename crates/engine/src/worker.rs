@@ -128,10 +128,11 @@ struct Export {
 /// session of a 135M model is 46 MB: read at once, it would stall the
 /// running requests for milliseconds).
 struct Reading {
-    /// Every position's slot in the global layers.
-    slots: Vec<u32>,
-    /// The sliding-window layers' slots of positions `from..`.
-    sliding: Vec<u32>,
+    /// The export's sequence (its slots are looked up for each part: a
+    /// defragmentation between two parts may move its blocks).
+    seq: SeqId,
+    n: usize,
+    /// The first position the sliding-window layers hold.
     from: usize,
     /// Positions read so far.
     at: usize,
@@ -806,19 +807,15 @@ impl Worker {
         let Some(n) = self.exports.get(&id).map(|x| x.ids.len()) else {
             return;
         };
-        match self.slots_of(seq, n) {
-            Ok((slots, sliding, from)) => {
-                let x = self.exports.get_mut(&id).expect("just found");
-                x.read = Some(Reading {
-                    slots,
-                    sliding,
-                    from,
-                    at: 0,
-                    layers: Vec::new(),
-                });
-            }
-            Err(e) => self.fail(id, &e),
-        }
+        let from = self.sched.kv().window_start(n).unwrap_or(n);
+        let x = self.exports.get_mut(&id).expect("just found");
+        x.read = Some(Reading {
+            seq,
+            n,
+            from,
+            at: 0,
+            layers: Vec::new(),
+        });
     }
 
     /// Reads the next part of each computed export's K/V (all of it when
@@ -835,19 +832,12 @@ impl Worker {
         for id in ids {
             let x = self.exports.get(&id).expect("listed");
             let r = x.read.as_ref().expect("listed");
-            let n = r.slots.len();
-            let end = if busy {
-                (r.at + READ_PER_STEP).min(n)
-            } else {
-                n
-            };
-            let lo = r.at.max(r.from) - r.from;
-            let hi = end.max(r.from) - r.from;
-            let rows = Rows {
-                slots: r.slots[r.at..end].to_vec(),
-                sliding: r.sliding.get(lo..hi).unwrap_or_default().to_vec(),
-            };
-            match self.runner.read_rows(&rows) {
+            let (n, at) = (r.n, r.at);
+            let end = if busy { (at + READ_PER_STEP).min(n) } else { n };
+            let read = self
+                .slots_in(r.seq, at..end, r.from)
+                .and_then(|rows| self.runner.read_rows(&rows));
+            match read {
                 Ok(part) => {
                     let x = self.exports.get_mut(&id).expect("listed");
                     let r = x.read.as_mut().expect("listed");
@@ -1315,6 +1305,26 @@ impl Worker {
         let (slots, sliding, from) = self.slots_of(seq, n)?;
         let layers = self.runner.read_rows(&Rows { slots, sliding })?;
         Ok((layers, from))
+    }
+
+    /// The slots of `seq`'s positions in `range`: in the global layers all
+    /// of them, in the sliding-window layers those from `from` on.
+    fn slots_in(&self, seq: SeqId, range: std::ops::Range<usize>, from: usize) -> Result<Rows> {
+        let kv = self.sched.kv();
+        let slots = range
+            .clone()
+            .map(|p| kv.slot(seq, p).map(|s| s.0))
+            .collect::<std::result::Result<_, _>>()?;
+        let mut sliding = Vec::new();
+        if kv.window().is_some() {
+            for p in range.start.max(from)..range.end {
+                let slot = kv.sliding_slot(seq, p)?.ok_or_else(|| {
+                    EngineError::Step(format!("position {p} lost its sliding-window K/V"))
+                })?;
+                sliding.push(slot.0);
+            }
+        }
+        Ok(Rows { slots, sliding })
     }
 
     /// The slots of `seq`'s positions `0..n` in the global layers, those
