@@ -997,3 +997,56 @@ fn a_slow_reader_pauses_its_request_and_loses_nothing() {
     drop(engine);
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// An export read part by part beside a running request reads its own
+/// rows even when a defragmentation moves its blocks between two parts:
+/// the snapshot equals what the prefix tree then holds for its tokens.
+#[test]
+fn an_export_read_across_a_defragmentation_reads_its_own_rows() {
+    let (mut w, dir) = tiny_worker(CacheDType::F32);
+    // A cached path in the low blocks, dropped later to leave holes.
+    let low: Vec<u32> = (0..60).map(|i| 7 + (i * 3) % 70).collect();
+    let seq = computed(&mut w, &low);
+    w.sched.kv_mut().insert_sequence(seq).unwrap();
+    w.sched.kv_mut().free_sequence(seq).unwrap();
+    // A request decoding beside the export keeps the reading to parts.
+    let (events, _rx) = mpsc::channel();
+    let req = GenerateRequest {
+        max_tokens: 400,
+        ignore_eos: true,
+        sampling: crate::sampler::SamplingParams::greedy(),
+        ..GenerateRequest::new(crate::types::Prompt::Tokens(vec![3, 4, 5]))
+    };
+    let backlog = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    w.submit(
+        vec![3, 4, 5],
+        Box::new(req),
+        events,
+        Arc::new(AtomicBool::new(false)),
+        backlog,
+    )
+    .unwrap();
+    let ids: Vec<u32> = (0..300).map(|i| 5 + (i * 11) % 80).collect();
+    let (tx, rx) = mpsc::channel();
+    w.start_export(&Partition::default(), ids.clone(), tx);
+    let mut moved = false;
+    let snap = loop {
+        w.step();
+        if let Ok(got) = rx.try_recv() {
+            break got.unwrap().0;
+        }
+        let reading = w
+            .exports
+            .values()
+            .any(|x| x.read.as_ref().is_some_and(|r| r.at > 0));
+        if reading && !moved {
+            w.sched.kv_mut().clear_cache().unwrap();
+            moved = w.defragment().unwrap() > 0;
+            assert!(moved, "the defragmentation moved blocks");
+        }
+    };
+    assert!(moved, "the export was read in parts");
+    let ns = w.ns;
+    assert_eq!(snap, w.export_now(ns, &ids).unwrap());
+    std::fs::remove_dir_all(dir).unwrap();
+}
