@@ -1302,8 +1302,8 @@ impl Worker {
     /// and in sliding-window layers those a request resuming at `n` reads
     /// (from the returned position on).
     fn read_kv(&self, seq: SeqId, n: usize) -> Result<(Vec<crate::snapshot::LayerBytes>, usize)> {
-        let (slots, sliding, from) = self.slots_of(seq, n)?;
-        let layers = self.runner.read_rows(&Rows { slots, sliding })?;
+        let from = self.sched.kv().window_start(n).unwrap_or(n);
+        let layers = self.runner.read_rows(&self.slots_in(seq, 0..n, from)?)?;
         Ok((layers, from))
     }
 
@@ -1325,26 +1325,6 @@ impl Worker {
             }
         }
         Ok(Rows { slots, sliding })
-    }
-
-    /// The slots of `seq`'s positions `0..n` in the global layers, those
-    /// of positions `from..n` in the sliding-window layers, and `from`.
-    fn slots_of(&self, seq: SeqId, n: usize) -> Result<(Vec<u32>, Vec<u32>, usize)> {
-        let kv = self.sched.kv();
-        let slots: Vec<u32> = (0..n)
-            .map(|p| kv.slot(seq, p).map(|s| s.0))
-            .collect::<std::result::Result<_, _>>()?;
-        let from = kv.window_start(n).unwrap_or(n);
-        let mut sliding = Vec::new();
-        if kv.window().is_some() {
-            for p in from..n {
-                let slot = kv.sliding_slot(seq, p)?.ok_or_else(|| {
-                    EngineError::Step(format!("position {p} lost its sliding-window K/V"))
-                })?;
-                sliding.push(slot.0);
-            }
-        }
-        Ok((slots, sliding, from))
     }
 
     /// The K/V of a cached path of namespace `ns` (computed here, outside

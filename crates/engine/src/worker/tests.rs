@@ -872,7 +872,7 @@ fn the_cache_directory_restores_each_partition_into_its_own() {
 /// A session save computes what the cache lacks as a background request:
 /// a stream decoding beside a 2,000-token save keeps its pace (its largest
 /// gap between tokens within twice its largest gap alone, with slack of
-/// 2.5 for a test machine's other work: the median of three alternating
+/// 2.5 for a test machine's other work: the median of five alternating
 /// pairs; a save computed in one piece stalls it for the whole save, some
 /// hundred times a gap here), and the saved K/V equals what a plain
 /// computation of the same tokens caches.
@@ -927,7 +927,7 @@ fn a_session_save_rides_along_a_running_stream() {
     };
     let mut ratios = Vec::new();
     let mut snap = None;
-    for round in 0..3u32 {
+    for round in 0..5u32 {
         let ids: Vec<u32> = (0..2000).map(|i| 3 + (i * 11 + round * 5) % 85).collect();
         let (alone, _) = run(None);
         let (beside, s) = run(Some(ids.clone()));
@@ -936,7 +936,7 @@ fn a_session_save_rides_along_a_running_stream() {
     }
     ratios.sort_by(f64::total_cmp);
     assert!(
-        ratios[1] <= 2.0 * 2.5,
+        ratios[2] <= 2.0 * 2.5,
         "the stream's largest gap grew {ratios:?}"
     );
     // The background export's K/V is the cache's own: a plain export of
