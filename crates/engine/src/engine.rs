@@ -624,7 +624,7 @@ pub struct SessionSaved {
 
 /// The longest tenant or salt of a [`Partition`]: the engine keeps each
 /// partition's name while it has cached K/V (for the cache directory).
-pub const MAX_PARTITION_BYTES: usize = 4096;
+const MAX_PARTITION_BYTES: usize = 4096;
 
 fn check_partition(p: &Partition) -> Result<()> {
     for part in [&p.tenant, &p.salt].into_iter().flatten() {
@@ -640,7 +640,7 @@ fn check_partition(p: &Partition) -> Result<()> {
 
 /// Refuses stop lists past the limits (every generated token is checked
 /// against each stop string).
-fn check_stops(stops: &[String]) -> Result<()> {
+pub fn check_stops(stops: &[String]) -> Result<()> {
     use crate::request::{MAX_STOP_BYTES, MAX_STOP_STRINGS};
     if stops.len() > MAX_STOP_STRINGS {
         return Err(EngineError::Invalid(format!(

@@ -40,7 +40,7 @@ mod types;
 mod worker;
 
 pub use chat::{ChatSession, TurnOptions};
-pub use engine::{Engine, SessionSaved};
+pub use engine::{check_stops, Engine, SessionSaved};
 pub use error::{EngineError, Result};
 pub use request::{MAX_STOP_BYTES, MAX_STOP_STRINGS};
 pub use sampler::{argmax_and_norm, Sampler, SamplingParams, SplitMix64, TokenLogprob};

@@ -131,7 +131,6 @@ struct Reading {
     /// The export's sequence (its slots are looked up for each part: a
     /// defragmentation between two parts may move its blocks).
     seq: SeqId,
-    n: usize,
     /// The first position the sliding-window layers hold.
     from: usize,
     /// Positions read so far.
@@ -811,7 +810,6 @@ impl Worker {
         let x = self.exports.get_mut(&id).expect("just found");
         x.read = Some(Reading {
             seq,
-            n,
             from,
             at: 0,
             layers: Vec::new(),
@@ -832,7 +830,7 @@ impl Worker {
         for id in ids {
             let x = self.exports.get(&id).expect("listed");
             let r = x.read.as_ref().expect("listed");
-            let (n, at) = (r.n, r.at);
+            let (n, at) = (x.ids.len(), r.at);
             let end = if busy { (at + READ_PER_STEP).min(n) } else { n };
             let read = self
                 .slots_in(r.seq, at..end, r.from)

@@ -573,20 +573,7 @@ fn request(
         .or(c.max_tokens)
         .unwrap_or(GenerateRequest::UNLIMITED);
     let stop = c.stop.clone().map(|s| s.into_vec()).unwrap_or_default();
-    if stop.len() > tessera_engine::MAX_STOP_STRINGS
-        || stop
-            .iter()
-            .any(|s| s.len() > tessera_engine::MAX_STOP_BYTES)
-    {
-        return Err(ApiError::param(
-            "stop",
-            format!(
-                "stop takes at most {} strings of at most {} bytes each",
-                tessera_engine::MAX_STOP_STRINGS,
-                tessera_engine::MAX_STOP_BYTES
-            ),
-        ));
-    }
+    tessera_engine::check_stops(&stop).map_err(|e| ApiError::param("stop", e.to_string()))?;
     Ok(GenerateRequest {
         sampling,
         max_tokens,
