@@ -1,15 +1,28 @@
 //! [`StepPool`]: a persistent team of threads for one forward pass.
 //!
 //! The calling thread is worker 0; `n − 1` pool threads are the others. A
-//! forward is one parallel region ([`StepPool::run`]): every worker runs the
-//! same closure with its own [`Team`] handle and meets the others at
-//! [`Team::barrier`] between phases (a few per layer). Between regions the
-//! pool threads spin for a short while (the next decode step usually comes
-//! within microseconds) and then park on a condition variable.
+//! forward is one parallel region ([`StepPool::run`]): every worker of the
+//! region's team runs the same closure with its own [`Team`] handle and
+//! meets the others at [`Team::barrier`] between phases (a few per layer).
+//! Between regions the pool threads spin for a short while (the next decode
+//! step usually comes within microseconds) and then park on a condition
+//! variable.
 //!
 //! Work is split statically by worker id, or taken from an atomic counter
 //! where each item's arithmetic does not depend on who runs it; either way
 //! the results are the same bits for any number of workers.
+//!
+//! **The team shrinks when the machine is busy.** Every worker of a region
+//! meets the others at each barrier, so one worker the OS takes off its
+//! core stalls them all (two threads on two cores beside one busy process:
+//! decode fell to a fifth of its idle speed). Each worker measures, per
+//! region, how long it was off the CPU (the region's wall time to its end
+//! less its own thread CPU time); when the largest share of that over at
+//! least [`WINDOW`] of regions passes [`LOST`], the next regions run with
+//! one worker fewer, and the left-out threads park. After a back-off
+//! ([`PROBE`], doubling while probes fail) the team grows by one again to
+//! see whether the load has gone. `TESSERA_FIXED_TEAM=1` keeps every
+//! worker. (Linux measures thread CPU time; elsewhere the team is fixed.)
 //!
 //! A panic in any worker poisons the region: workers waiting at a barrier
 //! unwind too, `run` waits until every worker has left the closure (it
@@ -26,6 +39,18 @@ use std::time::{Duration, Instant};
 const SPIN: Duration = Duration::from_micros(200);
 /// Barrier spins between checks of the clock (and yields after `SPIN`).
 const SPIN_CHECK: u32 = 256;
+/// Region time over which the team's lost share is judged.
+pub const WINDOW: Duration = Duration::from_millis(20);
+/// The share of a window's wall time that the worst worker may spend off
+/// the CPU before the team shrinks (an idle host loses well under 5%:
+/// waking parked threads, interrupts).
+pub const LOST: f64 = 0.15;
+/// The first wait before a shrunk team tries one worker more.
+pub const PROBE: Duration = Duration::from_millis(100);
+/// The longest wait between probes.
+const PROBE_MAX: Duration = Duration::from_secs(4);
+/// Bits of [`Inner::gen`] holding the region's team size.
+const TEAM_BITS: u32 = 16;
 
 type Job = dyn Fn(&Team) + Sync;
 
@@ -38,8 +63,10 @@ unsafe impl Send for JobPtr {}
 
 struct Inner {
     n: usize,
-    /// Bumped once per region (and at shutdown).
-    epoch: AtomicU64,
+    /// The region counter (bumped once per region and at shutdown) above
+    /// [`TEAM_BITS`], the region's team size below: one word, so a worker
+    /// reads both at once.
+    gen: AtomicU64,
     job: Mutex<Option<JobPtr>>,
     /// Pool threads still inside the current region.
     pending: AtomicUsize,
@@ -48,11 +75,115 @@ struct Inner {
     poisoned: AtomicBool,
     panic: Mutex<Option<Box<dyn Any + Send>>>,
     stop: AtomicBool,
+    /// Parked workers that the last region had (a left-out worker parks
+    /// uncounted, and is woken only when the team grows).
     sleeping: AtomicUsize,
+    /// The last region's team size.
+    last_team: AtomicUsize,
     lock: Mutex<()>,
     wake: Condvar,
     done_lock: Mutex<()>,
     done: Condvar,
+    /// Since `base`, when the current region started (ns).
+    base: Instant,
+    region_start: AtomicU64,
+    /// The most any worker of the current region was off the CPU (ns).
+    lost: AtomicU64,
+    adapt: Mutex<Adapt>,
+}
+
+impl Inner {
+    fn now_ns(&self) -> u64 {
+        self.base.elapsed().as_nanos() as u64
+    }
+
+    /// Records how long this worker was off the CPU in the region, given
+    /// its thread CPU time at its start.
+    fn account(&self, cpu0: Option<u64>) {
+        let (Some(c0), Some(c1)) = (cpu0, thread_cpu_ns()) else {
+            return;
+        };
+        let wall = self
+            .now_ns()
+            .saturating_sub(self.region_start.load(Ordering::Relaxed));
+        self.lost.fetch_max(
+            wall.saturating_sub(c1.saturating_sub(c0)),
+            Ordering::Relaxed,
+        );
+    }
+}
+
+/// The team size's controller (see the module docs).
+#[derive(Debug)]
+struct Adapt {
+    fixed: bool,
+    team: usize,
+    wall: u64,
+    lost: u64,
+    next_probe: Option<Instant>,
+    backoff: Duration,
+    grown_at: Option<Instant>,
+    shrinks: u64,
+}
+
+impl Adapt {
+    /// Takes in one region's wall time and its worst worker's time off the
+    /// CPU; returns the next region's team size.
+    fn after(&mut self, n: usize, wall: u64, lost: u64, now: Instant) -> usize {
+        if self.fixed || n == 1 {
+            return self.team;
+        }
+        self.wall += wall;
+        self.lost += lost;
+        if self.wall >= WINDOW.as_nanos() as u64 {
+            let share = self.lost as f64 / self.wall as f64;
+            self.wall = 0;
+            self.lost = 0;
+            if share > LOST && self.team > 1 {
+                // A probe that failed soon after it grew the team waits
+                // twice as long before the next.
+                let failed = self
+                    .grown_at
+                    .is_some_and(|g| now - g < Duration::from_secs(1));
+                self.backoff = if failed {
+                    (self.backoff * 2).min(PROBE_MAX)
+                } else {
+                    PROBE
+                };
+                self.team -= 1;
+                self.shrinks += 1;
+                self.grown_at = None;
+                self.next_probe = Some(now + self.backoff);
+                return self.team;
+            }
+        }
+        if self.team < n && self.next_probe.is_some_and(|p| now >= p) {
+            self.team += 1;
+            self.grown_at = Some(now);
+            self.wall = 0;
+            self.lost = 0;
+            self.next_probe = (self.team < n).then(|| now + self.backoff);
+        }
+        self.team
+    }
+}
+
+/// This thread's CPU time (ns), where the OS measures it.
+fn thread_cpu_ns() -> Option<u64> {
+    #[cfg(target_os = "linux")]
+    {
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: a valid clock id and a valid out-pointer.
+        let r = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+        (r == 0).then(|| ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64)
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        None
+    }
 }
 
 /// Payload of the panic that workers waiting at a barrier raise when
@@ -62,6 +193,8 @@ struct Poisoned;
 /// One worker's view of the region.
 pub struct Team<'a> {
     id: usize,
+    /// Workers in this region.
+    n: usize,
     inner: &'a Inner,
 }
 
@@ -71,25 +204,27 @@ impl Team<'_> {
         self.id
     }
 
+    /// Workers in this region (at most the pool's, fewer while the
+    /// machine is busy).
     pub fn threads(&self) -> usize {
-        self.inner.n
+        self.n
     }
 
     /// `[start, end)` of this worker's share of `units` work units, in
     /// order: the first `units % n` workers take one more.
     pub fn share(&self, units: usize) -> (usize, usize) {
-        split(units, self.inner.n, self.id)
+        split(units, self.n, self.id)
     }
 
     /// Waits until every worker has reached this barrier. Writes made
     /// before it are visible to every worker after it.
     pub fn barrier(&self) {
         let inner = self.inner;
-        if inner.n == 1 {
+        if self.n == 1 {
             return;
         }
         let gen = inner.bar_gen.load(Ordering::Acquire);
-        if inner.bar_count.fetch_add(1, Ordering::AcqRel) + 1 == inner.n {
+        if inner.bar_count.fetch_add(1, Ordering::AcqRel) + 1 == self.n {
             inner.bar_count.store(0, Ordering::Relaxed);
             inner.bar_gen.fetch_add(1, Ordering::AcqRel);
             return;
@@ -123,13 +258,30 @@ pub struct StepPool {
     handles: Vec<JoinHandle<()>>,
 }
 
+/// What [`StepPool::stats`] reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolStats {
+    /// Workers of the pool.
+    pub threads: usize,
+    /// Workers the next region will use.
+    pub team: usize,
+    /// Times the team has shrunk since the pool started.
+    pub shrinks: u64,
+}
+
 impl StepPool {
-    /// A pool of `n` workers (at least 1).
+    /// A pool of `n` workers (at least 1; at most 65,535).
     pub fn new(n: usize) -> StepPool {
-        let n = n.max(1);
+        let fixed = std::env::var("TESSERA_FIXED_TEAM").is_ok_and(|v| v == "1");
+        StepPool::with_policy(n, fixed)
+    }
+
+    /// As [`StepPool::new`], the team fixed at `n` when `fixed`.
+    pub fn with_policy(n: usize, fixed: bool) -> StepPool {
+        let n = n.clamp(1, (1 << TEAM_BITS) - 1);
         let inner = Arc::new(Inner {
             n,
-            epoch: AtomicU64::new(0),
+            gen: AtomicU64::new(n as u64),
             job: Mutex::new(None),
             pending: AtomicUsize::new(0),
             bar_count: AtomicUsize::new(0),
@@ -138,10 +290,24 @@ impl StepPool {
             panic: Mutex::new(None),
             stop: AtomicBool::new(false),
             sleeping: AtomicUsize::new(0),
+            last_team: AtomicUsize::new(n),
             lock: Mutex::new(()),
             wake: Condvar::new(),
             done_lock: Mutex::new(()),
             done: Condvar::new(),
+            base: Instant::now(),
+            region_start: AtomicU64::new(0),
+            lost: AtomicU64::new(0),
+            adapt: Mutex::new(Adapt {
+                fixed: fixed || thread_cpu_ns().is_none(),
+                team: n,
+                wall: 0,
+                lost: 0,
+                next_probe: None,
+                backoff: PROBE,
+                grown_at: None,
+                shrinks: 0,
+            }),
         });
         let handles = (1..n)
             .map(|id| {
@@ -155,39 +321,77 @@ impl StepPool {
         StepPool { inner, handles }
     }
 
+    /// Workers of the pool (the most any region uses).
     pub fn threads(&self) -> usize {
         self.inner.n
     }
 
-    /// Runs `f` on every worker (the caller is worker 0) and returns when
-    /// all have finished. A panic in any worker is resumed here, after all
-    /// have left `f`.
+    pub fn stats(&self) -> PoolStats {
+        let a = self.inner.adapt.lock().unwrap_or_else(|e| e.into_inner());
+        PoolStats {
+            threads: self.inner.n,
+            team: a.team,
+            shrinks: a.shrinks,
+        }
+    }
+
+    /// Runs `f` on every worker of this region's team (the caller is
+    /// worker 0) and returns when all have finished. A panic in any worker
+    /// is resumed here, after all have left `f`.
     pub fn run(&self, f: &(dyn Fn(&Team) + Sync)) {
         let inner = &*self.inner;
-        if inner.n > 1 {
+        let team = inner.adapt.lock().unwrap_or_else(|e| e.into_inner()).team;
+        let cpu0 = thread_cpu_ns();
+        let t0 = inner.now_ns();
+        inner.region_start.store(t0, Ordering::Relaxed);
+        inner.lost.store(0, Ordering::Relaxed);
+        if team > 1 {
             // SAFETY: only the lifetime is erased; the pointer is dropped
             // from `job` and every worker has finished calling it (pending
             // reaches 0) before this function returns or unwinds.
             let ptr: *const Job =
                 unsafe { std::mem::transmute(f as *const (dyn Fn(&Team) + Sync)) };
             *inner.job.lock().unwrap_or_else(|e| e.into_inner()) = Some(JobPtr(ptr));
-            inner.pending.store(inner.n - 1, Ordering::SeqCst);
-            inner.epoch.fetch_add(1, Ordering::SeqCst);
-            if inner.sleeping.load(Ordering::SeqCst) > 0 {
+            inner.pending.store(team - 1, Ordering::SeqCst);
+            let g = inner.gen.load(Ordering::Relaxed) >> TEAM_BITS;
+            inner
+                .gen
+                .store(((g + 1) << TEAM_BITS) | team as u64, Ordering::SeqCst);
+            let grew = team > inner.last_team.swap(team, Ordering::Relaxed);
+            if grew || inner.sleeping.load(Ordering::SeqCst) > 0 {
                 let _g = inner.lock.lock().unwrap_or_else(|e| e.into_inner());
                 inner.wake.notify_all();
             }
+        } else {
+            inner.last_team.store(1, Ordering::Relaxed);
         }
-        let team = Team { id: 0, inner };
-        let mine = catch_unwind(AssertUnwindSafe(|| f(&team)));
+        let me = Team {
+            id: 0,
+            n: team,
+            inner,
+        };
+        let mine = catch_unwind(AssertUnwindSafe(|| f(&me)));
         if let Err(p) = mine {
             record_panic(inner, p);
         }
-        if inner.n > 1 {
+        inner.account(cpu0);
+        if team > 1 {
             wait_done(inner);
             *inner.job.lock().unwrap_or_else(|e| e.into_inner()) = None;
         }
-        if inner.poisoned.swap(false, Ordering::AcqRel) {
+        let poisoned = inner.poisoned.swap(false, Ordering::AcqRel);
+        if !poisoned {
+            // (A panicking region's unwinding says nothing of the load.)
+            let wall = inner.now_ns().saturating_sub(t0);
+            let lost = inner.lost.load(Ordering::Relaxed);
+            inner.adapt.lock().unwrap_or_else(|e| e.into_inner()).after(
+                inner.n,
+                wall,
+                lost,
+                Instant::now(),
+            );
+        }
+        if poisoned {
             inner.bar_count.store(0, Ordering::Relaxed);
             let p = inner.panic.lock().unwrap_or_else(|e| e.into_inner()).take();
             resume_unwind(p.unwrap_or_else(|| Box::new("a step-pool worker panicked")));
@@ -223,41 +427,58 @@ fn wait_done(inner: &Inner) {
 }
 
 fn worker(inner: &Inner, id: usize) {
-    let mut seen = 0u64;
+    // The word as `with_policy` set it (not a load: the first region may
+    // have started before this thread did).
+    let mut seen = inner.n as u64;
+    // Whether the last region had this worker: if not, it parks at once
+    // rather than spin on a core the team gave up.
+    let mut spin = true;
     loop {
-        // Spin, then park, until the epoch moves.
         let start = Instant::now();
         let mut spins = 0u32;
-        loop {
-            if inner.epoch.load(Ordering::Acquire) != seen {
-                break;
+        let g = loop {
+            let g = inner.gen.load(Ordering::Acquire);
+            if g != seen {
+                break g;
             }
             spins += 1;
-            if spins.is_multiple_of(SPIN_CHECK) && start.elapsed() > SPIN {
-                let g = inner.lock.lock().unwrap_or_else(|e| e.into_inner());
-                inner.sleeping.fetch_add(1, Ordering::SeqCst);
-                let mut g = g;
-                while inner.epoch.load(Ordering::SeqCst) == seen {
-                    g = inner.wake.wait(g).unwrap_or_else(|e| e.into_inner());
+            if !spin || (spins.is_multiple_of(SPIN_CHECK) && start.elapsed() > SPIN) {
+                let mut lock = inner.lock.lock().unwrap_or_else(|e| e.into_inner());
+                if spin {
+                    inner.sleeping.fetch_add(1, Ordering::SeqCst);
                 }
-                inner.sleeping.fetch_sub(1, Ordering::SeqCst);
-                break;
+                while inner.gen.load(Ordering::SeqCst) == seen {
+                    lock = inner.wake.wait(lock).unwrap_or_else(|e| e.into_inner());
+                }
+                if spin {
+                    inner.sleeping.fetch_sub(1, Ordering::SeqCst);
+                }
+                continue;
             }
             std::hint::spin_loop();
-        }
-        seen = inner.epoch.load(Ordering::Acquire);
+        };
+        seen = g;
         if inner.stop.load(Ordering::Acquire) {
             return;
         }
+        let team = (g & ((1 << TEAM_BITS) - 1)) as usize;
+        // Not in this region's team: `pending` does not count this
+        // worker, and the region may already be over.
+        spin = id < team;
+        if !spin {
+            continue;
+        }
+        let cpu0 = thread_cpu_ns();
         let job = *inner.job.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(JobPtr(ptr)) = job {
-            let team = Team { id, inner };
+            let me = Team { id, n: team, inner };
             // SAFETY: `run` keeps the closure alive until `pending` is 0.
             let f = unsafe { &*ptr };
-            if let Err(p) = catch_unwind(AssertUnwindSafe(|| f(&team))) {
+            if let Err(p) = catch_unwind(AssertUnwindSafe(|| f(&me))) {
                 record_panic(inner, p);
             }
         }
+        inner.account(cpu0);
         if inner.pending.fetch_sub(1, Ordering::AcqRel) == 1 {
             let _g = inner.done_lock.lock().unwrap_or_else(|e| e.into_inner());
             inner.done.notify_all();
@@ -268,7 +489,11 @@ fn worker(inner: &Inner, id: usize) {
 impl Drop for StepPool {
     fn drop(&mut self) {
         self.inner.stop.store(true, Ordering::Release);
-        self.inner.epoch.fetch_add(1, Ordering::SeqCst);
+        let g = self.inner.gen.load(Ordering::Relaxed) >> TEAM_BITS;
+        self.inner.gen.store(
+            ((g + 1) << TEAM_BITS) | self.inner.n as u64,
+            Ordering::SeqCst,
+        );
         {
             let _g = self.inner.lock.lock().unwrap_or_else(|e| e.into_inner());
             self.inner.wake.notify_all();
@@ -331,7 +556,8 @@ mod tests {
     #[test]
     fn every_worker_runs_and_barriers_order_phases() {
         for n in [1, 2, 3, 5] {
-            let pool = StepPool::new(n);
+            // Fixed: every worker of the pool runs every region.
+            let pool = StepPool::with_policy(n, true);
             let mut buf = vec![0usize; n * 4];
             let sh = Shared::new(&mut buf);
             for round in 0..50 {
@@ -352,7 +578,7 @@ mod tests {
 
     #[test]
     fn a_panicking_worker_fails_the_region_and_the_pool_goes_on() {
-        let pool = StepPool::new(3);
+        let pool = StepPool::with_policy(3, true);
         for victim in 0..3 {
             let r = catch_unwind(AssertUnwindSafe(|| {
                 pool.run(&|t: &Team| {
@@ -390,6 +616,115 @@ mod tests {
             });
         }
         assert_eq!(hits.load(Ordering::Relaxed), 6);
+    }
+
+    fn adapt(n: usize) -> Adapt {
+        Adapt {
+            fixed: false,
+            team: n,
+            wall: 0,
+            lost: 0,
+            next_probe: None,
+            backoff: PROBE,
+            grown_at: None,
+            shrinks: 0,
+        }
+    }
+
+    /// A window of regions of 1 ms each, the worst worker off the CPU for
+    /// `lost` of every millisecond; the team size after it.
+    fn window(a: &mut Adapt, n: usize, lost: f64, now: Instant) -> usize {
+        let ms = WINDOW.as_millis() as u64;
+        let mut team = a.team;
+        for i in 0..ms {
+            team = a.after(
+                n,
+                1_000_000,
+                (lost * 1e6) as u64,
+                now + Duration::from_millis(i),
+            );
+        }
+        team
+    }
+
+    #[test]
+    fn the_team_shrinks_under_load_and_probes_back_with_a_growing_backoff() {
+        let t0 = Instant::now();
+        let mut a = adapt(4);
+        // Idle: 2% lost keeps every worker.
+        assert_eq!(window(&mut a, 4, 0.02, t0), 4);
+        // Busy: one worker fewer per window while the loss lasts.
+        assert_eq!(window(&mut a, 4, 0.4, t0), 3);
+        assert_eq!(window(&mut a, 4, 0.4, t0), 2);
+        assert_eq!(a.shrinks, 2);
+        // Nothing changes before the probe is due ...
+        let t1 = t0 + PROBE / 2;
+        assert_eq!(window(&mut a, 4, 0.0, t1), 2);
+        // ... then one worker more; it fails at once, so the next probe
+        // waits twice as long.
+        let t2 = t0 + PROBE + WINDOW;
+        assert_eq!(a.after(4, 1, 0, t2), 3);
+        assert_eq!(window(&mut a, 4, 0.4, t2), 2);
+        assert_eq!(a.backoff, PROBE * 2);
+        assert_eq!(a.after(4, 1, 0, t2 + PROBE), 2, "not yet");
+        let t3 = t2 + PROBE * 2 + WINDOW;
+        assert_eq!(a.after(4, 1, 0, t3), 3);
+        // The load has gone: the team stays, and grows again later.
+        assert_eq!(window(&mut a, 4, 0.01, t3), 3);
+        assert_eq!(a.after(4, 1, 0, t3 + PROBE * 3), 4);
+        assert_eq!(window(&mut a, 4, 0.01, t3 + PROBE * 3), 4);
+        // Never below one worker, and a fixed team never moves.
+        let mut b = adapt(2);
+        for _ in 0..5 {
+            window(&mut b, 2, 0.9, t0);
+        }
+        assert_eq!(b.team, 1);
+        let mut c = Adapt {
+            fixed: true,
+            ..adapt(2)
+        };
+        assert_eq!(window(&mut c, 2, 0.9, t0), 2);
+    }
+
+    #[test]
+    fn more_workers_than_cores_shrink_the_team_and_results_stay_the_same() {
+        // Each worker spins a fixed amount of CPU work per region; with
+        // four times as many workers as cores (at least 8), they are off
+        // the CPU most of the time, and the team must shrink.
+        let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+        let n = (4 * cores).max(8);
+        let pool = StepPool::with_policy(n, false);
+        let mut sums = Vec::new();
+        for _ in 0..400 {
+            let total = AtomicU64::new(0);
+            pool.run(&|t: &Team| {
+                let (a, b) = t.share(4096);
+                let mut acc = 0u64;
+                for u in a..b {
+                    for k in 0..200u64 {
+                        acc = acc.wrapping_add(std::hint::black_box(u as u64 * k));
+                    }
+                }
+                t.barrier();
+                total.fetch_add(acc, Ordering::Relaxed);
+            });
+            sums.push(total.load(Ordering::Relaxed));
+            if pool.stats().shrinks > 0 && sums.len() > 50 {
+                break;
+            }
+        }
+        assert!(
+            sums.windows(2).all(|w| w[0] == w[1]),
+            "results differ between team sizes"
+        );
+        let st = pool.stats();
+        assert!(st.shrinks > 0, "{st:?}");
+        // A pool whose team is fixed keeps every worker.
+        let fixed = StepPool::with_policy(n, true);
+        for _ in 0..50 {
+            fixed.run(&|t: &Team| t.barrier());
+        }
+        assert_eq!(fixed.stats().team, n);
     }
 
     #[test]
