@@ -1384,8 +1384,14 @@ mod x86 {
     /// each; tiles follow each other in memory, so it runs on into the
     /// next tiles) into L2, for the reason `Lanes::prefetch` gives.
     #[inline(always)]
-    unsafe fn prefetch_ahead(t: *const u8, rec: usize) {
-        let ahead = t.wrapping_add(AHEAD_BLOCKS * rec);
+    pub(super) unsafe fn prefetch_ahead(t: *const u8, rec: usize) {
+        prefetch_at(t, rec, AHEAD_BLOCKS * rec)
+    }
+
+    /// Hints the `rec` bytes `dist` bytes past `t` into L2.
+    #[inline(always)]
+    pub(super) unsafe fn prefetch_at(t: *const u8, rec: usize, dist: usize) {
+        let ahead = t.wrapping_add(dist);
         for l in (0..rec).step_by(64) {
             _mm_prefetch(ahead.wrapping_add(l) as *const i8, _MM_HINT_T1);
         }

@@ -529,7 +529,14 @@ mod arm {
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::super::x86::{chains256, chains512, fifth_bits_256, quad, Dot8, Maddubs, Vnni256};
+    use super::super::x86::{
+        chains256, chains512, fifth_bits_256, prefetch_at, quad, Dot8, Maddubs, Vnni256,
+    };
+
+    /// How far ahead in a tile's stream the K-quant tiles hint records
+    /// into L2: about the distance the 32-value formats use
+    /// (`AHEAD_BLOCKS`).
+    const AHEAD_BYTES: usize = 16 << 10;
     use super::super::{kind_of, ActBlock, Kind, Packed, GROUP, MAX_NI};
     use super::QK;
 
@@ -584,11 +591,11 @@ mod x86 {
         let mut y = [_mm512_setzero_ps(); NI];
         for sb in 0..w.k / QK {
             let t = p.add(sb * rec);
-            // The next record (tiles follow each other in memory).
-            let next = t.wrapping_add(rec);
-            for l in (0..kind.header()).step_by(64) {
-                _mm_prefetch(next.wrapping_add(l) as *const i8, _MM_HINT_T0);
-            }
+            // Records `AHEAD_BYTES` on (tiles follow each other in
+            // memory) into L2, spread over the sub-blocks as the 256-bit
+            // tiles do.
+            let dist = AHEAD_BYTES.div_ceil(rec) * rec;
+            prefetch_at(t, kind.header(), dist);
             let d = _mm512_cvtph_ps(_mm256_loadu_si256(t as *const __m256i));
             let dmin = neg512(_mm512_cvtph_ps(_mm256_loadu_si256(
                 t.add(32) as *const __m256i
@@ -596,12 +603,7 @@ mod x86 {
             let bytes = |at: usize| _mm_loadu_si128(t.add(at) as *const __m128i);
             for j in 0..8 {
                 let sub = t.add(kind.sub_at(j));
-                for l in (0..kind.sub_bytes()).step_by(64) {
-                    _mm_prefetch(
-                        next.wrapping_add(kind.sub_at(j) + l) as *const i8,
-                        _MM_HINT_T0,
-                    );
-                }
+                prefetch_at(sub, kind.sub_bytes(), dist);
                 let vals = if kind == Kind::Q5K { sub.add(64) } else { sub };
                 let mut wv = [_mm512_setzero_si512(); 8];
                 for c in 0..4 {
@@ -710,7 +712,11 @@ mod x86 {
         _mm256_add_epi32(_mm256_mullo_epi32(lo, sc.0), _mm256_mullo_epi32(hi, sc.1))
     }
 
-    /// Two passes of 8 rows.
+    /// The 16 rows as two registers of 8, both halves of each sub-block
+    /// taken while its bytes are in L1: each 64-byte line of the tile is
+    /// read from memory once and used whole (two passes over the tile,
+    /// one per half, left the second pass's work out of the memory
+    /// stream's shadow).
     #[inline(always)]
     unsafe fn ktile_256<D: Dot8, const K: u8, const TWO: bool, const NI: usize>(
         w: &Packed,
@@ -725,20 +731,22 @@ mod x86 {
         let nibble = _mm256_set1_epi8(0x0F);
         let two_bits = _mm256_set1_epi8(3);
         let sign = _mm256_set1_epi32(i32::MIN);
-        for half in 0..2 {
-            let mut y = [_mm256_setzero_ps(); NI];
-            for sb in 0..w.k / QK {
-                let t = p.add(sb * rec);
-                let eight = |at: usize| _mm_loadl_epi64(t.add(at + 8 * half) as *const __m128i);
-                let f16s = |at: usize| {
-                    _mm256_cvtph_ps(_mm_loadu_si128(t.add(at + 16 * half) as *const __m128i))
-                };
-                let d = f16s(0);
-                let dmin =
-                    _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(f16s(32)), sign));
-                for j in 0..8 {
-                    let sub = t.add(kind.sub_at(j));
-                    let vals = if kind == Kind::Q5K { sub.add(64) } else { sub };
+        let mut y = [[_mm256_setzero_ps(); NI]; 2];
+        for sb in 0..w.k / QK {
+            let t = p.add(sb * rec);
+            let dist = AHEAD_BYTES.div_ceil(rec) * rec;
+            prefetch_at(t, kind.header(), dist);
+            for j in 0..8 {
+                let sub = t.add(kind.sub_at(j));
+                // Spread over the sub-blocks: a burst of a whole record's
+                // lines overflows the miss buffers.
+                prefetch_at(sub, kind.sub_bytes(), dist);
+                let vals = if kind == Kind::Q5K { sub.add(64) } else { sub };
+                for half in 0..2 {
+                    let eight = |at: usize| _mm_loadl_epi64(t.add(at + 8 * half) as *const __m128i);
+                    let f16s = |at: usize| {
+                        _mm256_cvtph_ps(_mm_loadu_si128(t.add(at + 16 * half) as *const __m128i))
+                    };
                     let mut wv = [_mm256_setzero_si256(); 8];
                     for c in 0..4 {
                         let raw = _mm256_loadu_si256(vals.add(64 * c + 32 * half) as *const _);
@@ -770,16 +778,21 @@ mod x86 {
                             _mm256_cvtepi8_epi32(eight(32 + 16 * 2 * j)),
                             _mm256_cvtepi8_epi32(eight(32 + 16 * (2 * j + 1))),
                         );
-                        (d, _mm256_setzero_ps(), sc)
+                        (f16s(0), _mm256_setzero_ps(), sc)
                     } else {
                         let f = |at: usize| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eight(at)));
                         let z = _mm256_setzero_si256();
+                        let dmin = _mm256_castsi256_ps(_mm256_xor_si256(
+                            _mm256_castps_si256(f16s(32)),
+                            sign,
+                        ));
                         (
-                            _mm256_mul_ps(d, f(64 + 16 * j)),
+                            _mm256_mul_ps(f16s(0), f(64 + 16 * j)),
                             _mm256_mul_ps(dmin, f(64 + 16 * GROUP / 2 + 16 * j)),
                             (z, z),
                         )
                     };
+                    let y = &mut y[half];
                     for i in 0..NI {
                         let a: &ActBlock = &ins[i][8 * sb + j];
                         let a1 = level256::<D>(q6, a, 0, &wv, sc);
@@ -795,8 +808,10 @@ mod x86 {
                     }
                 }
             }
+        }
+        for half in 0..2 {
             for i in 0..NI {
-                _mm256_storeu_ps(out[i].as_mut_ptr().add(8 * half), y[i]);
+                _mm256_storeu_ps(out[i].as_mut_ptr().add(8 * half), y[half][i]);
             }
         }
     }
