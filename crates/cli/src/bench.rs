@@ -57,12 +57,18 @@ pub enum Scenario {
     /// context shifts, sessions, defragment, shrink and grow, injected
     /// faults): errors, leaked blocks, RSS.
     Soak,
+    /// The host's memory read bandwidth (no model): 1 GiB, far past the
+    /// last-level cache, read by as many threads as the kernels use, the
+    /// best of --runs passes. Decode at real sizes streams every weight
+    /// once per token, so this is its roofline.
+    Roofline,
 }
 
 #[derive(Args)]
 pub struct BenchArgs {
+    /// The model (every scenario but roofline).
     #[arg(long)]
-    model: String,
+    model: Option<String>,
     #[arg(long, value_enum)]
     pub(crate) scenario: Scenario,
     /// Timed runs per engine (the median is reported).
@@ -103,7 +109,13 @@ pub fn bench(args: BenchArgs) -> Result<()> {
     if args.runs == 0 {
         bail!("--runs must be at least 1");
     }
-    let model = load_model(&args.model)?;
+    if args.scenario == Scenario::Roofline {
+        return roofline(&args);
+    }
+    let Some(model) = args.model.as_deref() else {
+        bail!("--model is required for the {:?} scenario", args.scenario);
+    };
+    let model = load_model(model)?;
     let path = model.path.clone();
     let is_gguf = model.format == ModelFormat::Gguf;
     let ids = prefill_prompt(&model)?;
@@ -123,6 +135,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         Scenario::DecodeLong | Scenario::DecodeBatch => {
             return crate::scenarios::decode_depth_and_width(model, &args)
         }
+        Scenario::Roofline => unreachable!("returned above"),
     }
     let engine = Engine::from_model(model, args.kv.config(false))?;
     let mut candle = if is_gguf && !args.no_baseline {
@@ -202,4 +215,92 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Bytes each pass of the roofline reads.
+const ROOFLINE_BYTES: usize = 1 << 30;
+
+/// `tessera bench --scenario roofline`: GB/s reading [`ROOFLINE_BYTES`]
+/// (on huge pages where the system has them, as the weights are) split
+/// among the kernels' thread count, with the widest loads the CPU has,
+/// best of `--runs` passes (after one untimed pass).
+fn roofline(args: &BenchArgs) -> Result<()> {
+    let threads = candle_core::utils::get_num_threads();
+    let mut data = tessera_kernels::zeroed_huge::<u8>(ROOFLINE_BYTES);
+    for (i, b) in data.iter_mut().enumerate() {
+        *b = i as u8;
+    }
+    let pass = |d: &[u8]| -> f64 {
+        let part = d.len().div_ceil(threads).next_multiple_of(64);
+        let t = std::time::Instant::now();
+        std::thread::scope(|s| {
+            let hs: Vec<_> = d
+                .chunks(part)
+                .map(|c| s.spawn(move || std::hint::black_box(read_all(c))))
+                .collect();
+            for h in hs {
+                let _ = h.join();
+            }
+        });
+        t.elapsed().as_secs_f64()
+    };
+    pass(&data);
+    let best = (0..args.runs).map(|_| pass(&data)).fold(f64::MAX, f64::min);
+    let gbs = ROOFLINE_BYTES as f64 / best / 1e9;
+    if args.json {
+        let v = serde_json::json!({
+            "scenario": "roofline",
+            "metric": "read_gb_s",
+            "unit": "GB/s",
+            "tessera": gbs,
+            "bytes": ROOFLINE_BYTES,
+            "runs": args.runs,
+            "threads": threads,
+        });
+        println!("{v}");
+    } else {
+        println!(
+            "memory read bandwidth: {gbs:.1} GB/s ({threads} threads, best of {} passes of 1 GiB)",
+            args.runs
+        );
+    }
+    Ok(())
+}
+
+/// A sum over every byte's 64-bit words (so that no load is skipped),
+/// with independent accumulators: the loads, not the adds, set the pace.
+fn read_all(d: &[u8]) -> u64 {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: AVX2 is present.
+        return unsafe { read_all_avx2(d) };
+    }
+    let mut acc = [0u64; 8];
+    for ch in d.chunks_exact(64) {
+        for j in 0..8 {
+            let w = u64::from_le_bytes(ch[8 * j..8 * j + 8].try_into().expect("8 bytes"));
+            acc[j] = acc[j].wrapping_add(w);
+        }
+    }
+    acc.iter().fold(0, |a, &b| a.wrapping_add(b))
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn read_all_avx2(d: &[u8]) -> u64 {
+    use std::arch::x86_64::*;
+    let mut acc = [_mm256_setzero_si256(); 4];
+    for ch in d.chunks_exact(128) {
+        for j in 0..4 {
+            let v = _mm256_loadu_si256(ch.as_ptr().add(32 * j) as *const __m256i);
+            acc[j] = _mm256_add_epi64(acc[j], v);
+        }
+    }
+    let mut out = [0u64; 4];
+    let s = _mm256_add_epi64(
+        _mm256_add_epi64(acc[0], acc[1]),
+        _mm256_add_epi64(acc[2], acc[3]),
+    );
+    _mm256_storeu_si256(out.as_mut_ptr() as *mut __m256i, s);
+    out.iter().fold(0, |a, &b| a.wrapping_add(b))
 }
