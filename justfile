@@ -134,6 +134,21 @@ bench-soak requests="2000": model
     ./target/release/tessera bench --model models/SmolLM2-135M-Instruct.Q4_1.gguf --scenario soak --requests {{requests}} --kv-memory 24MiB --json | tee target/bench/soak.json
     python3 scripts/readme_soak.py
 
+# Generated Llama-family GGUFs at real sizes (random weights of Llama 3.2 1B's and 3B's tensor layout,
+# SmolLM2's tokenizer), quantized by llama.cpp's llama-quantize: models/synth-<size>-<FORMAT>.gguf.
+synth-model sizes="1b" formats="Q4_0,Q4_K_M,Q5_K_M,Q6_K,Q8_0": model bench-deps
+    sh scripts/build_llama_tools.sh
+    python3 -c "import numpy" 2>/dev/null || python3 -m pip install --quiet numpy
+    python3 scripts/synth_model.py {{sizes}} --formats {{formats}}
+
+# Tessera beside llama.cpp's own llama-bench (standalone; native, and built for AVX2 alone) at real
+# sizes on each instruction set this host has, TESSERA_ISA forced to match, alternating, with the
+# host's read bandwidth in the same run; then the README's table (target/bench/cpu.json).
+bench-cpu models="SmolLM2-135M-Instruct.Q4_1,synth-1b-Q4_0,synth-1b-Q4_K_M" runs="3": (synth-model "1b" "Q4_0,Q4_K_M")
+    sh scripts/build_llama_tools.sh avx2
+    cargo build --release -p tessera
+    python3 scripts/bench_cpu.py --models {{models}} --runs {{runs}} --int8
+
 # Tessera beside llama.cpp and candle on the default model (same file, same threads, same run):
 # a table, target/bench/vs-llamacpp.json, two charts, then the README's results section;
 # then the server beside llama-server (`bench-server`), the router (`bench-router`) and

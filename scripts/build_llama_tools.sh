@@ -1,18 +1,24 @@
 #!/bin/sh
-# Builds llama.cpp's own `llama-server` and `llama-perplexity` into
-# target/llama-server/build/bin (the baselines of `just bench-server` and
-# `just bench-perplexity`).
+# Builds llama.cpp's own tools, the baselines of every comparison:
+# `llama-server` (`just bench-server`), `llama-perplexity`
+# (`just bench-perplexity`), `llama-bench` and `llama-quantize`
+# (`just synth-model`, `just bench-cpu`), into target/llama-server/build/bin,
+# built native (GGML_NATIVE, the best this CPU runs).
 #
-# The llama-cpp-sys-2 crate ships llama.cpp without tools/server, so the
+# With `avx2` as its argument it builds `llama-bench` a second time into
+# target/llama-server/build-avx2/bin with GGML_NATIVE off and AVX2 + FMA +
+# F16C on and no AVX-512 or VNNI: the AVX2 row of `just bench-cpu` on a host
+# that has more.
+#
+# The llama-cpp-sys-2 crate ships llama.cpp without its tools, so the
 # source comes from the sdist of the llama-cpp-python package on PyPI (a
 # package registry), which vendors the whole llama.cpp tree; pinned so
-# that every run measures the same llama.cpp. Built with GGML_NATIVE, as
-# the library for `just bench-llamacpp` is. Does nothing when built.
+# that every run measures the same llama.cpp. Does nothing when built.
 set -eu
 VERSION=0.3.36
 OUT=target/llama-server
 BIN=$OUT/build/bin
-[ -x "$BIN/llama-server" ] && [ -x "$BIN/llama-perplexity" ] && exit 0
+FLAVOUR=${1:-native}
 mkdir -p "$OUT"
 SRC=$OUT/llama_cpp_python-$VERSION
 if [ ! -d "$SRC" ]; then
@@ -23,8 +29,26 @@ if [ ! -d "$SRC" ]; then
     python3 -m pip download --quiet --no-deps --no-binary llama-cpp-python --dest "$OUT" "llama-cpp-python==$VERSION"
     tar xzf "$OUT/llama_cpp_python-$VERSION.tar.gz" -C "$OUT"
 fi
-cmake -S "$SRC/vendor/llama.cpp" -B "$OUT/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
-    -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_BUILD_TESTS=OFF \
-    -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON >/dev/null
-cmake --build "$OUT/build" --target llama-server llama-perplexity -j "$(nproc)"
-echo "built $BIN/llama-server and $BIN/llama-perplexity"
+command -v cmake >/dev/null || python3 -m pip install --quiet cmake
+COMMON="-DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON"
+if [ "$FLAVOUR" = avx2 ]; then
+    B=$OUT/build-avx2
+    [ -x "$B/bin/llama-bench" ] && exit 0
+    # shellcheck disable=SC2086
+    cmake -S "$SRC/vendor/llama.cpp" -B "$B" $COMMON -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON \
+        -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX512_VNNI=OFF \
+        -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF >/dev/null
+    cmake --build "$B" --target llama-bench -j "$(nproc)"
+    echo "built $B/bin/llama-bench (AVX2, no AVX-512 or VNNI)"
+    exit 0
+fi
+TOOLS="llama-server llama-perplexity llama-bench llama-quantize"
+missing=
+for t in $TOOLS; do [ -x "$BIN/$t" ] || missing=1; done
+[ -z "$missing" ] && exit 0
+# shellcheck disable=SC2086
+cmake -S "$SRC/vendor/llama.cpp" -B "$OUT/build" $COMMON -DGGML_NATIVE=ON >/dev/null
+# shellcheck disable=SC2086
+cmake --build "$OUT/build" --target $TOOLS -j "$(nproc)"
+echo "built $TOOLS into $BIN"

@@ -1,0 +1,171 @@
+#!/usr/bin/env python3
+"""Tessera beside llama.cpp's own `llama-bench` at real sizes, per ISA.
+
+`just bench-cpu` builds llama.cpp's tools (scripts/build_llama_tools.sh:
+native, and an AVX2-only `llama-bench`), the generated models
+(scripts/synth_model.py) and Tessera's default (portable) build, then runs
+this: for each model and each instruction set this host has among AVX-512
+VNNI and AVX2, prefill of 512 tokens and decode of 128, `llama-bench`
+(standalone, best of flash attention off and on) and `tessera bench`
+(`TESSERA_ISA` forced to the same instruction set) alternating run by run,
+2 threads each; and the host's read bandwidth (`tessera bench --scenario
+roofline`) before and after, so each decode figure is also a share of the
+roofline (the weights' bytes a decode step reads × tok/s ÷ GB/s).
+
+    python3 scripts/bench_cpu.py [--models synth-1b-Q4_0,...] [--isas avx512,avx2] [--runs 3] [--int8]
+
+Writes target/bench/cpu.json, then the README's `bench-cpu` section.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from readme_tables import BENCH, ROOT  # noqa: E402
+
+TESSERA = ROOT / "target/release/tessera"
+LLAMA = ROOT / "target/llama-server"
+LLAMA_BENCH = {"avx512": LLAMA / "build/bin/llama-bench", "avx2": LLAMA / "build-avx2/bin/llama-bench"}
+GGUF_PY = LLAMA / "llama_cpp_python-0.3.36/vendor/llama.cpp/gguf-py"
+DEFAULT_MODELS = ["SmolLM2-135M-Instruct.Q4_1", "synth-1b-Q4_0", "synth-1b-Q4_K_M"]
+THREADS = 2
+
+
+def flags():
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def host_isas():
+    f = flags()
+    out = []
+    if "avx512_vnni" in f:
+        out.append("avx512")
+    if "avx2" in f:
+        out.append("avx2")
+    return out
+
+
+def decode_bytes(path):
+    """Bytes of the weights one decode step reads: every tensor but the
+    token embedding (one row of it), unless it is also the output."""
+    sys.path.insert(0, str(GGUF_PY))
+    import gguf
+
+    r = gguf.GGUFReader(path)
+    names = {t.name: int(t.n_bytes) for t in r.tensors}
+    total = sum(names.values())
+    if "output.weight" in names:
+        total -= names.get("token_embd.weight", 0)
+    return total
+
+
+def tessera(model, scenario, isa, activations=None):
+    env = dict(os.environ, TESSERA_ISA=isa)
+    if activations:
+        env["TESSERA_ACTIVATIONS"] = activations
+    out = subprocess.run(
+        [str(TESSERA), "--threads", str(THREADS), "bench", "--model", str(model), "--scenario", scenario,
+         "--runs", "1", "--no-baseline", "--json"],
+        check=True, capture_output=True, text=True, env=env,
+    ).stdout
+    return json.loads(out.strip().splitlines()[-1])["tessera"]
+
+
+def llama(model, isa):
+    """One llama-bench run: pp512 and tg128, flash attention off and on;
+    the best of the two per test."""
+    out = subprocess.run(
+        [str(LLAMA_BENCH[isa]), "-m", str(model), "-t", str(THREADS), "-p", "512", "-n", "128",
+         "-fa", "0,1", "-r", "1", "-o", "json"],
+        check=True, capture_output=True, text=True,
+    ).stdout
+    best = {}
+    for row in json.loads(out):
+        key = "prefill" if row["n_prompt"] else "decode"
+        best[key] = max(best.get(key, 0.0), row["avg_ts"])
+    return best
+
+
+def roofline():
+    out = subprocess.run(
+        [str(TESSERA), "--threads", str(THREADS), "bench", "--scenario", "roofline", "--runs", "5", "--json"],
+        check=True, capture_output=True, text=True,
+    ).stdout
+    return json.loads(out.strip().splitlines()[-1])["tessera"]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default=",".join(DEFAULT_MODELS))
+    ap.add_argument("--isas", default=",".join(host_isas()))
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--int8", action="store_true", help="also Tessera with --activations int8")
+    args = ap.parse_args()
+    isas = [i for i in args.isas.split(",") if i]
+    for i in isas:
+        if i not in host_isas():
+            sys.exit(f"this host does not run {i} (it runs {', '.join(host_isas())})")
+        if not LLAMA_BENCH[i].exists():
+            sys.exit(f"{LLAMA_BENCH[i]} is missing: run scripts/build_llama_tools.sh {'avx2' if i == 'avx2' else ''}")
+    if not TESSERA.exists():
+        sys.exit(f"{TESSERA} is missing: cargo build --release -p tessera")
+    models = []
+    for m in args.models.split(","):
+        p = ROOT / "models" / f"{m}.gguf"
+        if not p.exists():
+            sys.exit(f"{p} is missing: run `just synth-model` (or `just model`)")
+        models.append((m, p))
+    gb_s = [roofline()]
+    print(f"roofline {gb_s[0]:.1f} GB/s", flush=True)
+    rows = []
+    for name, path in models:
+        nbytes = decode_bytes(path)
+        for isa in isas:
+            got = {k: [] for k in ("t_prefill", "t_decode", "l_prefill", "l_decode", "i_prefill", "i_decode")}
+            for r in range(args.runs):
+                ll = llama(path, isa)
+                got["l_prefill"].append(ll["prefill"])
+                got["l_decode"].append(ll["decode"])
+                for s in ("prefill", "decode"):
+                    got[f"t_{s}"].append(tessera(path, s, isa))
+                    if args.int8:
+                        got[f"i_{s}"].append(tessera(path, s, isa, "int8"))
+                print(f"{name} {isa} run {r + 1}/{args.runs}: "
+                      + ", ".join(f"{k} {v[-1]:.1f}" for k, v in got.items() if v), flush=True)
+            for s in ("prefill", "decode"):
+                t, ll = statistics.median(got[f"t_{s}"]), statistics.median(got[f"l_{s}"])
+                row = {"model": name, "isa": isa, "scenario": s, "tessera": t, "llama": ll,
+                       "ratio": t / ll, "tessera_runs": got[f"t_{s}"], "llama_runs": got[f"l_{s}"]}
+                if got[f"i_{s}"]:
+                    row["tessera_int8"] = statistics.median(got[f"i_{s}"])
+                if s == "decode":
+                    row["decode_bytes"] = nbytes
+                rows.append(row)
+    gb_s.append(roofline())
+    print(f"roofline {gb_s[1]:.1f} GB/s", flush=True)
+    roof = max(gb_s)
+    for row in rows:
+        if row["scenario"] == "decode":
+            for k in ("tessera", "llama", "tessera_int8"):
+                if k in row:
+                    row[f"{k}_roofline_share"] = row[k] * row["decode_bytes"] / 1e9 / roof
+    BENCH.mkdir(parents=True, exist_ok=True)
+    result = {"roofline_gb_s": gb_s, "threads": THREADS, "runs": args.runs, "rows": rows}
+    (BENCH / "cpu.json").write_text(json.dumps(result, indent=1))
+    for row in rows:
+        extra = f", {row['tessera_roofline_share'] * 100:.0f}% of roofline" if "tessera_roofline_share" in row else ""
+        print(f"{row['model']:<28} {row['isa']:<7} {row['scenario']:<8} tessera {row['tessera']:7.1f}  "
+              f"llama.cpp {row['llama']:7.1f}  {row['ratio']:.2f}x{extra}")
+    subprocess.run([sys.executable, str(ROOT / "scripts/readme_tables.py"), "cpu"], check=True)
+
+
+if __name__ == "__main__":
+    main()
