@@ -302,6 +302,17 @@ impl Kind {
         }
     }
 
+    /// Bits of the unsigned integer weights the kernels multiply (8 for
+    /// Q8_0's bytes).
+    fn bits(self) -> u32 {
+        match self {
+            Kind::Q4_0 | Kind::Q4_1 | Kind::Q4K => 4,
+            Kind::Q5_0 | Kind::Q5_1 | Kind::Q5K => 5,
+            Kind::Q6K => 6,
+            Kind::Q8_0 => 8,
+        }
+    }
+
     /// A fifth bit per value (`qh`, 4 bytes after the f16s).
     fn high(self) -> bool {
         matches!(self, Kind::Q5_0 | Kind::Q5_1)
@@ -1502,18 +1513,15 @@ mod x86 {
         _mm512_add_epi32(acc[0], acc[1])
     }
 
-    /// [`chains512`] for 8 rows, through `D`.
+    /// [`chains512`] for 8 rows, through `D`, for weights of at most
+    /// `bits` bits as unsigned bytes (8: Q8_0's bytes, by either trick).
     #[inline(always)]
     pub(super) unsafe fn chains256<D: Dot8>(
         init: __m256i,
+        bits: u32,
         pair: impl Fn(usize) -> (__m256i, __m256i),
     ) -> __m256i {
-        let mut acc = [init, _mm256_setzero_si256()];
-        for j in 0..8 {
-            let (w, q) = pair(j);
-            acc[j % 2] = D::dot(acc[j % 2], w, q);
-        }
-        _mm256_add_epi32(acc[0], acc[1])
+        D::chains(init, bits, pair)
     }
 
     /// How an 8-row register of weight bytes meets four activation bytes.
@@ -1521,8 +1529,41 @@ mod x86 {
         /// Unsigned weight bytes (4-bit values, or Q8_0's flipped bytes)
         /// `w` times signed `q`, added to `acc` per 32-bit lane.
         unsafe fn dot(acc: __m256i, w: __m256i, q: __m256i) -> __m256i;
+        /// `init` plus the 8 products `pair(0..8)` per 32-bit lane.
+        #[inline(always)]
+        unsafe fn chains(
+            init: __m256i,
+            _bits: u32,
+            pair: impl Fn(usize) -> (__m256i, __m256i),
+        ) -> __m256i {
+            let mut acc = [init, _mm256_setzero_si256()];
+            for j in 0..8 {
+                let (w, q) = pair(j);
+                acc[j % 2] = Self::dot(acc[j % 2], w, q);
+            }
+            _mm256_add_epi32(acc[0], acc[1])
+        }
+        /// `acc` plus two products, the weights of at most 6 bits.
+        #[inline(always)]
+        unsafe fn dot2(acc: __m256i, a: (__m256i, __m256i), b: (__m256i, __m256i)) -> __m256i {
+            Self::dot(Self::dot(acc, a.0, a.1), b.0, b.1)
+        }
         /// Whether Q8_0 runs on flipped (unsigned) bytes with an offset.
         const FLIP: bool;
+    }
+
+    /// Products of `maddubs` that may be added in i16 before widening:
+    /// each is a pair of `w·q` with `w < 2^bits` and `|q| ≤ 127` (the
+    /// activation levels never take −128), at most `2·(2^bits − 1)·127`,
+    /// so 4-bit weights allow eight (30,480 < 32,767), 5-bit four
+    /// (31,496), 6-bit two (32,004), and Q8_0's `|w| ≤ 128` one.
+    const fn i16_group(bits: u32) -> usize {
+        match bits {
+            0..=4 => 8,
+            5 => 4,
+            6 => 2,
+            _ => 1,
+        }
     }
 
     pub(super) struct Maddubs;
@@ -1535,6 +1576,38 @@ mod x86 {
             // Q8_0 through the sign trick (≤ 128·127·2).
             let pairs = _mm256_maddubs_epi16(w, q);
             _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+        }
+        /// The `maddubs` products added in i16 in groups of
+        /// [`i16_group`] before one `madd` widens each group: the widening
+        /// `madd` takes the multiply ports as `maddubs` does, and for 4-bit
+        /// weights one replaces eight. (Exact: no sum leaves i16.)
+        #[inline(always)]
+        unsafe fn chains(
+            init: __m256i,
+            bits: u32,
+            pair: impl Fn(usize) -> (__m256i, __m256i),
+        ) -> __m256i {
+            let group = i16_group(bits);
+            let ones = _mm256_set1_epi16(1);
+            let mut acc = [init, _mm256_setzero_si256()];
+            for g in 0..8 / group {
+                let (w, q) = pair(g * group);
+                let mut s = _mm256_maddubs_epi16(w, q);
+                for k in 1..group {
+                    let (w, q) = pair(g * group + k);
+                    s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w, q));
+                }
+                acc[g % 2] = _mm256_add_epi32(acc[g % 2], _mm256_madd_epi16(s, ones));
+            }
+            _mm256_add_epi32(acc[0], acc[1])
+        }
+        #[inline(always)]
+        unsafe fn dot2(acc: __m256i, a: (__m256i, __m256i), b: (__m256i, __m256i)) -> __m256i {
+            let s = _mm256_add_epi16(
+                _mm256_maddubs_epi16(a.0, a.1),
+                _mm256_maddubs_epi16(b.0, b.1),
+            );
+            _mm256_add_epi32(acc, _mm256_madd_epi16(s, _mm256_set1_epi16(1)))
         }
         const FLIP: bool = false;
     }
@@ -1577,11 +1650,11 @@ mod x86 {
         a: &ActBlock,
         l: usize,
         off: i32,
-        signed: bool,
+        (signed, bits): (bool, u32),
         wv: &[__m256i; 8],
         abs: &[__m256i; 8],
     ) -> __m256i {
-        chains256::<D>(_mm256_set1_epi32(off * a.s[l]), |j| {
+        chains256::<D>(_mm256_set1_epi32(off * a.s[l]), bits, |j| {
             let q = _mm256_set1_epi32(quad(&a.q[l], j));
             if signed {
                 (abs[j], _mm256_sign_epi8(q, wv[j]))
@@ -1606,7 +1679,8 @@ mod x86 {
         _mm256_and_si256(set, _mm256_set1_epi8(0x10))
     }
 
-    /// Two passes of 8 rows.
+    /// The 16 rows as two registers of 8, both halves of each block taken
+    /// while its bytes are in L1 (as the K-quant tiles do).
     #[inline(always)]
     unsafe fn tile_256<D: Dot8, const K: u8, const TWO: bool, const NI: usize>(
         w: &Packed,
@@ -1625,14 +1699,12 @@ mod x86 {
         } else {
             offset(kind)
         };
-        for half in 0..2 {
-            let mut y = [_mm256_setzero_ps(); NI];
-            for b in 0..w.nb {
-                let t = p.add(b * rec);
-                if half == 0 {
-                    // As in `tile_avx512`.
-                    prefetch_ahead(t, rec);
-                }
+        let mut y = [[_mm256_setzero_ps(); NI]; 2];
+        for b in 0..w.nb {
+            let t = p.add(b * rec);
+            // As in `tile_avx512`.
+            prefetch_ahead(t, rec);
+            for half in 0..2 {
                 let d = _mm256_cvtph_ps(_mm_loadu_si128(t.add(16 * half) as *const __m128i));
                 let m = if kind.has_min() {
                     _mm256_cvtph_ps(_mm_loadu_si128(t.add(32 + 16 * half) as *const __m128i))
@@ -1672,12 +1744,13 @@ mod x86 {
                         abs[j] = _mm256_abs_epi8(wv[j]);
                     }
                 }
+                let y = &mut y[half];
                 for i in 0..NI {
                     let a: &ActBlock = &ins[i][b];
-                    let a1 = level::<D>(a, 0, off, signed, &wv, &abs);
+                    let a1 = level::<D>(a, 0, off, (signed, kind.bits()), &wv, &abs);
                     let mut s = _mm256_mul_ps(_mm256_cvtepi32_ps(a1), _mm256_set1_ps(a.d[0]));
                     if TWO {
-                        let a2 = level::<D>(a, 1, off, signed, &wv, &abs);
+                        let a2 = level::<D>(a, 1, off, (signed, kind.bits()), &wv, &abs);
                         s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a2), _mm256_set1_ps(a.d[1]), s);
                     }
                     y[i] = _mm256_fmadd_ps(d, s, y[i]);
@@ -1686,8 +1759,10 @@ mod x86 {
                     }
                 }
             }
+        }
+        for half in 0..2 {
             for i in 0..NI {
-                _mm256_storeu_ps(out[i].as_mut_ptr().add(8 * half), y[i]);
+                _mm256_storeu_ps(out[i].as_mut_ptr().add(8 * half), y[half][i]);
             }
         }
     }

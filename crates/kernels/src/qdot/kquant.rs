@@ -693,21 +693,21 @@ mod x86 {
     /// [`level512`] for 8 rows.
     #[inline(always)]
     unsafe fn level256<D: Dot8>(
-        q6: bool,
+        kind: Kind,
         a: &ActBlock,
         l: usize,
         wv: &[__m256i; 8],
         sc: (__m256i, __m256i),
     ) -> __m256i {
-        if !q6 {
-            let q = |j| _mm256_set1_epi32(quad(&a.q[l], j));
-            return chains256::<D>(_mm256_setzero_si256(), |j| (wv[j], q(j)));
+        let q = |j| _mm256_set1_epi32(quad(&a.q[l], j));
+        if kind != Kind::Q6K {
+            return chains256::<D>(_mm256_setzero_si256(), kind.bits(), |j| (wv[j], q(j)));
         }
         let mut lo = _mm256_set1_epi32(-32 * a.h[l]);
         let mut hi = _mm256_set1_epi32(-32 * (a.s[l] - a.h[l]));
-        for j in 0..4 {
-            lo = D::dot(lo, wv[j], _mm256_set1_epi32(quad(&a.q[l], j)));
-            hi = D::dot(hi, wv[j + 4], _mm256_set1_epi32(quad(&a.q[l], j + 4)));
+        for j in [0, 2] {
+            lo = D::dot2(lo, (wv[j], q(j)), (wv[j + 1], q(j + 1)));
+            hi = D::dot2(hi, (wv[j + 4], q(j + 4)), (wv[j + 5], q(j + 5)));
         }
         _mm256_add_epi32(_mm256_mullo_epi32(lo, sc.0), _mm256_mullo_epi32(hi, sc.1))
     }
@@ -795,10 +795,10 @@ mod x86 {
                     let y = &mut y[half];
                     for i in 0..NI {
                         let a: &ActBlock = &ins[i][8 * sb + j];
-                        let a1 = level256::<D>(q6, a, 0, &wv, sc);
+                        let a1 = level256::<D>(kind, a, 0, &wv, sc);
                         let mut s = _mm256_mul_ps(_mm256_cvtepi32_ps(a1), _mm256_set1_ps(a.d[0]));
                         if TWO {
-                            let a2 = level256::<D>(q6, a, 1, &wv, sc);
+                            let a2 = level256::<D>(kind, a, 1, &wv, sc);
                             s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a2), _mm256_set1_ps(a.d[1]), s);
                         }
                         y[i] = _mm256_fmadd_ps(scale, s, y[i]);
