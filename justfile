@@ -147,7 +147,7 @@ synth-model sizes="1b" formats="Q4_0,Q4_K_M,Q5_K_M,Q6_K,Q8_0": model bench-deps
 bench-cpu models="SmolLM2-135M-Instruct.Q4_1,synth-1b-Q4_0,synth-1b-Q4_K_M" runs="3": (synth-model "1b" "Q4_0,Q4_K_M")
     sh scripts/build_llama_tools.sh avx2
     cargo build --release -p tessera
-    python3 scripts/bench_cpu.py --models {{models}} --runs {{runs}} --int8
+    python3 scripts/bench_cpu.py --models {{models}} --runs {{runs}} --int8 --contention SmolLM2-135M-Instruct.Q4_1,synth-1b-Q4_0
 
 # Tessera beside llama.cpp and candle on the default model (same file, same threads, same run):
 # a table, target/bench/vs-llamacpp.json, two charts, then the README's results section;

@@ -13,6 +13,11 @@ roofline`) before and after, so each decode figure is also a share of the
 roofline (the weights' bytes a decode step reads × tok/s ÷ GB/s).
 
     python3 scripts/bench_cpu.py [--models synth-1b-Q4_0,...] [--isas avx512,avx2] [--runs 3] [--int8]
+                                 [--contention SmolLM2-135M-Instruct.Q4_1,...]
+
+With --contention, also decode on those models (best ISA) idle and with one
+busy process beside it (a shell loop spinning on one core), both engines,
+alternating: the share of its idle speed each keeps.
 
 Writes target/bench/cpu.json, then the README's `bench-cpu` section.
 """
@@ -94,6 +99,45 @@ def llama(model, isa):
     return best
 
 
+def busy():
+    """One process spinning on a core: a browser tab, a build."""
+    return subprocess.Popen(["sh", "-c", "while :; do :; done"])
+
+
+def contention(models, runs):
+    isa = host_isas()[0]
+    rows = []
+    for name, path in models:
+        got = {k: [] for k in ("t_idle", "t_busy", "l_idle", "l_busy")}
+        for r in range(runs):
+            for load in ("idle", "busy"):
+                spinner = busy() if load == "busy" else None
+                try:
+                    got[f"l_{load}"].append(llama_decode(path, isa))
+                    got[f"t_{load}"].append(tessera(path, "decode", isa))
+                finally:
+                    if spinner:
+                        spinner.kill()
+                        spinner.wait()
+            print(f"{name} contention run {r + 1}/{runs}: "
+                  + ", ".join(f"{k} {v[-1]:.1f}" for k, v in got.items()), flush=True)
+        med = {k: statistics.median(v) for k, v in got.items()}
+        rows.append({"model": name, "isa": isa, **{k: med[k] for k in med},
+                     "tessera_kept": med["t_busy"] / med["t_idle"], "llama_kept": med["l_busy"] / med["l_idle"],
+                     "runs": {k: v for k, v in got.items()}})
+    return rows
+
+
+def llama_decode(model, isa):
+    """llama-bench tg128, flash attention off and on, the better."""
+    out = subprocess.run(
+        [str(LLAMA_BENCH[isa]), "-m", str(model), "-t", str(THREADS), "-p", "0", "-n", "128",
+         "-fa", "0,1", "-r", "1", "-o", "json"],
+        check=True, capture_output=True, text=True,
+    ).stdout
+    return max(row["avg_ts"] for row in json.loads(out))
+
+
 def roofline():
     out = subprocess.run(
         [str(TESSERA), "--threads", str(THREADS), "bench", "--scenario", "roofline", "--runs", "5", "--json"],
@@ -108,6 +152,7 @@ def main():
     ap.add_argument("--isas", default=",".join(host_isas()))
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--int8", action="store_true", help="also Tessera with --activations int8")
+    ap.add_argument("--contention", default="", help="models to decode beside a busy process")
     args = ap.parse_args()
     isas = [i for i in args.isas.split(",") if i]
     for i in isas:
@@ -149,6 +194,9 @@ def main():
                 if s == "decode":
                     row["decode_bytes"] = nbytes
                 rows.append(row)
+    busy_rows = []
+    if args.contention:
+        busy_rows = contention([(m, ROOT / "models" / f"{m}.gguf") for m in args.contention.split(",")], args.runs)
     gb_s.append(roofline())
     print(f"roofline {gb_s[1]:.1f} GB/s", flush=True)
     roof = max(gb_s)
@@ -158,7 +206,8 @@ def main():
                 if k in row:
                     row[f"{k}_roofline_share"] = row[k] * row["decode_bytes"] / 1e9 / roof
     BENCH.mkdir(parents=True, exist_ok=True)
-    result = {"roofline_gb_s": gb_s, "threads": THREADS, "runs": args.runs, "rows": rows}
+    result = {"roofline_gb_s": gb_s, "threads": THREADS, "runs": args.runs, "rows": rows,
+              "contention": busy_rows}
     (BENCH / "cpu.json").write_text(json.dumps(result, indent=1))
     for row in rows:
         extra = f", {row['tessera_roofline_share'] * 100:.0f}% of roofline" if "tessera_roofline_share" in row else ""

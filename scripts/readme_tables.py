@@ -500,6 +500,21 @@ def cpu_table():
             f"{r['llama']:.1f} | {r['ratio']:.2f}× | {i8} | {share('tessera_roofline_share')} | "
             f"{share('llama_roofline_share')} |"
         )
+    if d.get("contention"):
+        out += [
+            "",
+            "Decode with one busy process beside it (a shell loop spinning on one of the cores, as a browser "
+            "or a build would), against the same decode idle, alternating, both engines at "
+            f"{d['threads']} threads, {names.get(d['contention'][0]['isa'], '')}:",
+            "",
+            "| model | Tessera idle | Tessera busy | kept | llama.cpp idle | llama.cpp busy | kept |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in d["contention"]:
+            out.append(
+                f"| {r['model']} | {r['t_idle']:.1f} tok/s | {r['t_busy']:.1f} | {r['tessera_kept'] * 100:.0f}% | "
+                f"{r['l_idle']:.1f} | {r['l_busy']:.1f} | {r['llama_kept'] * 100:.0f}% |"
+            )
     return out
 
 

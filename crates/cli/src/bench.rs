@@ -277,9 +277,8 @@ fn read_all(d: &[u8]) -> u64 {
     }
     let mut acc = [0u64; 8];
     for ch in d.chunks_exact(64) {
-        for j in 0..8 {
-            let w = u64::from_le_bytes(ch[8 * j..8 * j + 8].try_into().expect("8 bytes"));
-            acc[j] = acc[j].wrapping_add(w);
+        for (a, w) in acc.iter_mut().zip(ch.chunks_exact(8)) {
+            *a = a.wrapping_add(u64::from_le_bytes(w.try_into().expect("8 bytes")));
         }
     }
     acc.iter().fold(0, |a, &b| a.wrapping_add(b))
@@ -291,9 +290,9 @@ unsafe fn read_all_avx2(d: &[u8]) -> u64 {
     use std::arch::x86_64::*;
     let mut acc = [_mm256_setzero_si256(); 4];
     for ch in d.chunks_exact(128) {
-        for j in 0..4 {
+        for (j, a) in acc.iter_mut().enumerate() {
             let v = _mm256_loadu_si256(ch.as_ptr().add(32 * j) as *const __m256i);
-            acc[j] = _mm256_add_epi64(acc[j], v);
+            *a = _mm256_add_epi64(*a, v);
         }
     }
     let mut out = [0u64; 4];
