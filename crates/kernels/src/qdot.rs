@@ -1745,7 +1745,8 @@ mod x86 {
                     }
                 }
                 let y = &mut y[half];
-                for i in 0..NI {
+                // Written out, so that the sums stay in registers.
+                unrolled!(NI, |i| {
                     let a: &ActBlock = &ins[i][b];
                     let a1 = level::<D>(a, 0, off, (signed, kind.bits()), &wv, &abs);
                     let mut s = _mm256_mul_ps(_mm256_cvtepi32_ps(a1), _mm256_set1_ps(a.d[0]));
@@ -1757,7 +1758,7 @@ mod x86 {
                     if kind.has_min() {
                         y[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.xsum), y[i]);
                     }
-                }
+                });
             }
         }
         for half in 0..2 {

@@ -793,7 +793,8 @@ mod x86 {
                         )
                     };
                     let y = &mut y[half];
-                    for i in 0..NI {
+                    // Written out, so that the sums stay in registers.
+                    unrolled!(NI, |i| {
                         let a: &ActBlock = &ins[i][8 * sb + j];
                         let a1 = level256::<D>(kind, a, 0, &wv, sc);
                         let mut s = _mm256_mul_ps(_mm256_cvtepi32_ps(a1), _mm256_set1_ps(a.d[0]));
@@ -805,7 +806,7 @@ mod x86 {
                         if !q6 {
                             y[i] = _mm256_fmadd_ps(min, _mm256_set1_ps(a.xsum), y[i]);
                         }
-                    }
+                    });
                 }
             }
         }
