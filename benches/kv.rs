@@ -552,9 +552,73 @@ fn bench_matvec(c: &mut Criterion) {
     g.finish();
 }
 
+/// The quantized linear layers at a 1B-class model's FFN shape (8192 rows
+/// of 2048), one thread, reading from DRAM as decode does: eight copies
+/// of the weight (72 MiB of Q4_0, past the last-level cache) taken in
+/// turn. The prefetch distance of the tiles shows here and not in the
+/// L2-sized layers above.
+fn bench_matvec_dram(c: &mut Criterion) {
+    use candle_core::quantized::{GgmlDType, QTensor};
+    use candle_core::DType;
+    use tessera_kernels::{
+        qmatvec, quantize_row, ActBlock, Activations, Packed, QIsa, WeightFormat, Weights,
+    };
+    const COPIES: usize = 8;
+    let (n, k) = (8192, 2048);
+    let mut g = c.benchmark_group("matvec_1b_dram");
+    for (name, dtype) in [
+        ("q4_0_up_8192x2048", GgmlDType::Q4_0),
+        ("q4_k_up_8192x2048", GgmlDType::Q4K),
+        ("q6_k_up_8192x2048", GgmlDType::Q6K),
+    ] {
+        let w = tessera_kernels::testing::seeded(&[n, k], 5, DType::F32).unwrap();
+        let data = QTensor::quantize(&w, dtype)
+            .unwrap()
+            .data()
+            .unwrap()
+            .into_owned();
+        let weights = Weights::new(WeightFormat::from_ggml(dtype), &data, n, k).unwrap();
+        let packed: Vec<Packed> = (0..COPIES)
+            .map(|_| Packed::pack(&weights).expect("a format with an integer path"))
+            .collect();
+        let x = tessera_kernels::testing::seeded(&[1, k], 6, DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let mut out = vec![0f32; n];
+        let mut acts = vec![ActBlock::default(); k / 32];
+        g.throughput(Throughput::Bytes(data.len() as u64));
+        for act in [Activations::Int8x2, Activations::Int8] {
+            let levels = act.levels();
+            let mut turn = 0;
+            g.bench_function(format!("{name}_{}", act.name()), |b| {
+                b.iter(|| {
+                    quantize_row(&x, levels, &mut acts);
+                    turn = (turn + 1) % COPIES;
+                    qmatvec(
+                        QIsa::detect(),
+                        &packed[turn],
+                        &acts,
+                        1,
+                        levels,
+                        0,
+                        n,
+                        &mut |_, r, v| out[r..][..v.len()].copy_from_slice(v),
+                    );
+                    black_box(&out);
+                })
+            });
+        }
+    }
+    g.finish();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().sample_size(30).measurement_time(std::time::Duration::from_secs(3));
-    targets = bench_tree, bench_pool, bench_defrag, bench_attention, bench_roofline, bench_matvec
+    targets = bench_tree, bench_pool, bench_defrag, bench_attention, bench_roofline, bench_matvec,
+        bench_matvec_dram
 }
 criterion_main!(benches);

@@ -206,7 +206,9 @@ def main():
                 if k in row:
                     row[f"{k}_roofline_share"] = row[k] * row["decode_bytes"] / 1e9 / roof
     BENCH.mkdir(parents=True, exist_ok=True)
-    result = {"roofline_gb_s": gb_s, "threads": THREADS, "runs": args.runs, "rows": rows,
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True).stdout.strip()
+    result = {"commit": head, "roofline_gb_s": gb_s, "threads": THREADS, "runs": args.runs, "rows": rows,
               "contention": busy_rows}
     (BENCH / "cpu.json").write_text(json.dumps(result, indent=1))
     for row in rows:
