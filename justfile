@@ -144,7 +144,7 @@ synth-model sizes="1b" formats="Q4_0,Q4_K_M,Q5_K_M,Q6_K,Q8_0": model bench-deps
 # Tessera beside llama.cpp's own llama-bench (standalone; native, and built for AVX2 alone) at real
 # sizes on each instruction set this host has, TESSERA_ISA forced to match, alternating, with the
 # host's read bandwidth in the same run; then the README's table (target/bench/cpu.json).
-bench-cpu models="SmolLM2-135M-Instruct.Q4_1,synth-1b-Q4_0,synth-1b-Q4_K_M" runs="3": (synth-model "1b" "Q4_0,Q4_K_M")
+bench-cpu models="SmolLM2-135M-Instruct.Q4_1,synth-1b-Q4_0,synth-1b-Q4_K_M,synth-3b-Q4_0,synth-3b-Q4_K_M" runs="3": (synth-model "1b 3b" "Q4_0,Q4_K_M")
     sh scripts/build_llama_tools.sh avx2
     cargo build --release -p tessera
     python3 scripts/bench_cpu.py --models {{models}} --runs {{runs}} --int8 --contention SmolLM2-135M-Instruct.Q4_1,synth-1b-Q4_0

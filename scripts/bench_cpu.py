@@ -37,7 +37,8 @@ TESSERA = ROOT / "target/release/tessera"
 LLAMA = ROOT / "target/llama-server"
 LLAMA_BENCH = {"avx512": LLAMA / "build/bin/llama-bench", "avx2": LLAMA / "build-avx2/bin/llama-bench"}
 GGUF_PY = LLAMA / "llama_cpp_python-0.3.36/vendor/llama.cpp/gguf-py"
-DEFAULT_MODELS = ["SmolLM2-135M-Instruct.Q4_1", "synth-1b-Q4_0", "synth-1b-Q4_K_M"]
+DEFAULT_MODELS = ["SmolLM2-135M-Instruct.Q4_1", "synth-1b-Q4_0", "synth-1b-Q4_K_M", "synth-3b-Q4_0",
+                  "synth-3b-Q4_K_M"]
 THREADS = 2
 
 
