@@ -466,7 +466,7 @@ mod fma {
 /// one input row (GB/s of weights; the `_64` benches: 64 input rows, as in
 /// prefill, where arithmetic rather than memory bounds them).
 fn bench_matvec(c: &mut Criterion) {
-    use candle_core::quantized::{GgmlDType, QTensor};
+    use candle_core::quantized::GgmlDType;
     use candle_core::DType;
     use tessera_kernels::{
         matvec, qmatvec, quantize_row, ActBlock, Activations, Isa, Packed, QIsa, WeightFormat,
@@ -488,12 +488,7 @@ fn bench_matvec(c: &mut Criterion) {
         ("q6_k_down_576x1536", GgmlDType::Q6K, 576, 1536, 1),
         ("q4_k_down_576x1536_64", GgmlDType::Q4K, 576, 1536, 64),
     ] {
-        let w = tessera_kernels::testing::seeded(&[n, k], 5, DType::F32).unwrap();
-        let data = QTensor::quantize(&w, dtype)
-            .unwrap()
-            .data()
-            .unwrap()
-            .into_owned();
+        let data = quantized(dtype, n, k);
         let weights = Weights::new(WeightFormat::from_ggml(dtype), &data, n, k).unwrap();
         let x = tessera_kernels::testing::seeded(&[t, k], 6, DType::F32)
             .unwrap()
@@ -552,13 +547,24 @@ fn bench_matvec(c: &mut Criterion) {
     g.finish();
 }
 
+/// Seeded `n × k` weights in the GGML format `dtype`.
+fn quantized(dtype: candle_core::quantized::GgmlDType, n: usize, k: usize) -> Vec<u8> {
+    use candle_core::quantized::QTensor;
+    let w = tessera_kernels::testing::seeded(&[n, k], 5, candle_core::DType::F32).unwrap();
+    QTensor::quantize(&w, dtype)
+        .unwrap()
+        .data()
+        .unwrap()
+        .into_owned()
+}
+
 /// The quantized linear layers at a 1B-class model's FFN shape (8192 rows
 /// of 2048), one thread, reading from DRAM as decode does: eight copies
 /// of the weight (72 MiB of Q4_0, past the last-level cache) taken in
 /// turn. The prefetch distance of the tiles shows here and not in the
 /// L2-sized layers above.
 fn bench_matvec_dram(c: &mut Criterion) {
-    use candle_core::quantized::{GgmlDType, QTensor};
+    use candle_core::quantized::GgmlDType;
     use candle_core::DType;
     use tessera_kernels::{
         qmatvec, quantize_row, ActBlock, Activations, Packed, QIsa, WeightFormat, Weights,
@@ -571,12 +577,7 @@ fn bench_matvec_dram(c: &mut Criterion) {
         ("q4_k_up_8192x2048", GgmlDType::Q4K),
         ("q6_k_up_8192x2048", GgmlDType::Q6K),
     ] {
-        let w = tessera_kernels::testing::seeded(&[n, k], 5, DType::F32).unwrap();
-        let data = QTensor::quantize(&w, dtype)
-            .unwrap()
-            .data()
-            .unwrap()
-            .into_owned();
+        let data = quantized(dtype, n, k);
         let weights = Weights::new(WeightFormat::from_ggml(dtype), &data, n, k).unwrap();
         let packed: Vec<Packed> = (0..COPIES)
             .map(|_| Packed::pack(&weights).expect("a format with an integer path"))

@@ -127,6 +127,19 @@ struct Adapt {
 }
 
 impl Adapt {
+    fn new(n: usize, fixed: bool) -> Adapt {
+        Adapt {
+            fixed,
+            team: n,
+            wall: 0,
+            lost: 0,
+            next_probe: None,
+            backoff: PROBE,
+            grown_at: None,
+            shrinks: 0,
+        }
+    }
+
     /// Takes in one region's wall time and its worst worker's time off the
     /// CPU; returns the next region's team size.
     fn after(&mut self, n: usize, wall: u64, lost: u64, now: Instant) -> usize {
@@ -298,16 +311,7 @@ impl StepPool {
             base: Instant::now(),
             region_start: AtomicU64::new(0),
             lost: AtomicU64::new(0),
-            adapt: Mutex::new(Adapt {
-                fixed: fixed || thread_cpu_ns().is_none(),
-                team: n,
-                wall: 0,
-                lost: 0,
-                next_probe: None,
-                backoff: PROBE,
-                grown_at: None,
-                shrinks: 0,
-            }),
+            adapt: Mutex::new(Adapt::new(n, fixed || thread_cpu_ns().is_none())),
         });
         let handles = (1..n)
             .map(|id| {
@@ -619,16 +623,7 @@ mod tests {
     }
 
     fn adapt(n: usize) -> Adapt {
-        Adapt {
-            fixed: false,
-            team: n,
-            wall: 0,
-            lost: 0,
-            next_probe: None,
-            backoff: PROBE,
-            grown_at: None,
-            shrinks: 0,
-        }
+        Adapt::new(n, false)
     }
 
     /// A window of regions of 1 ms each, the worst worker off the CPU for
@@ -679,10 +674,7 @@ mod tests {
             window(&mut b, 2, 0.9, t0);
         }
         assert_eq!(b.team, 1);
-        let mut c = Adapt {
-            fixed: true,
-            ..adapt(2)
-        };
+        let mut c = Adapt::new(2, true);
         assert_eq!(window(&mut c, 2, 0.9, t0), 2);
     }
 
