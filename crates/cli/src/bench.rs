@@ -113,7 +113,14 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         return roofline(&args);
     }
     let Some(model) = args.model.as_deref() else {
-        bail!("--model is required for the {:?} scenario", args.scenario);
+        let name = args
+            .scenario
+            .to_possible_value()
+            .map(|v| v.get_name().to_owned());
+        bail!(
+            "--model is required for the {} scenario",
+            name.unwrap_or_default()
+        );
     };
     let model = load_model(model)?;
     let path = model.path.clone();
