@@ -893,11 +893,14 @@ fn tenants_keep_their_sessions_and_cached_tokens_apart() {
         c.api_keys = vec!["k1".into(), "k2".into()];
         c.session_dir = Some("sessions".into());
     });
+    // Each conversation opens with its own number: the words alone repeat
+    // every 97 (conversation 101 was conversation 4, so k2's "fresh" save
+    // of it had been cached by k2 itself).
     let conv = |i: usize| {
         let words: Vec<String> = (0..60)
             .map(|w| format!("w{}", (w * 7 + i * 13) % 97))
             .collect();
-        json!([{"role": "user", "content": words.join(" ")}])
+        json!([{"role": "user", "content": format!("c{i} {}", words.join(" "))}])
     };
     let notes = conv(0);
     let (code, v) = post(
