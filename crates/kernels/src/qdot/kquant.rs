@@ -529,16 +529,16 @@ mod arm {
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::super::x86::{
-        chains256, chains512, fifth_bits_256, prefetch_at, quad, Dot8, Maddubs, Vnni256,
-    };
+    use super::super::x86::{chains512, fifth_bits_256, prefetch_at, quad, Dot8, Maddubs, Vnni256};
+    use super::super::{kind_of, ActBlock, Kind, Packed, GROUP, MAX_NI};
+    use super::QK;
 
     /// How far ahead in a tile's stream the K-quant tiles hint records
     /// into L2: about the distance the 32-value formats use
-    /// (`AHEAD_BLOCKS`).
-    const AHEAD_BYTES: usize = 16 << 10;
-    use super::super::{kind_of, ActBlock, Kind, Packed, GROUP, MAX_NI};
-    use super::QK;
+    /// (`AHEAD_BLOCKS`), in whole records.
+    fn ahead(rec: usize) -> usize {
+        (16usize << 10).div_ceil(rec) * rec
+    }
 
     /// Flips the sign of every lane (exact, like the scalar negation).
     #[inline(always)]
@@ -591,10 +591,10 @@ mod x86 {
         let mut y = [_mm512_setzero_ps(); NI];
         for sb in 0..w.k / QK {
             let t = p.add(sb * rec);
-            // Records `AHEAD_BYTES` on (tiles follow each other in
-            // memory) into L2, spread over the sub-blocks as the 256-bit
+            // Records `ahead` on (tiles follow each other in memory) into
+            // L2, spread over the sub-blocks as the 256-bit
             // tiles do.
-            let dist = AHEAD_BYTES.div_ceil(rec) * rec;
+            let dist = ahead(rec);
             prefetch_at(t, kind.header(), dist);
             let d = _mm512_cvtph_ps(_mm256_loadu_si256(t as *const __m256i));
             let dmin = neg512(_mm512_cvtph_ps(_mm256_loadu_si256(
@@ -701,7 +701,7 @@ mod x86 {
     ) -> __m256i {
         let q = |j| _mm256_set1_epi32(quad(&a.q[l], j));
         if kind != Kind::Q6K {
-            return chains256::<D>(_mm256_setzero_si256(), kind.bits(), |j| (wv[j], q(j)));
+            return D::chains(_mm256_setzero_si256(), kind.bits(), |j| (wv[j], q(j)));
         }
         let mut lo = _mm256_set1_epi32(-32 * a.h[l]);
         let mut hi = _mm256_set1_epi32(-32 * (a.s[l] - a.h[l]));
@@ -734,8 +734,16 @@ mod x86 {
         let mut y = [[_mm256_setzero_ps(); NI]; 2];
         for sb in 0..w.k / QK {
             let t = p.add(sb * rec);
-            let dist = AHEAD_BYTES.div_ceil(rec) * rec;
+            let dist = ahead(rec);
             prefetch_at(t, kind.header(), dist);
+            // Each half's f16 scale and negated minimum, once per record.
+            let f16s = |at: usize, half: usize| {
+                _mm256_cvtph_ps(_mm_loadu_si128(t.add(at + 16 * half) as *const __m128i))
+            };
+            let d = [f16s(0, 0), f16s(0, 1)];
+            let neg =
+                |v: __m256| _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(v), sign));
+            let dmin = [neg(f16s(32, 0)), neg(f16s(32, 1))];
             for j in 0..8 {
                 let sub = t.add(kind.sub_at(j));
                 // Spread over the sub-blocks: a burst of a whole record's
@@ -744,9 +752,6 @@ mod x86 {
                 let vals = if kind == Kind::Q5K { sub.add(64) } else { sub };
                 for half in 0..2 {
                     let eight = |at: usize| _mm_loadl_epi64(t.add(at + 8 * half) as *const __m128i);
-                    let f16s = |at: usize| {
-                        _mm256_cvtph_ps(_mm_loadu_si128(t.add(at + 16 * half) as *const __m128i))
-                    };
                     let mut wv = [_mm256_setzero_si256(); 8];
                     for c in 0..4 {
                         let raw = _mm256_loadu_si256(vals.add(64 * c + 32 * half) as *const _);
@@ -778,17 +783,13 @@ mod x86 {
                             _mm256_cvtepi8_epi32(eight(32 + 16 * 2 * j)),
                             _mm256_cvtepi8_epi32(eight(32 + 16 * (2 * j + 1))),
                         );
-                        (f16s(0), _mm256_setzero_ps(), sc)
+                        (d[half], _mm256_setzero_ps(), sc)
                     } else {
                         let f = |at: usize| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eight(at)));
                         let z = _mm256_setzero_si256();
-                        let dmin = _mm256_castsi256_ps(_mm256_xor_si256(
-                            _mm256_castps_si256(f16s(32)),
-                            sign,
-                        ));
                         (
-                            _mm256_mul_ps(f16s(0), f(64 + 16 * j)),
-                            _mm256_mul_ps(dmin, f(64 + 16 * GROUP / 2 + 16 * j)),
+                            _mm256_mul_ps(d[half], f(64 + 16 * j)),
+                            _mm256_mul_ps(dmin[half], f(64 + 16 * GROUP / 2 + 16 * j)),
                             (z, z),
                         )
                     };
