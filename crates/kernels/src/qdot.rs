@@ -1513,23 +1513,14 @@ mod x86 {
         _mm512_add_epi32(acc[0], acc[1])
     }
 
-    /// [`chains512`] for 8 rows, through `D`, for weights of at most
-    /// `bits` bits as unsigned bytes (8: Q8_0's bytes, by either trick).
-    #[inline(always)]
-    pub(super) unsafe fn chains256<D: Dot8>(
-        init: __m256i,
-        bits: u32,
-        pair: impl Fn(usize) -> (__m256i, __m256i),
-    ) -> __m256i {
-        D::chains(init, bits, pair)
-    }
-
     /// How an 8-row register of weight bytes meets four activation bytes.
     pub(super) trait Dot8 {
         /// Unsigned weight bytes (4-bit values, or Q8_0's flipped bytes)
         /// `w` times signed `q`, added to `acc` per 32-bit lane.
         unsafe fn dot(acc: __m256i, w: __m256i, q: __m256i) -> __m256i;
-        /// `init` plus the 8 products `pair(0..8)` per 32-bit lane.
+        /// [`chains512`] for 8 rows: `init` plus the 8 products
+        /// `pair(0..8)` per 32-bit lane, for weights of at most `bits`
+        /// bits as unsigned bytes (8: Q8_0's bytes, by either trick).
         #[inline(always)]
         unsafe fn chains(
             init: __m256i,
@@ -1654,7 +1645,7 @@ mod x86 {
         wv: &[__m256i; 8],
         abs: &[__m256i; 8],
     ) -> __m256i {
-        chains256::<D>(_mm256_set1_epi32(off * a.s[l]), bits, |j| {
+        D::chains(_mm256_set1_epi32(off * a.s[l]), bits, |j| {
             let q = _mm256_set1_epi32(quad(&a.q[l], j));
             if signed {
                 (abs[j], _mm256_sign_epi8(q, wv[j]))
