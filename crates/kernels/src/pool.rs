@@ -92,7 +92,20 @@ struct Inner {
     adapt: Mutex<Adapt>,
 }
 
+/// The team size in a [`Inner::gen`] word.
+fn team_of(gen: u64) -> usize {
+    (gen & ((1 << TEAM_BITS) - 1)) as usize
+}
+
 impl Inner {
+    /// Starts the next region (or shutdown) with `team` workers. Only the
+    /// caller of `run` (or `drop`) writes the word.
+    fn next_gen(&self, team: usize) {
+        let g = self.gen.load(Ordering::Relaxed) >> TEAM_BITS;
+        self.gen
+            .store(((g + 1) << TEAM_BITS) | team as u64, Ordering::SeqCst);
+    }
+
     fn now_ns(&self) -> u64 {
         self.base.elapsed().as_nanos() as u64
     }
@@ -357,10 +370,7 @@ impl StepPool {
                 unsafe { std::mem::transmute(f as *const (dyn Fn(&Team) + Sync)) };
             *inner.job.lock().unwrap_or_else(|e| e.into_inner()) = Some(JobPtr(ptr));
             inner.pending.store(team - 1, Ordering::SeqCst);
-            let g = inner.gen.load(Ordering::Relaxed) >> TEAM_BITS;
-            inner
-                .gen
-                .store(((g + 1) << TEAM_BITS) | team as u64, Ordering::SeqCst);
+            inner.next_gen(team);
             let grew = team > inner.last_team.swap(team, Ordering::Relaxed);
             if grew || inner.sleeping.load(Ordering::SeqCst) > 0 {
                 let _g = inner.lock.lock().unwrap_or_else(|e| e.into_inner());
@@ -465,7 +475,7 @@ fn worker(inner: &Inner, id: usize) {
         if inner.stop.load(Ordering::Acquire) {
             return;
         }
-        let team = (g & ((1 << TEAM_BITS) - 1)) as usize;
+        let team = team_of(g);
         // Not in this region's team: `pending` does not count this
         // worker, and the region may already be over.
         spin = id < team;
@@ -493,11 +503,7 @@ fn worker(inner: &Inner, id: usize) {
 impl Drop for StepPool {
     fn drop(&mut self) {
         self.inner.stop.store(true, Ordering::Release);
-        let g = self.inner.gen.load(Ordering::Relaxed) >> TEAM_BITS;
-        self.inner.gen.store(
-            ((g + 1) << TEAM_BITS) | self.inner.n as u64,
-            Ordering::SeqCst,
-        );
+        self.inner.next_gen(self.inner.n);
         {
             let _g = self.inner.lock.lock().unwrap_or_else(|e| e.into_inner());
             self.inner.wake.notify_all();
