@@ -85,11 +85,12 @@ def tessera(model, scenario, isa, activations=None):
     return json.loads(out.strip().splitlines()[-1])["tessera"]
 
 
-def llama(model, isa):
-    """One llama-bench run: pp512 and tg128, flash attention off and on;
-    the best of the two per test."""
+def llama(model, isa, prompt=512, gen=128):
+    """One llama-bench run, flash attention off and on, the better of the
+    two per test: {"prefill": tok/s, "decode": tok/s} for the tests asked
+    for (a prompt of `prompt` tokens, `gen` generated; 0 skips one)."""
     out = subprocess.run(
-        [str(LLAMA_BENCH[isa]), "-m", str(model), "-t", str(THREADS), "-p", "512", "-n", "128",
+        [str(LLAMA_BENCH[isa]), "-m", str(model), "-t", str(THREADS), "-p", str(prompt), "-n", str(gen),
          "-fa", "0,1", "-r", "1", "-o", "json"],
         check=True, capture_output=True, text=True,
     ).stdout
@@ -114,7 +115,7 @@ def contention(models, runs):
             for load in ("idle", "busy"):
                 spinner = busy() if load == "busy" else None
                 try:
-                    got[f"l_{load}"].append(llama_decode(path, isa))
+                    got[f"l_{load}"].append(llama(path, isa, prompt=0)["decode"])
                     got[f"t_{load}"].append(tessera(path, "decode", isa))
                 finally:
                     if spinner:
@@ -127,16 +128,6 @@ def contention(models, runs):
                      "tessera_kept": med["t_busy"] / med["t_idle"], "llama_kept": med["l_busy"] / med["l_idle"],
                      "runs": {k: v for k, v in got.items()}})
     return rows
-
-
-def llama_decode(model, isa):
-    """llama-bench tg128, flash attention off and on, the better."""
-    out = subprocess.run(
-        [str(LLAMA_BENCH[isa]), "-m", str(model), "-t", str(THREADS), "-p", "0", "-n", "128",
-         "-fa", "0,1", "-r", "1", "-o", "json"],
-        check=True, capture_output=True, text=True,
-    ).stdout
-    return max(row["avg_ts"] for row in json.loads(out))
 
 
 def roofline():

@@ -41,9 +41,9 @@ def commit():
     ).stdout.strip()
 
 
-def measured():
-    """When, where and at which commit: the start of every generated text."""
-    return f"measured {datetime.date.today()} on {cpu()} ({os.cpu_count()} cores), commit `{commit()}`"
+def measured(at=None):
+    """When, where and at which commit (`at`, else HEAD): the start of every generated text."""
+    return f"measured {datetime.date.today()} on {cpu()} ({os.cpu_count()} cores), commit `{at or commit()}`"
 
 
 def header():
@@ -472,10 +472,8 @@ def cpu_table():
     d = json.loads(path.read_text())
     names = {"avx512": "AVX-512 VNNI", "avx2": "AVX2"}
     roof = max(d["roofline_gb_s"])
-    stamp = (f"measured {datetime.date.today()} on {cpu()} ({os.cpu_count()} cores), "
-             f"commit `{d.get('commit') or commit()}`")
     out = [
-        f"{stamp}, {isa()} host; `tessera bench` from the default (portable) build with `TESSERA_ISA` "
+        f"{measured(d.get('commit'))}, {isa()} host; `tessera bench` from the default (portable) build with `TESSERA_ISA` "
         "forced to each row's instruction set, beside llama.cpp's own `llama-bench` (llama.cpp as vendored by "
         "llama-cpp-python 0.3.36, built by `scripts/build_llama_tools.sh`: native for the AVX-512 rows, "
         "`GGML_NATIVE=OFF` with AVX2 + FMA and no AVX-512 or VNNI for the AVX2 rows), best of flash attention "
