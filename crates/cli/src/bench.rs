@@ -229,7 +229,7 @@ const ROOFLINE_BYTES: usize = 1 << 30;
 
 /// `tessera bench --scenario roofline`: GB/s reading [`ROOFLINE_BYTES`]
 /// (on huge pages where the system has them, as the weights are) split
-/// among the kernels' thread count, with the widest loads the CPU has,
+/// among the kernels' thread count, with AVX2 loads where present,
 /// best of `--runs` passes (after one untimed pass).
 fn roofline(args: &BenchArgs) -> Result<()> {
     let threads = candle_core::utils::get_num_threads();
