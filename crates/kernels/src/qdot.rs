@@ -303,7 +303,8 @@ impl Kind {
     }
 
     /// Bits of the unsigned integer weights the kernels multiply (8 for
-    /// Q8_0's bytes).
+    /// Q8_0's bytes). Only the x86 tiles group their products by it.
+    #[cfg(target_arch = "x86_64")]
     fn bits(self) -> u32 {
         match self {
             Kind::Q4_0 | Kind::Q4_1 | Kind::Q4K => 4,
