@@ -47,6 +47,7 @@ pub mod gpu;
 mod lanes;
 mod matvec;
 mod mem;
+mod norm;
 pub mod pool;
 mod qdot;
 pub mod quant;
@@ -62,9 +63,10 @@ pub use attention::{
 pub use copy::{copy_blocks, copy_blocks_slow};
 pub use matvec::{f16_to_f32, matvec, matvec_slow, Isa, WeightFormat, Weights};
 pub use mem::{advise_huge_pages, zeroed_huge};
+pub use norm::{act_mul, act_mul_slow, rms_norm, rms_norm_in_place, rms_norm_slow, Activation};
 pub use qdot::{qmatvec, qmatvec_slow, quantize_row, ActBlock, Activations, Packed, QIsa, GROUP};
 pub use quant::{dequantize_cache, quantize_cache, KvType};
-pub use rope::{RopeStyle, Rotation};
+pub use rope::{rotate_pairs, RopeStyle, Rotation};
 pub use shift::{rotate_k, rotate_k_slow, shift_kv, shift_kv_slow};
 pub use simd::portable_forced;
 pub use write::{write_kv, write_kv_raw, write_kv_slow};
@@ -191,5 +193,66 @@ pub fn cache_raw(cache: &Tensor) -> Result<CacheRaw> {
     match c.0.get() {
         Some(r) => Ok(r),
         None => bail!("KV cache is not on the CPU"),
+    }
+}
+
+impl CacheRaw {
+    /// Stores one head row of K or V (`src`, f32) at value offset `at`,
+    /// converted as [`write_kv`] converts (a quantized cache: rotated, then
+    /// quantized, in whole blocks).
+    ///
+    /// # Safety
+    /// The address is still valid ([`cache_raw`]'s contract), and no other
+    /// thread reads or writes that row until this one is done with it.
+    /// Panics when `at` and `src` fall outside the cache or, in a quantized
+    /// cache, are not whole rotations of 64 values.
+    pub unsafe fn store_row(self, at: usize, src: &[f32]) {
+        use elem::KvElem;
+        unsafe fn units<'a, T: KvElem>(p: *mut T, len: usize, at: usize, n: usize) -> &'a mut [T] {
+            let per = T::PER;
+            assert!(
+                at.is_multiple_of(per) && n.is_multiple_of(per) && (at + n) / per <= len,
+                "store_row: {n} values at {at} outside {len} units"
+            );
+            std::slice::from_raw_parts_mut(p.add(at / per), n / per)
+        }
+        match self {
+            CacheRaw::F32(p, len) => f32::store(src, units(p, len, at, src.len())),
+            CacheRaw::F16(p, len) => {
+                half::f16::store(src, units(p as *mut half::f16, len, at, src.len()))
+            }
+            CacheRaw::Bf16(p, len) => {
+                half::bf16::store(src, units(p as *mut half::bf16, len, at, src.len()))
+            }
+            CacheRaw::Q8_0(p, len) => {
+                assert!(
+                    src.len().is_multiple_of(quant::ROT),
+                    "store_row: rows rotate 64 values at a time"
+                );
+                quant::BlockQ8_0::store(src, units(p, len, at, src.len()))
+            }
+            CacheRaw::Q4_0(p, len) => {
+                assert!(
+                    src.len().is_multiple_of(quant::ROT),
+                    "store_row: rows rotate 64 values at a time"
+                );
+                quant::BlockQ4_0::store(src, units(p, len, at, src.len()))
+            }
+        }
+    }
+
+    /// The cache's rows, for attention to read.
+    ///
+    /// # Safety
+    /// The address is still valid, and nothing writes the cache while the
+    /// rows are read.
+    pub unsafe fn rows(self) -> KvRows<'static> {
+        match self {
+            CacheRaw::F32(p, n) => KvRows::F32(std::slice::from_raw_parts(p, n)),
+            CacheRaw::F16(p, n) => KvRows::F16(std::slice::from_raw_parts(p, n)),
+            CacheRaw::Bf16(p, n) => KvRows::Bf16(std::slice::from_raw_parts(p, n)),
+            CacheRaw::Q8_0(p, n) => KvRows::Q8_0(std::slice::from_raw_parts(p, n)),
+            CacheRaw::Q4_0(p, n) => KvRows::Q4_0(std::slice::from_raw_parts(p, n)),
+        }
     }
 }

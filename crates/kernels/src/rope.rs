@@ -40,15 +40,35 @@ impl Rotation {
 
     /// Rotates one head vector in place.
     pub(crate) fn apply(&self, x: &mut [f32], cos: &[f32], sin: &[f32]) {
-        let half = x.len() / 2;
-        for i in 0..half {
-            let (a, b) = match self.style {
-                RopeStyle::Interleaved => (2 * i, 2 * i + 1),
-                RopeStyle::Neox => (i, i + half),
-            };
-            let (x0, x1) = (x[a], x[b]);
-            x[a] = x0 * cos[i] - x1 * sin[i];
-            x[b] = x0 * sin[i] + x1 * cos[i];
+        rotate_pairs(self.style, x, cos, sin)
+    }
+}
+
+/// Rotates one head vector `x` in place, pair `i` by the angle whose
+/// cosine and sine are `cos[i]` and `sin[i]` (candle's `rope_i` / `rope`
+/// arithmetic): RoPE in the forward (angles of a position) and in a
+/// context shift (angles of a delta) alike.
+#[inline]
+pub fn rotate_pairs(style: RopeStyle, x: &mut [f32], cos: &[f32], sin: &[f32]) {
+    let half = x.len() / 2;
+    assert!(
+        cos.len() >= half && sin.len() >= half,
+        "rotate_pairs: {half} angles needed"
+    );
+    match style {
+        RopeStyle::Interleaved => {
+            for i in 0..half {
+                let (a, b) = (x[2 * i], x[2 * i + 1]);
+                x[2 * i] = a * cos[i] - b * sin[i];
+                x[2 * i + 1] = a * sin[i] + b * cos[i];
+            }
+        }
+        RopeStyle::Neox => {
+            for i in 0..half {
+                let (a, b) = (x[i], x[i + half]);
+                x[i] = a * cos[i] - b * sin[i];
+                x[i + half] = a * sin[i] + b * cos[i];
+            }
         }
     }
 }
