@@ -465,6 +465,27 @@ fn inspect(args: ModelArg) -> Result<()> {
             "block:          {:?} gate, q/k norms {}, post-norms {}, embeddings × {}",
             b.activation, b.qk_norm, b.post_norms, b.embed_scale
         );
+        let mut extra = Vec::new();
+        if b.no_rope_every > 0 {
+            extra.push(format!(
+                "no RoPE on every {}th layer ({} of {})",
+                b.no_rope_every,
+                (0..c.n_layers).filter(|&l| !c.layer_has_rope(l)).count(),
+                c.n_layers
+            ));
+        }
+        if b.residual_scale != 1.0 {
+            extra.push(format!("block outputs × {}", b.residual_scale));
+        }
+        if let Some(s) = b.attention_scale {
+            extra.push(format!("attention scores × {s}"));
+        }
+        if b.logit_scale != 1.0 {
+            extra.push(format!("logits ÷ {}", b.logit_scale));
+        }
+        if !extra.is_empty() {
+            println!("                {}", extra.join(", "));
+        }
     }
     println!("context length: {}", c.context_length);
     println!("quantization:   {}", storage.join(", "));

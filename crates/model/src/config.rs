@@ -6,25 +6,44 @@ use tessera_kernels::RopeStyle;
 
 use crate::{ModelError, Result};
 
-/// The architectures that share one model file: the Llama family and
-/// Gemma 3 (its block differs by the switches of [`Block`]).
+/// The architectures that share one model file: the Llama family, and
+/// the families whose block differs from it only by the switches of
+/// [`Block`] (Gemma 3, Qwen3, Granite, SmolLM3, OLMo 2) or by how its
+/// weights are stored (Phi-3's fused projections).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Arch {
     Llama,
     Mistral,
     Qwen2,
     Gemma3,
+    Qwen3,
+    Granite,
+    SmolLM3,
+    Phi3,
+    Olmo2,
 }
 
 impl Arch {
+    /// Every architecture, in the order `inspect` lists them.
+    pub const ALL: [Arch; 9] = [
+        Arch::Llama,
+        Arch::Mistral,
+        Arch::Qwen2,
+        Arch::Qwen3,
+        Arch::Gemma3,
+        Arch::Granite,
+        Arch::SmolLM3,
+        Arch::Phi3,
+        Arch::Olmo2,
+    ];
+
+    /// The architecture of a GGUF `general.architecture` or a Hugging Face
+    /// `model_type`.
     pub fn parse(name: &str) -> Result<Arch> {
-        match name {
-            "llama" => Ok(Arch::Llama),
-            "mistral" => Ok(Arch::Mistral),
-            "qwen2" => Ok(Arch::Qwen2),
-            "gemma3" => Ok(Arch::Gemma3),
-            other => Err(ModelError::UnsupportedArchitecture(other.to_string())),
-        }
+        Arch::ALL
+            .into_iter()
+            .find(|a| a.name() == name)
+            .ok_or_else(|| ModelError::UnsupportedArchitecture(name.to_string()))
     }
 
     pub fn name(self) -> &'static str {
@@ -33,26 +52,60 @@ impl Arch {
             Arch::Mistral => "mistral",
             Arch::Qwen2 => "qwen2",
             Arch::Gemma3 => "gemma3",
+            Arch::Qwen3 => "qwen3",
+            Arch::Granite => "granite",
+            Arch::SmolLM3 => "smollm3",
+            Arch::Phi3 => "phi3",
+            Arch::Olmo2 => "olmo2",
+        }
+    }
+
+    /// Which dimension pairs RoPE rotates in this family's GGUF files
+    /// (llama.cpp's `llama_model_rope_type`): adjacent pairs where the
+    /// converter permuted Q and K (the Llama lineage: Llama, Mistral,
+    /// Granite, SmolLM3), half-split (NEOX) elsewhere.
+    pub fn gguf_rope_style(self) -> RopeStyle {
+        match self {
+            Arch::Llama | Arch::Mistral | Arch::Granite | Arch::SmolLM3 => RopeStyle::Interleaved,
+            Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma3 | Arch::Phi3 | Arch::Olmo2 => RopeStyle::Neox,
         }
     }
 }
 
-/// The gate activation of the feed-forward block: `act(x·Wg) · (x·Wu)`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Activation {
-    /// SwiGLU (the Llama family).
-    Silu,
-    /// GELU, tanh approximation (Gemma).
-    GeluTanh,
+/// What an architecture that llama.cpp runs and Tessera does not would
+/// need, for the families people ask about (`None`: not known here).
+pub(crate) fn missing_parts(arch: &str) -> Option<&'static str> {
+    Some(match arch {
+        "gemma2" => "Gemma 2's attention and final logit soft-capping",
+        "phi2" => "LayerNorm with biases, a parallel attention/MLP block and partial RoPE",
+        "qwen2moe" | "qwen3moe" | "olmoe" | "granitemoe" => {
+            "mixture-of-experts feed-forward layers"
+        }
+        "granitehybrid" | "mamba" | "mamba2" | "jamba" | "falcon-h1" => {
+            "state-space (Mamba) layers"
+        }
+        _ => return None,
+    })
 }
 
+/// The gate activation of the feed-forward block (computed by the
+/// kernels crate's `act_mul`).
+pub use tessera_kernels::Activation;
+
 /// What a transformer block does beyond the Llama family's: the switches
-/// Gemma 3 turns on.
+/// Gemma 3, Qwen3, Granite, SmolLM3 and OLMo 2 turn on.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Block {
     pub activation: Activation,
     /// RMSNorm of each query and key head (over `head_dim`) before RoPE.
     pub qk_norm: bool,
+    /// With `qk_norm`: the norm is over each token's whole query and key
+    /// projections (`heads · head_dim` values, OLMo 2) instead of each
+    /// head.
+    pub qk_norm_whole: bool,
+    /// RMSNorm of the residual stream before attention and before the FFN
+    /// (every family but OLMo 2, which norms only the outputs).
+    pub pre_norms: bool,
     /// RMSNorm of the attention and FFN outputs before the residual adds.
     pub post_norms: bool,
     /// Embeddings multiplied by this (Gemma: `√hidden`).
@@ -65,6 +118,18 @@ pub struct Block {
     pub swa_pattern: usize,
     /// RoPE base of the sliding layers (Gemma 3: 10,000).
     pub rope_theta_swa: f32,
+    /// Every `no_rope_every`-th layer (the last of each group) has no
+    /// positional encoding (SmolLM3's NoPE layers: 4); 0 for none.
+    pub no_rope_every: usize,
+    /// The attention and FFN outputs multiplied by this before their
+    /// residual adds (Granite's `residual_scale`).
+    pub residual_scale: f32,
+    /// The softmax scale of attention scores, where not `1/√head_dim`
+    /// (Granite's `attention.scale`).
+    pub attention_scale: Option<f32>,
+    /// The logits divided by this (Granite's `logit_scale`; applied as a
+    /// product with its reciprocal, as llama.cpp does).
+    pub logit_scale: f32,
 }
 
 impl Block {
@@ -73,11 +138,17 @@ impl Block {
         Block {
             activation: Activation::Silu,
             qk_norm: false,
+            qk_norm_whole: false,
+            pre_norms: true,
             post_norms: false,
             embed_scale: 1.0,
             sliding_window: 0,
             swa_pattern: 0,
             rope_theta_swa: 10_000.0,
+            no_rope_every: 0,
+            residual_scale: 1.0,
+            attention_scale: None,
+            logit_scale: 1.0,
         }
     }
 }
@@ -157,10 +228,30 @@ impl ModelConfig {
             .count()
     }
 
+    /// Whether layer `l` encodes positions (every layer but SmolLM3's
+    /// NoPE layers).
+    pub fn layer_has_rope(&self, l: usize) -> bool {
+        let n = self.block.no_rope_every;
+        n == 0 || !(l + 1).is_multiple_of(n)
+    }
+
+    /// The softmax scale of attention scores.
+    pub fn attention_scale(&self) -> f32 {
+        self.block
+            .attention_scale
+            .unwrap_or(1.0 / (self.head_dim as f32).sqrt())
+    }
+
     /// The inverse frequencies of layer `l`: Gemma 3's sliding layers
     /// use their own base, unscaled (llama.cpp's `rope_freq_base_train_swa`
-    /// and `rope_freq_scale_train_swa = 1`); every other layer the file's.
+    /// and `rope_freq_scale_train_swa = 1`); a layer without positional
+    /// encoding all zeros (every angle 0: cos 1 and sin 0 leave each pair
+    /// exactly as it is, in the forward and in a K-shift alike); every
+    /// other layer the file's.
     pub fn layer_inv_freq(&self, l: usize) -> Vec<f32> {
+        if !self.layer_has_rope(l) {
+            return vec![0.0; self.head_dim / 2];
+        }
         if self.arch == Arch::Gemma3 && self.layer_window(l).is_some() {
             return ModelConfig {
                 rope_theta: self.block.rope_theta_swa,
@@ -265,7 +356,13 @@ impl ModelConfig {
             }
         }
         let b = &self.block;
-        if b.sliding_window > 1 << 26 || !(b.embed_scale.is_finite() && b.embed_scale > 0.0) {
+        let positive = |x: f32| x.is_finite() && x > 0.0;
+        if b.sliding_window > 1 << 26
+            || !positive(b.embed_scale)
+            || !positive(b.residual_scale)
+            || !positive(b.logit_scale)
+            || !b.attention_scale.is_none_or(positive)
+        {
             return bad(format!("bad block settings {b:?}"));
         }
         Ok(())
@@ -298,6 +395,20 @@ pub(crate) struct HfConfig {
     pub tie_word_embeddings: bool,
     #[serde(default)]
     pub attention_bias: Option<bool>,
+    /// Granite's scales.
+    #[serde(default)]
+    pub embedding_multiplier: Option<f32>,
+    #[serde(default)]
+    pub residual_multiplier: Option<f32>,
+    #[serde(default)]
+    pub attention_multiplier: Option<f32>,
+    #[serde(default)]
+    pub logits_scaling: Option<f32>,
+    /// SmolLM3: per layer, 1 where it uses RoPE and 0 where it does not.
+    #[serde(default)]
+    pub no_rope_layers: Option<Vec<u8>>,
+    #[serde(default)]
+    pub no_rope_layer_interval: Option<usize>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -365,7 +476,22 @@ impl HfConfig {
             context_length: self.max_position_embeddings,
             tie_embeddings: self.tie_word_embeddings,
             qkv_bias: self.attention_bias.unwrap_or(arch == Arch::Qwen2),
-            block: Block::llama(),
+            block: Block {
+                qk_norm: matches!(arch, Arch::Qwen3 | Arch::Olmo2),
+                qk_norm_whole: arch == Arch::Olmo2,
+                pre_norms: arch != Arch::Olmo2,
+                post_norms: arch == Arch::Olmo2,
+                embed_scale: self.embedding_multiplier.unwrap_or(1.0),
+                residual_scale: self.residual_multiplier.unwrap_or(1.0),
+                attention_scale: self.attention_multiplier,
+                logit_scale: self.logits_scaling.unwrap_or(1.0),
+                no_rope_every: no_rope_every(
+                    self.no_rope_layers.as_deref(),
+                    self.no_rope_layer_interval,
+                    self.num_hidden_layers,
+                )?,
+                ..Block::llama()
+            },
         };
         if arch == Arch::Gemma3 {
             return Err(ModelError::Config(
@@ -375,6 +501,31 @@ impl HfConfig {
         cfg.validate()?;
         Ok(cfg)
     }
+}
+
+/// SmolLM3's NoPE layers as a period: `layers` (1 = RoPE, 0 = none) must
+/// be the pattern of every `interval`-th layer without RoPE, the only one
+/// the forward knows.
+fn no_rope_every(layers: Option<&[u8]>, interval: Option<usize>, n: usize) -> Result<usize> {
+    let Some(layers) = layers else {
+        return Ok(0);
+    };
+    if layers.iter().all(|&r| r != 0) {
+        return Ok(0);
+    }
+    let every = interval.unwrap_or(4);
+    let regular = layers.len() == n
+        && every > 0
+        && layers
+            .iter()
+            .enumerate()
+            .all(|(l, &r)| (r == 0) == (l + 1).is_multiple_of(every));
+    if !regular {
+        return Err(ModelError::Config(format!(
+            "no_rope_layers {layers:?} is not every {every}th layer without RoPE, the only NoPE pattern supported"
+        )));
+    }
+    Ok(every)
 }
 
 #[cfg(test)]
@@ -400,6 +551,60 @@ mod tests {
             qkv_bias: false,
             block: Block::llama(),
         }
+    }
+
+    /// `config.json` switches of the new families: Granite's four
+    /// multipliers, SmolLM3's NoPE layers (only the every-n-th pattern),
+    /// Qwen3's q/k norms; an architecture Tessera lacks names what it
+    /// needs.
+    #[test]
+    fn hugging_face_configs_set_the_family_switches() {
+        let parse = |extra: &str| -> Result<ModelConfig> {
+            let json = format!(
+                r#"{{"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+                    "num_hidden_layers": 8, "num_attention_heads": 2{extra}}}"#
+            );
+            serde_json::from_str::<HfConfig>(&json)
+                .map_err(|e| ModelError::Config(e.to_string()))?
+                .into_config()
+        };
+        let g = parse(
+            r#", "model_type": "granite", "embedding_multiplier": 12.0,
+               "residual_multiplier": 0.22, "attention_multiplier": 0.015625, "logits_scaling": 8.0"#,
+        )
+        .unwrap();
+        assert_eq!(g.arch, Arch::Granite);
+        let b = &g.block;
+        assert_eq!(
+            (
+                b.embed_scale,
+                b.residual_scale,
+                b.attention_scale,
+                b.logit_scale
+            ),
+            (12.0, 0.22, Some(0.015625), 8.0)
+        );
+        assert_eq!(g.attention_scale(), 0.015625);
+        assert_eq!(parse("").unwrap().attention_scale(), 0.5);
+        let s = parse(
+            r#", "model_type": "smollm3", "no_rope_layer_interval": 4,
+               "no_rope_layers": [1, 1, 1, 0, 1, 1, 1, 0]"#,
+        )
+        .unwrap();
+        assert_eq!(s.block.no_rope_every, 4);
+        let rope: Vec<bool> = (0..8).map(|l| s.layer_has_rope(l)).collect();
+        assert_eq!(rope, [true, true, true, false, true, true, true, false]);
+        assert!(s.layer_inv_freq(3).iter().all(|&f| f == 0.0));
+        assert_eq!(s.layer_inv_freq(2), s.inv_freq());
+        let odd = parse(r#", "model_type": "smollm3", "no_rope_layers": [1, 0, 1, 1, 1, 1, 1, 1]"#);
+        assert!(matches!(odd, Err(ModelError::Config(m)) if m.contains("NoPE")));
+        let q = parse(r#", "model_type": "qwen3""#).unwrap();
+        assert!(q.block.qk_norm && !q.qkv_bias);
+        let olmo = parse(r#", "model_type": "olmo2""#).unwrap();
+        let b = &olmo.block;
+        assert!(b.qk_norm && b.qk_norm_whole && b.post_norms && !b.pre_norms);
+        let moe = parse(r#", "model_type": "olmoe""#).unwrap_err().to_string();
+        assert!(moe.contains("mixture-of-experts"), "{moe}");
     }
 
     #[test]

@@ -42,14 +42,13 @@ use std::sync::Mutex;
 
 use candle_core::Tensor;
 use tessera_kernels::pool::{split as team_split, Shared, StepPool, Team};
-use tessera_kernels::quant::{encode_row, hadamard64, QBlock, QK, ROT};
+use tessera_kernels::quant::hadamard64;
 use tessera_kernels::{
-    attend_item, cache_geometry, cache_raw, exp_nonpositive, matvec, merge, qmatvec, quantize_row,
-    ActBlock, Activations, AttnInput, AttnPlan, AttnScratch, AttnShape, CacheRaw, Isa, KvRows,
-    Packed, QIsa, RopeStyle, WeightFormat, Weights, GROUP,
+    act_mul, attend_item, cache_geometry, cache_raw, matvec, merge, qmatvec, quantize_row,
+    rms_norm, rms_norm_in_place, rotate_pairs, ActBlock, Activations, AttnInput, AttnPlan,
+    AttnScratch, AttnShape, CacheRaw, Isa, Packed, QIsa, WeightFormat, Weights, GROUP,
 };
 
-use crate::config::Activation;
 use crate::llama::{rope_angles, Batch, LayerKv, Llama};
 use crate::qlinear::QLinear;
 use crate::{ModelError, Result};
@@ -150,11 +149,13 @@ impl Lin {
 }
 
 struct LayerConsts {
-    attn_norm: Vec<f32>,
-    ffn_norm: Vec<f32>,
+    /// The norms before attention and the FFN (none in OLMo 2).
+    attn_norm: Option<Vec<f32>>,
+    ffn_norm: Option<Vec<f32>>,
     /// q, k, v biases (Qwen2), concatenated.
     qkv_bias: Option<Vec<f32>>,
-    /// Gemma 3: q and k head norms, attention and FFN output norms.
+    /// Gemma 3, Qwen3: q and k head norms; OLMo 2: q and k norms over
+    /// all heads. Gemma 3, OLMo 2: attention and FFN output norms.
     q_norm: Option<Vec<f32>>,
     k_norm: Option<Vec<f32>>,
     post_attn: Option<Vec<f32>>,
@@ -203,6 +204,8 @@ pub(crate) struct Fast {
     m: Vec<f32>,
     /// O and down outputs waiting for their post-norm.
     o: Vec<f32>,
+    /// Keys waiting for a norm over all heads (OLMo 2).
+    kraw: Vec<f32>,
     /// RoPE tables, one per distinct frequency set.
     cos: Vec<Vec<f32>>,
     sin: Vec<Vec<f32>>,
@@ -213,6 +216,15 @@ pub(crate) struct Fast {
     /// Per window, the attention plans of the batch's token groups:
     /// `(first, end, plan)`.
     plans: Vec<Vec<(usize, usize, AttnPlan)>>,
+}
+
+/// `x += s·y` (`x += y` for `s` = 1, the same bits without the product).
+fn add_scaled(x: &mut [f32], y: &[f32], s: f32) {
+    if s == 1.0 {
+        x.iter_mut().zip(y).for_each(|(x, &y)| *x += y);
+    } else {
+        x.iter_mut().zip(y).for_each(|(x, &y)| *x += s * y);
+    }
 }
 
 fn vec_of(t: &Tensor) -> Result<Vec<f32>> {
@@ -250,8 +262,8 @@ impl Fast {
                 ));
             };
             layers.push(LayerConsts {
-                attn_norm: vec_of(&l.attn_norm)?,
-                ffn_norm: vec_of(&l.ffn_norm)?,
+                attn_norm: opt(&l.attn_norm)?,
+                ffn_norm: opt(&l.ffn_norm)?,
                 qkv_bias,
                 q_norm: opt(&l.q_norm)?,
                 k_norm: opt(&l.k_norm)?,
@@ -321,6 +333,7 @@ impl Fast {
             a: Vec::new(),
             m: Vec::new(),
             o: Vec::new(),
+            kraw: Vec::new(),
             cos: vec![Vec::new(); m.inv_freqs.len()],
             sin: vec![Vec::new(); m.inv_freqs.len()],
             states: Vec::new(),
@@ -497,67 +510,6 @@ fn check_sliding(b: &Batch, num_blocks: usize, window: usize) -> Result<()> {
     Ok(())
 }
 
-/// candle's `rms_norm`: `x / sqrt(mean(x²) + eps) · w`, the sum of
-/// squares in 16 lanes and a fixed tree; vectorized for the CPU (the same
-/// operations on every instruction set, so the same bits: 16-lane
-/// divisions where the portable build has 4).
-fn rms_norm(isa: Isa, x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
-    match isa {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Isa` values above Portable come from CPU detection.
-        Isa::Avx512 => unsafe { rms_norm_avx512(x, w, eps, out) },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above.
-        Isa::Avx2 => unsafe { rms_norm_avx2(x, w, eps, out) },
-        _ => rms_norm_lanes(x, w, eps, out),
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-unsafe fn rms_norm_avx512(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
-    rms_norm_lanes(x, w, eps, out)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn rms_norm_avx2(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
-    rms_norm_lanes(x, w, eps, out)
-}
-
-#[inline(always)]
-fn rms_norm_lanes(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
-    let mut acc = [0f32; 16];
-    let c = x.chunks_exact(16);
-    let mut tail = 0f32;
-    for &v in c.remainder() {
-        tail += v * v;
-    }
-    for ch in c {
-        for j in 0..16 {
-            acc[j] += ch[j] * ch[j];
-        }
-    }
-    let mut v8 = [0f32; 8];
-    for j in 0..8 {
-        v8[j] = acc[j] + acc[j + 8];
-    }
-    let sum = (v8[0] + v8[4]) + (v8[1] + v8[5]) + ((v8[2] + v8[6]) + (v8[3] + v8[7])) + tail;
-    let m = (sum / x.len() as f32 + eps).sqrt();
-    for ((o, &v), &a) in out.iter_mut().zip(x).zip(w) {
-        *o = v / m * a;
-    }
-}
-
-/// [`rms_norm`] of `x` in place.
-#[inline]
-fn rms_norm_in_place(isa: Isa, x: &mut [f32], w: &[f32], eps: f32, row: &mut Vec<f32>) {
-    grow(row, x.len());
-    let row = &mut row[..x.len()];
-    rms_norm(isa, x, w, eps, row);
-    x.copy_from_slice(row);
-}
-
 /// `h[j] = rms_norm(x[row_j])` for the rows `rows` of `x` (`hidden` wide).
 fn norm_rows(
     isa: Isa,
@@ -579,139 +531,12 @@ fn norm_rows(
     }
 }
 
-/// `v · sigmoid(v)` with `e^(−|v|)` from the kernels' exponential
-/// (branch-free, so that it vectorizes).
-#[inline(always)]
-fn silu(v: f32) -> f32 {
-    let e = exp_nonpositive(-v.abs());
-    let num = if v >= 0.0 { 1.0 } else { e };
-    v * (num / (1.0 + e))
-}
-
-/// GELU, tanh approximation (candle's `gelu`): `v/2 · (1 + tanh(√(2/π) ·
-/// (v + 0.044715 v³)))`, with `tanh(y) = sign(y) · (1 − e^(−2|y|)) / (1 +
-/// e^(−2|y|))` from the kernels' exponential (branch-free, so that it
-/// vectorizes).
-#[inline(always)]
-fn gelu_tanh(v: f32) -> f32 {
-    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
-    let y = SQRT_2_OVER_PI * v * (1.0 + 0.044_715 * v * v);
-    let e = exp_nonpositive(-2.0 * y.abs());
-    let t = ((1.0 - e) / (1.0 + e)).copysign(y);
-    0.5 * v * (1.0 + t)
-}
-
-#[inline(always)]
-fn act_mul_lanes(act: Activation, g: &[f32], u: &[f32], out: &mut [f32]) {
-    match act {
-        Activation::Silu => {
-            for ((o, &g), &u) in out.iter_mut().zip(g).zip(u) {
-                *o = silu(g) * u;
-            }
-        }
-        Activation::GeluTanh => {
-            for ((o, &g), &u) in out.iter_mut().zip(g).zip(u) {
-                *o = gelu_tanh(g) * u;
-            }
-        }
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-unsafe fn act_mul_avx512(act: Activation, g: &[f32], u: &[f32], out: &mut [f32]) {
-    act_mul_lanes(act, g, u, out)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn act_mul_avx2(act: Activation, g: &[f32], u: &[f32], out: &mut [f32]) {
-    act_mul_lanes(act, g, u, out)
-}
-
-/// `out[j] = act(g[j]) · u[j]`, vectorized for the CPU (the same
-/// operations on every instruction set, so the same bits).
-fn act_mul(isa: Isa, act: Activation, g: &[f32], u: &[f32], out: &mut [f32]) {
-    match isa {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Isa` values above Portable come from CPU detection.
-        Isa::Avx512 => unsafe { act_mul_avx512(act, g, u, out) },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above.
-        Isa::Avx2 => unsafe { act_mul_avx2(act, g, u, out) },
-        _ => act_mul_lanes(act, g, u, out),
-    }
-}
-
-/// Rotates one head in place (candle's `rope_i` / `rope` arithmetic).
-#[inline]
-fn rope(style: RopeStyle, x: &mut [f32], cos: &[f32], sin: &[f32]) {
-    let half = cos.len();
-    match style {
-        RopeStyle::Interleaved => {
-            for i in 0..half {
-                let (a, b) = (x[2 * i], x[2 * i + 1]);
-                x[2 * i] = a * cos[i] - b * sin[i];
-                x[2 * i + 1] = a * sin[i] + b * cos[i];
-            }
-        }
-        RopeStyle::Neox => {
-            for i in 0..half {
-                let (a, b) = (x[i], x[i + half]);
-                x[i] = a * cos[i] - b * sin[i];
-                x[i + half] = a * sin[i] + b * cos[i];
-            }
-        }
-    }
-}
-
-/// Stores one head row of K or V into the cache.
-///
-/// # Safety
-/// `at + src.len()` is within the cache, and no other worker touches that
-/// row until the next barrier.
-unsafe fn store_row(cache: CacheRaw, at: usize, src: &[f32]) {
-    match cache {
-        CacheRaw::F32(p, len) => {
-            assert!(at + src.len() <= len);
-            std::slice::from_raw_parts_mut(p.add(at), src.len()).copy_from_slice(src);
-        }
-        CacheRaw::F16(p, len) => {
-            assert!(at + src.len() <= len);
-            let dst = std::slice::from_raw_parts_mut(p.add(at) as *mut half::f16, src.len());
-            half::slice::HalfFloatSliceExt::convert_from_f32_slice(dst, src);
-        }
-        CacheRaw::Bf16(p, len) => {
-            assert!(at + src.len() <= len);
-            let dst = std::slice::from_raw_parts_mut(p.add(at) as *mut half::bf16, src.len());
-            half::slice::HalfFloatSliceExt::convert_from_f32_slice(dst, src);
-        }
-        CacheRaw::Q8_0(p, len) => store_blocks(p, len, at, src),
-        CacheRaw::Q4_0(p, len) => store_blocks(p, len, at, src),
-    }
-}
-
-/// [`store_row`] into a quantized cache of `len` blocks at `p`: a head row
-/// is whole rotations of 64 values (head_dim is a multiple of 64), rotated,
-/// then quantized.
-///
-/// # Safety
-/// As [`store_row`].
-unsafe fn store_blocks<B: QBlock>(p: *mut B, len: usize, at: usize, src: &[f32]) {
-    let (b, n) = (at / QK, src.len() / QK);
-    assert!(at.is_multiple_of(QK) && src.len().is_multiple_of(ROT) && b + n <= len);
-    encode_row(src, std::slice::from_raw_parts_mut(p.add(b), n));
-}
-
-/// # Safety
-/// No worker writes the cache until the next barrier.
-unsafe fn rows_of(cache: CacheRaw) -> KvRows<'static> {
-    match cache {
-        CacheRaw::F32(p, n) => KvRows::F32(std::slice::from_raw_parts(p, n)),
-        CacheRaw::F16(p, n) => KvRows::F16(std::slice::from_raw_parts(p, n)),
-        CacheRaw::Bf16(p, n) => KvRows::Bf16(std::slice::from_raw_parts(p, n)),
-        CacheRaw::Q8_0(p, n) => KvRows::Q8_0(std::slice::from_raw_parts(p, n)),
-        CacheRaw::Q4_0(p, n) => KvRows::Q4_0(std::slice::from_raw_parts(p, n)),
+/// `h = rmsnorm(x)` for the `t` rows of `x` (all of it), or `h = x` in a
+/// block without pre-norms.
+fn pre_norm(isa: Isa, x: &[f32], t: usize, w: &Option<Vec<f32>>, eps: f32, h: &mut [f32]) {
+    match w {
+        Some(w) => norm_rows(isa, x, 0..t, w, eps, h),
+        None => h[..x.len()].copy_from_slice(x),
     }
 }
 
@@ -791,6 +616,10 @@ impl Llama {
         if post {
             grow(&mut fast.o, t * hidden);
         }
+        let whole = cfg.block.qk_norm && cfg.block.qk_norm_whole;
+        if whole {
+            grow(&mut fast.kraw, t * kvh * hd);
+        }
         for ((c, s), f) in fast.cos.iter_mut().zip(&mut fast.sin).zip(&self.inv_freqs) {
             grow(c, t * half);
             grow(s, t * half);
@@ -802,7 +631,10 @@ impl Llama {
             let widest = hidden.max(ffn).max(nh * hd);
             grow(&mut fast.qx, t.max(picks) * widest / 32);
         }
-        let shape = AttnShape::new(nh, kvh, hd, bs);
+        let shape = AttnShape {
+            scale: cfg.attention_scale(),
+            ..AttnShape::new(nh, kvh, hd, bs)
+        };
         let shapes: Vec<AttnShape> = fast.windows.iter().map(|&w| shape.with_window(w)).collect();
         // Tokens in groups whose partial states fit the budget (a long
         // prefill deep in a context would otherwise hold one state per
@@ -869,7 +701,12 @@ impl Llama {
         let a = Shared::new(&mut fast.a[..t * nh * hd]);
         let m = Shared::new(&mut fast.m[..t * ffn]);
         let ob = Shared::new(&mut fast.o[..if post { t * hidden } else { 0 }]);
+        let kraw = Shared::new(&mut fast.kraw[..if whole { t * kvh * hd } else { 0 }]);
         let act = cfg.block.activation;
+        // Granite's residual scale, and the reciprocal its logits are
+        // multiplied by (1 elsewhere: no product is taken then).
+        let rs = cfg.block.residual_scale;
+        let inv_logit = 1.0 / cfg.block.logit_scale;
         let states = Shared::new(&mut fast.states[..]);
         let logits = Shared::new(&mut fast.logits[..picks * vocab]);
         let qx = Shared::new(&mut fast.qx[..]);
@@ -922,9 +759,8 @@ impl Llama {
                 let Some(pn) = post else {
                     lin.apply(isa, &w[which], y, qy, t, rows, deq, &mut |i, r, v| {
                         let at = i * hidden + r;
-                        for (xv, &v) in unsafe { x.part(at, at + v.len()) }.iter_mut().zip(v) {
-                            *xv += v;
-                        }
+                        let xr = unsafe { x.part(at, at + v.len()) };
+                        add_scaled(xr, v, rs);
                     });
                     return;
                 };
@@ -939,9 +775,7 @@ impl Llama {
                     let o = unsafe { ob.part(i * hidden, (i + 1) * hidden) };
                     rms_norm_in_place(isa.0, o, pn, eps, row);
                     let xr = unsafe { x.part(i * hidden, (i + 1) * hidden) };
-                    for (xv, &ov) in xr.iter_mut().zip(o.iter()) {
-                        *xv += ov;
-                    }
+                    add_scaled(xr, o, rs);
                 }
             };
             for (l, (lc, w)) in layers.iter().zip(&weights).enumerate() {
@@ -953,7 +787,7 @@ impl Llama {
                 // SAFETY (all `Shared` accesses below): each phase writes
                 // disjoint ranges (split by worker or by item), and phases
                 // that read what another wrote are separated by barriers.
-                norm_rows(isa.0, unsafe { x.all() }, 0..t, &lc.attn_norm, eps, h);
+                pre_norm(isa.0, unsafe { x.all() }, t, &lc.attn_norm, eps, h);
                 let qh = quantize(
                     team,
                     packed(lc, &[0, 1, 2]),
@@ -964,6 +798,34 @@ impl Llama {
                     qown,
                     &qx,
                 );
+                // A q, k or v head row of token i, normed: RoPE, then to
+                // the query buffer (rotated against a quantized cache's
+                // keys; `in_q`: the row is already its place there) or the
+                // cache slot.
+                let finish = |which: usize, head: usize, i: usize, row: &mut [f32], in_q: bool| {
+                    if which < 2 {
+                        rotate_pairs(
+                            style,
+                            row,
+                            &cos[i * half..(i + 1) * half],
+                            &sin[i * half..(i + 1) * half],
+                        );
+                    }
+                    let slot = slots[i] as usize;
+                    match which {
+                        0 => unsafe {
+                            if rotated {
+                                hadamard64(row);
+                            }
+                            if !in_q {
+                                let at = (i * nh + head) * hd;
+                                q.part(at, at + hd).copy_from_slice(row);
+                            }
+                        },
+                        1 => unsafe { ck.store_row((slot * kvh + head) * hd, row) },
+                        _ => unsafe { cv.store_row((slot * kvh + head) * hd, row) },
+                    }
+                };
                 let (u0, u1) = team.share(units);
                 for u in u0..u1 {
                     let (which, head) = if u < nh {
@@ -993,30 +855,38 @@ impl Llama {
                                 *v += bb;
                             }
                         }
-                        let head_norm = [&lc.q_norm, &lc.k_norm, &None][which];
-                        if let Some(wn) = head_norm {
-                            rms_norm_in_place(isa.0, row, wn, eps, nrow);
+                        if whole && which < 2 {
+                            // Normed over all heads below, once every
+                            // head of the token is here.
+                            let (buf, n) = if which == 0 { (&q, nh) } else { (&kraw, kvh) };
+                            unsafe { buf.part((i * n + head) * hd, (i * n + head + 1) * hd) }
+                                .copy_from_slice(row);
+                            continue;
                         }
-                        if which < 2 {
-                            rope(
-                                style,
-                                row,
-                                &cos[i * half..(i + 1) * half],
-                                &sin[i * half..(i + 1) * half],
-                            );
+                        if !whole {
+                            let head_norm = [&lc.q_norm, &lc.k_norm, &None][which];
+                            if let Some(wn) = head_norm {
+                                rms_norm_in_place(isa.0, row, wn, eps, nrow);
+                            }
                         }
-                        let slot = slots[i] as usize;
-                        match which {
-                            0 => unsafe {
-                                // Against a quantized cache's rotated keys.
-                                if rotated {
-                                    hadamard64(row);
-                                }
-                                q.part((i * nh + head) * hd, (i * nh + head + 1) * hd)
-                                    .copy_from_slice(row)
-                            },
-                            1 => unsafe { store_row(ck, (slot * kvh + head) * hd, row) },
-                            _ => unsafe { store_row(cv, (slot * kvh + head) * hd, row) },
+                        finish(which, head, i, row, false);
+                    }
+                }
+                if whole {
+                    // OLMo 2: each token's q and k normed whole, then
+                    // rotated and stored head by head.
+                    team.barrier();
+                    let (i0, i1) = team.share(t);
+                    for i in i0..i1 {
+                        for (which, buf, n) in [(0, &q, nh), (1, &kraw, kvh)] {
+                            // SAFETY: token i's rows are this worker's alone.
+                            let all = unsafe { buf.part(i * n * hd, (i + 1) * n * hd) };
+                            if let Some(wn) = [&lc.q_norm, &lc.k_norm][which] {
+                                rms_norm_in_place(isa.0, all, wn, eps, nrow);
+                            }
+                            for (head, row) in all.chunks_exact_mut(hd).enumerate() {
+                                finish(which, head, i, row, which == 0);
+                            }
                         }
                     }
                 }
@@ -1032,8 +902,8 @@ impl Llama {
                         token_seq: &batch.token_seq[g0..g1],
                         block_tables: tables,
                         max_blocks: batch.max_blocks,
-                        k: unsafe { rows_of(ck) },
-                        v: unsafe { rows_of(cv) },
+                        k: unsafe { ck.rows() },
+                        v: unsafe { cv.rows() },
                     };
                     // Each worker takes the items of its own run of the
                     // plan in order (consecutive chunks of a sequence,
@@ -1105,7 +975,7 @@ impl Llama {
                 let qa = quantize(team, packed(lc, &[3]), levels, av, t, nh * hd, qown, &qx);
                 residual(lc, w, 3, (av, qa), &lc.post_attn, deq, nrow);
                 team.barrier();
-                norm_rows(isa.0, unsafe { x.all() }, 0..t, &lc.ffn_norm, eps, h);
+                pre_norm(isa.0, unsafe { x.all() }, t, &lc.ffn_norm, eps, h);
                 let qh = quantize(team, packed(lc, &[4, 5]), levels, h, t, hidden, qown, &qx);
                 let (f0, f1) = share_rows(team, ffn);
                 let mut r = f0;
@@ -1139,7 +1009,11 @@ impl Llama {
                 let rows = share_rows(team, vocab);
                 head_lin.apply(isa, &head, h, qh, picks, rows, deq, &mut |i, r, v| {
                     let at = i * vocab + r;
-                    unsafe { logits.part(at, at + v.len()) }.copy_from_slice(v)
+                    let out = unsafe { logits.part(at, at + v.len()) };
+                    out.copy_from_slice(v);
+                    if inv_logit != 1.0 {
+                        out.iter_mut().for_each(|l| *l *= inv_logit);
+                    }
                 });
             }
         };

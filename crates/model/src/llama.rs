@@ -22,18 +22,20 @@ use crate::qlinear::{Proj, QLinear};
 use crate::Result;
 
 pub(crate) struct Layer {
-    pub(crate) attn_norm: Tensor,
+    /// The norms before attention and the FFN (none in OLMo 2).
+    pub(crate) attn_norm: Option<Tensor>,
     /// q, k and v (stacked into one weight on a GPU).
     pub(crate) qkv: Proj<3>,
     pub(crate) q_bias: Option<Tensor>,
     pub(crate) k_bias: Option<Tensor>,
     pub(crate) v_bias: Option<Tensor>,
     pub(crate) o: QLinear,
-    pub(crate) ffn_norm: Tensor,
+    pub(crate) ffn_norm: Option<Tensor>,
     /// The gate and up projections (stacked on a GPU).
     pub(crate) gate_up: Proj<2>,
     pub(crate) down: QLinear,
-    /// Gemma 3's norms (`Block::qk_norm`, `Block::post_norms`).
+    /// Gemma 3's, Qwen3's and OLMo 2's norms (`Block::qk_norm`,
+    /// `Block::post_norms`): per head, or (OLMo 2) over all heads.
     pub(crate) q_norm: Option<Tensor>,
     pub(crate) k_norm: Option<Tensor>,
     pub(crate) post_attn_norm: Option<Tensor>,
@@ -70,6 +72,12 @@ pub struct Llama {
 
 /// Default of [`Llama::set_attention_budget`]: 32 MiB of states.
 const ATTENTION_BUDGET: usize = 8 << 20;
+
+fn bad_split(what: &str) -> crate::ModelError {
+    crate::ModelError::Config(format!(
+        "the fused {what} tensor did not split in its parts"
+    ))
+}
 
 /// `cos`/`sin` of each position's RoPE angles, `[positions, inv_freq]`
 /// row-major (the reference and the fast path share them).
@@ -286,23 +294,39 @@ impl Llama {
                 })
             };
             let bias = |src: &mut Source, w: W| maybe(src, cfg.qkv_bias, w);
-            let (qk, post) = (cfg.block.qk_norm, cfg.block.post_norms);
-            layers.push(Layer {
-                attn_norm: src.vector(W::AttnNorm(l), device)?,
-                qkv: Proj::new([
+            let (qk, post, pre) = (cfg.block.qk_norm, cfg.block.post_norms, cfg.block.pre_norms);
+            // Phi-3 stores q/k/v, and gate/up, as one tensor each: split
+            // by rows here, so the forward sees the same projections.
+            let (q_rows, kv_rows) = (cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim);
+            let [q, k, v] = if src.has(W::Qkv(l)) {
+                let parts = src.matmul_split(W::Qkv(l), &[q_rows, kv_rows, kv_rows], device)?;
+                <[QLinear; 3]>::try_from(parts).map_err(|_| bad_split("attn_qkv"))?
+            } else {
+                [
                     src.matmul(W::Q(l), device)?,
                     src.matmul(W::K(l), device)?,
                     src.matmul(W::V(l), device)?,
-                ])?,
+                ]
+            };
+            let ffn = cfg.intermediate_size;
+            let [gate, up] = if !src.has(W::Gate(l)) && src.has(W::GateUp(l)) {
+                let parts = src.matmul_split(W::GateUp(l), &[ffn, ffn], device)?;
+                <[QLinear; 2]>::try_from(parts).map_err(|_| bad_split("gate/up"))?
+            } else {
+                [
+                    src.matmul(W::Gate(l), device)?,
+                    src.matmul(W::Up(l), device)?,
+                ]
+            };
+            layers.push(Layer {
+                attn_norm: maybe(src, pre, W::AttnNorm(l))?,
+                qkv: Proj::new([q, k, v])?,
                 q_bias: bias(src, W::QBias(l))?,
                 k_bias: bias(src, W::KBias(l))?,
                 v_bias: bias(src, W::VBias(l))?,
                 o: src.matmul(W::O(l), device)?,
-                ffn_norm: src.vector(W::FfnNorm(l), device)?,
-                gate_up: Proj::new([
-                    src.matmul(W::Gate(l), device)?,
-                    src.matmul(W::Up(l), device)?,
-                ])?,
+                ffn_norm: maybe(src, pre, W::FfnNorm(l))?,
+                gate_up: Proj::new([gate, up])?,
                 down: src.matmul(W::Down(l), device)?,
                 q_norm: maybe(src, qk, W::QNorm(l))?,
                 k_norm: maybe(src, qk, W::KNorm(l))?,
@@ -422,7 +446,7 @@ impl Llama {
     }
 
     fn scale(&self) -> f32 {
-        1.0 / (self.cfg.head_dim as f32).sqrt()
+        self.cfg.attention_scale()
     }
 
     /// Logits `[logits_for.len(), vocab]` (f32) for a batch over the paged
@@ -578,26 +602,49 @@ impl Llama {
                 None => x.clone(),
             })
         };
+        // A block's output as its residual add takes it: normed where the
+        // block has a post-norm, scaled where it has a residual scale.
+        let rs = cfg.block.residual_scale;
+        let out = |y: &Tensor, w: &Option<Tensor>| -> Result<Tensor> {
+            let y = norm(y, w)?;
+            Ok(if rs == 1.0 { y } else { (y * rs as f64)? })
+        };
         for (l, layer) in self.layers.iter().enumerate() {
             let (cos, sin) = &tables[self.layer_rope[l]];
-            let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, eps)?;
+            let h = norm(&x, &layer.attn_norm)?;
             let [q, k, v] = layer.qkv.forward(&h)?;
-            let q = add_bias(q, layer.q_bias.as_ref())?.reshape((t, nh, hd))?;
-            let k = add_bias(k, layer.k_bias.as_ref())?.reshape((t, kvh, hd))?;
+            let (q, k) = (
+                add_bias(q, layer.q_bias.as_ref())?,
+                add_bias(k, layer.k_bias.as_ref())?,
+            );
+            // q/k norms over each head, or (OLMo 2) over the whole row.
+            let whole = cfg.block.qk_norm_whole;
+            let (q, k) = if whole {
+                (norm(&q, &layer.q_norm)?, norm(&k, &layer.k_norm)?)
+            } else {
+                (q, k)
+            };
+            let q = q.reshape((t, nh, hd))?;
+            let k = k.reshape((t, kvh, hd))?;
             let v = add_bias(v, layer.v_bias.as_ref())?.reshape((t, kvh, hd))?;
-            let q = self.rope(&norm(&q, &layer.q_norm)?, cos, sin)?;
-            let k = self.rope(&norm(&k, &layer.k_norm)?, cos, sin)?;
+            let (q, k) = if whole {
+                (q, k)
+            } else {
+                (norm(&q, &layer.q_norm)?, norm(&k, &layer.k_norm)?)
+            };
+            let q = self.rope(&q, cos, sin)?;
+            let k = self.rope(&k, cos, sin)?;
             let a = attn.attend(l, &q, &k, &v.contiguous()?)?;
             let o = layer.o.forward(&a.reshape((t, nh * hd))?)?;
-            x = (x + norm(&o, &layer.post_attn_norm)?)?;
-            let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, eps)?;
+            x = (x + out(&o, &layer.post_attn_norm)?)?;
+            let h = norm(&x, &layer.ffn_norm)?;
             let [g, u] = layer.gate_up.forward(&h)?;
             let g = match cfg.block.activation {
                 Activation::Silu => g.silu()?,
                 Activation::GeluTanh => g.gelu()?,
             };
             let d = layer.down.forward(&(g * u)?)?;
-            x = (x + norm(&d, &layer.post_ffn_norm)?)?;
+            x = (x + out(&d, &layer.post_ffn_norm)?)?;
         }
         if picks.dim(0)? == 0 {
             return Ok(Tensor::zeros(
@@ -608,7 +655,11 @@ impl Llama {
         }
         let x = x.index_select(picks, 0)?;
         let x = candle_nn::ops::rms_norm(&x, &self.norm, eps)?;
-        Ok(self.lm_head.forward(&x)?.to_dtype(DType::F32)?)
+        let logits = self.lm_head.forward(&x)?.to_dtype(DType::F32)?;
+        Ok(match cfg.block.logit_scale {
+            1.0 => logits,
+            s => (logits * (1.0 / s) as f64)?,
+        })
     }
 
     /// Argmax of a logits row.

@@ -14,7 +14,6 @@ use candle_core::{DType, Device, Tensor};
 use crate::config::{Activation, Arch, Block, HfConfig, ModelConfig, RopeScaling};
 use crate::qlinear::QLinear;
 use crate::{ModelError, Result};
-use tessera_kernels::RopeStyle;
 
 /// A named weight of the Llama family.
 #[derive(Debug, Clone, Copy)]
@@ -40,6 +39,10 @@ pub(crate) enum W {
     /// Gemma 3: RMSNorm of the attention and FFN outputs.
     PostAttnNorm(usize),
     PostFfnNorm(usize),
+    /// Phi-3: q, k and v in one tensor (their rows one after another).
+    Qkv(usize),
+    /// Phi-3: gate and up in one tensor (GGUF: `ffn_up`, twice as tall).
+    GateUp(usize),
 }
 
 impl W {
@@ -64,6 +67,8 @@ impl W {
             W::KNorm(l) => format!("blk.{l}.attn_k_norm.weight"),
             W::PostAttnNorm(l) => format!("blk.{l}.post_attention_norm.weight"),
             W::PostFfnNorm(l) => format!("blk.{l}.post_ffw_norm.weight"),
+            W::Qkv(l) => format!("blk.{l}.attn_qkv.weight"),
+            W::GateUp(l) => format!("blk.{l}.ffn_up.weight"),
         }
     }
 
@@ -89,6 +94,8 @@ impl W {
             W::KNorm(l) => p(l, "self_attn.k_norm.weight"),
             W::PostAttnNorm(l) => p(l, "post_attention_layernorm.weight"),
             W::PostFfnNorm(l) => p(l, "post_feedforward_layernorm.weight"),
+            W::Qkv(l) => p(l, "self_attn.qkv_proj.weight"),
+            W::GateUp(l) => p(l, "mlp.gate_up_proj.weight"),
         }
     }
 }
@@ -320,13 +327,7 @@ impl GgufFile {
                 .unwrap_or(1e-5) as f64,
             rope_theta: self.meta_f32(&k("rope.freq_base")).unwrap_or(10_000.0),
             rope_scaling,
-            // llama.cpp: LLM_ARCH_LLAMA / MISTRAL use LLAMA_ROPE_TYPE_NORM
-            // (adjacent pairs; the converter permuted Q/K), QWEN2 and
-            // GEMMA3 use NEOX.
-            rope_style: match arch {
-                Arch::Llama | Arch::Mistral => RopeStyle::Interleaved,
-                Arch::Qwen2 | Arch::Gemma3 => RopeStyle::Neox,
-            },
+            rope_style: arch.gguf_rope_style(),
             context_length: self
                 .meta_u32(&k("context_length"))
                 .map(|v| v as usize)
@@ -344,11 +345,71 @@ impl GgufFile {
                     embed_scale: (hidden as f32).sqrt(),
                     sliding_window: self.meta_u32(&k("attention.sliding_window"))? as usize,
                     swa_pattern: 6,
-                    rope_theta_swa: 10_000.0,
+                    ..Block::llama()
                 },
-                _ => Block::llama(),
+                // Qwen3: Qwen2's block without biases, each q and k head
+                // RMS-normed before RoPE.
+                Arch::Qwen3 => Block {
+                    qk_norm: true,
+                    ..Block::llama()
+                },
+                // llama.cpp's granite graph: embeddings times
+                // `embedding_scale`, attention and FFN outputs times
+                // `residual_scale` before their adds, scores times
+                // `attention.scale`, logits times 1/`logit_scale` (each
+                // optional but the last).
+                Arch::Granite => Block {
+                    embed_scale: self.meta_f32(&k("embedding_scale")).unwrap_or(1.0),
+                    residual_scale: self.meta_f32(&k("residual_scale")).unwrap_or(1.0),
+                    attention_scale: self.meta_f32(&k("attention.scale")).filter(|&s| s != 0.0),
+                    logit_scale: self.meta_f32(&k("logit_scale")).ok_or_else(|| {
+                        ModelError::Config(format!("{} is missing", k("logit_scale")))
+                    })?,
+                    ..Block::llama()
+                },
+                // SmolLM3: every fourth layer without RoPE (llama.cpp sets
+                // `n_no_rope_layer_step = 4` for the architecture).
+                Arch::SmolLM3 => Block {
+                    no_rope_every: 4,
+                    ..Block::llama()
+                },
+                // Phi-3: the Llama block with fused projections (split
+                // at load). llama.cpp leaves its sliding window off
+                // ("Phi SWA is currently disabled"), and so does Tessera,
+                // to compute what it computes.
+                Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Phi3 => Block::llama(),
+                // llama.cpp's olmo2 graph: no norm before attention or the
+                // FFN; q and k each RMS-normed whole (every head at once)
+                // before RoPE; the attention and FFN outputs normed before
+                // their residual adds.
+                Arch::Olmo2 => Block {
+                    qk_norm: true,
+                    qk_norm_whole: true,
+                    pre_norms: false,
+                    post_norms: true,
+                    ..Block::llama()
+                },
             },
         };
+        if arch == Arch::Olmo2
+            && self
+                .meta_u32(&k("attention.sliding_window"))
+                .is_ok_and(|w| w > 0)
+        {
+            return Err(ModelError::Config(
+                "this OLMo file has sliding-window layers (OLMo 3), which Tessera does not run yet"
+                    .into(),
+            ));
+        }
+        if arch == Arch::Phi3
+            && ["rope_factors_long.weight", "rope_factors_short.weight"]
+                .iter()
+                .any(|t| self.content.tensor_infos.contains_key(*t))
+        {
+            return Err(ModelError::Config(
+                "this Phi-3 file has LongRoPE factors (a 128k-context variant), which Tessera does not apply yet".into(),
+            ));
+        }
         cfg.validate()?;
         Ok(cfg)
     }
@@ -480,6 +541,90 @@ impl Source<'_> {
                     t.to_dtype(DType::F32)?
                 };
                 Ok(QLinear::Dense(t.to_device(device)?))
+            }
+        }
+    }
+
+    /// A projection stored with others in one tensor (Phi-3's q/k/v and
+    /// gate/up), split by rows into `rows.len()` projections of `rows[i]`
+    /// rows each, every one as [`matmul`](Self::matmul) keeps it: a GGUF
+    /// tensor's rows are whole blocks one after another, so each part is
+    /// its bytes, unchanged.
+    pub fn matmul_split(&mut self, w: W, rows: &[usize], device: &Device) -> Result<Vec<QLinear>> {
+        if !self.has(w) {
+            return Err(ModelError::Missing(format!("tensor {}", self.name(w))));
+        }
+        let name = self.name(w);
+        let total: usize = rows.iter().sum();
+        let bad = |dims: &[usize]| {
+            ModelError::Config(format!(
+                "tensor {name} has shape {dims:?}: expected {total} rows to split as {rows:?}"
+            ))
+        };
+        match self {
+            Source::Gguf(g) => {
+                let q = g.qtensor(&name, &Device::Cpu)?;
+                let dims = q.shape().dims().to_vec();
+                let [n, k] = dims[..] else {
+                    return Err(bad(&dims));
+                };
+                if n != total {
+                    return Err(bad(&dims));
+                }
+                let dtype = q.dtype();
+                let float = matches!(dtype, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16);
+                if float && !device.is_cpu() {
+                    let t = q.dequantize(&Device::Cpu)?;
+                    let mut at = 0;
+                    return rows
+                        .iter()
+                        .map(|&r| {
+                            let part = t.narrow(0, at, r)?.to_device(device)?;
+                            at += r;
+                            Ok(QLinear::Dense(part))
+                        })
+                        .collect();
+                }
+                if device.is_cuda() {
+                    exact_cuda_matmul();
+                }
+                let row_bytes = k / dtype.block_size() * dtype.type_size();
+                let data = q.data()?;
+                let mut at = 0;
+                rows.iter()
+                    .map(|&r| {
+                        let bytes = &data[at * row_bytes..(at + r) * row_bytes];
+                        at += r;
+                        let part = candle_core::quantized::ggml_file::qtensor_from_ggml(
+                            dtype,
+                            bytes,
+                            vec![r, k],
+                            device,
+                        )?;
+                        Ok(QLinear::Quantized(Arc::new(part)))
+                    })
+                    .collect()
+            }
+            Source::Hf(h) => {
+                let t = h.tensor(&name)?;
+                let dims = t.dims().to_vec();
+                if dims.len() != 2 || dims[0] != total {
+                    return Err(bad(&dims));
+                }
+                let half = matches!(t.dtype(), DType::F16 | DType::BF16);
+                let mut at = 0;
+                rows.iter()
+                    .map(|&r| {
+                        let part = t.narrow(0, at, r)?;
+                        at += r;
+                        let part = if half && !device.is_cpu() {
+                            part.contiguous()?
+                        } else {
+                            part.to_dtype(DType::F32)?.contiguous()?
+                        };
+                        Ok(QLinear::Dense(part.to_device(device)?))
+                    })
+                    .collect()
             }
         }
     }

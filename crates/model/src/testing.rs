@@ -223,10 +223,15 @@ pub const TINY_WINDOW: usize = 5;
 /// way llama.cpp's converter does: Q and K rows permuted from Hugging Face's
 /// half-split RoPE layout to adjacent pairs, weights stored as `dtype`, the
 /// tokenizer as `tokenizer.ggml.*` metadata. `arch` is written as
-/// `general.architecture` (tests use an unsupported one too). With
-/// `"gemma3"`, Q and K stay in the half-split layout (NEOX, as llama.cpp
-/// runs Gemma), and the file gets Gemma's q/k norms and post-norms (seeded
-/// weights near 1) and a sliding window of [`TINY_WINDOW`].
+/// `general.architecture` (tests use an unsupported one too). For the
+/// families llama.cpp runs with NEOX RoPE (Qwen, Gemma) Q and K stay in the
+/// half-split layout. `"gemma3"` files get Gemma's q/k norms and
+/// post-norms (seeded weights near 1) and a sliding window of
+/// [`TINY_WINDOW`]; `"qwen3"` files q/k norms; `"granite"` files its four
+/// scales (none of them 1); `"phi3"` files fused `attn_qkv` and a
+/// gate-and-up `ffn_up`; `"olmo2"` files no pre-norms, whole-row q/k norms
+/// and post-norms; `"smollm3"` needs nothing more (its NoPE layers
+/// come with the architecture).
 pub fn write_tiny_gguf(
     hf_dir: &Path,
     out: &Path,
@@ -259,8 +264,10 @@ pub fn write_tiny_gguf(
             .reshape((rows, cols))?)
     };
     let gemma = arch == "gemma3";
+    let neox = crate::Arch::parse(arch)
+        .is_ok_and(|a| a.gguf_rope_style() == tessera_kernels::RopeStyle::Neox);
     let permute = |t: &Tensor, n: usize| -> Result<Tensor> {
-        if gemma {
+        if neox {
             Ok(t.clone())
         } else {
             permute(t, n)
@@ -292,34 +299,52 @@ pub fn write_tiny_gguf(
     for l in 0..layers {
         let p = |n: &str| format!("model.layers.{l}.{n}");
         let g = |n: &str| format!("blk.{l}.{n}");
-        put(
-            g("attn_norm.weight"),
-            hf(&p("input_layernorm.weight"))?,
-            false,
-        )?;
-        put(
-            g("ffn_norm.weight"),
-            hf(&p("post_attention_layernorm.weight"))?,
-            false,
-        )?;
-        put(
-            g("attn_q.weight"),
-            permute(&hf(&p("self_attn.q_proj.weight"))?, heads)?,
-            true,
-        )?;
-        put(
-            g("attn_k.weight"),
-            permute(&hf(&p("self_attn.k_proj.weight"))?, kv_heads)?,
-            true,
-        )?;
-        put(g("attn_v.weight"), hf(&p("self_attn.v_proj.weight"))?, true)?;
+        if arch == "olmo2" {
+            // OLMo 2: no pre-norms; q and k normed whole; post-norms.
+            for (name, n) in [
+                ("attn_q_norm.weight", heads * head_dim),
+                ("attn_k_norm.weight", kv_heads * head_dim),
+                ("post_attention_norm.weight", hidden),
+                ("post_ffw_norm.weight", hidden),
+            ] {
+                put(g(name), (seeded(&[n], &mut seed, 0.3)? + 1.0)?, false)?;
+            }
+        } else {
+            put(
+                g("attn_norm.weight"),
+                hf(&p("input_layernorm.weight"))?,
+                false,
+            )?;
+            put(
+                g("ffn_norm.weight"),
+                hf(&p("post_attention_layernorm.weight"))?,
+                false,
+            )?;
+        }
+        let q = permute(&hf(&p("self_attn.q_proj.weight"))?, heads)?;
+        let k = permute(&hf(&p("self_attn.k_proj.weight"))?, kv_heads)?;
+        let v = hf(&p("self_attn.v_proj.weight"))?;
+        let (gate, up) = (
+            hf(&p("mlp.gate_proj.weight"))?,
+            hf(&p("mlp.up_proj.weight"))?,
+        );
+        if arch == "phi3" {
+            // Phi-3's converter: q/k/v rows in one tensor, gate then up
+            // rows in `ffn_up`.
+            put(g("attn_qkv.weight"), Tensor::cat(&[q, k, v], 0)?, true)?;
+            put(g("ffn_up.weight"), Tensor::cat(&[gate, up], 0)?, true)?;
+        } else {
+            put(g("attn_q.weight"), q, true)?;
+            put(g("attn_k.weight"), k, true)?;
+            put(g("attn_v.weight"), v, true)?;
+            put(g("ffn_gate.weight"), gate, true)?;
+            put(g("ffn_up.weight"), up, true)?;
+        }
         put(
             g("attn_output.weight"),
             hf(&p("self_attn.o_proj.weight"))?,
             true,
         )?;
-        put(g("ffn_gate.weight"), hf(&p("mlp.gate_proj.weight"))?, true)?;
-        put(g("ffn_up.weight"), hf(&p("mlp.up_proj.weight"))?, true)?;
         put(g("ffn_down.weight"), hf(&p("mlp.down_proj.weight"))?, true)?;
         if gemma {
             for (name, n) in [
@@ -329,6 +354,15 @@ pub fn write_tiny_gguf(
                 ("post_ffw_norm.weight", hidden),
             ] {
                 put(g(name), (seeded(&[n], &mut seed, 0.3)? + 1.0)?, false)?;
+            }
+        }
+        if arch == "qwen3" {
+            for name in ["attn_q_norm.weight", "attn_k_norm.weight"] {
+                put(
+                    g(name),
+                    (seeded(&[head_dim], &mut seed, 0.3)? + 1.0)?,
+                    false,
+                )?;
             }
         }
     }
@@ -383,6 +417,17 @@ pub fn write_tiny_gguf(
         ("tokenizer.ggml.add_bos_token".into(), Value::Bool(false)),
     ];
     let mut meta = meta;
+    if arch == "granite" {
+        // Granite 3's kind of scales (its 2B: 12, 0.22, 0.0078125, 8).
+        for (k, v) in [
+            ("embedding_scale", 3.0),
+            ("residual_scale", 0.5),
+            ("attention.scale", 0.3),
+            ("logit_scale", 2.5),
+        ] {
+            meta.push((a(k), Value::F32(v)));
+        }
+    }
     if gemma {
         meta.push((
             a("attention.sliding_window"),

@@ -77,6 +77,86 @@ fn paged_equals_dense_and_chunking_does_not_matter() {
     }
 }
 
+/// Qwen3, Granite, SmolLM3 and OLMo 2 on tiny GGUF files (and Phi-3's
+/// fused tensors): each file's switches
+/// read from its metadata and tensors, the paged forward equal to the
+/// dense reference in any prefill chunking, and what each switch does
+/// visible in the logits (a file that differs only in it gives others).
+#[test]
+fn new_families_load_their_switches_and_paged_equals_dense() {
+    use crate::testing::{max_diff, prefill_logits};
+    let dir = tempdir::Dir::new();
+    write_tiny_model(
+        dir.path(),
+        TinySpec {
+            layers: 4,
+            seed: 11,
+            ..TinySpec::default()
+        },
+    )
+    .unwrap();
+    let load = |arch: &str| {
+        let path = dir.path().join(format!("tiny-{arch}.gguf"));
+        write_tiny_gguf(dir.path(), &path, GgmlDType::F32, arch).unwrap();
+        Model::load(&path, &mut |_, _| {}).unwrap()
+    };
+    let prompt: Vec<u32> = (0..19).map(|i| (i * 13 + 5) % 150).collect();
+    let logits = |m: &Model| prefill_logits(&m.llama, &prompt, KvType::F32).unwrap();
+    let llama = load("llama");
+    let base = logits(&llama);
+    // Phi-3: the Llama block stored fused, split at load. Half-split RoPE
+    // on the same (unpermuted) rows as Qwen3 without its norms, so its
+    // logits are those of a NEOX Llama, bit for bit: a qwen2 file's
+    // without biases.
+    assert_eq!(logits(&load("phi3")), logits(&load("qwen2")));
+    for arch in ["qwen3", "granite", "smollm3", "olmo2"] {
+        let m = load(arch);
+        let c = m.config();
+        assert_eq!(c.arch.name(), arch);
+        let b = &c.block;
+        match arch {
+            "qwen3" => {
+                assert!(b.qk_norm && !b.post_norms);
+                assert_eq!(c.rope_style, tessera_kernels::RopeStyle::Neox);
+            }
+            "olmo2" => {
+                assert!(b.qk_norm && b.qk_norm_whole && b.post_norms && !b.pre_norms);
+                assert_eq!(c.rope_style, tessera_kernels::RopeStyle::Neox);
+            }
+            "granite" => {
+                assert_eq!(
+                    (
+                        b.embed_scale,
+                        b.residual_scale,
+                        b.attention_scale,
+                        b.logit_scale
+                    ),
+                    (3.0, 0.5, Some(0.3), 2.5)
+                );
+                assert_eq!(c.attention_scale(), 0.3);
+            }
+            _ => {
+                assert_eq!(b.no_rope_every, 4);
+                let rope: Vec<bool> = (0..4).map(|l| c.layer_has_rope(l)).collect();
+                assert_eq!(rope, [true, true, true, false]);
+                assert!(m.llama.inv_freq(3).iter().all(|&f| f == 0.0));
+                assert_eq!(m.llama.inv_freq(0), c.inv_freq().as_slice());
+            }
+        }
+        // The same weights under another family's switches: other logits.
+        let d = max_diff(&logits(&m), &base);
+        assert!(d > 1e-3, "{arch}: logits as llama's (differ by {d})");
+        let (dense, dl) = dense_greedy(&m.llama, &prompt, 12).unwrap();
+        for chunk in [usize::MAX, 5, 1] {
+            let (paged, pl) =
+                paged_greedy(&m.llama, &prompt, 12, chunk, tessera_kernels::KvType::F32).unwrap();
+            assert_eq!(paged, dense, "{arch}, chunk {chunk}");
+            let d = max_diff(&pl, &dl);
+            assert!(d < 1e-3, "{arch}, chunk {chunk}: logits differ by {d}");
+        }
+    }
+}
+
 /// Gemma 3's block on tiny GGUF files: the configuration (five sliding
 /// layers of six, NEOX RoPE, a table per base), the paged cache equal to the
 /// dense reference in any prefill chunking, and the window enforced: with
@@ -658,6 +738,14 @@ fn fast_forward_matches_the_candle_reference() {
         // times by 40 tokens) and one global, two RoPE tables.
         (GgmlDType::Q8_0, &gemma, "gemma3"),
         (GgmlDType::Q4K, &gemma, "gemma3"),
+        // The families that are switches of the same block: q/k norms
+        // without Gemma's rest (Qwen3), four scales (Granite), a layer
+        // of every four without RoPE (SmolLM3).
+        (GgmlDType::Q8_0, &gemma, "qwen3"),
+        (GgmlDType::Q4K, &gemma, "granite"),
+        (GgmlDType::Q8_0, &gemma, "smollm3"),
+        (GgmlDType::Q4K, &wide, "phi3"),
+        (GgmlDType::Q8_0, &gemma, "olmo2"),
     ] {
         let out = hf.path().join(format!("tiny-{dtype:?}-{arch}.gguf"));
         write_tiny_gguf(hf.path(), &out, dtype, arch).unwrap();
