@@ -44,8 +44,11 @@ pub(crate) struct PerplexityArgs {
     #[arg(long, value_name = "FILE")]
     save_logits: Option<PathBuf>,
     /// Compare with a run saved by --save-logits on the same text and
-    /// chunks (another model file, activations or cache type): KL
-    /// divergence from it and top-1 agreement.
+    /// chunks (another model file, activations or cache type), or with
+    /// llama.cpp's own `llama-perplexity --kl-divergence-base FILE` of the
+    /// same model (its tokens are scored then, so the two forwards see the
+    /// same input; --ctx must be the file's): KL divergence from it and
+    /// top-1 agreement.
     #[arg(long, value_name = "FILE")]
     kl_divergence: Option<PathBuf>,
     #[command(flatten)]
@@ -107,8 +110,7 @@ impl Saved {
         std::fs::write(path, buf).with_context(|| format!("writing {}", path.display()))
     }
 
-    fn read(path: &std::path::Path) -> Result<Saved> {
-        let data = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    fn parse(path: &std::path::Path, data: &[u8]) -> Result<Saved> {
         let bad =
             |why: &str| anyhow::anyhow!("{} is not a --save-logits file: {why}", path.display());
         if data.len() < 28 || &data[..4] != MAGIC {
@@ -119,7 +121,7 @@ impl Saved {
             return Err(bad("another version"));
         }
         let per = 4 + KEEP * 8;
-        if (data.len() - 28) % per != 0 {
+        if !(data.len() - 28).is_multiple_of(per) {
             return Err(bad("truncated"));
         }
         let rows = data[28..]
@@ -139,6 +141,105 @@ impl Saved {
             fingerprint: u64::from_le_bytes(data[20..28].try_into().expect("8 bytes")),
             rows,
         })
+    }
+}
+
+/// A `llama-perplexity --kl-divergence-base` file: `_logits_`, then
+/// `n_ctx`, `n_vocab`, `n_chunk` (i32), the tokens of the chunks (i32), then
+/// per scored position (the last `n_ctx − 1 − n_ctx/2` of each chunk) a
+/// row of `2·⌈n_vocab/2⌉ + 4` u16: two f32 (`scale`, `min_log_prob`), then
+/// each token's log-probability as `min_log_prob + scale·v` (16 bits over
+/// the 16 nats below the best token; 0 below them).
+struct LlamaBase {
+    ctx: usize,
+    vocab: usize,
+    chunks: usize,
+    tokens: Vec<u32>,
+    rows: Vec<u8>,
+}
+
+const LLAMA_MAGIC: &[u8; 8] = b"_logits_";
+
+impl LlamaBase {
+    fn read(path: &std::path::Path, data: Vec<u8>) -> Result<LlamaBase> {
+        let bad = |why: String| {
+            anyhow::anyhow!(
+                "{} is not a llama-perplexity --kl-divergence-base file: {why}",
+                path.display()
+            )
+        };
+        let i32_at = |o: usize| -> Result<usize> {
+            let b = data
+                .get(o..o + 4)
+                .ok_or_else(|| bad("truncated header".into()))?;
+            let v = i32::from_le_bytes(b.try_into().expect("4 bytes"));
+            usize::try_from(v).map_err(|_| bad(format!("negative size {v}")))
+        };
+        let (ctx, vocab, chunks) = (i32_at(8)?, i32_at(12)?, i32_at(16)?);
+        if ctx < 4 || vocab == 0 || vocab > 1 << 24 || chunks == 0 || ctx > 1 << 24 {
+            return Err(bad(format!(
+                "n_ctx {ctx}, n_vocab {vocab}, n_chunk {chunks}"
+            )));
+        }
+        let n_tokens = ctx
+            .checked_mul(chunks)
+            .ok_or_else(|| bad("too many tokens".into()))?;
+        let rows_at = 20 + 4 * n_tokens;
+        let per_row = 2 * (2 * vocab.div_ceil(2) + 4);
+        let want = (ctx - 1 - ctx / 2)
+            .checked_mul(chunks)
+            .and_then(|r| r.checked_mul(per_row))
+            .and_then(|b| b.checked_add(rows_at));
+        if want != Some(data.len()) {
+            return Err(bad(format!(
+                "{} bytes where n_ctx {ctx}, n_vocab {vocab} and n_chunk {chunks} make {want:?}",
+                data.len()
+            )));
+        }
+        let tokens = data[20..rows_at]
+            .chunks_exact(4)
+            .map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")))
+            .collect();
+        let mut rows = data;
+        rows.drain(..rows_at);
+        Ok(LlamaBase {
+            ctx,
+            vocab,
+            chunks,
+            tokens,
+            rows,
+        })
+    }
+
+    /// The base's log-probabilities of scored position `n` (in order over
+    /// the chunks), as llama.cpp reads them back.
+    fn row(&self, n: usize, out: &mut Vec<f32>) {
+        let per_row = 2 * (2 * self.vocab.div_ceil(2) + 4);
+        let r = &self.rows[n * per_row..(n + 1) * per_row];
+        let f = |o: usize| f32::from_le_bytes(r[o..o + 4].try_into().expect("4 bytes"));
+        let (scale, min) = (f(0), f(4));
+        out.clear();
+        out.extend(
+            r[8..8 + 2 * self.vocab]
+                .chunks_exact(2)
+                .map(|b| scale * u16::from_le_bytes([b[0], b[1]]) as f32 + min),
+        );
+    }
+}
+
+/// The run compared against: one of ours, or llama.cpp's.
+enum Base {
+    Saved(Saved),
+    Llama(LlamaBase),
+}
+
+impl Base {
+    fn read(path: &std::path::Path) -> Result<Base> {
+        let data = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+        if data.starts_with(LLAMA_MAGIC) {
+            return Ok(Base::Llama(LlamaBase::read(path, data)?));
+        }
+        Ok(Base::Saved(Saved::parse(path, &data)?))
     }
 }
 
@@ -177,6 +278,29 @@ impl Kl {
         self.max = self.max.max(kl);
         self.same_top += (base.1[0].0 == argmax) as usize;
         self.base_nll -= base.0 as f64;
+    }
+
+    /// KL(base ‖ this) over the whole vocabulary from llama.cpp's row of
+    /// log-probabilities, as `llama-perplexity --kl-divergence` sums it
+    /// (tokens more than 16 nats below the base's best left out), and
+    /// top-1 agreement with its best token.
+    fn add_full(&mut self, base: &[f32], row: &[f32], norm: f64, argmax: u32, target: u32) {
+        let mut kl = 0.0f64;
+        let mut best = 0;
+        for (i, (&lp, &logit)) in base.iter().zip(row).enumerate() {
+            if lp > base[best] {
+                best = i;
+            }
+            if lp > -16.0 {
+                kl += (lp as f64).exp() * (lp as f64 - (logit as f64 - norm));
+            }
+        }
+        self.n += 1;
+        self.sum += kl;
+        self.sum2 += kl * kl;
+        self.max = self.max.max(kl);
+        self.same_top += (best as u32 == argmax) as usize;
+        self.base_nll -= base[target as usize] as f64;
     }
 
     fn mean(&self) -> f64 {
@@ -220,7 +344,35 @@ pub(crate) fn perplexity(args: PerplexityArgs) -> Result<()> {
     let tok = &model.tokenizer;
     let add_bos = tok.add_bos();
     let bos = tok.bos_id().filter(|_| add_bos);
-    let tokens = tok.encode(&text, Special::AsText, add_bos)?;
+    let mut tokens = tok.encode(&text, Special::AsText, add_bos)?;
+    let base = args.kl_divergence.as_deref().map(Base::read).transpose()?;
+    // Against llama.cpp: its tokens, and how many of ours differ.
+    let mut differ = None;
+    if let Some(Base::Llama(b)) = &base {
+        if b.ctx != args.ctx {
+            bail!(
+                "{} was made with a context of {}: run with --ctx {}",
+                args.kl_divergence.as_ref().expect("read").display(),
+                b.ctx,
+                b.ctx
+            );
+        }
+        if b.vocab != model.config().vocab_size {
+            bail!(
+                "{} has a vocabulary of {} and the model {}: it is another model's",
+                args.kl_divergence.as_ref().expect("read").display(),
+                b.vocab,
+                model.config().vocab_size
+            );
+        }
+        let n = b.tokens.len();
+        let same = tokens.iter().zip(&b.tokens).filter(|(a, b)| a == b).count();
+        differ = Some((n - same.min(n), n));
+        tokens = b.tokens.clone();
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= b.vocab) {
+            bail!("token id {t} in the base is outside its vocabulary");
+        }
+    }
     let ctx = args.ctx;
     if tokens.len() < 2 * ctx {
         bail!(
@@ -234,12 +386,18 @@ pub(crate) fn perplexity(args: PerplexityArgs) -> Result<()> {
     if let Some(n) = args.chunks {
         n_chunks = n_chunks.min(n.max(1));
     }
+    if let Some(Base::Llama(b)) = &base {
+        n_chunks = n_chunks.min(b.chunks);
+    }
     let name = model.path.display().to_string();
     let per_token = model.config().kv_bytes_per_token(args.cache_dtype);
+    // One chunk, and (a model with sliding layers) the least their own
+    // pool holds: the window and a prompt chunk more.
+    let span = ctx + 64 + model.config().sliding_window().map_or(0, |w| w + 512);
     let engine = Engine::from_model(
         model,
         EngineConfig {
-            kv_memory: (ctx + 64) * per_token.max(1) * 2,
+            kv_memory: span * per_token.max(1) * 2,
             cache_dtype: args.cache_dtype,
             prefix_cache: false,
             context_length: Some(ctx),
@@ -262,21 +420,17 @@ pub(crate) fn perplexity(args: PerplexityArgs) -> Result<()> {
         .flat_map(|i| tokens[i * ctx + first..(i + 1) * ctx].iter().copied())
         .collect();
     let fp = fingerprint(&scored);
-    let base = match &args.kl_divergence {
-        Some(path) => {
-            let b = Saved::read(path)?;
-            if (b.ctx, b.chunks, b.fingerprint) != (ctx, n_chunks, fp) {
-                bail!(
-                    "{} was saved with --ctx {} over {} chunks of another text or tokenizer: run the same text with the same --ctx and --chunks",
-                    path.display(),
-                    b.ctx,
-                    b.chunks
-                );
-            }
-            Some(b)
+    if let (Some(Base::Saved(b)), Some(path)) = (&base, &args.kl_divergence) {
+        if (b.ctx, b.chunks, b.fingerprint) != (ctx, n_chunks, fp) {
+            bail!(
+                "{} was saved with --ctx {} over {} chunks of another text or tokenizer: run the same text with the same --ctx and --chunks",
+                path.display(),
+                b.ctx,
+                b.chunks
+            );
         }
-        None => None,
-    };
+    }
+    let mut base_row = Vec::new();
     let detailed = base.is_some() || args.save_logits.is_some();
     let mut saved = Vec::new();
     let mut kl = Kl::default();
@@ -295,8 +449,13 @@ pub(crate) fn perplexity(args: PerplexityArgs) -> Result<()> {
                 let target = chunk[j + 1];
                 let (argmax, norm) = argmax_and_norm(row);
                 let lp = row[target as usize] as f64 - norm;
-                if let Some(b) = &base {
-                    kl.add(&b.rows[kl.n], row, norm, argmax);
+                match &base {
+                    Some(Base::Saved(b)) => kl.add(&b.rows[kl.n], row, norm, argmax),
+                    Some(Base::Llama(b)) => {
+                        b.row(kl.n, &mut base_row);
+                        kl.add_full(&base_row, row, norm, argmax, target);
+                    }
+                    None => {}
                 }
                 if args.save_logits.is_some() {
                     saved.push((lp as f32, TokenLogprob::of(row, target, KEEP).top));
@@ -340,8 +499,10 @@ pub(crate) fn perplexity(args: PerplexityArgs) -> Result<()> {
         }
         .write(path)?;
     }
-    let kl_json = base.as_ref().map(|_| {
+    let kl_json = base.as_ref().map(|b| {
         json!({
+            "base": match b { Base::Saved(_) => "tessera", Base::Llama(_) => "llama.cpp" },
+            "tokens_differing": differ.map(|(d, _)| d),
             "kl_mean": kl.mean(),
             "kl_err": kl.err(),
             "kl_max": kl.max,
@@ -380,7 +541,19 @@ pub(crate) fn perplexity(args: PerplexityArgs) -> Result<()> {
             secs,
             tok_s
         );
-        if base.is_some() {
+        if let Some((d, n)) = differ {
+            println!("tokenization: {d} of llama.cpp's {n} tokens differ from Tessera's (llama.cpp's scored)");
+        }
+        if let Some(Base::Llama(_)) = &base {
+            println!(
+                "KL divergence from llama.cpp's run: {:.6} +/- {:.6} (max {:.4}; whole vocabulary), same top-1 {:.2}%, its PPL {:.4}",
+                kl.mean(),
+                kl.err(),
+                kl.max,
+                100.0 * kl.same_top as f64 / kl.n.max(1) as f64,
+                (kl.base_nll / kl.n.max(1) as f64).exp()
+            );
+        } else if base.is_some() {
             println!(
                 "KL divergence from the saved run: {:.6} +/- {:.6} (max {:.4}; over its top {KEEP} tokens and the rest), same top-1 {:.2}%, its PPL {:.4}",
                 kl.mean(),
