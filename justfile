@@ -134,12 +134,13 @@ bench-soak requests="2000": model
     ./target/release/tessera bench --model models/SmolLM2-135M-Instruct.Q4_1.gguf --scenario soak --requests {{requests}} --kv-memory 24MiB --json | tee target/bench/soak.json
     python3 scripts/readme_soak.py
 
-# Generated Llama-family GGUFs at real sizes (random weights of Llama 3.2 1B's and 3B's tensor layout,
-# SmolLM2's tokenizer), quantized by llama.cpp's llama-quantize: models/synth-<size>-<FORMAT>.gguf.
-synth-model sizes="1b" formats="Q4_0,Q4_K_M,Q5_K_M,Q6_K,Q8_0": model bench-deps
+# Generated GGUFs of a family's tensor layout (random weights, SmolLM2's tokenizer), quantized by
+# llama.cpp's llama-quantize: models/synth-<model>-<FORMAT>.gguf. A model is ARCH-SIZE (qwen3-0.6b,
+# granite-s, smollm3-s, phi3-s, olmo2-s, llama-135m) or a Llama size alone (1b, 3b: Llama 3.2's layouts, for speed).
+synth-model models="1b" formats="Q4_0,Q4_K_M,Q5_K_M,Q6_K,Q8_0": model bench-deps
     sh scripts/build_llama_tools.sh
     python3 -c "import numpy" 2>/dev/null || python3 -m pip install --quiet numpy
-    python3 scripts/synth_model.py {{sizes}} --formats {{formats}}
+    python3 scripts/synth_model.py {{models}} --formats {{formats}}
 
 # Tessera beside llama.cpp's own llama-bench (standalone; native, and built for AVX2 alone) at real
 # sizes on each instruction set this host has, TESSERA_ISA forced to match, alternating, with the
@@ -181,6 +182,13 @@ bench-perplexity: model bench-deps
     sh scripts/build_llama_tools.sh
     CARGO_TARGET_DIR=target/native RUSTFLAGS="-C target-cpu=native" cargo build --release -p tessera
     python3 scripts/perplexity_vs_llamacpp.py
+
+# Each family's arithmetic against llama.cpp's on the same generated files (Llama control, Qwen3,
+# Granite, SmolLM3, Phi-3, OLMo 2; F16, Q8_0, Q4_K_M) and the real models: KL divergence and top-1 agreement of
+# tessera perplexity against llama-perplexity's --kl-divergence-base; then the README's table.
+bench-families: (synth-model "llama-135m qwen3-0.6b granite-s smollm3-s phi3-s olmo2-s" "F16,Q8_0,Q4_K_M")
+    cargo build --release -p tessera
+    python3 scripts/families_vs_llamacpp.py
 
 # Packages the llama.cpp comparison needs (cmake, clang to build llama.cpp; a font for the charts), with apt if missing.
 bench-deps:

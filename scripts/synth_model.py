@@ -1,17 +1,30 @@
 #!/usr/bin/env python3
-"""Generated Llama-family GGUFs at real sizes, for speed work.
+"""Generated GGUFs of a family's exact tensor layout, for speed work and
+for checking an architecture against llama.cpp.
 
-Speed does not depend on weight values, and no real weights of these sizes
-are reachable, so this writes the exact tensor layout of a Llama 3.2-class
-model with random weights (normal, std 0.02; norms 1) in f16, borrowing the
-default model's tokenizer (SmolLM2's, 49,152 tokens) so that both engines
-load it, then quantizes it with llama.cpp's own `llama-quantize` (built by
-scripts/build_llama_tools.sh) to each format asked for.
+No real weights of these sizes or families are reachable, and neither speed
+nor an architecture's arithmetic depends on weight values, so this writes a
+family's tensor names, shapes and metadata with random weights in f16,
+borrowing the default model's tokenizer (SmolLM2's, 49,152 tokens) so that
+both engines load it, then quantizes it with llama.cpp's own
+`llama-quantize` (built by scripts/build_llama_tools.sh) to each format
+asked for.
 
-    python3 scripts/synth_model.py [1b|3b ...] [--formats Q4_0,Q4_K_M,...]
+    python3 scripts/synth_model.py [MODEL ...] [--formats F16,Q4_0,Q4_K_M,...]
 
-Writes models/synth-<size>-<FORMAT>.gguf (the f16 source is removed once
-quantized unless --keep-f16). Does nothing for files already there.
+MODEL is ARCH-SIZE (`qwen3-0.6b`, `granite-s`, ...) or, for the Llama
+family, SIZE alone (`1b`, `3b`). Writes models/synth-<MODEL>-<FORMAT>.gguf
+(the f16 source is removed once quantized unless --keep-f16). Does nothing
+for files already there.
+
+Two kinds of weights:
+- `1b`, `3b` (speed): normal with std 0.02, norms 1, as before;
+- every other model (arithmetic): scaled so that each block changes the
+  residual stream as much as a trained one does (projections with std
+  1/sqrt(inputs)), norms near 1, and the output head giving logits with a
+  spread of about 2.5 (after Granite's logit scale), so that the next-token
+  distributions are neither flat nor one-hot and top-1 agreement and KL
+  divergence between two engines mean something.
 """
 
 import argparse
@@ -25,13 +38,48 @@ LLAMA = ROOT / "target/llama-server/llama_cpp_python-0.3.36/vendor/llama.cpp"
 QUANTIZE = ROOT / "target/llama-server/build/bin/llama-quantize"
 TOKENIZER_FROM = ROOT / "models/SmolLM2-135M-Instruct.Q4_1.gguf"
 
-# Llama 3.2 1B and 3B (hidden, layers, heads, kv heads, FFN), head size 64
-# and 128 as theirs; the vocabulary is the borrowed tokenizer's.
+# (hidden, layers, heads, kv heads, head dim, FFN, RoPE base). Llama 3.2
+# 1B and 3B; SmolLM2-135M's geometry (the control of the family checks);
+# Qwen3 0.6B; Granite 3 2B's, SmolLM3 3B's, Phi-3 mini's and OLMo 2 1B's
+# widths at 8 layers (two of them SmolLM3's NoPE layers), deep enough to carry an
+# error, small enough to check in a minute. The vocabulary is the borrowed tokenizer's.
 SIZES = {
-    "1b": dict(hidden=2048, layers=16, heads=32, kv_heads=8, ffn=8192),
-    "3b": dict(hidden=3072, layers=28, heads=24, kv_heads=8, ffn=8192),
+    ("llama", "1b"): dict(hidden=2048, layers=16, heads=32, kv_heads=8, head_dim=64, ffn=8192,
+                          theta=500000.0),
+    ("llama", "3b"): dict(hidden=3072, layers=28, heads=24, kv_heads=8, head_dim=128, ffn=8192,
+                          theta=500000.0),
+    ("llama", "135m"): dict(hidden=576, layers=30, heads=9, kv_heads=3, head_dim=64, ffn=1536,
+                            theta=100000.0),
+    ("qwen3", "0.6b"): dict(hidden=1024, layers=28, heads=16, kv_heads=8, head_dim=128, ffn=3072,
+                            theta=1000000.0),
+    ("granite", "s"): dict(hidden=2048, layers=8, heads=32, kv_heads=8, head_dim=64, ffn=8192,
+                           theta=10000000.0),
+    ("smollm3", "s"): dict(hidden=2048, layers=8, heads=16, kv_heads=4, head_dim=128, ffn=11008,
+                           theta=5000000.0),
+    ("phi3", "s"): dict(hidden=3072, layers=8, heads=32, kv_heads=32, head_dim=96, ffn=8192,
+                        theta=10000.0),
+    ("olmo2", "s"): dict(hidden=2048, layers=8, heads=16, kv_heads=16, head_dim=128, ffn=8192,
+                         theta=500000.0),
 }
+# Granite 3's scales (its 2B: embeddings ×12, block outputs ×0.22, scores
+# ×1/64, logits ÷8).
+GRANITE = {"embedding_scale": 12.0, "residual_scale": 0.22, "attention.scale": 0.015625,
+           "logit_scale": 8.0}
 FORMATS = ["Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0"]
+
+
+def parse(model):
+    """ARCH-SIZE or a Llama SIZE -> (arch, size)."""
+    arch, _, size = model.rpartition("-")
+    key = (arch or "llama", size)
+    if key not in SIZES:
+        known = ", ".join(f"{a}-{s}" if a != "llama" else s for a, s in SIZES)
+        sys.exit(f"unknown model {model}: one of {known}")
+    return key
+
+
+def file_stem(arch, size):
+    return f"synth-{size}" if arch == "llama" else f"synth-{arch}-{size}"
 
 
 def tokenizer_fields(gguf):
@@ -48,42 +96,58 @@ def tokenizer_fields(gguf):
     return out
 
 
-def write_f16(path, size, gguf, np):
-    s = SIZES[size]
-    h, ffn, heads, kv = s["hidden"], s["ffn"], s["heads"], s["kv_heads"]
-    hd = h // heads
+def write_f16(path, arch, size, gguf, np):
+    s = SIZES[(arch, size)]
+    h, ffn, heads, kv, hd = s["hidden"], s["ffn"], s["heads"], s["kv_heads"], s["head_dim"]
+    speed = size in ("1b", "3b")
     toks = tokenizer_fields(gguf)
     vocab = next(len(v) for k, v, _, _ in toks if k == "tokenizer.ggml.tokens")
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_string("general.name", f"synthetic Llama {size} (random weights)")
+    w = gguf.GGUFWriter(str(path), arch)
+    # (No family name in it: llama.cpp sets special-token attributes by
+    # general.name, for "phi3" on tokens the borrowed vocabulary lacks.)
+    w.add_string("general.name", f"synthetic {size} model (random weights)")
     w.add_uint32("general.file_type", 1)  # MOSTLY_F16
-    w.add_uint32("llama.context_length", 8192)
-    w.add_uint32("llama.embedding_length", h)
-    w.add_uint32("llama.block_count", s["layers"])
-    w.add_uint32("llama.feed_forward_length", ffn)
-    w.add_uint32("llama.attention.head_count", heads)
-    w.add_uint32("llama.attention.head_count_kv", kv)
-    w.add_uint32("llama.rope.dimension_count", hd)
-    w.add_uint32("llama.vocab_size", vocab)
-    w.add_float32("llama.rope.freq_base", 500000.0)
-    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    a = lambda k: f"{arch}.{k}"  # noqa: E731
+    w.add_uint32(a("context_length"), 8192)
+    w.add_uint32(a("embedding_length"), h)
+    w.add_uint32(a("block_count"), s["layers"])
+    w.add_uint32(a("feed_forward_length"), ffn)
+    w.add_uint32(a("attention.head_count"), heads)
+    w.add_uint32(a("attention.head_count_kv"), kv)
+    w.add_uint32(a("attention.key_length"), hd)
+    w.add_uint32(a("attention.value_length"), hd)
+    w.add_uint32(a("rope.dimension_count"), hd)
+    w.add_uint32(a("vocab_size"), vocab)
+    w.add_float32(a("rope.freq_base"), s["theta"])
+    w.add_float32(a("attention.layer_norm_rms_epsilon"), 1e-6 if arch in ("qwen3", "olmo2") else 1e-5)
+    if arch == "granite":
+        for k, v in GRANITE.items():
+            w.add_float32(a(k), v)
     for name, val, vtype, sub in toks:
         w.add_key_value(name, val, vtype, sub)
     # (numpy shape: rows = outputs, columns = inputs)
     shapes = [("token_embd.weight", (vocab, h))]
     for i in range(s["layers"]):
         b = f"blk.{i}."
-        shapes += [
-            (b + "attn_norm.weight", (h,)),
-            (b + "attn_q.weight", (heads * hd, h)),
-            (b + "attn_k.weight", (kv * hd, h)),
-            (b + "attn_v.weight", (kv * hd, h)),
-            (b + "attn_output.weight", (h, heads * hd)),
-            (b + "ffn_norm.weight", (h,)),
-            (b + "ffn_gate.weight", (ffn, h)),
-            (b + "ffn_up.weight", (ffn, h)),
-            (b + "ffn_down.weight", (h, ffn)),
-        ]
+        if arch == "phi3":
+            # Phi-3's converter: q/k/v in one tensor, gate and up in `ffn_up`.
+            proj = [(b + "attn_qkv.weight", ((heads + 2 * kv) * hd, h)),
+                    (b + "ffn_up.weight", (2 * ffn, h))]
+        else:
+            proj = [(b + "attn_q.weight", (heads * hd, h)),
+                    (b + "attn_k.weight", (kv * hd, h)),
+                    (b + "attn_v.weight", (kv * hd, h)),
+                    (b + "ffn_gate.weight", (ffn, h)),
+                    (b + "ffn_up.weight", (ffn, h))]
+        shapes += [*proj, (b + "attn_output.weight", (h, heads * hd)), (b + "ffn_down.weight", (h, ffn))]
+        if arch == "olmo2":
+            # OLMo 2: no pre-norms, q/k norms over all heads, post-norms.
+            shapes += [(b + "attn_q_norm.weight", (heads * hd,)), (b + "attn_k_norm.weight", (kv * hd,)),
+                       (b + "post_attention_norm.weight", (h,)), (b + "post_ffw_norm.weight", (h,))]
+        else:
+            shapes += [(b + "attn_norm.weight", (h,)), (b + "ffn_norm.weight", (h,))]
+        if arch == "qwen3":
+            shapes += [(b + "attn_q_norm.weight", (hd,)), (b + "attn_k_norm.weight", (hd,))]
     shapes += [("output_norm.weight", (h,)), ("output.weight", (vocab, h))]
     for name, shape in shapes:
         dt = np.float32 if len(shape) == 1 else np.float16
@@ -93,19 +157,31 @@ def write_f16(path, size, gguf, np):
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     rng = np.random.default_rng(0)
+    logit_scale = GRANITE["logit_scale"] if arch == "granite" else 1.0
     for name, shape in shapes:
         if len(shape) == 1:
-            w.write_tensor_data(np.ones(shape, dtype=np.float32))
+            t = np.ones(shape, dtype=np.float32)
+            if not speed:
+                t += 0.1 * rng.standard_normal(shape, dtype=np.float32)
+            w.write_tensor_data(t)
+            continue
+        t = rng.standard_normal(shape, dtype=np.float32)
+        if speed:
+            std = 0.02
+        elif name == "token_embd.weight":
+            std = 1.0
+        elif name == "output.weight":
+            std = 2.5 * logit_scale / np.sqrt(shape[1])
         else:
-            t = rng.standard_normal(shape, dtype=np.float32)
-            t *= 0.02
-            w.write_tensor_data(t.astype(np.float16))
+            std = 1.0 / np.sqrt(shape[1])
+        t *= std
+        w.write_tensor_data(t.astype(np.float16))
     w.close()
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("sizes", nargs="*", help="1b, 3b (default 1b)")
+    ap.add_argument("models", nargs="*", help="ARCH-SIZE or a Llama SIZE (default 1b)")
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--keep-f16", action="store_true")
     args = ap.parse_args()
@@ -120,21 +196,22 @@ def main():
     if not TOKENIZER_FROM.exists():
         sys.exit(f"{TOKENIZER_FROM} missing: run `just model`")
     formats = [f for f in args.formats.split(",") if f]
-    for size in args.sizes:
-        if size not in SIZES:
-            sys.exit(f"unknown size {size}: one of {', '.join(SIZES)}")
-    for size in args.sizes or ["1b"]:
-        outs = {f: ROOT / f"models/synth-{size}-{f}.gguf" for f in formats}
+    models = [parse(m) for m in args.models or ["1b"]]
+    for arch, size in models:
+        stem = file_stem(arch, size)
+        outs = {f: ROOT / f"models/{stem}-{f}.gguf" for f in formats}
         todo = [f for f, p in outs.items() if not p.exists()]
         if not todo:
             continue
-        src = ROOT / f"models/synth-{size}-F16.gguf"
+        src = ROOT / f"models/{stem}-F16.gguf"
         if not src.exists():
             print(f"writing {src} (random weights)", flush=True)
             tmp = src.with_suffix(".tmp")
-            write_f16(tmp, size, gguf, np)
+            write_f16(tmp, arch, size, gguf, np)
             os.replace(tmp, src)
         for f in todo:
+            if f == "F16":
+                continue  # the source itself, kept below
             print(f"quantizing {outs[f].name}", flush=True)
             tmp = outs[f].with_suffix(".tmp")
             q = subprocess.run([str(QUANTIZE), str(src), str(tmp), f, str(os.cpu_count() or 1)],
@@ -142,7 +219,7 @@ def main():
             if q.returncode != 0:
                 sys.exit(f"llama-quantize failed:\n{q.stdout}{q.stderr}")
             os.replace(tmp, outs[f])
-        if not args.keep_f16:
+        if not args.keep_f16 and "F16" not in formats:
             src.unlink()
 
 
