@@ -122,6 +122,89 @@ fn encode_with_literals(tok: &Tokenizer, text: &str, literals: &[String]) -> Res
     Ok(ids)
 }
 
+/// Today's date (UTC) in the C `strftime` codes templates use: `%Y %y %m
+/// %d %e %B %b %A %a %H %M %S %j %%` (others are kept as written).
+fn strftime_now(fmt: &str) -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64);
+    strftime(fmt, secs)
+}
+
+/// [`strftime_now`] at `secs` since the Unix epoch.
+fn strftime(fmt: &str, secs: i64) -> String {
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
+    const DAYS: [&str; 7] = [
+        "Thursday",
+        "Friday",
+        "Saturday",
+        "Sunday",
+        "Monday",
+        "Tuesday",
+        "Wednesday",
+    ];
+    let days = secs.div_euclid(86_400);
+    let tod = secs.rem_euclid(86_400);
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    let leap = (y % 4 == 0 && y % 100 != 0) || y % 400 == 0;
+    let before = [0, 31, 59, 90, 120, 151, 181, 212, 243, 273, 304, 334][(m - 1) as usize];
+    let yday = before + d + i64::from(leap && m > 2);
+    let weekday = DAYS[days.rem_euclid(7) as usize];
+    let month = MONTHS[(m - 1) as usize];
+    let mut out = String::new();
+    let mut chars = fmt.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('Y') => out += &y.to_string(),
+            Some('y') => out += &format!("{:02}", y.rem_euclid(100)),
+            Some('m') => out += &format!("{m:02}"),
+            Some('d') => out += &format!("{d:02}"),
+            Some('e') => out += &format!("{d:2}"),
+            Some('B') => out += month,
+            Some('b') => out += &month[..3],
+            Some('A') => out += weekday,
+            Some('a') => out += &weekday[..3],
+            Some('H') => out += &format!("{:02}", tod / 3600),
+            Some('M') => out += &format!("{:02}", tod / 60 % 60),
+            Some('S') => out += &format!("{:02}", tod % 60),
+            Some('j') => out += &format!("{yday:03}"),
+            Some('%') => out.push('%'),
+            Some(other) => {
+                out.push('%');
+                out.push(other);
+            }
+            None => out.push('%'),
+        }
+    }
+    out
+}
+
 impl ChatTemplate {
     pub fn new(source: &str, bos: &str, eos: &str) -> Result<ChatTemplate> {
         let mut env = Environment::new();
@@ -134,6 +217,14 @@ impl ChatTemplate {
                 Err(Error::new(ErrorKind::InvalidOperation, msg))
             },
         );
+        // Hugging Face renders templates with trim_blocks and
+        // lstrip_blocks on (so does llama.cpp's own engine); templates
+        // written for it leave newlines to them.
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        // Granite's and Llama 3's templates put today's date in their
+        // default system message.
+        env.add_function("strftime_now", |fmt: String| strftime_now(&fmt));
         env.add_template_owned("chat", source.to_string())
             .map_err(|e| ModelError::Template(e.to_string()))?;
         Ok(ChatTemplate {
@@ -247,5 +338,28 @@ impl ChatTemplate {
             }
         }
         Ok(ids)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::strftime;
+
+    #[test]
+    fn strftime_formats_dates_as_c_does() {
+        // 2026-11-27 01:51:37 UTC, a Friday, day 331 of the year.
+        let t = 1_795_744_297;
+        assert_eq!(strftime("%B %d, %Y", t), "November 27, 2026");
+        assert_eq!(
+            strftime("%d %b %Y %a %H:%M:%S %j %y %m %e%%", t),
+            "27 Nov 2026 Fri 01:51:37 331 26 11 27%"
+        );
+        assert_eq!(strftime("%Y-%m-%d %A", 0), "1970-01-01 Thursday");
+        // A leap day, and the day after it.
+        assert_eq!(strftime("%Y-%m-%d %j", 1_709_164_800), "2024-02-29 060");
+        assert_eq!(
+            strftime("%Y-%m-%d %j %q", 1_709_251_200),
+            "2024-03-01 061 %q"
+        );
     }
 }

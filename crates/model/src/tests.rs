@@ -1029,3 +1029,50 @@ fn gpu_forward_follows_the_cpu_reference_on_the_real_model() {
         "{what} vs cpu reference: {same} of {total} greedy tokens before the first difference"
     );
 }
+
+/// The chat templates of Qwen3, SmolLM3, Granite and Phi-3 (as their GGUF
+/// files carry them) render each conversation of
+/// tests/fixtures/chat_templates.json to the text Python's jinja2 gives
+/// with Hugging Face's settings (`scripts/chat_template_fixture.py`), and
+/// Granite's default system message, which asks `strftime_now` for today,
+/// renders.
+#[test]
+fn chat_templates_render_as_hugging_face_does() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/chat_templates.json");
+    let fixture: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let families = fixture.as_array().unwrap();
+    assert_eq!(families.len(), 4);
+    for f in families {
+        let name = f["family"].as_str().unwrap();
+        let t = crate::ChatTemplate::new(
+            f["source"].as_str().unwrap(),
+            f["bos"].as_str().unwrap(),
+            f["eos"].as_str().unwrap(),
+        )
+        .unwrap();
+        for case in f["cases"].as_array().unwrap() {
+            let messages: Vec<Message> = case["messages"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|m| Message::new(m["role"].as_str().unwrap(), m["content"].as_str().unwrap()))
+                .collect();
+            let gen = case["add_generation_prompt"].as_bool().unwrap();
+            let text = t.render(&messages, gen).unwrap();
+            assert_eq!(
+                text,
+                case["text"].as_str().unwrap(),
+                "{name}, generation prompt {gen}"
+            );
+        }
+        if name == "granite" {
+            let text = t.render(&[Message::new("user", "Hi")], true).unwrap();
+            assert!(
+                text.contains("Today's Date: ") && !text.contains("strftime"),
+                "{text}"
+            );
+        }
+    }
+}
