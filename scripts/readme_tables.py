@@ -13,7 +13,7 @@ pool).
 gpu.jsonl, meta.json and tests.log; copied to target/bench/gpu/, they give
 the GPU section.
 
-`just bench-sessions` writes target/bench/sessions.jsonl (a stream beside a\nsession save).\n\n`just bench-hangups` writes target/bench/hangups.json (clients that hang up\nbefore their answer; hangups-before.json, when present, the same measured on\nan earlier build).\n\nUsage: readme_tables.py model|engine|sessions|hangups|swa|gpu|gpu-ab
+`just bench-sessions` writes target/bench/sessions.jsonl (a stream beside a\nsession save).\n\n`just bench-hangups` writes target/bench/hangups.json (clients that hang up\nbefore their answer; hangups-before.json, when present, the same measured on\nan earlier build).\n\nUsage: readme_tables.py model|engine|sessions|hangups|swa|gpu|gpu-ab|gpu-families
 """
 
 import datetime
@@ -298,6 +298,73 @@ def swa():
     ]
 
 
+def device_tests(log):
+    """What each test step of a `cuda_device_run.sh` log (tests.log) reported,
+    found by the step's command line (`=== CMD`): the kernel tests, their
+    sanitizer run (and its error summary), the every-family test (its
+    per-family agreement lines) and the real-model test (its agreement)."""
+    steps, cur = {}, None
+    for line in log:
+        if line.startswith("=== ") and not line.startswith("=== rc"):
+            cmd = line[4:]
+            if cmd.startswith("compute-sanitizer"):
+                cur = "sanitizer"
+            elif "kernel-tests" in cmd:
+                cur = "kernels"
+            elif "on_every_family" in cmd:
+                cur = "families"
+            elif "model-tests" in cmd:
+                cur = "real"
+            else:
+                cur = None
+            if cur:
+                steps[cur] = []
+            continue
+        if cur:
+            steps[cur].append(line)
+
+    def result(name):
+        for line in steps.get(name, []):
+            if line.startswith("test result:"):
+                return line.split(";")[0].removeprefix("test result: ").removeprefix("ok. ")
+        return "not run"
+
+    agree = lambda name: [l.split(": ", 1)[1] for l in steps.get(name, [])  # noqa: E731
+                          if "greedy tokens before the first difference" in l]
+    return {
+        "kernels": result("kernels"),
+        "sanitizer": result("sanitizer"),
+        "sanitizer_summary": [l.removeprefix("========= ").lower() for l in steps.get("sanitizer", [])
+                              if l.startswith("========= ERROR SUMMARY")],
+        "families": result("families"),
+        "families_agree": [(l.split(": ", 1)[0].split()[-1], l.split(": ", 1)[1])
+                           for l in steps.get("families", []) if "greedy tokens before" in l],
+        "real": result("real"),
+        "real_agree": agree("real"),
+    }
+
+
+def gpu_families():
+    """A CUDA run without the model file (`cuda_device_run.sh BUNDLE`, its
+    tests.log and meta.json copied to target/bench/gpu-families/): the
+    kernel tests, their sanitizer run and every family on the GPU."""
+    d = BENCH / "gpu-families"
+    meta = json.loads((d / "meta.json").read_text())
+    t = device_tests((d / "tests.log").read_text().splitlines())
+    fams = ", ".join(f"{name} {agree.split(' greedy')[0]}" for name, agree in t["families_agree"])
+    return [
+        f"Measured {meta['date']} on one {meta['gpu']} ({meta['memory']}, driver {meta['driver']}), "
+        f"commit `{meta['commit']}`, `scripts/cuda_device_run.sh BUNDLE` (no model file: it could not "
+        "be carried to that machine), `TESSERA_REQUIRE_GPU=1`:",
+        "",
+        f"- The CUDA kernel tests {t['kernels']}; under compute-sanitizer's memcheck {t['sanitizer']}, "
+        f"{t['sanitizer_summary'][0] if t['sanitizer_summary'] else 'no summary'}.",
+        f"- Every family's block on the GPU against the CPU reference forward (tiny generated Q8_0 files, "
+        f"a 40-token prompt, then 16 greedy tokens over an f32 cache): {t['families']}; greedy tokens "
+        f"before the first difference: {fams}.",
+    ]
+
+
 def gpu():
     """The CUDA run: tests, a chat with its session and cache on disk, and
     `tessera bench --device cuda`."""
@@ -305,9 +372,10 @@ def gpu():
     meta = json.loads((d / "meta.json").read_text())
     r = {x["scenario"]: x for x in lines("gpu/gpu.jsonl")}
     log = (d / "tests.log").read_text().splitlines()
-    passed = [l.split(";")[0].removeprefix("test result: ").removeprefix("ok. ") for l in log if l.startswith("test result:")]
-    agree = [l.split(": ", 1)[1] for l in log if "greedy tokens before the first difference" in l]
-    sanit = [l.removeprefix("========= ").lower() for l in log if l.startswith("========= ERROR SUMMARY")]
+    t = device_tests(log)
+    passed = [t["kernels"], t["real"], t["sanitizer"]]
+    agree = t["real_agree"]
+    sanit = t["sanitizer_summary"]
     chats = [l for l in log if l.startswith("requests: ")]
     p, dcd, c, s = r["prefill"], r["decode"], r["chat"], r["shared-prefix"]
     lg, bt, sh = r["decode-long"], r["decode-batch"], r["shift"]
@@ -546,6 +614,7 @@ def main():
         "swa": swa,
         "gpu": gpu,
         "gpu-ab": gpu_ab,
+        "gpu-families": gpu_families,
         "cpu": cpu_table,
     }.get(which)
     if make is None:
