@@ -544,18 +544,17 @@ pub(crate) fn perplexity(args: PerplexityArgs) -> Result<()> {
         if let Some((d, n)) = differ {
             println!("tokenization: {d} of llama.cpp's {n} tokens differ from Tessera's (llama.cpp's scored)");
         }
-        if let Some(Base::Llama(_)) = &base {
+        let against = match &base {
+            Some(Base::Llama(_)) => Some(("llama.cpp's run", "whole vocabulary".to_string())),
+            Some(Base::Saved(_)) => Some((
+                "the saved run",
+                format!("over its top {KEEP} tokens and the rest"),
+            )),
+            None => None,
+        };
+        if let Some((what, over)) = against {
             println!(
-                "KL divergence from llama.cpp's run: {:.6} +/- {:.6} (max {:.4}; whole vocabulary), same top-1 {:.2}%, its PPL {:.4}",
-                kl.mean(),
-                kl.err(),
-                kl.max,
-                100.0 * kl.same_top as f64 / kl.n.max(1) as f64,
-                (kl.base_nll / kl.n.max(1) as f64).exp()
-            );
-        } else if base.is_some() {
-            println!(
-                "KL divergence from the saved run: {:.6} +/- {:.6} (max {:.4}; over its top {KEEP} tokens and the rest), same top-1 {:.2}%, its PPL {:.4}",
+                "KL divergence from {what}: {:.6} +/- {:.6} (max {:.4}; {over}), same top-1 {:.2}%, its PPL {:.4}",
                 kl.mean(),
                 kl.err(),
                 kl.max,
@@ -565,4 +564,85 @@ pub(crate) fn perplexity(args: PerplexityArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A `--kl-divergence-base` file as llama-perplexity writes it: its
+    /// rows quantized by llama.cpp's own rule (16 bits over the 16 nats
+    /// below the best token), read back, and KL against the same logits
+    /// near 0 (the 16-bit rounding), against other logits not; a truncated
+    /// file and a wrong header are errors, not panics.
+    #[test]
+    fn reads_llama_perplexity_base_files() {
+        let (ctx, vocab, chunks) = (8usize, 5usize, 2usize);
+        let rows = (ctx - 1 - ctx / 2) * chunks;
+        let logits = |r: usize| -> Vec<f32> {
+            (0..vocab)
+                .map(|i| ((i * 7 + r * 3) % 11) as f32 * 0.9 - 3.0)
+                .collect()
+        };
+        let mut data = b"_logits_".to_vec();
+        for v in [ctx, vocab, chunks] {
+            data.extend((v as i32).to_le_bytes());
+        }
+        for t in 0..ctx * chunks {
+            data.extend((t as i32 % vocab as i32).to_le_bytes());
+        }
+        for r in 0..rows {
+            // llama.cpp's log_softmax, as perplexity.cpp writes it.
+            let l = logits(r);
+            let max = l.iter().cloned().fold(f32::MIN, f32::max);
+            let min = l.iter().cloned().fold(f32::MAX, f32::min).max(max - 16.0);
+            let lse = (l.iter().map(|&x| ((x - max) as f64).exp()).sum::<f64>()).ln() as f32;
+            let scale = (max - min) / 65535.0;
+            data.extend(scale.to_le_bytes());
+            data.extend((min - max - lse).to_le_bytes());
+            for &x in &l {
+                let q = if x > min {
+                    ((x - min) / scale).round() as u16
+                } else {
+                    0
+                };
+                data.extend(q.to_le_bytes());
+            }
+            if vocab % 2 == 1 {
+                data.extend(0u16.to_le_bytes());
+            }
+        }
+        let path = std::path::Path::new("base.kld");
+        let b = LlamaBase::read(path, data.clone()).unwrap();
+        assert_eq!(
+            (b.ctx, b.vocab, b.chunks, b.tokens.len()),
+            (ctx, vocab, chunks, ctx * chunks)
+        );
+        let (mut same, mut other) = (Kl::default(), Kl::default());
+        let mut row = Vec::new();
+        for r in 0..rows {
+            b.row(r, &mut row);
+            let l = logits(r);
+            let (argmax, norm) = argmax_and_norm(&l);
+            same.add_full(&row, &l, norm, argmax, 1);
+            let mut shifted = l.clone();
+            shifted.rotate_left(1);
+            let (argmax, norm) = argmax_and_norm(&shifted);
+            other.add_full(&row, &shifted, norm, argmax, 1);
+        }
+        assert_eq!(same.n, rows);
+        assert!(same.mean() < 1e-6, "KL against itself {}", same.mean());
+        assert_eq!(same.same_top, rows);
+        assert!(
+            other.mean() > 0.1,
+            "KL against other logits {}",
+            other.mean()
+        );
+        for bad in [&data[..data.len() - 3], &data[..12]] {
+            assert!(LlamaBase::read(path, bad.to_vec()).is_err());
+        }
+        let mut wrong = data.clone();
+        wrong[8..12].copy_from_slice(&(-1i32).to_le_bytes());
+        assert!(LlamaBase::read(path, wrong).is_err());
+    }
 }
