@@ -176,7 +176,7 @@ def bundle(dest):
     """For a machine with a GPU but no Rust toolchain: the `cuda` feature's
     kernel tests, the model crate's tests and the `tessera` binary (release
     profile; CUDA_COMPUTE_CAP 80 unless set: PTX that the driver compiles
-    for newer GPUs), stripped, in `dest`, with root.txt (where the model
+    for newer GPUs), stripped and xz-compressed, in `dest`, with root.txt (where the model
     tests look for models/), commit.txt and scripts/cuda_device_run.sh,
     which runs them there. Builds on a machine without a GPU (libcuda is
     then the stub of `cuda_stub`)."""
@@ -195,7 +195,12 @@ def bundle(dest):
     os.makedirs(dest)
     for src, name in [(exes["tessera_kernels"], "kernel-tests"), (exes["tessera_model"], "model-tests"),
                       (os.path.join(env["CARGO_TARGET_DIR"], "release", "tessera"), "tessera")]:
-        run(["strip", "-o", os.path.join(dest, name), src])
+        out = os.path.join(dest, name)
+        run(["strip", "-o", out, src])
+        # The binaries carry candle's PTX as text: xz makes the three about
+        # 25 MB instead of 190, under what a lent machine takes in one go
+        # (cuda_device_run.sh unpacks them).
+        run(["xz", "-T0", "-6", out])
     with open(os.path.join(dest, "root.txt"), "w") as f:
         f.write(ROOT + "\n")
     # The commit the binaries were built from (-dirty: with uncommitted changes).

@@ -18,6 +18,11 @@
 # Usage: cuda_device_run.sh BUNDLE_DIR [MODEL_GGUF]
 set -uo pipefail
 B=$(cd "$1" && pwd)
+# The bundle's binaries come xz-compressed (check_gpu.py bundle).
+for f in "$B"/*.xz; do
+    [ -e "$f" ] || continue
+    [ -e "${f%.xz}" ] || { xz -d -k "$f" && chmod +x "${f%.xz}"; }
+done
 MODEL=$(realpath "${2:-}" 2>/dev/null || true)
 [ -n "${2:-}" ] && [ -f "$MODEL" ] || MODEL=
 OUT=${OUT:-target/gpu-run}
