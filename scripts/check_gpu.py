@@ -198,7 +198,7 @@ def bundle(dest):
         out = os.path.join(dest, name)
         run(["strip", "-o", out, src])
         # The binaries carry candle's PTX as text: xz makes the three about
-        # 25 MB instead of 190, under what a lent machine takes in one go
+        # 26 MB instead of 186, under what a lent machine takes in one go
         # (cuda_device_run.sh unpacks them).
         run(["xz", "-T0", "-6", out])
     with open(os.path.join(dest, "root.txt"), "w") as f:
