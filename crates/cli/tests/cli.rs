@@ -362,6 +362,35 @@ fn bad_input_gives_clear_errors() {
         shown.contains("runs here:      no") && shown.contains("unsupported architecture"),
         "{shown}"
     );
+    // A family Tessera knows it lacks: the message names the missing part.
+    let moe = dir.join("qwen3moe.gguf");
+    write_tiny_gguf(&hf, &moe, candle_core_dtype(), "qwen3moe").unwrap();
+    fails_with(
+        &tessera(
+            &["run", "--model", moe.to_str().unwrap(), "--prompt", "hi"],
+            None,
+        ),
+        "it needs mixture-of-experts feed-forward layers",
+    );
+    // The new families' switches, as inspect shows them.
+    for (arch, want) in [
+        (
+            "granite",
+            "block outputs × 0.5, attention scores × 0.3, logits ÷ 2.5",
+        ),
+        ("smollm3", "no RoPE on every 4th layer (0 of 2)"),
+        ("olmo2", "q/k norms true, post-norms true"),
+    ] {
+        let path = dir.join(format!("{arch}.gguf"));
+        write_tiny_gguf(&hf, &path, candle_core_dtype(), arch).unwrap();
+        let out = tessera(&["inspect", "--model", path.to_str().unwrap()], None);
+        assert!(out.status.success(), "{}", text_of(&out));
+        let shown = text(&out.stdout);
+        assert!(
+            shown.contains(&format!("architecture:   {arch}")) && shown.contains(want),
+            "{arch}: {shown}"
+        );
+    }
     let long = "word ".repeat(50);
     fails_with(
         &tessera(
