@@ -17,7 +17,7 @@ pub enum ModelError {
     NotGguf { path: PathBuf, magic: [u8; 4] },
     #[error("{path} is a damaged or truncated GGUF file: {reason}")]
     CorruptGguf { path: PathBuf, reason: String },
-    #[error("unsupported architecture {0:?}{missing} (supported: llama, mistral, qwen2, qwen3, gemma3, granite, smollm3, phi3)", missing = crate::config::missing_parts(.0).map(|m| format!(": it needs {m}, which Tessera's forward does not have yet")).unwrap_or_default())]
+    #[error("unsupported architecture {0:?}{missing} (supported: {supported})", missing = crate::config::missing_parts(.0).map(|m| format!(": it needs {m}, which Tessera's forward does not have yet")).unwrap_or_default(), supported = crate::config::Arch::ALL.map(|a| a.name()).join(", "))]
     UnsupportedArchitecture(String),
     #[error("unsupported quantization {dtype} of tensor {tensor}")]
     UnsupportedQuantization { tensor: String, dtype: String },
