@@ -24,7 +24,7 @@ pub enum Arch {
 }
 
 impl Arch {
-    /// Every architecture, in the order `inspect` lists them.
+    /// Every architecture, in the order error messages list them.
     pub const ALL: [Arch; 9] = [
         Arch::Llama,
         Arch::Mistral,
@@ -149,6 +149,54 @@ impl Block {
             residual_scale: 1.0,
             attention_scale: None,
             logit_scale: 1.0,
+        }
+    }
+
+    /// The switches `arch`'s block has whatever its file says, as
+    /// llama.cpp's graph for it computes: what the scales and the sliding
+    /// window are comes from the file (GGUF metadata or `config.json`), on
+    /// top of this.
+    ///
+    /// - Gemma 3: a GELU (tanh) gate, q/k head norms, post-norms, five
+    ///   sliding layers of every six with base 10,000.
+    /// - Qwen3: Qwen2's block without biases, each q and k head RMS-normed
+    ///   before RoPE.
+    /// - SmolLM3: every fourth layer without RoPE (llama.cpp's
+    ///   `n_no_rope_layer_step = 4`).
+    /// - OLMo 2: no norm before attention or the FFN; q and k each normed
+    ///   whole (every head at once) before RoPE; the attention and FFN
+    ///   outputs normed before their residual adds.
+    /// - Llama, Mistral, Qwen2, Granite (its scales are the file's) and
+    ///   Phi-3 (fused projections, split at load; llama.cpp leaves its
+    ///   sliding window off, "Phi SWA is currently disabled", and so does
+    ///   Tessera, to compute what it computes): the Llama block.
+    pub fn of(arch: Arch) -> Block {
+        match arch {
+            Arch::Gemma3 => Block {
+                activation: Activation::GeluTanh,
+                qk_norm: true,
+                post_norms: true,
+                swa_pattern: 6,
+                ..Block::llama()
+            },
+            Arch::Qwen3 => Block {
+                qk_norm: true,
+                ..Block::llama()
+            },
+            Arch::SmolLM3 => Block {
+                no_rope_every: 4,
+                ..Block::llama()
+            },
+            Arch::Olmo2 => Block {
+                qk_norm: true,
+                qk_norm_whole: true,
+                pre_norms: false,
+                post_norms: true,
+                ..Block::llama()
+            },
+            Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Granite | Arch::Phi3 => {
+                Block::llama()
+            }
         }
     }
 }
@@ -477,10 +525,6 @@ impl HfConfig {
             tie_embeddings: self.tie_word_embeddings,
             qkv_bias: self.attention_bias.unwrap_or(arch == Arch::Qwen2),
             block: Block {
-                qk_norm: matches!(arch, Arch::Qwen3 | Arch::Olmo2),
-                qk_norm_whole: arch == Arch::Olmo2,
-                pre_norms: arch != Arch::Olmo2,
-                post_norms: arch == Arch::Olmo2,
                 embed_scale: self.embedding_multiplier.unwrap_or(1.0),
                 residual_scale: self.residual_multiplier.unwrap_or(1.0),
                 attention_scale: self.attention_multiplier,
@@ -490,7 +534,7 @@ impl HfConfig {
                     self.no_rope_layer_interval,
                     self.num_hidden_layers,
                 )?,
-                ..Block::llama()
+                ..Block::of(arch)
             },
         };
         if arch == Arch::Gemma3 {

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 
-use crate::config::{Activation, Arch, Block, HfConfig, ModelConfig, RopeScaling};
+use crate::config::{Arch, Block, HfConfig, ModelConfig, RopeScaling};
 use crate::qlinear::QLinear;
 use crate::{ModelError, Result};
 
@@ -335,29 +335,17 @@ impl GgufFile {
             tie_embeddings: !self.content.tensor_infos.contains_key("output.weight"),
             qkv_bias: self.content.tensor_infos.contains_key("blk.0.attn_q.bias"),
             block: match arch {
-                // llama.cpp's gemma3 graph: embeddings scaled by sqrtf(n_embd),
-                // q/k norms, post-norms, GELU (tanh) gate, five sliding
-                // layers of every six with base 10,000.
+                // Gemma 3: embeddings scaled by sqrtf(n_embd), the file's
+                // sliding window.
                 Arch::Gemma3 => Block {
-                    activation: Activation::GeluTanh,
-                    qk_norm: true,
-                    post_norms: true,
                     embed_scale: (hidden as f32).sqrt(),
                     sliding_window: self.meta_u32(&k("attention.sliding_window"))? as usize,
-                    swa_pattern: 6,
-                    ..Block::llama()
+                    ..Block::of(arch)
                 },
-                // Qwen3: Qwen2's block without biases, each q and k head
-                // RMS-normed before RoPE.
-                Arch::Qwen3 => Block {
-                    qk_norm: true,
-                    ..Block::llama()
-                },
-                // llama.cpp's granite graph: embeddings times
-                // `embedding_scale`, attention and FFN outputs times
-                // `residual_scale` before their adds, scores times
-                // `attention.scale`, logits times 1/`logit_scale` (each
-                // optional but the last).
+                // Granite: embeddings times `embedding_scale`, attention and
+                // FFN outputs times `residual_scale` before their adds,
+                // scores times `attention.scale`, logits times
+                // 1/`logit_scale` (each optional but the last).
                 Arch::Granite => Block {
                     embed_scale: self.meta_f32(&k("embedding_scale")).unwrap_or(1.0),
                     residual_scale: self.meta_f32(&k("residual_scale")).unwrap_or(1.0),
@@ -365,30 +353,9 @@ impl GgufFile {
                     logit_scale: self.meta_f32(&k("logit_scale")).ok_or_else(|| {
                         ModelError::Config(format!("{} is missing", k("logit_scale")))
                     })?,
-                    ..Block::llama()
+                    ..Block::of(arch)
                 },
-                // SmolLM3: every fourth layer without RoPE (llama.cpp sets
-                // `n_no_rope_layer_step = 4` for the architecture).
-                Arch::SmolLM3 => Block {
-                    no_rope_every: 4,
-                    ..Block::llama()
-                },
-                // Phi-3: the Llama block with fused projections (split
-                // at load). llama.cpp leaves its sliding window off
-                // ("Phi SWA is currently disabled"), and so does Tessera,
-                // to compute what it computes.
-                Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Phi3 => Block::llama(),
-                // llama.cpp's olmo2 graph: no norm before attention or the
-                // FFN; q and k each RMS-normed whole (every head at once)
-                // before RoPE; the attention and FFN outputs normed before
-                // their residual adds.
-                Arch::Olmo2 => Block {
-                    qk_norm: true,
-                    qk_norm_whole: true,
-                    pre_norms: false,
-                    post_norms: true,
-                    ..Block::llama()
-                },
+                _ => Block::of(arch),
             },
         };
         if arch == Arch::Olmo2
@@ -471,6 +438,18 @@ impl HfDir {
     }
 }
 
+/// A safetensors projection as [`Source::matmul`] keeps it: f32 on the
+/// CPU, its f16/bf16 on a GPU (widened to f32 per product).
+fn dense_linear(t: &Tensor, device: &Device) -> Result<QLinear> {
+    let half = matches!(t.dtype(), DType::F16 | DType::BF16);
+    let t = if half && !device.is_cpu() {
+        t.clone()
+    } else {
+        t.to_dtype(DType::F32)?
+    };
+    Ok(QLinear::Dense(t.to_device(device)?))
+}
+
 /// One of the two weight sources.
 pub(crate) enum Source<'a> {
     Gguf(&'a mut GgufFile),
@@ -532,16 +511,7 @@ impl Source<'_> {
                 }
                 Ok(QLinear::Quantized(Arc::new(g.qtensor(&name, device)?)))
             }
-            Source::Hf(h) => {
-                let t = h.tensor(&name)?;
-                let half = matches!(t.dtype(), DType::F16 | DType::BF16);
-                let t = if half && !device.is_cpu() {
-                    t.clone()
-                } else {
-                    t.to_dtype(DType::F32)?
-                };
-                Ok(QLinear::Dense(t.to_device(device)?))
-            }
+            Source::Hf(h) => dense_linear(h.tensor(&name)?, device),
         }
     }
 
@@ -611,18 +581,12 @@ impl Source<'_> {
                 if dims.len() != 2 || dims[0] != total {
                     return Err(bad(&dims));
                 }
-                let half = matches!(t.dtype(), DType::F16 | DType::BF16);
                 let mut at = 0;
                 rows.iter()
                     .map(|&r| {
-                        let part = t.narrow(0, at, r)?;
+                        let part = t.narrow(0, at, r)?.contiguous()?;
                         at += r;
-                        let part = if half && !device.is_cpu() {
-                            part.contiguous()?
-                        } else {
-                            part.to_dtype(DType::F32)?.contiguous()?
-                        };
-                        Ok(QLinear::Dense(part.to_device(device)?))
+                        dense_linear(&part, device)
                     })
                     .collect()
             }
