@@ -271,13 +271,18 @@ impl Kl {
         if pr > 0.0 {
             kl += pr * (pr / qr).ln();
         }
-        let kl = kl.max(0.0);
+        self.record(kl.max(0.0), base.1[0].0 == argmax, base.0);
+    }
+
+    /// One position's divergence, whether the best tokens agree, and the
+    /// base's log-probability of the target.
+    fn record(&mut self, kl: f64, same_top: bool, base_lp: f32) {
         self.n += 1;
         self.sum += kl;
         self.sum2 += kl * kl;
         self.max = self.max.max(kl);
-        self.same_top += (base.1[0].0 == argmax) as usize;
-        self.base_nll -= base.0 as f64;
+        self.same_top += same_top as usize;
+        self.base_nll -= base_lp as f64;
     }
 
     /// KL(base ‖ this) over the whole vocabulary from llama.cpp's row of
@@ -295,12 +300,7 @@ impl Kl {
                 kl += (lp as f64).exp() * (lp as f64 - (logit as f64 - norm));
             }
         }
-        self.n += 1;
-        self.sum += kl;
-        self.sum2 += kl * kl;
-        self.max = self.max.max(kl);
-        self.same_top += (best as u32 == argmax) as usize;
-        self.base_nll -= base[target as usize] as f64;
+        self.record(kl, best as u32 == argmax, base[target as usize]);
     }
 
     fn mean(&self) -> f64 {

@@ -214,6 +214,11 @@ impl CacheRaw {
                 at.is_multiple_of(per) && n.is_multiple_of(per) && (at + n) / per <= len,
                 "store_row: {n} values at {at} outside {len} units"
             );
+            // Blocks hold rotated rows, rotated 64 values at a time.
+            assert!(
+                per == 1 || n.is_multiple_of(quant::ROT),
+                "store_row: rows rotate 64 values at a time"
+            );
             std::slice::from_raw_parts_mut(p.add(at / per), n / per)
         }
         match self {
@@ -224,20 +229,8 @@ impl CacheRaw {
             CacheRaw::Bf16(p, len) => {
                 half::bf16::store(src, units(p as *mut half::bf16, len, at, src.len()))
             }
-            CacheRaw::Q8_0(p, len) => {
-                assert!(
-                    src.len().is_multiple_of(quant::ROT),
-                    "store_row: rows rotate 64 values at a time"
-                );
-                quant::BlockQ8_0::store(src, units(p, len, at, src.len()))
-            }
-            CacheRaw::Q4_0(p, len) => {
-                assert!(
-                    src.len().is_multiple_of(quant::ROT),
-                    "store_row: rows rotate 64 values at a time"
-                );
-                quant::BlockQ4_0::store(src, units(p, len, at, src.len()))
-            }
+            CacheRaw::Q8_0(p, len) => quant::BlockQ8_0::store(src, units(p, len, at, src.len())),
+            CacheRaw::Q4_0(p, len) => quant::BlockQ4_0::store(src, units(p, len, at, src.len())),
         }
     }
 

@@ -613,27 +613,20 @@ impl Llama {
             let (cos, sin) = &tables[self.layer_rope[l]];
             let h = norm(&x, &layer.attn_norm)?;
             let [q, k, v] = layer.qkv.forward(&h)?;
-            let (q, k) = (
-                add_bias(q, layer.q_bias.as_ref())?,
-                add_bias(k, layer.k_bias.as_ref())?,
-            );
-            // q/k norms over each head, or (OLMo 2) over the whole row.
-            let whole = cfg.block.qk_norm_whole;
-            let (q, k) = if whole {
-                (norm(&q, &layer.q_norm)?, norm(&k, &layer.k_norm)?)
-            } else {
-                (q, k)
+            // Biased, then as heads, normed per head or (OLMo 2) over the
+            // whole row first, then rotated.
+            let heads = |y: Tensor, b: &Option<Tensor>, n: usize, w: &Option<Tensor>| {
+                let y = add_bias(y, b.as_ref())?;
+                let y = if cfg.block.qk_norm_whole {
+                    norm(&y, w)?.reshape((t, n, hd))?
+                } else {
+                    norm(&y.reshape((t, n, hd))?, w)?
+                };
+                self.rope(&y, cos, sin)
             };
-            let q = q.reshape((t, nh, hd))?;
-            let k = k.reshape((t, kvh, hd))?;
+            let q = heads(q, &layer.q_bias, nh, &layer.q_norm)?;
+            let k = heads(k, &layer.k_bias, kvh, &layer.k_norm)?;
             let v = add_bias(v, layer.v_bias.as_ref())?.reshape((t, kvh, hd))?;
-            let (q, k) = if whole {
-                (q, k)
-            } else {
-                (norm(&q, &layer.q_norm)?, norm(&k, &layer.k_norm)?)
-            };
-            let q = self.rope(&q, cos, sin)?;
-            let k = self.rope(&k, cos, sin)?;
             let a = attn.attend(l, &q, &k, &v.contiguous()?)?;
             let o = layer.o.forward(&a.reshape((t, nh * hd))?)?;
             x = (x + out(&o, &layer.post_attn_norm)?)?;

@@ -299,17 +299,8 @@ pub fn write_tiny_gguf(
     for l in 0..layers {
         let p = |n: &str| format!("model.layers.{l}.{n}");
         let g = |n: &str| format!("blk.{l}.{n}");
-        if arch == "olmo2" {
-            // OLMo 2: no pre-norms; q and k normed whole; post-norms.
-            for (name, n) in [
-                ("attn_q_norm.weight", heads * head_dim),
-                ("attn_k_norm.weight", kv_heads * head_dim),
-                ("post_attention_norm.weight", hidden),
-                ("post_ffw_norm.weight", hidden),
-            ] {
-                put(g(name), (seeded(&[n], &mut seed, 0.3)? + 1.0)?, false)?;
-            }
-        } else {
+        // OLMo 2 has no pre-norms.
+        if arch != "olmo2" {
             put(
                 g("attn_norm.weight"),
                 hf(&p("input_layernorm.weight"))?,
@@ -346,24 +337,28 @@ pub fn write_tiny_gguf(
             true,
         )?;
         put(g("ffn_down.weight"), hf(&p("mlp.down_proj.weight"))?, true)?;
-        if gemma {
-            for (name, n) in [
-                ("attn_q_norm.weight", head_dim),
-                ("attn_k_norm.weight", head_dim),
-                ("post_attention_norm.weight", hidden),
-                ("post_ffw_norm.weight", hidden),
-            ] {
-                put(g(name), (seeded(&[n], &mut seed, 0.3)? + 1.0)?, false)?;
-            }
-        }
-        if arch == "qwen3" {
-            for name in ["attn_q_norm.weight", "attn_k_norm.weight"] {
-                put(
-                    g(name),
-                    (seeded(&[head_dim], &mut seed, 0.3)? + 1.0)?,
-                    false,
-                )?;
-            }
+        // The families' other norms (seeded weights near 1): Gemma's and
+        // Qwen3's per head, OLMo 2's over all heads; Gemma's and OLMo 2's
+        // post-norms.
+        let (q_norm, k_norm) = match arch {
+            "olmo2" => (heads * head_dim, kv_heads * head_dim),
+            _ => (head_dim, head_dim),
+        };
+        let qk = [
+            ("attn_q_norm.weight", q_norm),
+            ("attn_k_norm.weight", k_norm),
+        ];
+        let post = [
+            ("post_attention_norm.weight", hidden),
+            ("post_ffw_norm.weight", hidden),
+        ];
+        let norms: &[(&str, usize)] = match arch {
+            "gemma3" | "olmo2" => &[qk[0], qk[1], post[0], post[1]],
+            "qwen3" => &qk,
+            _ => &[],
+        };
+        for &(name, n) in norms {
+            put(g(name), (seeded(&[n], &mut seed, 0.3)? + 1.0)?, false)?;
         }
     }
     let (tok, vocab) = tiny_tokenizer()?;
