@@ -76,8 +76,9 @@ bench-model: model
     python3 scripts/readme_tables.py model
 
 # The default build (instruction sets chosen at run time) beside one built for this CPU
-# (`-C target-cpu=native`, in target/native), prefill and decode alternating; then the README's table.
-bench-portable: model
+# (`-C target-cpu=native`, in target/native), prefill and decode alternating on the default model and
+# a generated 1B-class one, each instruction set this host has forced in both; then the README's table.
+bench-portable: model (synth-model "1b" "Q4_K_M")
     cargo build --release -p tessera
     CARGO_TARGET_DIR=target/native RUSTFLAGS="-C target-cpu=native" cargo build --release -p tessera
     python3 scripts/portable_vs_native.py
@@ -142,11 +143,12 @@ synth-model models="1b" formats="Q4_0,Q4_K_M,Q5_K_M,Q6_K,Q8_0": model bench-deps
     python3 -c "import numpy" 2>/dev/null || python3 -m pip install --quiet numpy
     python3 scripts/synth_model.py {{models}} --formats {{formats}}
 
-# Tessera beside llama.cpp's own llama-bench (standalone; native, and built for AVX2 alone) at real
+# Tessera beside llama.cpp's own llama-bench (standalone; native, and built for AVX2 and AVX-VNNI alone) at real
 # sizes on each instruction set this host has, TESSERA_ISA forced to match, alternating, with the
 # host's read bandwidth in the same run; then the README's table (target/bench/cpu.json).
 bench-cpu models="SmolLM2-135M-Instruct.Q4_1,synth-1b-Q4_0,synth-1b-Q4_K_M,synth-3b-Q4_0,synth-3b-Q4_K_M" runs="3": (synth-model "1b 3b" "Q4_0,Q4_K_M")
     sh scripts/build_llama_tools.sh avx2
+    if grep -q avx_vnni /proc/cpuinfo; then sh scripts/build_llama_tools.sh avxvnni; fi
     cargo build --release -p tessera
     python3 scripts/bench_cpu.py --models {{models}} --runs {{runs}} --int8 --contention SmolLM2-135M-Instruct.Q4_1,synth-1b-Q4_0
 

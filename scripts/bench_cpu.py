@@ -5,14 +5,14 @@
 native, and an AVX2-only `llama-bench`), the generated models
 (scripts/synth_model.py) and Tessera's default (portable) build, then runs
 this: for each model and each instruction set this host has among AVX-512
-VNNI and AVX2, prefill of 512 tokens and decode of 128, `llama-bench`
+VNNI, AVX-VNNI and AVX2, prefill of 512 tokens and decode of 128, `llama-bench`
 (standalone, best of flash attention off and on) and `tessera bench`
 (`TESSERA_ISA` forced to the same instruction set) alternating run by run,
 2 threads each; and the host's read bandwidth (`tessera bench --scenario
 roofline`) before and after, so each decode figure is also a share of the
 roofline (the weights' bytes a decode step reads × tok/s ÷ GB/s).
 
-    python3 scripts/bench_cpu.py [--models synth-1b-Q4_0,...] [--isas avx512,avx2] [--runs 3] [--int8]
+    python3 scripts/bench_cpu.py [--models synth-1b-Q4_0,...] [--isas avx512,avxvnni,avx2] [--runs 3] [--int8]
                                  [--contention SmolLM2-135M-Instruct.Q4_1,...]
 
 With --contention, also decode on those models (best ISA) idle and with one
@@ -35,7 +35,8 @@ from readme_tables import BENCH, ROOT  # noqa: E402
 
 TESSERA = ROOT / "target/release/tessera"
 LLAMA = ROOT / "target/llama-server"
-LLAMA_BENCH = {"avx512": LLAMA / "build/bin/llama-bench", "avx2": LLAMA / "build-avx2/bin/llama-bench"}
+LLAMA_BENCH = {"avx512": LLAMA / "build/bin/llama-bench", "avxvnni": LLAMA / "build-avxvnni/bin/llama-bench",
+               "avx2": LLAMA / "build-avx2/bin/llama-bench"}
 GGUF_PY = LLAMA / "llama_cpp_python-0.3.36/vendor/llama.cpp/gguf-py"
 DEFAULT_MODELS = ["SmolLM2-135M-Instruct.Q4_1", "synth-1b-Q4_0", "synth-1b-Q4_K_M", "synth-3b-Q4_0",
                   "synth-3b-Q4_K_M"]
@@ -54,6 +55,8 @@ def host_isas():
     out = []
     if "avx512_vnni" in f:
         out.append("avx512")
+    if "avx_vnni" in f:
+        out.append("avxvnni")
     if "avx2" in f:
         out.append("avx2")
     return out
@@ -151,7 +154,7 @@ def main():
         if i not in host_isas():
             sys.exit(f"this host does not run {i} (it runs {', '.join(host_isas())})")
         if not LLAMA_BENCH[i].exists():
-            sys.exit(f"{LLAMA_BENCH[i]} is missing: run scripts/build_llama_tools.sh {'avx2' if i == 'avx2' else ''}")
+            sys.exit(f"{LLAMA_BENCH[i]} is missing: run scripts/build_llama_tools.sh {'' if i == 'avx512' else i}")
     if not TESSERA.exists():
         sys.exit(f"{TESSERA} is missing: cargo build --release -p tessera")
     models = []

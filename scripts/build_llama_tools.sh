@@ -8,7 +8,9 @@
 # With `avx2` as its argument it builds `llama-bench` a second time into
 # target/llama-server/build-avx2/bin with GGML_NATIVE off and AVX2 + FMA +
 # F16C on and no AVX-512 or VNNI: the AVX2 row of `just bench-cpu` on a host
-# that has more.
+# that has more. With `avxvnni`, the same plus AVX-VNNI (256-bit `vpdpbusd`,
+# Intel since Alder Lake, AMD since Zen 5) into build-avxvnni: the AVX-VNNI
+# row.
 #
 # The llama-cpp-sys-2 crate ships llama.cpp without its tools, so the
 # source comes from the sdist of the llama-cpp-python package on PyPI (a
@@ -32,15 +34,17 @@ fi
 command -v cmake >/dev/null || python3 -m pip install --quiet cmake
 COMMON="-DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON"
-if [ "$FLAVOUR" = avx2 ]; then
-    B=$OUT/build-avx2
+if [ "$FLAVOUR" = avx2 ] || [ "$FLAVOUR" = avxvnni ]; then
+    B=$OUT/build-$FLAVOUR
     [ -x "$B/bin/llama-bench" ] && exit 0
+    VNNI=OFF
+    [ "$FLAVOUR" = avxvnni ] && VNNI=ON
     # shellcheck disable=SC2086
     cmake -S "$SRC/vendor/llama.cpp" -B "$B" $COMMON -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON \
         -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX512_VNNI=OFF \
-        -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF >/dev/null
+        -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=$VNNI >/dev/null
     cmake --build "$B" --target llama-bench -j "$(nproc)"
-    echo "built $B/bin/llama-bench (AVX2, no AVX-512 or VNNI)"
+    echo "built $B/bin/llama-bench ($FLAVOUR, no AVX-512)"
     exit 0
 fi
 TOOLS="llama-server llama-perplexity llama-bench llama-quantize"

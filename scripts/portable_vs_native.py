@@ -4,76 +4,99 @@
 `just bench-portable` builds `target/release/tessera` (the default build:
 the kernels pick their instruction set at run time) and
 `target/native/release/tessera` (`-C target-cpu=native`), then runs this:
-prefill and decode of each binary, alternating, `RUNS` times, so that both
-see the same machine. Writes target/bench/portable.json and the README's
-`bench-portable` section.
+prefill and decode of each binary, alternating, on each model and each
+instruction set this host has (`TESSERA_ISA` forced to the same one in
+both binaries, so the rows compare the dispatch, not the kernels; the
+native binary's code around the kernels is still compiled for this CPU),
+so that both see the same machine. Writes target/bench/portable.json and
+the README's `bench-portable` section.
+
+    python3 scripts/portable_vs_native.py [--models SmolLM2-135M-Instruct.Q4_1,synth-1b-Q4_K_M]
+                                          [--isas avx512,avxvnni,avx2] [--runs 7]
 """
 
+import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_cpu import host_isas  # noqa: E402
 from readme_tables import BENCH, ROOT, measured, splice  # noqa: E402
 
-MODEL = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUILDS = {
     "portable": ROOT / "target" / "release" / "tessera",
     "native": ROOT / "target" / "native" / "release" / "tessera",
 }
+NAMES = {"avx512": "AVX-512 VNNI", "avxvnni": "AVX-VNNI", "avx2": "AVX2"}
 # One binary's runs spread by about ±10% on a shared host (AMD EPYC,
 # 2026-11-25: prefill 885 to 1,062 tok/s over 5 runs), so the medians need
-# more runs than that.
-RUNS = 15
+# several runs, alternating.
+RUNS = 7
 
 
-def run(binary, scenario):
+def run(binary, model, scenario, isa):
     out = subprocess.run(
-        [str(binary), "bench", "--model", str(MODEL), "--scenario", scenario,
+        [str(binary), "--threads", "2", "bench", "--model", str(model), "--scenario", scenario,
          "--runs", "1", "--no-baseline", "--json"],
-        check=True, capture_output=True, text=True,
+        check=True, capture_output=True, text=True, env=dict(os.environ, TESSERA_ISA=isa),
     ).stdout
     return json.loads(out.strip().splitlines()[-1])["tessera"]
 
 
 def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="SmolLM2-135M-Instruct.Q4_1,synth-1b-Q4_K_M")
+    ap.add_argument("--isas", default=",".join(host_isas()))
+    ap.add_argument("--runs", type=int, default=RUNS)
+    args = ap.parse_args()
     for name, path in BUILDS.items():
         if not path.exists():
             sys.exit(f"{path} is missing: run `just bench-portable`")
-    got = {s: {b: [] for b in BUILDS} for s in ("prefill", "decode")}
-    for i in range(RUNS):
-        for scenario, per in got.items():
-            for build, path in BUILDS.items():
-                per[build].append(run(path, scenario))
-                print(f"run {i + 1}/{RUNS} {scenario} {build}: {per[build][-1]:.1f} tok/s", flush=True)
-    result = {
-        s: {
-            **{b: statistics.median(v) for b, v in per.items()},
-            **{f"{b}_min": min(v) for b, v in per.items()},
-            **{f"{b}_max": max(v) for b, v in per.items()},
-            "ratio": statistics.median(per["portable"]) / statistics.median(per["native"]),
-        }
-        for s, per in got.items()
-    }
-    result["runs"] = RUNS
+    models = []
+    for m in args.models.split(","):
+        p = ROOT / "models" / f"{m}.gguf"
+        if not p.exists():
+            sys.exit(f"{p} is missing: run `just synth-model` (or `just model`)")
+        models.append((m, p))
+    isas = [i for i in args.isas.split(",") if i]
+    rows = []
+    for name, path in models:
+        for isa in isas:
+            got = {s: {b: [] for b in BUILDS} for s in ("prefill", "decode")}
+            for i in range(args.runs):
+                for scenario, per in got.items():
+                    for build, binary in BUILDS.items():
+                        per[build].append(run(binary, path, scenario, isa))
+                print(f"{name} {isa} run {i + 1}/{args.runs}: "
+                      + ", ".join(f"{s} {b} {v[b][-1]:.1f}" for s, v in got.items() for b in BUILDS), flush=True)
+            for s, per in got.items():
+                rows.append({
+                    "model": name, "isa": isa, "scenario": s,
+                    **{b: statistics.median(v) for b, v in per.items()},
+                    **{f"{b}_runs": v for b, v in per.items()},
+                    "ratio": statistics.median(per["portable"]) / statistics.median(per["native"]),
+                })
     BENCH.mkdir(parents=True, exist_ok=True)
-    (BENCH / "portable.json").write_text(json.dumps(result, indent=1) + "\n")
+    (BENCH / "portable.json").write_text(json.dumps({"runs": args.runs, "rows": rows}, indent=1) + "\n")
     lines = [
         f"The default build against one for this CPU (`just bench-portable`), {measured()}: "
         "`target/release/tessera` (kernels chosen at run time) and the same code built with "
-        f"`-C target-cpu=native`, alternating, {RUNS} runs each, median (min–max):",
+        "`-C target-cpu=native`, `TESSERA_ISA` forced to the row's instruction set in both, 2 threads, "
+        f"alternating, {args.runs} runs each, median (min–max). Prefill: a 512-token prompt; decode: 128 "
+        "tokens after a 16-token prompt.",
         "",
-        "| scenario | default build | `target-cpu=native` | default / native |",
-        "|---|---|---|---|",
+        "| model | ISA | scenario | default build | `target-cpu=native` | default / native |",
+        "|---|---|---|---|---|---|",
     ]
-    for key, label in [("prefill", "prefill, 512-token prompt"),
-                       ("decode", "decode, 128 tokens after a 16-token prompt")]:
-        r = result[key]
+    for r in rows:
+        span = lambda b: f"({min(r[b + '_runs']):.0f}–{max(r[b + '_runs']):.0f})"  # noqa: E731
         lines.append(
-            f"| {label} | {r['portable']:.1f} tok/s ({r['portable_min']:.0f}–{r['portable_max']:.0f}) | "
-            f"{r['native']:.1f} tok/s ({r['native_min']:.0f}–{r['native_max']:.0f}) | {r['ratio']:.3f} |"
+            f"| {r['model']} | {NAMES.get(r['isa'], r['isa'])} | {r['scenario']} | {r['portable']:.1f} tok/s "
+            f"{span('portable')} | {r['native']:.1f} tok/s {span('native')} | {r['ratio']:.3f} |"
         )
     splice("portable", "portable_vs_native.py", lines)
     print("\n".join(lines))

@@ -538,13 +538,14 @@ def cpu_table():
     if not path.exists():
         sys.exit(f"{path} is missing: run `just bench-cpu`")
     d = json.loads(path.read_text())
-    names = {"avx512": "AVX-512 VNNI", "avx2": "AVX2"}
+    names = {"avx512": "AVX-512 VNNI", "avxvnni": "AVX-VNNI", "avx2": "AVX2"}
     roof = max(d["roofline_gb_s"])
     out = [
         f"{measured(d.get('commit'))}, {isa()} host; `tessera bench` from the default (portable) build with `TESSERA_ISA` "
         "forced to each row's instruction set, beside llama.cpp's own `llama-bench` (llama.cpp as vendored by "
         "llama-cpp-python 0.3.36, built by `scripts/build_llama_tools.sh`: native for the AVX-512 rows, "
-        "`GGML_NATIVE=OFF` with AVX2 + FMA and no AVX-512 or VNNI for the AVX2 rows), best of flash attention "
+        "`GGML_NATIVE=OFF` with AVX2 + FMA and no AVX-512 for the others, with `GGML_AVX_VNNI` for the "
+        "AVX-VNNI rows (256-bit `vpdpbusd`) and without it for the AVX2 rows), best of flash attention "
         f"off and on, {d['threads']} threads each, the two alternating run by run, medians over {d['runs']} runs "
         "(min–max in brackets: this host's memory bandwidth is shared, and decode moves with it by ±15% from run "
         "to run). "

@@ -21,8 +21,12 @@
 //! least [`WINDOW`] of regions passes [`LOST`], the next regions run with
 //! one worker fewer, and the left-out threads park. After a back-off
 //! ([`PROBE`], doubling while probes fail) the team grows by one again to
-//! see whether the load has gone. `TESSERA_FIXED_TEAM=1` keeps every
-//! worker. (Linux measures thread CPU time; elsewhere the team is fixed.)
+//! see whether the load has gone, unless the kernel's count of runnable
+//! threads says that no core is free for it (`/proc/loadavg`: the load
+//! has not gone, and a probe would stall the whole team for a window to
+//! learn it; the probe waits another back-off). `TESSERA_FIXED_TEAM=1`
+//! keeps every worker. (Linux measures thread CPU time; elsewhere the
+//! team is fixed.)
 //!
 //! A panic in any worker poisons the region: workers waiting at a barrier
 //! unwind too, `run` waits until every worker has left the closure (it
@@ -154,8 +158,16 @@ impl Adapt {
     }
 
     /// Takes in one region's wall time and its worst worker's time off the
-    /// CPU; returns the next region's team size.
-    fn after(&mut self, n: usize, wall: u64, lost: u64, now: Instant) -> usize {
+    /// CPU; returns the next region's team size. `free` says, when a probe
+    /// is due, how many cores no other thread wants (`None`: unknown).
+    fn after(
+        &mut self,
+        n: usize,
+        wall: u64,
+        lost: u64,
+        now: Instant,
+        free: impl FnOnce(usize) -> Option<usize>,
+    ) -> usize {
         if self.fixed || n == 1 {
             return self.team;
         }
@@ -184,6 +196,10 @@ impl Adapt {
             }
         }
         if self.team < n && self.next_probe.is_some_and(|p| now >= p) {
+            if free(self.team) == Some(0) {
+                self.next_probe = Some(now + self.backoff);
+                return self.team;
+            }
             self.team += 1;
             self.grown_at = Some(now);
             self.wall = 0;
@@ -191,6 +207,31 @@ impl Adapt {
             self.next_probe = (self.team < n).then(|| now + self.backoff);
         }
         self.team
+    }
+}
+
+/// Cores that no thread wants beside a team of `team` running workers:
+/// the online cores less the kernel's runnable threads (the fourth field
+/// of `/proc/loadavg`, which counts this team's), or `None` where the OS
+/// does not say. A container sees the whole host's counts and cores, so
+/// the answer there is the host's; the team's own time off the CPU still
+/// decides whether it shrinks.
+fn free_cores(team: usize) -> Option<usize> {
+    #[cfg(target_os = "linux")]
+    {
+        let text = std::fs::read_to_string("/proc/loadavg").ok()?;
+        let field = text.split_whitespace().nth(3)?;
+        let running: usize = field.split('/').next()?.parse().ok()?;
+        // SAFETY: sysconf has no preconditions.
+        let online = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
+        let online = usize::try_from(online).ok().filter(|&c| c > 0)?;
+        let others = running.saturating_sub(team);
+        Some(online.saturating_sub(others + team))
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = team;
+        None
     }
 }
 
@@ -403,6 +444,7 @@ impl StepPool {
                 wall,
                 lost,
                 Instant::now(),
+                free_cores,
             );
         }
         if poisoned {
@@ -643,6 +685,7 @@ mod tests {
                 1_000_000,
                 (lost * 1e6) as u64,
                 now + Duration::from_millis(i),
+                |_| None,
             );
         }
         team
@@ -664,15 +707,15 @@ mod tests {
         // ... then one worker more; it fails at once, so the next probe
         // waits twice as long.
         let t2 = t0 + PROBE + WINDOW;
-        assert_eq!(a.after(4, 1, 0, t2), 3);
+        assert_eq!(a.after(4, 1, 0, t2, |_| None), 3);
         assert_eq!(window(&mut a, 4, 0.4, t2), 2);
         assert_eq!(a.backoff, PROBE * 2);
-        assert_eq!(a.after(4, 1, 0, t2 + PROBE), 2, "not yet");
+        assert_eq!(a.after(4, 1, 0, t2 + PROBE, |_| None), 2, "not yet");
         let t3 = t2 + PROBE * 2 + WINDOW;
-        assert_eq!(a.after(4, 1, 0, t3), 3);
+        assert_eq!(a.after(4, 1, 0, t3, |_| None), 3);
         // The load has gone: the team stays, and grows again later.
         assert_eq!(window(&mut a, 4, 0.01, t3), 3);
-        assert_eq!(a.after(4, 1, 0, t3 + PROBE * 3), 4);
+        assert_eq!(a.after(4, 1, 0, t3 + PROBE * 3, |_| None), 4);
         assert_eq!(window(&mut a, 4, 0.01, t3 + PROBE * 3), 4);
         // Never below one worker, and a fixed team never moves.
         let mut b = adapt(2);
@@ -682,6 +725,36 @@ mod tests {
         assert_eq!(b.team, 1);
         let mut c = Adapt::new(2, true);
         assert_eq!(window(&mut c, 2, 0.9, t0), 2);
+    }
+
+    #[test]
+    fn a_probe_waits_while_no_core_is_free() {
+        let t0 = Instant::now();
+        let mut a = adapt(2);
+        assert_eq!(window(&mut a, 2, 0.4, t0), 1);
+        // Due, but the other threads want every core: no probe, and the
+        // next is a back-off later (the back-off itself unchanged).
+        let due = t0 + PROBE + WINDOW;
+        assert_eq!(a.after(2, 1, 0, due, |team| Some(team - 1)), 1);
+        assert_eq!(a.next_probe, Some(due + PROBE));
+        assert_eq!(a.backoff, PROBE);
+        assert_eq!(a.after(2, 1, 0, due + PROBE / 2, |_| Some(1)), 1, "not yet");
+        // A core is free: the probe runs.
+        assert_eq!(a.after(2, 1, 0, due + PROBE, |_| Some(1)), 2);
+        // Where the OS does not say, probes run as before.
+        let mut b = adapt(2);
+        window(&mut b, 2, 0.4, t0);
+        assert_eq!(b.after(2, 1, 0, due, |_| None), 2);
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn free_cores_reads_the_kernels_counts() {
+        // This test's own thread is running, so at most every core but
+        // one is free.
+        let online = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) } as usize;
+        let free = free_cores(1).expect("Linux has /proc/loadavg");
+        assert!(free < online, "{free} of {online}");
     }
 
     // (Only where the OS measures thread CPU time; elsewhere the team is
