@@ -20,6 +20,12 @@
 //! then the rows that want logits: norm, output head rows split.
 //! ```
 //!
+//! "Split" is each worker's static share, taken in chunks of at least
+//! 64 KB of weights while decoding (up to 8 inputs): a worker that
+//! finishes its own run helps with the others' from their ends
+//! (`for_units`), so the team no longer waits at each barrier for the
+//! worker whose core streams slowest at that moment.
+//!
 //! Gemma 3 adds: embeddings scaled; q and k heads RMS-normed in the QKV
 //! epilogue before RoPE (each layer with its own RoPE table); sliding-window
 //! layers' attention planned with their window; O and down written to a
@@ -37,7 +43,7 @@
 #![allow(clippy::needless_range_loop)]
 
 use std::borrow::Cow;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use candle_core::Tensor;
@@ -181,6 +187,9 @@ struct Local {
     /// Draws all workers have made from each cursor in the forward's
     /// earlier layers and groups (the same for every worker).
     drawn: Vec<usize>,
+    /// The linear layers' phases so far in this forward (the same for
+    /// every worker).
+    phase: u16,
 }
 
 /// What the fast path keeps between steps.
@@ -198,6 +207,8 @@ pub(crate) struct Fast {
     /// One per worker: the draws from its run of each layer's attention
     /// items (back to 0 before each forward).
     cursors: Vec<Cursor>,
+    /// One per worker: its run of each linear layer's chunks.
+    runs: Vec<Run>,
     x: Vec<f32>,
     q: Vec<f32>,
     a: Vec<f32>,
@@ -328,6 +339,7 @@ impl Fast {
             head,
             locals: (0..threads).map(|_| Mutex::new(Local::default())).collect(),
             cursors: (0..threads).map(|_| Cursor::default()).collect(),
+            runs: (0..threads).map(|_| Run::default()).collect(),
             x: Vec::new(),
             q: Vec::new(),
             a: Vec::new(),
@@ -417,10 +429,129 @@ fn quantize<'a>(
     unsafe { &shared.all()[..t * nb] }
 }
 
-/// This worker's share of `n` rows, in whole tiles.
-fn share_rows(team: &Team, n: usize) -> (usize, usize) {
-    let (a, b) = team.share(n.div_ceil(GROUP));
-    ((a * GROUP).min(n), (b * GROUP).min(n))
+/// The fewest weight bytes a worker takes at a time while decoding
+/// (76 KB: four tiles of a Q4_K matrix 2,048 wide; a matrix 576 wide
+/// takes twelve tiles): smaller chunks spend more of their time drawing
+/// and starting cold.
+const CHUNK_BYTES: usize = 64 << 10;
+
+/// Inputs up to which the linear layers are taken in chunks (more
+/// inputs: each worker's whole share at once, so that a prefill's panels
+/// sweep one long run of tiles).
+const CHUNKED_INPUTS: usize = 8;
+
+/// Rows of a linear layer of `n` rows (`row_bytes` each, in all the
+/// matrices a chunk's rows are taken from) for `t` inputs, in chunks (see
+/// [`for_units`]). A static share held the team at every barrier for the
+/// slowest worker: the two cores of a shared host stream memory at
+/// different rates from moment to moment (AMD EPYC, 1B-class Q4_K_M
+/// decode: the engine thread waited at barriers for 18% of its samples).
+/// Which worker computes a row does not change its arithmetic, so results
+/// are the same bits.
+#[allow(clippy::too_many_arguments)]
+fn for_rows(
+    team: &Team,
+    runs: &[Run],
+    phase: &mut u16,
+    n: usize,
+    t: usize,
+    row_bytes: usize,
+    f: impl FnMut(usize, usize),
+) {
+    let chunk = if t <= CHUNKED_INPUTS {
+        CHUNK_BYTES
+            .div_ceil(row_bytes.max(1))
+            .next_multiple_of(GROUP)
+    } else {
+        n.div_ceil(GROUP).div_ceil(team.threads()) * GROUP
+    };
+    for_units(team, runs, phase, n, chunk, f)
+}
+
+/// One worker's run of a phase's chunks, on its own cache line: the
+/// phase's number (16 bits), then the next chunk from the front and the
+/// end (24 bits each).
+#[derive(Default)]
+#[repr(align(64))]
+struct Run(AtomicU64);
+
+const RUN_BITS: u32 = 24;
+
+fn run_word(phase: u16, front: usize, back: usize) -> u64 {
+    (u64::from(phase) << (2 * RUN_BITS)) | ((front as u64) << RUN_BITS) | back as u64
+}
+
+fn run_parts(w: u64) -> (u16, usize, usize) {
+    let mask = (1u64 << RUN_BITS) - 1;
+    (
+        (w >> (2 * RUN_BITS)) as u16,
+        ((w >> RUN_BITS) & mask) as usize,
+        (w & mask) as usize,
+    )
+}
+
+/// Units `0..n` in chunks of `chunk`, `f(start, end)` per chunk: each
+/// worker takes the chunks of its own run (its static share) from the
+/// front, in order (its tiles follow on in memory, so the kernels' hints
+/// run ahead into its next chunk), then helps with the other runs from
+/// their ends, where it does not break their owners' streams. Each phase
+/// has its number (`phase`, counted alike by every worker); a run still
+/// marked with an earlier phase is set up by whichever worker reaches it
+/// first. Phases that use the runs must be separated by barriers.
+fn for_units(
+    team: &Team,
+    runs: &[Run],
+    phase: &mut u16,
+    n: usize,
+    chunk: usize,
+    mut f: impl FnMut(usize, usize),
+) {
+    *phase = phase
+        .checked_add(1)
+        .expect("fewer than 65,536 phases a forward");
+    let p = *phase;
+    let nw = team.threads();
+    let chunks = n.div_ceil(chunk.max(1));
+    assert!(chunks < 1 << RUN_BITS, "chunks of a phase fit a run word");
+    let fresh = |u: usize| {
+        let (c0, c1) = team_split(chunks, nw, u);
+        run_word(p, c0, c1)
+    };
+    let take = |u: usize, from_back: bool| -> Option<usize> {
+        let run = &runs[u].0;
+        let mut cur = run.load(Ordering::Relaxed);
+        loop {
+            let (gen, front, back) = run_parts(cur);
+            if gen != p {
+                cur =
+                    match run.compare_exchange(cur, fresh(u), Ordering::Relaxed, Ordering::Relaxed)
+                    {
+                        Ok(_) => fresh(u),
+                        Err(now) => now,
+                    };
+                continue;
+            }
+            if front >= back {
+                return None;
+            }
+            let (next, c) = if from_back {
+                (run_word(p, front, back - 1), back - 1)
+            } else {
+                (run_word(p, front + 1, back), front)
+            };
+            match run.compare_exchange_weak(cur, next, Ordering::Relaxed, Ordering::Relaxed) {
+                Ok(_) => return Some(c),
+                Err(now) => cur = now,
+            }
+        }
+    };
+    let me = team.id();
+    let chunk = chunk.max(1);
+    for u in (0..nw).map(|k| (me + k) % nw) {
+        while let Some(c) = take(u, u != me) {
+            f(c * chunk, ((c + 1) * chunk).min(n));
+        }
+    }
 }
 
 fn bad(msg: String) -> ModelError {
@@ -723,6 +854,10 @@ impl Llama {
         for c in cursors {
             c.0.store(0, Ordering::Relaxed);
         }
+        let runs = &fast.runs;
+        for r in runs {
+            r.0.store(0, Ordering::Relaxed);
+        }
         let units = nh + 2 * kvh;
 
         let timing = crate::phases::CLOCK.timing(batch.token_seq);
@@ -737,12 +872,14 @@ impl Llama {
                 row: nrow,
                 attn,
                 drawn,
+                phase,
             } = &mut *local;
             grow(h, t * hidden);
             grow(tmp, t * hd.max(FFN_ROWS));
             grow(tmp2, t * FFN_ROWS);
             drawn.clear();
             drawn.resize(cursors.len(), 0);
+            *phase = 0;
             // x += y·Wᵀ (linear `which` of the layer, this worker's rows of
             // it) for the inputs `y` (f32, and quantized when packed); with
             // a post-norm, y·Wᵀ goes to `ob` first, and after a barrier
@@ -753,21 +890,41 @@ impl Llama {
                             (y, qy): (&[f32], &[ActBlock]),
                             post: &Option<Vec<f32>>,
                             deq: &mut Vec<f32>,
-                            row: &mut Vec<f32>| {
-                let rows = share_rows(team, hidden);
+                            row: &mut Vec<f32>,
+                            phase: &mut u16| {
                 let lin = &lc.lins[which];
                 let Some(pn) = post else {
-                    lin.apply(isa, &w[which], y, qy, t, rows, deq, &mut |i, r, v| {
-                        let at = i * hidden + r;
-                        let xr = unsafe { x.part(at, at + v.len()) };
-                        add_scaled(xr, v, rs);
-                    });
+                    for_rows(
+                        team,
+                        runs,
+                        phase,
+                        hidden,
+                        t,
+                        w[which].row_bytes(),
+                        |r0, r1| {
+                            lin.apply(isa, &w[which], y, qy, t, (r0, r1), deq, &mut |i, r, v| {
+                                let at = i * hidden + r;
+                                let xr = unsafe { x.part(at, at + v.len()) };
+                                add_scaled(xr, v, rs);
+                            })
+                        },
+                    );
                     return;
                 };
-                lin.apply(isa, &w[which], y, qy, t, rows, deq, &mut |i, r, v| {
-                    let at = i * hidden + r;
-                    unsafe { ob.part(at, at + v.len()) }.copy_from_slice(v)
-                });
+                for_rows(
+                    team,
+                    runs,
+                    phase,
+                    hidden,
+                    t,
+                    w[which].row_bytes(),
+                    |r0, r1| {
+                        lin.apply(isa, &w[which], y, qy, t, (r0, r1), deq, &mut |i, r, v| {
+                            let at = i * hidden + r;
+                            unsafe { ob.part(at, at + v.len()) }.copy_from_slice(v)
+                        })
+                    },
+                );
                 team.barrier();
                 let (i0, i1) = team.share(t);
                 for i in i0..i1 {
@@ -826,52 +983,60 @@ impl Llama {
                         _ => unsafe { cv.store_row((slot * kvh + head) * hd, row) },
                     }
                 };
-                let (u0, u1) = team.share(units);
-                for u in u0..u1 {
-                    let (which, head) = if u < nh {
-                        (0, u)
-                    } else if u < nh + kvh {
-                        (1, u - nh)
-                    } else {
-                        (2, u - nh - kvh)
-                    };
-                    let r0 = head * hd;
-                    let lin = &lc.lins[which];
-                    lin.apply(
-                        isa,
-                        &w[which],
-                        h,
-                        qh,
-                        t,
-                        (r0, r0 + hd),
-                        deq,
-                        &mut |i, r, v| tmp[i * hd + r - r0..][..v.len()].copy_from_slice(v),
-                    );
-                    let bias_at = [0, nh * hd, (nh + kvh) * hd][which] + r0;
-                    for i in 0..t {
-                        let row = &mut tmp[i * hd..(i + 1) * hd];
-                        if let Some(b) = &lc.qkv_bias {
-                            for (v, &bb) in row.iter_mut().zip(&b[bias_at..bias_at + hd]) {
-                                *v += bb;
+                // Heads (their rows of q, k or v) in chunks of at least
+                // `CHUNK_BYTES` while decoding.
+                let chunk = if t <= CHUNKED_INPUTS {
+                    CHUNK_BYTES.div_ceil(hd * w[0].row_bytes().max(1))
+                } else {
+                    units.div_ceil(team.threads())
+                };
+                for_units(team, runs, phase, units, chunk, |u0, u1| {
+                    for u in u0..u1 {
+                        let (which, head) = if u < nh {
+                            (0, u)
+                        } else if u < nh + kvh {
+                            (1, u - nh)
+                        } else {
+                            (2, u - nh - kvh)
+                        };
+                        let r0 = head * hd;
+                        let lin = &lc.lins[which];
+                        lin.apply(
+                            isa,
+                            &w[which],
+                            h,
+                            qh,
+                            t,
+                            (r0, r0 + hd),
+                            deq,
+                            &mut |i, r, v| tmp[i * hd + r - r0..][..v.len()].copy_from_slice(v),
+                        );
+                        let bias_at = [0, nh * hd, (nh + kvh) * hd][which] + r0;
+                        for i in 0..t {
+                            let row = &mut tmp[i * hd..(i + 1) * hd];
+                            if let Some(b) = &lc.qkv_bias {
+                                for (v, &bb) in row.iter_mut().zip(&b[bias_at..bias_at + hd]) {
+                                    *v += bb;
+                                }
                             }
-                        }
-                        if whole && which < 2 {
-                            // Normed over all heads below, once every
-                            // head of the token is here.
-                            let (buf, n) = if which == 0 { (&q, nh) } else { (&kraw, kvh) };
-                            unsafe { buf.part((i * n + head) * hd, (i * n + head + 1) * hd) }
-                                .copy_from_slice(row);
-                            continue;
-                        }
-                        if !whole {
-                            let head_norm = [&lc.q_norm, &lc.k_norm, &None][which];
-                            if let Some(wn) = head_norm {
-                                rms_norm_in_place(isa.0, row, wn, eps, nrow);
+                            if whole && which < 2 {
+                                // Normed over all heads below, once every
+                                // head of the token is here.
+                                let (buf, n) = if which == 0 { (&q, nh) } else { (&kraw, kvh) };
+                                unsafe { buf.part((i * n + head) * hd, (i * n + head + 1) * hd) }
+                                    .copy_from_slice(row);
+                                continue;
                             }
+                            if !whole {
+                                let head_norm = [&lc.q_norm, &lc.k_norm, &None][which];
+                                if let Some(wn) = head_norm {
+                                    rms_norm_in_place(isa.0, row, wn, eps, nrow);
+                                }
+                            }
+                            finish(which, head, i, row, false);
                         }
-                        finish(which, head, i, row, false);
                     }
-                }
+                });
                 if whole {
                     // OLMo 2: each token's q and k normed whole, then
                     // rotated and stored head by head.
@@ -973,32 +1138,41 @@ impl Llama {
                 }
                 let av = unsafe { a.all() };
                 let qa = quantize(team, packed(lc, &[3]), levels, av, t, nh * hd, qown, &qx);
-                residual(lc, w, 3, (av, qa), &lc.post_attn, deq, nrow);
+                residual(lc, w, 3, (av, qa), &lc.post_attn, deq, nrow, phase);
                 team.barrier();
                 pre_norm(isa.0, unsafe { x.all() }, t, &lc.ffn_norm, eps, h);
                 let qh = quantize(team, packed(lc, &[4, 5]), levels, h, t, hidden, qown, &qx);
-                let (f0, f1) = share_rows(team, ffn);
-                let mut r = f0;
-                while r < f1 {
-                    let e = (r + FFN_ROWS).min(f1);
-                    let n = e - r;
-                    lc.lins[4].apply(isa, &w[4], h, qh, t, (r, e), deq, &mut |i, rr, v| {
-                        tmp[i * n + rr - r..][..v.len()].copy_from_slice(v)
-                    });
-                    lc.lins[5].apply(isa, &w[5], h, qh, t, (r, e), deq, &mut |i, rr, v| {
-                        tmp2[i * n + rr - r..][..v.len()].copy_from_slice(v)
-                    });
-                    for i in 0..t {
-                        let out = unsafe { m.part(i * ffn + r, i * ffn + e) };
-                        let row = i * n..(i + 1) * n;
-                        act_mul(isa.0, act, &tmp[row.clone()], &tmp2[row], out);
-                    }
-                    r = e;
-                }
+                for_rows(
+                    team,
+                    runs,
+                    phase,
+                    ffn,
+                    t,
+                    w[4].row_bytes() + w[5].row_bytes(),
+                    |f0, f1| {
+                        let mut r = f0;
+                        while r < f1 {
+                            let e = (r + FFN_ROWS).min(f1);
+                            let n = e - r;
+                            lc.lins[4].apply(isa, &w[4], h, qh, t, (r, e), deq, &mut |i, rr, v| {
+                                tmp[i * n + rr - r..][..v.len()].copy_from_slice(v)
+                            });
+                            lc.lins[5].apply(isa, &w[5], h, qh, t, (r, e), deq, &mut |i, rr, v| {
+                                tmp2[i * n + rr - r..][..v.len()].copy_from_slice(v)
+                            });
+                            for i in 0..t {
+                                let out = unsafe { m.part(i * ffn + r, i * ffn + e) };
+                                let row = i * n..(i + 1) * n;
+                                act_mul(isa.0, act, &tmp[row.clone()], &tmp2[row], out);
+                            }
+                            r = e;
+                        }
+                    },
+                );
                 team.barrier();
                 let mv = unsafe { m.all() };
                 let qm = quantize(team, packed(lc, &[6]), levels, mv, t, ffn, qown, &qx);
-                residual(lc, w, 6, (mv, qm), &lc.post_ffn, deq, nrow);
+                residual(lc, w, 6, (mv, qm), &lc.post_ffn, deq, nrow, phase);
                 team.barrier();
             }
             if picks > 0 {
@@ -1006,15 +1180,24 @@ impl Llama {
                 norm_rows(isa.0, unsafe { x.all() }, rows, norm, eps, h);
                 let wanted = head_lin.packed.is_some();
                 let qh = quantize(team, wanted, levels, h, picks, hidden, qown, &qx);
-                let rows = share_rows(team, vocab);
-                head_lin.apply(isa, &head, h, qh, picks, rows, deq, &mut |i, r, v| {
-                    let at = i * vocab + r;
-                    let out = unsafe { logits.part(at, at + v.len()) };
-                    out.copy_from_slice(v);
-                    if inv_logit != 1.0 {
-                        out.iter_mut().for_each(|l| *l *= inv_logit);
-                    }
-                });
+                for_rows(
+                    team,
+                    runs,
+                    phase,
+                    vocab,
+                    picks,
+                    head.row_bytes(),
+                    |r0, r1| {
+                        head_lin.apply(isa, &head, h, qh, picks, (r0, r1), deq, &mut |i, r, v| {
+                            let at = i * vocab + r;
+                            let out = unsafe { logits.part(at, at + v.len()) };
+                            out.copy_from_slice(v);
+                            if inv_logit != 1.0 {
+                                out.iter_mut().for_each(|l| *l *= inv_logit);
+                            }
+                        })
+                    },
+                );
             }
         };
         let start = timing.then(std::time::Instant::now);
@@ -1024,5 +1207,67 @@ impl Llama {
         }
         let out = fast.logits[..picks * vocab].to_vec();
         Ok(Tensor::from_vec(out, (picks, vocab), &self.device)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every unit of every phase runs exactly once, in chunks that start
+    /// on a multiple of the chunk, whatever the team and however the
+    /// workers race (more workers than cores: they are taken off the CPU
+    /// mid-phase, and the others finish their runs).
+    #[test]
+    fn every_unit_of_every_phase_runs_once() {
+        let cases = [
+            (0, 1),
+            (1, 1),
+            (37, 4),
+            (64, 64),
+            (1000, 16),
+            (5, 100),
+            (4099, 3),
+        ];
+        for workers in 1..=5 {
+            let pool = StepPool::with_policy(workers, true);
+            let runs: Vec<Run> = (0..workers).map(|_| Run::default()).collect();
+            let counts: Vec<Vec<AtomicUsize>> = cases
+                .iter()
+                .map(|&(n, _)| (0..n).map(|_| AtomicUsize::new(0)).collect())
+                .collect();
+            let rounds = 20;
+            pool.run(&|team| {
+                let mut phase = 0u16;
+                for _ in 0..rounds {
+                    for (case, &(n, chunk)) in cases.iter().enumerate() {
+                        for_units(team, &runs, &mut phase, n, chunk, |a, b| {
+                            assert!(a % chunk == 0 && a < b && b <= n, "{a}..{b} of {n}");
+                            for u in a..b {
+                                counts[case][u].fetch_add(1, Ordering::Relaxed);
+                            }
+                        });
+                        team.barrier();
+                    }
+                }
+            });
+            for (case, c) in counts.iter().enumerate() {
+                for (u, k) in c.iter().enumerate() {
+                    let k = k.load(Ordering::Relaxed);
+                    assert_eq!(k, rounds, "{workers} workers, case {case}, unit {u}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn run_words_round_trip() {
+        for (p, f, b) in [
+            (1, 0, 0),
+            (65_535, (1 << RUN_BITS) - 1, 7),
+            (300, 12, (1 << RUN_BITS) - 1),
+        ] {
+            assert_eq!(run_parts(run_word(p, f, b)), (p, f, b));
+        }
     }
 }
