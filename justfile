@@ -152,6 +152,14 @@ bench-cpu models="SmolLM2-135M-Instruct.Q4_1,synth-1b-Q4_0,synth-1b-Q4_K_M,synth
     cargo build --release -p tessera
     python3 scripts/bench_cpu.py --models {{models}} --runs {{runs}} --int8 --contention SmolLM2-135M-Instruct.Q4_1,synth-1b-Q4_0
 
+# More formats of the generated 1B-class model beside llama-bench (as `bench-cpu`, each run's own
+# roofline), merged into target/bench/cpu.json and the README's table.
+bench-cpu-formats formats="Q5_K_M,Q6_K,Q8_0" runs="3": (synth-model "1b" formats)
+    sh scripts/build_llama_tools.sh avx2
+    if grep -q avx_vnni /proc/cpuinfo; then sh scripts/build_llama_tools.sh avxvnni; fi
+    cargo build --release -p tessera
+    python3 scripts/bench_cpu.py --models $(echo {{formats}} | sed 's/\([^,]*\)/synth-1b-\1/g') --runs {{runs}} --int8 --merge
+
 # Tessera beside llama.cpp and candle on the default model (same file, same threads, same run):
 # a table, target/bench/vs-llamacpp.json, two charts, then the README's results section;
 # then the server beside llama-server (`bench-server`), the router (`bench-router`) and

@@ -148,6 +148,8 @@ def main():
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--int8", action="store_true", help="also Tessera with --activations int8")
     ap.add_argument("--contention", default="", help="models to decode beside a busy process")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the other models' rows (and their runs' rooflines) of target/bench/cpu.json")
     args = ap.parse_args()
     isas = [i for i in args.isas.split(",") if i]
     for i in isas:
@@ -203,8 +205,26 @@ def main():
     BENCH.mkdir(parents=True, exist_ok=True)
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                           text=True).stdout.strip()
-    result = {"commit": head, "roofline_gb_s": gb_s, "threads": THREADS, "runs": args.runs, "rows": rows,
+    names = [m for m, _ in models]
+    run = {"models": names, "gb_s": gb_s, "commit": head}
+    for row in rows:
+        row["commit"] = head
+    result = {"commit": head, "rooflines": [run], "threads": THREADS, "runs": args.runs, "rows": rows,
               "contention": busy_rows}
+    old = BENCH / "cpu.json"
+    if args.merge and old.exists():
+        prev = json.loads(old.read_text())
+        kept = [r for r in prev["rows"] if r["model"] not in names]
+        result["rows"] = kept + rows
+        left = {r["model"] for r in kept}
+        result["rooflines"] = [
+            {**p, "models": [m for m in p["models"] if m in left]}
+            for p in prev.get("rooflines", [{"models": sorted(left), "gb_s": prev.get("roofline_gb_s", []),
+                                              "commit": prev.get("commit")}])
+            if any(m in left for m in p["models"])
+        ] + [run]
+        result["contention"] = busy_rows or prev.get("contention", [])
+        result["commit"] = prev.get("commit", head) if kept else head
     (BENCH / "cpu.json").write_text(json.dumps(result, indent=1))
     for row in rows:
         extra = f", {row['tessera_roofline_share'] * 100:.0f}% of roofline" if "tessera_roofline_share" in row else ""

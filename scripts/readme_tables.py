@@ -539,7 +539,15 @@ def cpu_table():
         sys.exit(f"{path} is missing: run `just bench-cpu`")
     d = json.loads(path.read_text())
     names = {"avx512": "AVX-512 VNNI", "avxvnni": "AVX-VNNI", "avx2": "AVX2"}
-    roof = max(d["roofline_gb_s"])
+    runs = d.get("rooflines") or [{"models": [], "gb_s": d["roofline_gb_s"], "commit": d.get("commit")}]
+    if len(runs) == 1:
+        bw = f"{' and '.join(f'{g:.1f}' for g in runs[0]['gb_s'])} GB/s before and after"
+    else:
+        bw = "; ".join(
+            f"{' and '.join(f'{g:.1f}' for g in r['gb_s'])} GB/s before and after the run of "
+            f"{', '.join(r['models'])} (commit `{r.get('commit')}`)"
+            for r in runs
+        )
     out = [
         f"{measured(d.get('commit'))}, {isa()} host; `tessera bench` from the default (portable) build with `TESSERA_ISA` "
         "forced to each row's instruction set, beside llama.cpp's own `llama-bench` (llama.cpp as vendored by "
@@ -556,9 +564,8 @@ def cpu_table():
         "`llama-quantize`.",
         "",
         f"The roofline is this host's read bandwidth in the same run (`tessera bench --scenario roofline`: 1 GiB "
-        f"read by {d['threads']} threads, best of 5; {' and '.join(f'{g:.1f}' for g in d['roofline_gb_s'])} GB/s "
-        f"before and after): a decode step reads every weight once, so tok/s × the weights' bytes ÷ {roof:.1f} GB/s "
-        "is the share of it each engine reaches.",
+        f"read by {d['threads']} threads, best of 5; {bw}): a decode step reads every weight once, so tok/s × "
+        "the weights' bytes ÷ the better of its run's two figures is the share of it each engine reaches.",
         "",
         "| model | ISA | scenario | Tessera (default, exact) | llama.cpp | ratio | Tessera `--activations int8` |"
         " Tessera, share of roofline | llama.cpp, share of roofline |",
