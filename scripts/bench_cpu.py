@@ -62,6 +62,17 @@ def host_isas():
     return out
 
 
+def model_paths(names):
+    """(name, path) of each comma-separated model name, from models/."""
+    out = []
+    for m in names.split(","):
+        p = ROOT / "models" / f"{m}.gguf"
+        if not p.exists():
+            sys.exit(f"{p} is missing: run `just synth-model` (or `just model`)")
+        out.append((m, p))
+    return out
+
+
 def decode_bytes(path):
     """Bytes of the weights one decode step reads: every tensor but the
     token embedding (one row of it), unless it is also the output."""
@@ -159,12 +170,7 @@ def main():
             sys.exit(f"{LLAMA_BENCH[i]} is missing: run scripts/build_llama_tools.sh {'' if i == 'avx512' else i}")
     if not TESSERA.exists():
         sys.exit(f"{TESSERA} is missing: cargo build --release -p tessera")
-    models = []
-    for m in args.models.split(","):
-        p = ROOT / "models" / f"{m}.gguf"
-        if not p.exists():
-            sys.exit(f"{p} is missing: run `just synth-model` (or `just model`)")
-        models.append((m, p))
+    models = model_paths(args.models)
     gb_s = [roofline()]
     print(f"roofline {gb_s[0]:.1f} GB/s", flush=True)
     rows = []

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_cpu import host_isas  # noqa: E402
+from bench_cpu import host_isas, model_paths  # noqa: E402
 from readme_tables import BENCH, ROOT, measured, splice  # noqa: E402
 
 BUILDS = {
@@ -56,12 +56,7 @@ def main():
     for name, path in BUILDS.items():
         if not path.exists():
             sys.exit(f"{path} is missing: run `just bench-portable`")
-    models = []
-    for m in args.models.split(","):
-        p = ROOT / "models" / f"{m}.gguf"
-        if not p.exists():
-            sys.exit(f"{p} is missing: run `just synth-model` (or `just model`)")
-        models.append((m, p))
+    models = model_paths(args.models)
     isas = [i for i in args.isas.split(",") if i]
     rows = []
     for name, path in models:

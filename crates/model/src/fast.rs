@@ -893,38 +893,21 @@ impl Llama {
                             row: &mut Vec<f32>,
                             phase: &mut u16| {
                 let lin = &lc.lins[which];
+                let to_ob = post.is_some();
+                let rb = w[which].row_bytes();
+                for_rows(team, runs, phase, hidden, t, rb, |r0, r1| {
+                    lin.apply(isa, &w[which], y, qy, t, (r0, r1), deq, &mut |i, r, v| {
+                        let at = i * hidden + r;
+                        if to_ob {
+                            unsafe { ob.part(at, at + v.len()) }.copy_from_slice(v)
+                        } else {
+                            add_scaled(unsafe { x.part(at, at + v.len()) }, v, rs);
+                        }
+                    })
+                });
                 let Some(pn) = post else {
-                    for_rows(
-                        team,
-                        runs,
-                        phase,
-                        hidden,
-                        t,
-                        w[which].row_bytes(),
-                        |r0, r1| {
-                            lin.apply(isa, &w[which], y, qy, t, (r0, r1), deq, &mut |i, r, v| {
-                                let at = i * hidden + r;
-                                let xr = unsafe { x.part(at, at + v.len()) };
-                                add_scaled(xr, v, rs);
-                            })
-                        },
-                    );
                     return;
                 };
-                for_rows(
-                    team,
-                    runs,
-                    phase,
-                    hidden,
-                    t,
-                    w[which].row_bytes(),
-                    |r0, r1| {
-                        lin.apply(isa, &w[which], y, qy, t, (r0, r1), deq, &mut |i, r, v| {
-                            let at = i * hidden + r;
-                            unsafe { ob.part(at, at + v.len()) }.copy_from_slice(v)
-                        })
-                    },
-                );
                 team.barrier();
                 let (i0, i1) = team.share(t);
                 for i in i0..i1 {
