@@ -440,14 +440,27 @@ const CHUNK_BYTES: usize = 64 << 10;
 /// sweep one long run of tiles).
 const CHUNKED_INPUTS: usize = 8;
 
-/// Rows of a linear layer of `n` rows (`row_bytes` each, in all the
-/// matrices a chunk's rows are taken from) for `t` inputs, in chunks (see
-/// [`for_units`]). A static share held the team at every barrier for the
-/// slowest worker: the two cores of a shared host stream memory at
-/// different rates from moment to moment (AMD EPYC, 1B-class Q4_K_M
-/// decode: the engine thread waited at barriers for 18% of its samples).
-/// Which worker computes a row does not change its arithmetic, so results
-/// are the same bits.
+/// Units a chunk of [`for_units`] takes for `t` inputs: while decoding
+/// (up to [`CHUNKED_INPUTS`]), at least [`CHUNK_BYTES`] of weights
+/// (`unit_bytes` a unit); else each worker's whole share. Rows come in
+/// whole tiles (`align`, [`GROUP`]); heads one at a time (`align` 1).
+/// A static share held the team at every barrier for the slowest worker:
+/// the two cores of a shared host stream memory at different rates from
+/// moment to moment (AMD EPYC, 1B-class Q4_K_M decode: the engine thread
+/// waited at barriers for 18% of its samples). Which worker computes a
+/// unit does not change its arithmetic, so results are the same bits.
+fn chunk_units(team: &Team, n: usize, t: usize, unit_bytes: usize, align: usize) -> usize {
+    if t <= CHUNKED_INPUTS {
+        CHUNK_BYTES
+            .div_ceil(unit_bytes.max(1))
+            .next_multiple_of(align)
+    } else {
+        n.div_ceil(align).div_ceil(team.threads()) * align
+    }
+}
+
+/// Rows `0..n` of a linear layer (`row_bytes` each, in all the matrices
+/// a chunk's rows are taken from) for `t` inputs, through [`for_units`].
 #[allow(clippy::too_many_arguments)]
 fn for_rows(
     team: &Team,
@@ -458,13 +471,7 @@ fn for_rows(
     row_bytes: usize,
     f: impl FnMut(usize, usize),
 ) {
-    let chunk = if t <= CHUNKED_INPUTS {
-        CHUNK_BYTES
-            .div_ceil(row_bytes.max(1))
-            .next_multiple_of(GROUP)
-    } else {
-        n.div_ceil(GROUP).div_ceil(team.threads()) * GROUP
-    };
+    let chunk = chunk_units(team, n, t, row_bytes, GROUP);
     for_units(team, runs, phase, n, chunk, f)
 }
 
@@ -511,7 +518,8 @@ fn for_units(
         .expect("fewer than 65,536 phases a forward");
     let p = *phase;
     let nw = team.threads();
-    let chunks = n.div_ceil(chunk.max(1));
+    let chunk = chunk.max(1);
+    let chunks = n.div_ceil(chunk);
     assert!(chunks < 1 << RUN_BITS, "chunks of a phase fit a run word");
     let fresh = |u: usize| {
         let (c0, c1) = team_split(chunks, nw, u);
@@ -523,12 +531,11 @@ fn for_units(
         loop {
             let (gen, front, back) = run_parts(cur);
             if gen != p {
-                cur =
-                    match run.compare_exchange(cur, fresh(u), Ordering::Relaxed, Ordering::Relaxed)
-                    {
-                        Ok(_) => fresh(u),
-                        Err(now) => now,
-                    };
+                let new = fresh(u);
+                cur = match run.compare_exchange(cur, new, Ordering::Relaxed, Ordering::Relaxed) {
+                    Ok(_) => new,
+                    Err(now) => now,
+                };
                 continue;
             }
             if front >= back {
@@ -546,7 +553,6 @@ fn for_units(
         }
     };
     let me = team.id();
-    let chunk = chunk.max(1);
     for u in (0..nw).map(|k| (me + k) % nw) {
         while let Some(c) = take(u, u != me) {
             f(c * chunk, ((c + 1) * chunk).min(n));
@@ -966,13 +972,7 @@ impl Llama {
                         _ => unsafe { cv.store_row((slot * kvh + head) * hd, row) },
                     }
                 };
-                // Heads (their rows of q, k or v) in chunks of at least
-                // `CHUNK_BYTES` while decoding.
-                let chunk = if t <= CHUNKED_INPUTS {
-                    CHUNK_BYTES.div_ceil(hd * w[0].row_bytes().max(1))
-                } else {
-                    units.div_ceil(team.threads())
-                };
+                let chunk = chunk_units(team, units, t, hd * w[0].row_bytes(), 1);
                 for_units(team, runs, phase, units, chunk, |u0, u1| {
                     for u in u0..u1 {
                         let (which, head) = if u < nh {
