@@ -69,7 +69,7 @@ mod cuda {
         let cap = cap.trim().replace('.', "");
         let out = PathBuf::from(std::env::var_os("OUT_DIR").expect("OUT_DIR"));
         let nvcc = nvcc();
-        for stem in ["kv_ops", "paged_attention"] {
+        for stem in ["kv_ops", "paged_attention", "forward"] {
             let ptx = out.join(format!("{stem}.ptx"));
             let status = Command::new(&nvcc)
                 .args(["-ptx", &format!("-arch=sm_{cap}"), "-O3", "-o"])

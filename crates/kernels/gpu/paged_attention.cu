@@ -135,10 +135,13 @@ __device__ void ts_paged_attention(
         if (d < head_dim) warp_out[warp][d] = acc[i];
     }
     __syncthreads();
+    // One partition: the launcher passes the output itself as part_out
+    // and merges nothing, so the sums are normalised here (as the merge
+    // would: exp(0) = 1).
     for (uint32_t d = threadIdx.x; d < head_dim; d += blockDim.x) {
         float sum = 0.0f;
         for (int w = 0; w < TS_ATT_WARPS; w++) sum += warp_out[w][d];
-        out[d] = sum;
+        out[d] = parts == 1 ? sum / l : sum;
     }
     if (threadIdx.x == 0) {
         part_max[slot_out] = mx;

@@ -574,8 +574,18 @@ fn check(
     v_cache: &Tensor,
     meta: &PagedMeta,
 ) -> Result<(usize, usize, usize)> {
-    let (t, nh, hd) = q.dims3()?;
-    let (nb, bs, kvh, khd) = crate::cache_geometry(k_cache)?;
+    check_dims(q.dims3()?, k_cache, v_cache, meta)
+}
+
+/// [`paged_attention`]'s checks for queries of shape `(t, nh, hd)`: the
+/// caches agree with each other and the queries, and every block a token
+/// reads is inside them. Returns `(nh, kvh, hd)`.
+pub(crate) fn check_dims(
+    q: (usize, usize, usize),
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    meta: &PagedMeta,
+) -> Result<(usize, usize, usize)> {
     if k_cache.shape() != v_cache.shape() || !v_cache.is_contiguous() {
         bail!(
             "paged_attention: K {:?} and V {:?} caches differ",
@@ -583,11 +593,19 @@ fn check(
             v_cache.shape()
         )
     }
+    check_geometry(q, crate::cache_geometry(k_cache)?, meta)
+}
+
+/// [`check_dims`] for caches of geometry `(blocks, block_size, kv_heads,
+/// head_dim)` (K and V alike).
+pub(crate) fn check_geometry(
+    (t, nh, hd): (usize, usize, usize),
+    (nb, bs, kvh, khd): (usize, usize, usize, usize),
+    meta: &PagedMeta,
+) -> Result<(usize, usize, usize)> {
     if khd != hd || kvh == 0 || nh % kvh != 0 {
         bail!(
-            "paged_attention: queries {:?} do not fit cache {:?}",
-            q.shape(),
-            k_cache.shape()
+            "paged_attention: queries of {nh} heads of {hd} do not fit a cache of {kvh} heads of {khd}"
         )
     }
     if bs != meta.block_size || meta.token_seq.len() != t || meta.token_pos.len() != t {

@@ -12,7 +12,7 @@ use std::rc::Rc;
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::{CudaStorageSlice as S, DeviceId, WrapErr};
 use candle_core::{bail, CudaDevice, CudaStorage, Layout, Result, Shape};
@@ -242,6 +242,26 @@ pub(crate) fn move_rows(
 
 const ATT_THREADS: u32 = super::ATT_THREADS as u32;
 
+/// Device addresses of one paged attention launch: queries (f32,
+/// `[tokens, n_heads, head_dim]`), the K and V caches (of the element type
+/// `cache` names: "f32", "f16" or "bf16") and the output (f32, as the
+/// queries).
+pub(crate) struct AttnBuffers {
+    pub q: u64,
+    pub k: u64,
+    pub v: u64,
+    pub out: u64,
+    pub cache: &'static str,
+}
+
+/// A device slice's address, for kernels that take raw pointers (the
+/// slice outlives the launch; everything runs on the device's one stream).
+pub(crate) fn addr<T>(dev: &CudaDevice, s: &CudaSlice<T>) -> u64 {
+    let stream = dev.cuda_stream();
+    let (p, _sync) = s.device_ptr(&stream);
+    p
+}
+
 /// `paged_attention` on CUDA: partial softmax states per partition of the
 /// context, merged by log-sum-exp. Prefill chunks go through the tiled
 /// kernel ([`super::attention_tiles`]: each K/V row loaded once for a tile
@@ -254,14 +274,61 @@ pub(crate) fn paged_attention(
     meta: &PagedMeta,
     (n_heads, n_kv_heads, head_dim): (usize, usize, usize),
 ) -> Result<(CudaStorage, Shape)> {
-    if head_dim > 256 {
-        bail!("paged_attention on CUDA supports head_dim up to 256, not {head_dim}")
-    }
     let dev = q.0.device.clone();
     let S::F32(qs) = &q.0.slice else {
         bail!("paged_attention: queries must be f32 on the GPU")
     };
     let qs = qs.slice(range(q.1, "queries")?);
+    let tokens = meta.token_pos.len();
+    // SAFETY: the merge writes every output value before anything reads it.
+    let out = unsafe { dev.alloc::<f32>(tokens * n_heads * head_dim)? };
+    let stream = dev.cuda_stream();
+    let (qp, _q) = qs.device_ptr(&stream);
+    macro_rules! go {
+        ($suffix:literal, $k:expr, $v:expr) => {{
+            let kc = $k.slice(range(k.1, "K cache")?);
+            let vc = $v.slice(range(v.1, "V cache")?);
+            let (kp, _k) = kc.device_ptr(&stream);
+            let (vp, _v) = vc.device_ptr(&stream);
+            let bufs = AttnBuffers {
+                q: qp,
+                k: kp,
+                v: vp,
+                out: addr(&dev, &out),
+                cache: $suffix,
+            };
+            attention_into(&dev, &bufs, meta, (n_heads, n_kv_heads, head_dim))?
+        }};
+    }
+    match (&k.0.slice, &v.0.slice) {
+        (S::F32(kc), S::F32(vc)) => go!("f32", kc, vc),
+        (S::F16(kc), S::F16(vc)) => go!("f16", kc, vc),
+        (S::BF16(kc), S::BF16(vc)) => go!("bf16", kc, vc),
+        _ => bail!(
+            "paged_attention on CUDA: K/V caches must share an f32/f16/bf16 dtype, got {:?}/{:?}",
+            k.0.dtype(),
+            v.0.dtype()
+        ),
+    }
+    Ok((
+        CudaStorage::wrap_cuda_slice(out, dev),
+        Shape::from((tokens, n_heads, head_dim)),
+    ))
+}
+
+/// Paged attention from raw device addresses (see [`paged_attention`]):
+/// the partial states allocated here, the tables uploaded (kept for the
+/// next layers), the merge writing `b.out`.
+pub(crate) fn attention_into(
+    dev: &CudaDevice,
+    b: &AttnBuffers,
+    meta: &PagedMeta,
+    heads: (usize, usize, usize),
+) -> Result<()> {
+    let (n_heads, n_kv_heads, head_dim) = heads;
+    if head_dim > 256 {
+        bail!("paged_attention on CUDA supports head_dim up to 256, not {head_dim}")
+    }
     let tokens = meta.token_pos.len();
     let tiled = super::attention_tiles(meta, n_heads, n_kv_heads, head_dim);
     let (part_len, parts) = match &tiled {
@@ -269,115 +336,152 @@ pub(crate) fn paged_attention(
         None => super::attention_split(meta, n_heads),
     };
     let states = tokens * n_heads * parts;
-    // SAFETY (the three allocations and `out` below): the attention
-    // kernels write every partial state, an empty partition's too, and the
-    // merge every output value, before anything reads them.
-    let mut part_out = unsafe { dev.alloc::<f32>(states * head_dim)? };
-    let mut part_max = unsafe { dev.alloc::<f32>(states)? };
-    let mut part_sum = unsafe { dev.alloc::<f32>(states)? };
-    let tables = upload(&dev, meta.block_tables)?;
-    let seqs = upload(&dev, meta.token_seq)?;
-    let pos = upload(&dev, meta.token_pos)?;
+    // SAFETY (the three allocations): the attention kernels write every
+    // partial state, an empty partition's too, before the merge reads them.
+    let part_out = unsafe { dev.alloc::<f32>(states * head_dim)? };
+    let part_max = unsafe { dev.alloc::<f32>(states)? };
+    let part_sum = unsafe { dev.alloc::<f32>(states)? };
+    let tables = upload(dev, meta.block_tables)?;
+    let seqs = upload(dev, meta.token_seq)?;
+    let pos = upload(dev, meta.token_pos)?;
+    let tile_table = match &tiled {
+        Some(t) => Some(upload(dev, t.tiles.as_flattened())?),
+        None => None,
+    };
+    let launch = AttnLaunch {
+        bufs: b,
+        tables: addr(dev, &*tables),
+        seqs: addr(dev, &*seqs),
+        pos: addr(dev, &*pos),
+        tiles: tile_table
+            .as_ref()
+            .map(|t| (addr(dev, &**t), tiled.as_ref().map_or(0, |t| t.tiles.len()))),
+        partials: (
+            addr(dev, &part_out),
+            addr(dev, &part_max),
+            addr(dev, &part_sum),
+        ),
+        heads,
+        tokens,
+        block_size: meta.block_size,
+        max_blocks: meta.max_blocks,
+        scale: meta.scale,
+        window: meta.window,
+        parts,
+        part_len,
+    };
+    launch_attention(dev, &launch)
+}
+
+/// One paged attention launch, every buffer on the device already: the
+/// per-query kernel (or, with `tiles`, the tiled one over that many tiles)
+/// writing `parts` partial states per (token, head) of `part_len`
+/// positions each, then the merge into `bufs.out`. Allocates nothing and
+/// copies nothing, so it can be captured into a CUDA graph.
+pub(crate) struct AttnLaunch<'a> {
+    pub bufs: &'a AttnBuffers,
+    /// Block tables (`[sequences, max_blocks]`), sequence and position of
+    /// each token.
+    pub tables: u64,
+    pub seqs: u64,
+    pub pos: u64,
+    /// The tiled kernel's tile table and tile count.
+    pub tiles: Option<(u64, usize)>,
+    /// Partial outputs, maxima and sums: room for `tokens · n_heads ·
+    /// parts` states.
+    pub partials: (u64, u64, u64),
+    pub heads: (usize, usize, usize),
+    pub tokens: usize,
+    pub block_size: usize,
+    pub max_blocks: usize,
+    pub scale: f32,
+    pub window: usize,
+    pub parts: usize,
+    pub part_len: usize,
+}
+
+pub(crate) fn launch_attention(dev: &CudaDevice, a: &AttnLaunch) -> Result<()> {
+    let (n_heads, n_kv_heads, head_dim) = a.heads;
     let u = |x: usize| x as u32;
     let scalars = [
         u(n_heads),
         u(n_kv_heads),
         u(head_dim),
-        u(meta.block_size),
-        u(meta.max_blocks),
+        u(a.block_size),
+        u(a.max_blocks),
     ];
-    let (window, parts_u, part_len) = (u(meta.window), u(parts), u(part_len));
-    // The kernel's name around its cache type, its tile table, its grid.
-    let (kind, dims, tile_table, grid_dim) = match &tiled {
-        Some(t) => (
-            "tiled",
-            format!("_{head_dim}"),
-            Some(upload(&dev, t.tiles.as_flattened())?),
-            (u(t.tiles.len()), parts_u, 1),
-        ),
-        None => (
-            "paged",
-            String::new(),
-            None,
-            (u(n_heads), u(tokens), parts_u),
-        ),
+    let (window, parts_u, part_len) = (u(a.window), u(a.parts), u(a.part_len));
+    // The kernel's name around its cache type, and its grid.
+    let (kind, dims, grid_dim) = match a.tiles {
+        Some((_, n)) => ("tiled", format!("_{head_dim}"), (u(n), parts_u, 1)),
+        None => ("paged", String::new(), (u(n_heads), u(a.tokens), parts_u)),
     };
     let cfg = LaunchConfig {
         grid_dim,
         block_dim: (ATT_THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    macro_rules! launch {
-        ($suffix:literal, $k:expr, $v:expr) => {{
-            let f = dev.get_or_load_custom_func(
-                &format!("tessera_{kind}_attention_{}{dims}", $suffix),
-                "tessera_paged_attention",
-                ATTENTION_PTX,
-            )?;
-            let kc = $k.slice(range(k.1, "K cache")?);
-            let vc = $v.slice(range(v.1, "V cache")?);
-            let mut b = f.builder();
-            b.arg(&qs);
-            b.arg(&kc);
-            b.arg(&vc);
-            b.arg(&*tables);
-            b.arg(&*seqs);
-            b.arg(&*pos);
-            if let Some(t) = &tile_table {
-                b.arg(&**t);
-            }
-            b.arg(&mut part_out);
-            b.arg(&mut part_max);
-            b.arg(&mut part_sum);
-            b.arg(&scalars[0]);
-            b.arg(&scalars[1]);
-            if tile_table.is_none() {
-                b.arg(&scalars[2]);
-            }
-            b.arg(&scalars[3]);
-            b.arg(&scalars[4]);
-            b.arg(&meta.scale);
-            b.arg(&window);
-            b.arg(&parts_u);
-            b.arg(&part_len);
-            // SAFETY: the op checked shapes, block tables and positions;
-            // the tiles cover whole rows of the queries.
-            unsafe { b.launch(cfg) }.w()?;
-        }};
+    let f = dev.get_or_load_custom_func(
+        &format!("tessera_{kind}_attention_{}{dims}", a.bufs.cache),
+        "tessera_paged_attention",
+        ATTENTION_PTX,
+    )?;
+    let (mut po, pm, ps) = a.partials;
+    // One partition of the per-query kernel: it normalises its own sums
+    // into the output, and there is nothing to merge.
+    let direct = a.tiles.is_none() && a.parts == 1;
+    if direct {
+        po = a.bufs.out;
     }
-    match (&k.0.slice, &v.0.slice) {
-        (S::F32(kc), S::F32(vc)) => launch!("f32", kc, vc),
-        (S::F16(kc), S::F16(vc)) => launch!("f16", kc, vc),
-        (S::BF16(kc), S::BF16(vc)) => launch!("bf16", kc, vc),
-        _ => bail!(
-            "paged_attention on CUDA: K/V caches must share an f32/f16/bf16 dtype, got {:?}/{:?}",
-            k.0.dtype(),
-            v.0.dtype()
-        ),
+    let mut l = f.builder();
+    l.arg(&a.bufs.q);
+    l.arg(&a.bufs.k);
+    l.arg(&a.bufs.v);
+    l.arg(&a.tables);
+    l.arg(&a.seqs);
+    l.arg(&a.pos);
+    if let Some((t, _)) = &a.tiles {
+        l.arg(t);
     }
-    let mut out = unsafe { dev.alloc::<f32>(tokens * n_heads * head_dim)? };
+    l.arg(&po);
+    l.arg(&pm);
+    l.arg(&ps);
+    l.arg(&scalars[0]);
+    l.arg(&scalars[1]);
+    if a.tiles.is_none() {
+        l.arg(&scalars[2]);
+    }
+    l.arg(&scalars[3]);
+    l.arg(&scalars[4]);
+    l.arg(&a.scale);
+    l.arg(&window);
+    l.arg(&parts_u);
+    l.arg(&part_len);
+    // SAFETY: the caller checked shapes, block tables and positions; the
+    // tiles cover whole rows of the queries.
+    unsafe { l.launch(cfg) }.w()?;
+    if direct {
+        return Ok(());
+    }
     let f = dev.get_or_load_custom_func(
         "tessera_attention_merge",
         "tessera_paged_attention",
         ATTENTION_PTX,
     )?;
-    let mut b = f.builder();
-    b.arg(&part_out);
-    b.arg(&part_max);
-    b.arg(&part_sum);
-    b.arg(&mut out);
-    b.arg(&scalars[0]);
-    b.arg(&scalars[2]);
-    b.arg(&parts_u);
+    let mut l = f.builder();
+    l.arg(&po);
+    l.arg(&pm);
+    l.arg(&ps);
+    l.arg(&a.bufs.out);
+    l.arg(&scalars[0]);
+    l.arg(&scalars[2]);
+    l.arg(&parts_u);
     let merge = LaunchConfig {
-        grid_dim: (u(n_heads), u(tokens), 1),
+        grid_dim: (u(n_heads), u(a.tokens), 1),
         block_dim: (Launch::per_item(1, head_dim).threads, 1, 1),
         shared_mem_bytes: 0,
     };
     // SAFETY: the partial states cover every (token, head, partition).
-    unsafe { b.launch(merge) }.w()?;
-    Ok((
-        CudaStorage::wrap_cuda_slice(out, dev),
-        Shape::from((tokens, n_heads, head_dim)),
-    ))
+    unsafe { l.launch(merge) }.w()?;
+    Ok(())
 }

@@ -347,6 +347,8 @@ pub(crate) mod cuda;
 mod cuda_tests;
 #[cfg(feature = "kernel-emu")]
 pub mod emu;
+#[cfg(feature = "cuda")]
+pub mod forward;
 #[cfg(all(feature = "metal", target_vendor = "apple"))]
 pub(crate) mod metal;
 #[cfg(all(test, feature = "metal", target_vendor = "apple"))]

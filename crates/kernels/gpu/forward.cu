@@ -1,0 +1,516 @@
+// The model's own kernels on CUDA: what the GPU executor
+// (crates/kernels/src/gpu/forward.rs, driven by tessera-model's CUDA
+// forward) launches around the paged attention kernels, in place of one
+// candle operation per step.
+//
+// - tessera_fwd_gemv_<format>: y = W·x for up to TS_FWD_MAXT inputs per
+//   block row, W in its GGML blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, or
+//   f16/f32 rows), dequantized in registers to f32 and multiplied with the
+//   f32 activations (no 8-bit rounding of the activations: the precision of
+//   the CPU reference). A warp per output row; each lane takes items of 8
+//   (Q6_K: 16) weights, as runs of 4 consecutive inputs; the warp's sums
+//   are reduced by shuffles. `acc` adds the result to y (the residual add)
+//   instead of storing it.
+// - tessera_fwd_rms_norm: one block per row, rows optionally gathered.
+// - tessera_fwd_qkv_<cache>: per token and head, the q/k/v biases, the
+//   per-head q/k norms, RoPE (both pair layouts), q into its buffer and k/v
+//   into the paged cache at the token's slot.
+// - tessera_fwd_act_mul: act(gate) * up.
+// - tessera_fwd_residual: x += s * norm(y) (post-norms, residual scales).
+//
+// CUDA only (warp shuffles); the arithmetic each kernel does is the CPU
+// reference forward's, up to the order of f32 additions.
+#include "prelude_cuda.h"
+#include "kv_elem.h"
+
+#define TS_FWD_WARPS 4
+#define TS_FWD_THREADS (TS_FWD_WARPS * 32)
+// Inputs (tokens) one GEMV block multiplies at once; more take more block
+// rows (gridDim.y).
+#define TS_FWD_MAXT 8
+
+__device__ __forceinline__ float ts_fwd_warp_sum(float x) {
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}
+
+// Four bytes at an even address (every block field the items read is at
+// one; blocks of 18, 34 or 210 bytes are not 4-aligned).
+__device__ __forceinline__ uint32_t ts_ld4(const uint8_t* p) {
+    const uint16_t* h = (const uint16_t*)p;
+    return (uint32_t)h[0] | ((uint32_t)h[1] << 16);
+}
+
+__device__ __forceinline__ float ts_ldh(const uint8_t* p) {
+    return __half2float(__ushort_as_half(*(const uint16_t*)p));
+}
+
+__device__ __forceinline__ uint32_t ts_byte(uint32_t q, int e) { return (q >> (8 * e)) & 0xffu; }
+
+// Four bytes at a 4-aligned address (the fields of 20-, 144- and 176-byte
+// blocks, whose rows are 4-aligned too).
+__device__ __forceinline__ uint32_t ts_ld4a(const uint8_t* p) { return *(const uint32_t*)p; }
+
+// Byte n (0..11) of the 12 scale bytes held as three words.
+__device__ __forceinline__ uint32_t ts_scale_byte(const uint32_t* s, uint32_t n) {
+    uint32_t word = n < 4 ? s[0] : (n < 8 ? s[1] : s[2]);
+    return (word >> (8 * (n & 3))) & 0xffu;
+}
+
+// llama.cpp's get_scale_min_k4: sub-block j's 6-bit scale and min, from
+// the 12 scale bytes as three words.
+__device__ __forceinline__ void ts_scale_min_k4(uint32_t j, const uint32_t* q, float* sc, float* m) {
+    if (j < 4) {
+        *sc = (float)(ts_scale_byte(q, j) & 63);
+        *m = (float)(ts_scale_byte(q, j + 4) & 63);
+    } else {
+        *sc = (float)((ts_scale_byte(q, j + 4) & 0xF) | ((ts_scale_byte(q, j - 4) >> 6) << 4));
+        *m = (float)((ts_scale_byte(q, j + 4) >> 4) | ((ts_scale_byte(q, j) >> 6) << 4));
+    }
+}
+
+// Each format: ROW_BYTES(k), ITEMS(k) per row, and item(row, i, w, off):
+// RUNS runs of 4 weights w[4r..4r+4) that multiply inputs off[r]..off[r]+4.
+struct TsQ4_0 {
+    static const int RUNS = 2;
+    static __device__ size_t row_bytes(uint32_t k) { return (size_t)(k / 32) * 18; }
+    static __device__ uint32_t items(uint32_t k) { return k / 32 * 4; }
+    static __device__ void item(const uint8_t* row, uint32_t i, float* w, uint32_t* off) {
+        uint32_t b = i >> 2, j = (i & 3) * 4;
+        const uint8_t* blk = row + (size_t)b * 18;
+        float d = ts_ldh(blk);
+        uint32_t q = ts_ld4(blk + 2 + j);
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            w[e] = (float)((int)(ts_byte(q, e) & 15) - 8) * d;
+            w[4 + e] = (float)((int)(ts_byte(q, e) >> 4) - 8) * d;
+        }
+        off[0] = b * 32 + j;
+        off[1] = b * 32 + 16 + j;
+    }
+};
+
+struct TsQ4_1 {
+    static const int RUNS = 2;
+    static __device__ size_t row_bytes(uint32_t k) { return (size_t)(k / 32) * 20; }
+    static __device__ uint32_t items(uint32_t k) { return k / 32 * 4; }
+    static __device__ void item(const uint8_t* row, uint32_t i, float* w, uint32_t* off) {
+        uint32_t b = i >> 2, j = (i & 3) * 4;
+        const uint8_t* blk = row + (size_t)b * 20;
+        uint32_t dm = ts_ld4a(blk);
+        float d = __half2float(__ushort_as_half((uint16_t)(dm & 0xffffu)));
+        float m = __half2float(__ushort_as_half((uint16_t)(dm >> 16)));
+        uint32_t q = ts_ld4a(blk + 4 + j);
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            w[e] = (float)(ts_byte(q, e) & 15) * d + m;
+            w[4 + e] = (float)(ts_byte(q, e) >> 4) * d + m;
+        }
+        off[0] = b * 32 + j;
+        off[1] = b * 32 + 16 + j;
+    }
+};
+
+struct TsQ8_0 {
+    static const int RUNS = 2;
+    static __device__ size_t row_bytes(uint32_t k) { return (size_t)(k / 32) * 34; }
+    static __device__ uint32_t items(uint32_t k) { return k / 32 * 4; }
+    static __device__ void item(const uint8_t* row, uint32_t i, float* w, uint32_t* off) {
+        uint32_t b = i >> 2, j = (i & 3) * 8;
+        const uint8_t* blk = row + (size_t)b * 34;
+        float d = ts_ldh(blk);
+        uint32_t q0 = ts_ld4(blk + 2 + j), q1 = ts_ld4(blk + 6 + j);
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            w[e] = (float)(int8_t)ts_byte(q0, e) * d;
+            w[4 + e] = (float)(int8_t)ts_byte(q1, e) * d;
+        }
+        off[0] = b * 32 + j;
+        off[1] = b * 32 + j + 4;
+    }
+};
+
+struct TsQ4_K {
+    static const int RUNS = 2;
+    static __device__ size_t row_bytes(uint32_t k) { return (size_t)(k / 256) * 144; }
+    static __device__ uint32_t items(uint32_t k) { return k / 256 * 32; }
+    static __device__ void item(const uint8_t* row, uint32_t i, float* w, uint32_t* off) {
+        uint32_t sb = i >> 5, r = i & 31, c = r >> 3, l = (r & 7) * 4;
+        const uint8_t* blk = row + (size_t)sb * 144;
+        uint32_t dm = ts_ld4a(blk);
+        float d = __half2float(__ushort_as_half((uint16_t)(dm & 0xffffu)));
+        float dmin = __half2float(__ushort_as_half((uint16_t)(dm >> 16)));
+        uint32_t scales[3] = {ts_ld4a(blk + 4), ts_ld4a(blk + 8), ts_ld4a(blk + 12)};
+        float sc1, m1, sc2, m2;
+        ts_scale_min_k4(2 * c, scales, &sc1, &m1);
+        ts_scale_min_k4(2 * c + 1, scales, &sc2, &m2);
+        float d1 = d * sc1, mm1 = dmin * m1, d2 = d * sc2, mm2 = dmin * m2;
+        uint32_t q = ts_ld4a(blk + 16 + c * 32 + l);
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            w[e] = d1 * (float)(ts_byte(q, e) & 15) - mm1;
+            w[4 + e] = d2 * (float)(ts_byte(q, e) >> 4) - mm2;
+        }
+        off[0] = sb * 256 + c * 64 + l;
+        off[1] = off[0] + 32;
+    }
+};
+
+struct TsQ5_K {
+    static const int RUNS = 2;
+    static __device__ size_t row_bytes(uint32_t k) { return (size_t)(k / 256) * 176; }
+    static __device__ uint32_t items(uint32_t k) { return k / 256 * 32; }
+    static __device__ void item(const uint8_t* row, uint32_t i, float* w, uint32_t* off) {
+        uint32_t sb = i >> 5, r = i & 31, c = r >> 3, l = (r & 7) * 4;
+        const uint8_t* blk = row + (size_t)sb * 176;
+        uint32_t dm = ts_ld4a(blk);
+        float d = __half2float(__ushort_as_half((uint16_t)(dm & 0xffffu)));
+        float dmin = __half2float(__ushort_as_half((uint16_t)(dm >> 16)));
+        uint32_t scales[3] = {ts_ld4a(blk + 4), ts_ld4a(blk + 8), ts_ld4a(blk + 12)};
+        float sc1, m1, sc2, m2;
+        ts_scale_min_k4(2 * c, scales, &sc1, &m1);
+        ts_scale_min_k4(2 * c + 1, scales, &sc2, &m2);
+        float d1 = d * sc1, mm1 = dmin * m1, d2 = d * sc2, mm2 = dmin * m2;
+        uint32_t h = ts_ld4a(blk + 16 + l);
+        uint32_t q = ts_ld4a(blk + 48 + c * 32 + l);
+        uint32_t u1 = 1u << (2 * c), u2 = 2u << (2 * c);
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            uint32_t he = ts_byte(h, e);
+            w[e] = d1 * (float)((ts_byte(q, e) & 15) + ((he & u1) ? 16 : 0)) - mm1;
+            w[4 + e] = d2 * (float)((ts_byte(q, e) >> 4) + ((he & u2) ? 16 : 0)) - mm2;
+        }
+        off[0] = sb * 256 + c * 64 + l;
+        off[1] = off[0] + 32;
+    }
+};
+
+struct TsQ6_K {
+    static const int RUNS = 4;
+    static __device__ size_t row_bytes(uint32_t k) { return (size_t)(k / 256) * 210; }
+    static __device__ uint32_t items(uint32_t k) { return k / 256 * 16; }
+    static __device__ void item(const uint8_t* row, uint32_t i, float* w, uint32_t* off) {
+        uint32_t sb = i >> 4, r = i & 15, n = r >> 3, l = (r & 7) * 4;
+        const uint8_t* blk = row + (size_t)sb * 210;
+        float d = ts_ldh(blk + 208);
+        const int8_t* sc = (const int8_t*)(blk + 192 + n * 8);
+        uint32_t is = l / 16;
+        float s0 = d * (float)sc[is], s1 = d * (float)sc[is + 2], s2 = d * (float)sc[is + 4],
+              s3 = d * (float)sc[is + 6];
+        uint32_t ql0 = ts_ld4(blk + n * 64 + l), ql1 = ts_ld4(blk + n * 64 + 32 + l);
+        uint32_t qh = ts_ld4(blk + 128 + n * 32 + l);
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            uint32_t a = ts_byte(ql0, e), b = ts_byte(ql1, e), h = ts_byte(qh, e);
+            w[e] = s0 * (float)((int)((a & 15) | ((h & 3) << 4)) - 32);
+            w[4 + e] = s1 * (float)((int)((b & 15) | (((h >> 2) & 3) << 4)) - 32);
+            w[8 + e] = s2 * (float)((int)((a >> 4) | (((h >> 4) & 3) << 4)) - 32);
+            w[12 + e] = s3 * (float)((int)((b >> 4) | (((h >> 6) & 3) << 4)) - 32);
+        }
+        uint32_t base = sb * 256 + n * 128 + l;
+        off[0] = base;
+        off[1] = base + 32;
+        off[2] = base + 64;
+        off[3] = base + 96;
+    }
+};
+
+struct TsF32W {
+    static const int RUNS = 2;
+    static __device__ size_t row_bytes(uint32_t k) { return (size_t)k * 4; }
+    static __device__ uint32_t items(uint32_t k) { return k / 8; }
+    static __device__ void item(const uint8_t* row, uint32_t i, float* w, uint32_t* off) {
+        const float* r = (const float*)row + i * 8;
+#pragma unroll
+        for (int e = 0; e < 8; e++) w[e] = r[e];
+        off[0] = i * 8;
+        off[1] = i * 8 + 4;
+    }
+};
+
+struct TsF16W {
+    static const int RUNS = 2;
+    static __device__ size_t row_bytes(uint32_t k) { return (size_t)k * 2; }
+    static __device__ uint32_t items(uint32_t k) { return k / 8; }
+    static __device__ void item(const uint8_t* row, uint32_t i, float* w, uint32_t* off) {
+        const uint16_t* r = (const uint16_t*)row + i * 8;
+#pragma unroll
+        for (int e = 0; e < 8; e++) w[e] = __half2float(__ushort_as_half(r[e]));
+        off[0] = i * 8;
+        off[1] = i * 8 + 4;
+    }
+};
+
+// The lane's share of sum_i row[i] x[t][i] for MT tokens, added into
+// sum[t]. x rows are `x_stride` floats apart (a multiple of 4, 16-byte
+// aligned). Each pass loads U items per lane before using any of them:
+// decode is bound by the weight bytes in flight.
+template <typename F, int MT, int U>
+__device__ __forceinline__ void ts_row_dots(const uint8_t* __restrict__ row, uint32_t k,
+                                            const float* __restrict__ xs, uint32_t x_stride,
+                                            uint32_t nt, uint32_t lane, float* sum) {
+    uint32_t items = F::items(k);
+    for (uint32_t base = lane; base < items; base += 32 * U) {
+        float wv[U][F::RUNS * 4];
+        uint32_t off[U][F::RUNS];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            if (base + 32 * u < items) F::item(row, base + 32 * u, wv[u], off[u]);
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            if (base + 32 * u >= items) break;
+#pragma unroll
+            for (int t = 0; t < MT; t++) {
+                if (t < nt) {
+                    const float* xt = xs + (size_t)t * x_stride;
+                    float s = 0.0f;
+#pragma unroll
+                    for (int q = 0; q < F::RUNS; q++) {
+                        float4 v = *(const float4*)(xt + off[u][q]);
+                        s += wv[u][4 * q] * v.x + wv[u][4 * q + 1] * v.y +
+                             wv[u][4 * q + 2] * v.z + wv[u][4 * q + 3] * v.w;
+                    }
+                    sum[t] += s;
+                }
+            }
+        }
+    }
+}
+
+// y[t][r] (= or +=) sum_i W[r][i] x[t][i] for the block's rows (a warp
+// each) and up to MT of its tokens; y rows are `y_stride` floats apart.
+template <typename F, int MT, int U>
+__device__ void ts_gemv(const uint8_t* __restrict__ w, const float* __restrict__ x,
+                        float* __restrict__ y, uint32_t rows, uint32_t k, uint32_t tokens,
+                        uint32_t x_stride, uint32_t y_stride, uint32_t acc) {
+    uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    uint32_t r = blockIdx.x * TS_FWD_WARPS + warp;
+    if (r >= rows) return;
+    uint32_t t0 = blockIdx.y * MT;
+    uint32_t nt = tokens - t0 < (uint32_t)MT ? tokens - t0 : (uint32_t)MT;
+    float sum[MT];
+#pragma unroll
+    for (int t = 0; t < MT; t++) sum[t] = 0.0f;
+    ts_row_dots<F, MT, U>(w + (size_t)r * F::row_bytes(k), k, x + (size_t)t0 * x_stride, x_stride,
+                          nt, lane, sum);
+#pragma unroll
+    for (int t = 0; t < MT; t++) {
+        float v = ts_fwd_warp_sum(sum[t]);
+        if (lane == 0 && t < nt) {
+            float* o = y + (size_t)(t0 + t) * y_stride + r;
+            *o = acc ? *o + v : v;
+        }
+    }
+}
+
+__device__ __forceinline__ float ts_act(float g, uint32_t act) {
+    if (act == 0) return g / (1.0f + expf(-g));
+    const float c = 0.7978845608028654f;  // sqrt(2/pi)
+    return 0.5f * g * (1.0f + tanhf(c * (g + 0.044715f * g * g * g)));
+}
+
+// The gated activation of a stacked gate|up weight (2n rows: gate, then
+// up): y[t][r] = act(gate_r · x[t]) * (up_r · x[t]) for r < n, a warp per
+// r (act 0: SiLU, 1: GELU with tanh).
+template <typename F, int MT, int U>
+__device__ void ts_glu(const uint8_t* __restrict__ w, const float* __restrict__ x,
+                       float* __restrict__ y, uint32_t n, uint32_t k, uint32_t tokens,
+                       uint32_t x_stride, uint32_t y_stride, uint32_t act) {
+    uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    uint32_t r = blockIdx.x * TS_FWD_WARPS + warp;
+    if (r >= n) return;
+    uint32_t t0 = blockIdx.y * MT;
+    uint32_t nt = tokens - t0 < (uint32_t)MT ? tokens - t0 : (uint32_t)MT;
+    const float* xs = x + (size_t)t0 * x_stride;
+    float g[MT], u[MT];
+#pragma unroll
+    for (int t = 0; t < MT; t++) g[t] = u[t] = 0.0f;
+    ts_row_dots<F, MT, U>(w + (size_t)r * F::row_bytes(k), k, xs, x_stride, nt, lane, g);
+    ts_row_dots<F, MT, U>(w + (size_t)(n + r) * F::row_bytes(k), k, xs, x_stride, nt, lane, u);
+#pragma unroll
+    for (int t = 0; t < MT; t++) {
+        float gv = ts_fwd_warp_sum(g[t]), uv = ts_fwd_warp_sum(u[t]);
+        if (lane == 0 && t < nt) y[(size_t)(t0 + t) * y_stride + r] = ts_act(gv, act) * uv;
+    }
+}
+
+// Per format: tessera_fwd_gemv_* and tessera_fwd_glu_* for up to
+// TS_FWD_MAXT tokens per block row, tessera_fwd_gemv1_* and
+// tessera_fwd_glu1_* for one (decode of one sequence: one accumulator, so
+// more items in flight).
+#define TS_GEMV_KERNEL(kname, body, F, MT, U)                                                 \
+    extern "C" __global__ void __launch_bounds__(TS_FWD_THREADS)                              \
+        kname(const uint8_t* __restrict__ w, const float* __restrict__ x,                     \
+              float* __restrict__ y, uint32_t rows, uint32_t k, uint32_t tokens,              \
+              uint32_t x_stride, uint32_t y_stride, uint32_t flag) {                          \
+        body<F, MT, U>(w, x, y, rows, k, tokens, x_stride, y_stride, flag);                   \
+    }
+#define TS_GEMV(name, F)                                                                      \
+    TS_GEMV_KERNEL(tessera_fwd_gemv_##name, ts_gemv, F, TS_FWD_MAXT, 2)                       \
+    TS_GEMV_KERNEL(tessera_fwd_gemv1_##name, ts_gemv, F, 1, 4)                                \
+    TS_GEMV_KERNEL(tessera_fwd_glu_##name, ts_glu, F, TS_FWD_MAXT, 2)                         \
+    TS_GEMV_KERNEL(tessera_fwd_glu1_##name, ts_glu, F, 1, 4)
+
+TS_GEMV(q4_0, TsQ4_0)
+TS_GEMV(q4_1, TsQ4_1)
+TS_GEMV(q8_0, TsQ8_0)
+TS_GEMV(q4_k, TsQ4_K)
+TS_GEMV(q5_k, TsQ5_K)
+TS_GEMV(q6_k, TsQ6_K)
+TS_GEMV(f32, TsF32W)
+TS_GEMV(f16, TsF16W)
+
+#define TS_NORM_THREADS 256
+
+// The sum over the block of one value per thread (every thread gets it).
+__device__ __forceinline__ float ts_fwd_block_sum(float v, float* red) {
+    uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+    v = ts_fwd_warp_sum(v);
+    __syncthreads();
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    float s = 0.0f;
+    for (uint32_t i = 0; i < warps; i++) s += red[i];
+    return s;
+}
+
+// out[r] = x[rows ? rows[r] : r] / sqrt(mean(x²) + eps) * w, a block per
+// row of n values.
+extern "C" __global__ void __launch_bounds__(TS_NORM_THREADS)
+    tessera_fwd_rms_norm(const float* __restrict__ x, const uint32_t* __restrict__ rows,
+                         const float* __restrict__ w, float* __restrict__ out, uint32_t n,
+                         float eps) {
+    __shared__ float red[TS_NORM_THREADS / 32];
+    uint32_t r = blockIdx.x;
+    const float* xr = x + (size_t)(rows ? rows[r] : r) * n;
+    float ss = 0.0f;
+    for (uint32_t i = threadIdx.x; i < n; i += blockDim.x) ss += xr[i] * xr[i];
+    float scale = rsqrtf(ts_fwd_block_sum(ss, red) / (float)n + eps);
+    float* o = out + (size_t)r * n;
+    for (uint32_t i = threadIdx.x; i < n; i += blockDim.x) o[i] = xr[i] * scale * w[i];
+}
+
+// x[r] += s * (w ? rms_norm(y[r], w) : y[r]), a block per row.
+extern "C" __global__ void __launch_bounds__(TS_NORM_THREADS)
+    tessera_fwd_residual(float* __restrict__ x, const float* __restrict__ y,
+                         const float* __restrict__ w, uint32_t n, float eps, float s) {
+    __shared__ float red[TS_NORM_THREADS / 32];
+    const float* yr = y + (size_t)blockIdx.x * n;
+    float* xr = x + (size_t)blockIdx.x * n;
+    float scale = 1.0f;
+    if (w) {
+        float ss = 0.0f;
+        for (uint32_t i = threadIdx.x; i < n; i += blockDim.x) ss += yr[i] * yr[i];
+        scale = rsqrtf(ts_fwd_block_sum(ss, red) / (float)n + eps);
+    }
+    for (uint32_t i = threadIdx.x; i < n; i += blockDim.x) {
+        float v = w ? yr[i] * scale * w[i] : yr[i];
+        xr[i] += s * v;
+    }
+}
+
+// out[t][j] = act(gu[t][j]) * gu[t][n + j] for rows of 2n (gate, then up);
+// act 0: SiLU, 1: GELU (tanh).
+extern "C" __global__ void tessera_fwd_act_mul(const float* __restrict__ gu,
+                                               float* __restrict__ out, uint32_t n,
+                                               uint32_t tokens, uint32_t act) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)n * tokens) return;
+    size_t t = i / n, j = i % n;
+    float g = gu[t * 2 * n + j], u = gu[t * 2 * n + n + j];
+    float a = ts_act(g, act);
+    out[i] = a * u;
+}
+
+#define TS_QKV_MAX_HEAD_DIM 256
+
+// One warp per (token, head of q, k or v). qkv rows hold the token's q, k
+// and v outputs side by side (`stride` floats apart). q and k heads: bias,
+// per-head norm (weights qn/kn, or none), RoPE with the token's cos/sin row
+// (`half` = head_dim / 2 angles; neox: pairs (i, i + half), else (2i,
+// 2i + 1)); q to q_out [token][head][dim], k and v to the cache at the
+// token's slot (none: TS_NO_SLOT).
+template <typename E>
+__device__ void ts_qkv(const float* __restrict__ qkv, uint32_t stride,
+                       const float* __restrict__ bq, const float* __restrict__ bk,
+                       const float* __restrict__ bv, const float* __restrict__ qn,
+                       const float* __restrict__ kn, float eps, const float* __restrict__ cos,
+                       const float* __restrict__ sin, float* __restrict__ q_out,
+                       typename E::Raw* __restrict__ kc, typename E::Raw* __restrict__ vc,
+                       const uint32_t* __restrict__ slots, uint32_t nh, uint32_t kvh,
+                       uint32_t hd, uint32_t neox) {
+    __shared__ float v[TS_QKV_MAX_HEAD_DIM];
+    uint32_t t = blockIdx.x, head = blockIdx.y, lane = threadIdx.x;
+    // Which part and head, and where its bias and norm are.
+    uint32_t part = head < nh ? 0 : (head < nh + kvh ? 1 : 2);
+    uint32_t h = part == 0 ? head : (part == 1 ? head - nh : head - nh - kvh);
+    const float* bias = part == 0 ? bq : (part == 1 ? bk : bv);
+    const float* norm = part == 0 ? qn : (part == 1 ? kn : 0);
+    const float* src = qkv + (size_t)t * stride + (size_t)head * hd;
+    float ss = 0.0f;
+    for (uint32_t d = lane; d < hd; d += 32) {
+        float x = src[d];
+        if (bias) x += bias[h * hd + d];
+        v[d] = x;
+        ss += x * x;
+    }
+    if (norm) {
+        float scale = rsqrtf(ts_fwd_warp_sum(ss) / (float)hd + eps);
+        for (uint32_t d = lane; d < hd; d += 32) v[d] = v[d] * scale * norm[d];
+    }
+    __syncwarp();
+    if (part == 2) {
+        uint32_t slot = slots[t];
+        if (slot == TS_NO_SLOT) return;
+        typename E::Raw* o = vc + ((size_t)slot * kvh + h) * hd;
+        for (uint32_t d = lane; d < hd; d += 32) o[d] = E::store(v[d]);
+        return;
+    }
+    uint32_t half = hd / 2;
+    const float* c = cos + (size_t)t * half;
+    const float* s = sin + (size_t)t * half;
+    float out[TS_QKV_MAX_HEAD_DIM / 32];
+    uint32_t n = 0;
+    for (uint32_t d = lane; d < hd; d += 32, n++) {
+        uint32_t i, a, b;
+        if (neox) {
+            i = d < half ? d : d - half;
+            a = i;
+            b = i + half;
+        } else {
+            i = d / 2;
+            a = 2 * i;
+            b = 2 * i + 1;
+        }
+        bool first = neox ? d < half : (d % 2 == 0);
+        out[n] = first ? v[a] * c[i] - v[b] * s[i] : v[a] * s[i] + v[b] * c[i];
+    }
+    n = 0;
+    if (part == 0) {
+        float* o = q_out + ((size_t)t * nh + h) * hd;
+        for (uint32_t d = lane; d < hd; d += 32, n++) o[d] = out[n];
+    } else {
+        uint32_t slot = slots[t];
+        if (slot == TS_NO_SLOT) return;
+        typename E::Raw* o = kc + ((size_t)slot * kvh + h) * hd;
+        for (uint32_t d = lane; d < hd; d += 32, n++) o[d] = E::store(out[n]);
+    }
+}
+
+#define TS_QKV(suffix, E)                                                                     \
+    extern "C" __global__ void __launch_bounds__(32) tessera_fwd_qkv_##suffix(               \
+        const float* __restrict__ qkv, uint32_t stride, const float* __restrict__ bq,         \
+        const float* __restrict__ bk, const float* __restrict__ bv,                           \
+        const float* __restrict__ qn, const float* __restrict__ kn, float eps,                \
+        const float* __restrict__ cos, const float* __restrict__ sin,                         \
+        float* __restrict__ q_out, E::Raw* __restrict__ kc, E::Raw* __restrict__ vc,          \
+        const uint32_t* __restrict__ slots, uint32_t nh, uint32_t kvh, uint32_t hd,           \
+        uint32_t neox) {                                                                      \
+        ts_qkv<E>(qkv, stride, bq, bk, bv, qn, kn, eps, cos, sin, q_out, kc, vc, slots, nh,   \
+                  kvh, hd, neox);                                                             \
+    }
+
+TS_QKV(f32, TsF32)
+TS_QKV(f16, TsF16)
+TS_QKV(bf16, TsBf16)

@@ -1,0 +1,590 @@
+//! The GPU executor's kernels on CUDA (`gpu/forward.cu`): quantized
+//! matrix-vector products with f32 activations, RMSNorm, the q/k/v step
+//! (biases, q/k norms, RoPE, K/V into the paged cache), the gated
+//! activation and the residual add, launched from raw device addresses on
+//! candle's stream (no tensors, no allocation per launch). tessera-model's
+//! CUDA forward drives them, with [`Forward::attention`] (the paged
+//! attention kernels of `paged_attention.cu`) in between.
+
+use std::sync::Arc;
+
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
+use candle_core::cuda_backend::{CudaStorageSlice as S, WrapErr};
+use candle_core::quantized::GgmlDType;
+use candle_core::{bail, CudaDevice, Result, Storage, Tensor};
+
+use super::cuda::{addr, attention_into, launch_attention, AttnBuffers, AttnLaunch};
+use crate::PagedMeta;
+
+const FORWARD_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/forward.ptx"));
+
+/// Inputs one GEMV block multiplies at once (`TS_FWD_MAXT`).
+const MAXT: u32 = 8;
+/// Output rows per GEMV block (`TS_FWD_WARPS`: a warp per row).
+const ROWS_PER_BLOCK: u32 = 4;
+const NORM_THREADS: u32 = 256;
+
+/// A weight's storage as the GEMV kernels read it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GemvFormat {
+    Q4_0,
+    Q4_1,
+    Q8_0,
+    Q4K,
+    Q5K,
+    Q6K,
+    F32,
+    F16,
+}
+
+impl GemvFormat {
+    const ALL: [GemvFormat; 8] = [
+        GemvFormat::Q4_0,
+        GemvFormat::Q4_1,
+        GemvFormat::Q8_0,
+        GemvFormat::Q4K,
+        GemvFormat::Q5K,
+        GemvFormat::Q6K,
+        GemvFormat::F32,
+        GemvFormat::F16,
+    ];
+
+    /// The format of a GGML tensor type; `None` for those without a kernel.
+    pub fn from_ggml(t: GgmlDType) -> Option<GemvFormat> {
+        Some(match t {
+            GgmlDType::Q4_0 => GemvFormat::Q4_0,
+            GgmlDType::Q4_1 => GemvFormat::Q4_1,
+            GgmlDType::Q8_0 => GemvFormat::Q8_0,
+            GgmlDType::Q4K => GemvFormat::Q4K,
+            GgmlDType::Q5K => GemvFormat::Q5K,
+            GgmlDType::Q6K => GemvFormat::Q6K,
+            GgmlDType::F32 => GemvFormat::F32,
+            GgmlDType::F16 => GemvFormat::F16,
+            _ => return None,
+        })
+    }
+
+    /// Values per block: a row's width must be a multiple.
+    pub fn block_values(self) -> usize {
+        match self {
+            GemvFormat::Q4_0 | GemvFormat::Q4_1 | GemvFormat::Q8_0 => 32,
+            GemvFormat::Q4K | GemvFormat::Q5K | GemvFormat::Q6K => 256,
+            GemvFormat::F32 | GemvFormat::F16 => 8,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            GemvFormat::Q4_0 => "q4_0",
+            GemvFormat::Q4_1 => "q4_1",
+            GemvFormat::Q8_0 => "q8_0",
+            GemvFormat::Q4K => "q4_k",
+            GemvFormat::Q5K => "q5_k",
+            GemvFormat::Q6K => "q6_k",
+            GemvFormat::F32 => "f32",
+            GemvFormat::F16 => "f16",
+        }
+    }
+}
+
+/// One weight for [`Forward::gemv`]: its blocks' device address, format
+/// and shape `[rows, k]`.
+#[derive(Debug, Clone, Copy)]
+pub struct DevWeight {
+    pub ptr: u64,
+    pub format: GemvFormat,
+    pub rows: usize,
+    pub k: usize,
+}
+
+/// Where [`Forward::gemv`] reads and writes: `tokens` input rows `x_stride`
+/// floats apart (a multiple of 4, the buffer 16-byte aligned), outputs
+/// `y_stride` floats apart; `acc` adds to `y` instead of storing.
+#[derive(Debug, Clone, Copy)]
+pub struct GemvIo {
+    pub x: u64,
+    pub y: u64,
+    pub tokens: usize,
+    pub x_stride: usize,
+    pub y_stride: usize,
+    pub acc: bool,
+}
+
+/// The q/k/v step of one layer ([`Forward::qkv`]): `qkv` holds each token's
+/// q, k and v outputs side by side, `stride` floats apart; biases and
+/// per-head norm weights are device addresses or 0 for none; `cos`/`sin`
+/// hold `head_dim / 2` angles per token; K and V go to the layer's caches
+/// at `slots` (device, one per token; [`Forward::qkv`] checks the host copy).
+#[derive(Debug, Clone, Copy)]
+pub struct QkvStep {
+    pub qkv: u64,
+    pub stride: usize,
+    pub biases: [u64; 3],
+    pub norms: [u64; 2],
+    pub eps: f32,
+    pub cos: u64,
+    pub sin: u64,
+    pub q_out: u64,
+    pub slots: u64,
+    pub tokens: usize,
+    /// Query heads, K/V heads, head dimension.
+    pub heads: (usize, usize, usize),
+    pub neox: bool,
+}
+
+/// The loaded kernels of `forward.cu` for one device.
+pub struct Forward {
+    dev: CudaDevice,
+    stream: Arc<CudaStream>,
+    _module: Arc<CudaModule>,
+    /// Per format: the product for up to [`MAXT`] tokens per block row and
+    /// the one for a single token, then the same two of the gated
+    /// activation over a stacked gate|up weight.
+    gemv: Vec<(GemvFormat, [CudaFunction; 4])>,
+    norm: CudaFunction,
+    residual: CudaFunction,
+    act_mul: CudaFunction,
+    qkv: Vec<(&'static str, CudaFunction)>,
+}
+
+fn u(x: usize) -> u32 {
+    x as u32
+}
+
+impl Forward {
+    pub fn new(dev: &CudaDevice) -> Result<Forward> {
+        let stream = dev.cuda_stream();
+        let module = stream
+            .context()
+            .load_module(Ptx::from_src(FORWARD_PTX))
+            .w()?;
+        let f = |name: &str| module.load_function(name).w();
+        let gemv = GemvFormat::ALL
+            .iter()
+            .map(|&g| {
+                let n = g.name();
+                Ok((
+                    g,
+                    [
+                        f(&format!("tessera_fwd_gemv_{n}"))?,
+                        f(&format!("tessera_fwd_gemv1_{n}"))?,
+                        f(&format!("tessera_fwd_glu_{n}"))?,
+                        f(&format!("tessera_fwd_glu1_{n}"))?,
+                    ],
+                ))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let qkv = ["f32", "f16", "bf16"]
+            .into_iter()
+            .map(|c| Ok((c, f(&format!("tessera_fwd_qkv_{c}"))?)))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Forward {
+            dev: dev.clone(),
+            norm: f("tessera_fwd_rms_norm")?,
+            residual: f("tessera_fwd_residual")?,
+            act_mul: f("tessera_fwd_act_mul")?,
+            gemv,
+            qkv,
+            stream,
+            _module: module,
+        })
+    }
+
+    pub fn device(&self) -> &CudaDevice {
+        &self.dev
+    }
+
+    /// `y = W·x` (or `y += W·x`) for every input row.
+    pub fn gemv(&self, w: &DevWeight, io: &GemvIo) -> Result<()> {
+        self.product(w, io, w.rows, 0, io.acc as u32)
+    }
+
+    /// The gated activation of a stacked gate|up weight (`2n` rows, gate
+    /// first): `y[t][r] = act(gate_r·x[t]) · (up_r·x[t])` for `r < n` (act
+    /// 0: SiLU, 1: GELU with tanh), in one pass without the two products
+    /// in memory. `io.acc` must be false.
+    pub fn glu(&self, w: &DevWeight, io: &GemvIo, act: u32) -> Result<()> {
+        if !w.rows.is_multiple_of(2) || io.acc {
+            bail!("glu: a stacked gate|up weight of {} rows, stored", w.rows)
+        }
+        self.product(w, io, w.rows / 2, 2, act)
+    }
+
+    /// A product kernel (`kind` 0: GEMV, 2: gated activation) over
+    /// `rows` warps' rows, `flag` its last argument.
+    fn product(
+        &self,
+        w: &DevWeight,
+        io: &GemvIo,
+        rows: usize,
+        kind: usize,
+        flag: u32,
+    ) -> Result<()> {
+        if !w.k.is_multiple_of(w.format.block_values()) || !io.x_stride.is_multiple_of(4) {
+            bail!(
+                "gemv: rows of {} values ({:?}) with inputs {} floats apart",
+                w.k,
+                w.format,
+                io.x_stride
+            )
+        }
+        if io.tokens == 0 || rows == 0 {
+            return Ok(());
+        }
+        let (_, fs) = self
+            .gemv
+            .iter()
+            .find(|(g, _)| *g == w.format)
+            .expect("a kernel per format");
+        let (f, per_block) = if io.tokens == 1 {
+            (&fs[kind + 1], 1)
+        } else {
+            (&fs[kind], MAXT)
+        };
+        let (rows, k, tokens) = (u(rows), u(w.k), u(io.tokens));
+        let (xs, ys) = (u(io.x_stride), u(io.y_stride));
+        let cfg = LaunchConfig {
+            grid_dim: (rows.div_ceil(ROWS_PER_BLOCK), tokens.div_ceil(per_block), 1),
+            block_dim: (ROWS_PER_BLOCK * 32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.stream.launch_builder(f);
+        b.arg(&w.ptr);
+        b.arg(&io.x);
+        b.arg(&io.y);
+        b.arg(&rows);
+        b.arg(&k);
+        b.arg(&tokens);
+        b.arg(&xs);
+        b.arg(&ys);
+        b.arg(&flag);
+        // SAFETY: the caller's buffers hold `tokens` rows of x and y at
+        // their strides, and w its rows of `k` values in its format.
+        unsafe { b.launch(cfg) }.w()?;
+        Ok(())
+    }
+
+    /// `out[r] = rms_norm(x[rows[r]])` (`rows` 0: row r) for `n_rows` rows
+    /// of `n` values.
+    pub fn rms_norm(
+        &self,
+        (x, rows): (u64, u64),
+        w: u64,
+        out: u64,
+        (n_rows, n): (usize, usize),
+        eps: f32,
+    ) -> Result<()> {
+        if n_rows == 0 {
+            return Ok(());
+        }
+        let n = u(n);
+        let mut b = self.stream.launch_builder(&self.norm);
+        b.arg(&x);
+        b.arg(&rows);
+        b.arg(&w);
+        b.arg(&out);
+        b.arg(&n);
+        b.arg(&eps);
+        // SAFETY: `n_rows` rows of `n` floats at out, and at x the rows named.
+        unsafe { b.launch(per_row(n_rows)) }.w()?;
+        Ok(())
+    }
+
+    /// `x[r] += s * (w ? rms_norm(y[r], w) : y[r])` for `n_rows` rows of `n`.
+    pub fn residual(
+        &self,
+        (x, y, w): (u64, u64, u64),
+        (n_rows, n): (usize, usize),
+        eps: f32,
+        s: f32,
+    ) -> Result<()> {
+        if n_rows == 0 {
+            return Ok(());
+        }
+        let n = u(n);
+        let mut b = self.stream.launch_builder(&self.residual);
+        b.arg(&x);
+        b.arg(&y);
+        b.arg(&w);
+        b.arg(&n);
+        b.arg(&eps);
+        b.arg(&s);
+        // SAFETY: `n_rows` rows of `n` floats at x and y.
+        unsafe { b.launch(per_row(n_rows)) }.w()?;
+        Ok(())
+    }
+
+    /// `out[t][j] = act(gu[t][j]) · gu[t][n + j]` (act 0: SiLU, 1: GELU
+    /// with tanh).
+    pub fn act_mul(&self, gu: u64, out: u64, (tokens, n): (usize, usize), act: u32) -> Result<()> {
+        let total = tokens * n;
+        if total == 0 {
+            return Ok(());
+        }
+        let (n, tokens) = (u(n), u(tokens));
+        let mut b = self.stream.launch_builder(&self.act_mul);
+        b.arg(&gu);
+        b.arg(&out);
+        b.arg(&n);
+        b.arg(&tokens);
+        b.arg(&act);
+        let cfg = LaunchConfig {
+            grid_dim: (u(total.div_ceil(256)), 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: `tokens` rows of 2n floats at gu and of n at out.
+        unsafe { b.launch(cfg) }.w()?;
+        Ok(())
+    }
+
+    /// One layer's q/k/v step (see [`QkvStep`]): K and V into the layer's
+    /// caches at the slots, whose host copy `slots` is checked here.
+    pub fn qkv(&self, s: &QkvStep, c: &CacheRef, slots: &[u32]) -> Result<()> {
+        let (nh, kvh, hd) = s.heads;
+        if hd > 256 || !hd.is_multiple_of(2) {
+            bail!("the CUDA forward supports even head dims up to 256, not {hd}")
+        }
+        let (nb, bs, ckvh, chd) = c.geometry;
+        if (ckvh, chd) != (kvh, hd) || slots.len() != s.tokens {
+            bail!(
+                "the CUDA forward: {} tokens of {kvh} K/V heads of {hd} for caches of {ckvh} heads of {chd} with {} slots",
+                s.tokens,
+                slots.len()
+            )
+        }
+        if let Some(&slot) = slots.iter().find(|&&x| x as usize >= nb * bs) {
+            bail!(
+                "write_kv: slot {slot} outside the cache of {} slots",
+                nb * bs
+            )
+        }
+        if s.tokens == 0 {
+            return Ok(());
+        }
+        let (kc, vc, cache) = (c.k, c.v, c.cache);
+        let Some((_, f)) = self.qkv.iter().find(|(c, _)| *c == cache) else {
+            bail!("the CUDA forward has no K/V store for a {cache} cache")
+        };
+        let (stride, nh_u, kvh_u, hd_u, neox) = (u(s.stride), u(nh), u(kvh), u(hd), s.neox as u32);
+        let mut b = self.stream.launch_builder(f);
+        b.arg(&s.qkv);
+        b.arg(&stride);
+        for p in &s.biases {
+            b.arg(p);
+        }
+        for p in &s.norms {
+            b.arg(p);
+        }
+        b.arg(&s.eps);
+        b.arg(&s.cos);
+        b.arg(&s.sin);
+        b.arg(&s.q_out);
+        b.arg(&kc);
+        b.arg(&vc);
+        b.arg(&s.slots);
+        b.arg(&nh_u);
+        b.arg(&kvh_u);
+        b.arg(&hd_u);
+        b.arg(&neox);
+        let cfg = LaunchConfig {
+            grid_dim: (u(s.tokens), u(nh + 2 * kvh), 1),
+            block_dim: (32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the caller's buffers hold `tokens` rows at their strides;
+        // the slots were checked against both caches above.
+        unsafe { b.launch(cfg) }.w()?;
+        Ok(())
+    }
+
+    /// Paged attention (`paged_attention.cu`) from device addresses: `q`
+    /// and `out` `[tokens, n_heads, head_dim]` f32 (`heads`: n_heads,
+    /// n_kv_heads, head_dim), over the caches; `meta`'s tables are host
+    /// slices, checked here and uploaded once per forward (every layer
+    /// reuses them).
+    pub fn attention(
+        &self,
+        (q, out): (u64, u64),
+        c: &CacheRef,
+        meta: &PagedMeta,
+        heads: (usize, usize, usize),
+    ) -> Result<()> {
+        let heads = crate::attention::check_geometry(
+            (meta.token_pos.len(), heads.0, heads.2),
+            c.geometry,
+            meta,
+        )?;
+        if meta.token_pos.is_empty() {
+            return Ok(());
+        }
+        let b = AttnBuffers {
+            q,
+            k: c.k,
+            v: c.v,
+            out,
+            cache: c.cache,
+        };
+        attention_into(&self.dev, &b, meta, heads)
+    }
+}
+
+/// A layer's K and V caches as the kernels see them: device addresses,
+/// element type and geometry `(blocks, block_size, kv_heads, head_dim)`.
+/// Made once per step outside any graph capture (reading a candle
+/// tensor's address records an event on the stream).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct CacheRef {
+    pub k: u64,
+    pub v: u64,
+    pub cache: &'static str,
+    pub geometry: (usize, usize, usize, usize),
+}
+
+impl CacheRef {
+    /// Contiguous f32, f16 or bf16 caches of one shape
+    /// `[blocks, block_size, kv_heads, head_dim]` on the GPU.
+    pub fn new(k_cache: &Tensor, v_cache: &Tensor) -> Result<CacheRef> {
+        if k_cache.shape() != v_cache.shape() {
+            bail!(
+                "the CUDA forward: K {:?} and V {:?} caches differ",
+                k_cache.shape(),
+                v_cache.shape()
+            )
+        }
+        let geometry = crate::cache_geometry(k_cache)?;
+        let (k, cache) = cache_addr(k_cache)?;
+        let (v, vcache) = cache_addr(v_cache)?;
+        if cache != vcache {
+            bail!("the CUDA forward: K and V caches of different types")
+        }
+        Ok(CacheRef {
+            k,
+            v,
+            cache,
+            geometry,
+        })
+    }
+}
+
+/// A decode attention launch over tables the caller keeps on the device
+/// ([`Forward::attention_on`]): nothing is allocated or copied, so the
+/// launch can be captured into a CUDA graph and replayed with new table
+/// contents.
+#[derive(Debug, Clone, Copy)]
+pub struct DeviceAttention {
+    /// Queries and output, `[tokens, n_heads, head_dim]` f32.
+    pub q: u64,
+    pub out: u64,
+    /// Block tables `[sequences, max_blocks]`, and each token's sequence
+    /// and position (u32).
+    pub tables: u64,
+    pub seqs: u64,
+    pub pos: u64,
+    /// The device tables' row length (at least the host meta's).
+    pub max_blocks: usize,
+    /// Partial outputs, maxima and sums, with room for `tokens · n_heads ·
+    /// parts` states.
+    pub partials: (u64, u64, u64),
+    pub parts: usize,
+    pub part_len: usize,
+}
+
+impl Forward {
+    /// Paged attention with the per-query kernel over device tables (see
+    /// [`DeviceAttention`]); `meta` is their host copy (its block tables
+    /// may have shorter rows), checked against the caches here, and gives
+    /// the block size, scale and window. `parts · part_len` must cover the
+    /// longest context.
+    pub fn attention_on(
+        &self,
+        a: &DeviceAttention,
+        c: &CacheRef,
+        meta: &PagedMeta,
+        heads: (usize, usize, usize),
+    ) -> Result<()> {
+        let heads = crate::attention::check_geometry(
+            (meta.token_pos.len(), heads.0, heads.2),
+            c.geometry,
+            meta,
+        )?;
+        let longest = meta
+            .token_pos
+            .iter()
+            .map(|&p| p as usize + 1)
+            .max()
+            .unwrap_or(0);
+        if a.max_blocks < meta.max_blocks || a.parts * a.part_len < longest {
+            bail!(
+                "attention_on: tables of {} blocks or {} partitions of {} for {} blocks and {longest} positions",
+                a.max_blocks,
+                a.parts,
+                a.part_len,
+                meta.max_blocks
+            )
+        }
+        if meta.token_pos.is_empty() {
+            return Ok(());
+        }
+        let bufs = AttnBuffers {
+            q: a.q,
+            k: c.k,
+            v: c.v,
+            out: a.out,
+            cache: c.cache,
+        };
+        launch_attention(
+            &self.dev,
+            &AttnLaunch {
+                bufs: &bufs,
+                tables: a.tables,
+                seqs: a.seqs,
+                pos: a.pos,
+                tiles: None,
+                partials: a.partials,
+                heads,
+                tokens: meta.token_pos.len(),
+                block_size: meta.block_size,
+                max_blocks: a.max_blocks,
+                scale: meta.scale,
+                window: meta.window,
+                parts: a.parts,
+                part_len: a.part_len,
+            },
+        )
+    }
+}
+
+/// A contiguous float cache's device address (at its layout's start) and
+/// element type.
+fn cache_addr(t: &Tensor) -> Result<(u64, &'static str)> {
+    let (st, l) = t.storage_and_layout();
+    let Storage::Cuda(cs) = &*st else {
+        bail!("the CUDA forward: a cache that is not on the GPU")
+    };
+    if !l.is_contiguous() {
+        bail!("the CUDA forward: caches must be contiguous")
+    }
+    let dev = &cs.device;
+    let at = |base: u64, size: usize| base + (l.start_offset() * size) as u64;
+    Ok(match &cs.slice {
+        S::F32(c) => (at(addr(dev, c), 4), "f32"),
+        S::F16(c) => (at(addr(dev, c), 2), "f16"),
+        S::BF16(c) => (at(addr(dev, c), 2), "bf16"),
+        _ => bail!(
+            "the CUDA forward supports f32, f16 and bf16 caches, not {:?}",
+            t.dtype()
+        ),
+    })
+}
+
+fn per_row(rows: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (u(rows), 1, 1),
+        block_dim: (NORM_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
