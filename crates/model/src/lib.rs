@@ -10,6 +10,8 @@ mod config;
 mod device;
 mod error;
 mod fast;
+#[cfg(feature = "cuda")]
+mod gpu_forward;
 mod llama;
 mod loader;
 mod model;

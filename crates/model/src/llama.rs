@@ -68,7 +68,16 @@ pub struct Llama {
     /// Floats of partial attention states one forward keeps at once.
     pub(crate) attention_budget: AtomicUsize,
     activations: Mutex<Activations>,
+    /// The CUDA forward (built on first use), or why it cannot run this
+    /// model's weights.
+    #[cfg(feature = "cuda")]
+    gpu: Mutex<Option<std::result::Result<crate::gpu_forward::GpuForward, String>>>,
 }
+
+/// Batches of at most this many tokens take the CUDA forward; longer ones
+/// (prefill) the reference forward, whose products are GEMMs.
+#[cfg(feature = "cuda")]
+const GPU_FORWARD_TOKENS: usize = 64;
 
 /// Default of [`Llama::set_attention_budget`]: 32 MiB of states.
 const ATTENTION_BUDGET: usize = 8 << 20;
@@ -372,6 +381,8 @@ impl Llama {
             fast: Mutex::new(None),
             attention_budget: AtomicUsize::new(ATTENTION_BUDGET),
             activations: Mutex::new(Activations::from_env()),
+            #[cfg(feature = "cuda")]
+            gpu: Mutex::new(None),
         })
     }
 
@@ -457,7 +468,47 @@ impl Llama {
         if self.device.is_cpu() && !reference_forced() {
             return self.forward_threads(batch, cache, rayon::current_num_threads());
         }
+        #[cfg(feature = "cuda")]
+        if let Some(logits) = self.forward_cuda(batch, cache)? {
+            return Ok(logits);
+        }
         self.forward_reference(batch, cache)
+    }
+
+    /// Whether the CUDA forward runs this model (`Err`: why not); `None`
+    /// before the first forward on CUDA.
+    #[cfg(feature = "cuda")]
+    pub fn cuda_forward_status(&self) -> Option<std::result::Result<(), String>> {
+        let gpu = self.gpu.lock().unwrap_or_else(|e| e.into_inner());
+        gpu.as_ref()
+            .map(|g| g.as_ref().map(|_| ()).map_err(|e| e.clone()))
+    }
+
+    /// The CUDA forward's logits, where it runs this batch: on a CUDA
+    /// device, batches of up to [`GPU_FORWARD_TOKENS`] tokens, weights it
+    /// has kernels for, and no `TESSERA_FORWARD=reference`.
+    #[cfg(feature = "cuda")]
+    fn forward_cuda(&self, batch: &Batch, cache: &[LayerKv]) -> Result<Option<Tensor>> {
+        let Device::Cuda(dev) = &self.device else {
+            return Ok(None);
+        };
+        if reference_forced() || batch.tokens.len() > GPU_FORWARD_TOKENS {
+            return Ok(None);
+        }
+        let mut gpu = self.gpu.lock().unwrap_or_else(|e| e.into_inner());
+        if gpu.is_none() {
+            let built = crate::gpu_forward::GpuForward::new(self, dev)?;
+            if let Err(why) = &built {
+                eprintln!(
+                    "tessera: the CUDA forward does not run {why}; using the reference forward"
+                );
+            }
+            *gpu = Some(built);
+        }
+        match gpu.as_mut() {
+            Some(Ok(g)) => Ok(Some(g.forward(self, batch, cache)?)),
+            _ => Ok(None),
+        }
     }
 
     /// The CPU fast path with `threads` workers (the results are the same

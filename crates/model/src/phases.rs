@@ -2,7 +2,9 @@
 //! attention phase (from the barrier after the fused QKV to the barrier
 //! after the merge: the items, the merge and the waits at those barriers,
 //! timed on the first worker) and the whole forward, summed over the
-//! forwards that decode (one token per sequence). Off unless [`start`]ed;
+//! forwards that decode (one token per sequence); on CUDA, the CUDA
+//! forward's whole step, its stream synchronized before the clock is read
+//! (no attention phase of its own). Off unless [`start`]ed;
 //! then two clock reads per layer. `tessera bench` turns it on around its
 //! decode runs (`decode-long`, `decode-batch`).
 
