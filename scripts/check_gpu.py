@@ -177,8 +177,9 @@ def bundle(dest):
     kernel tests, the model crate's tests and the `tessera` binary (release
     profile; CUDA_COMPUTE_CAP 80 unless set: PTX that the driver compiles
     for newer GPUs), stripped and xz-compressed, in `dest`, with root.txt (where the model
-    tests look for models/), commit.txt and scripts/cuda_device_run.sh,
-    which runs them there. Builds on a machine without a GPU (libcuda is
+    tests look for models/), commit.txt, scripts/cuda_device_run.sh,
+    which runs them there, and scripts/synth_model.py (models it generates
+    there). Builds on a machine without a GPU (libcuda is
     then the stub of `cuda_stub`)."""
     env = runtime_env(CUDA_COMPUTE_CAP=os.environ.get("CUDA_COMPUTE_CAP", "80"))
     tests = ["cargo", "test", "--release", "-p", "tessera-kernels", "-p", "tessera-model",
@@ -207,7 +208,10 @@ def bundle(dest):
     with open(os.path.join(dest, "commit.txt"), "w") as f:
         f.write(run(["git", "describe", "--always", "--dirty", "--abbrev=7"], cwd=ROOT,
                     capture_output=True).stdout)
-    shutil.copy(os.path.join(ROOT, "scripts", "cuda_device_run.sh"), dest)
+    # The run script, and the generator of the models it benchmarks where
+    # no model file travels (SYNTH=...).
+    for script in ("cuda_device_run.sh", "synth_model.py"):
+        shutil.copy(os.path.join(ROOT, "scripts", script), dest)
     print(f"bundle: {dest}")
 
 

@@ -15,6 +15,9 @@
 # the kernel tests, their sanitizer run and the every-family model test on
 # tiny generated files.
 #
+# QUICK=1 (a first look with little device time): no sanitizer runs, one
+# round of the generated models' A/B.
+#
 # Usage: cuda_device_run.sh BUNDLE_DIR [MODEL_GGUF]
 set -uo pipefail
 B=$(cd "$1" && pwd)
@@ -42,6 +45,14 @@ done
 export TESSERA_REQUIRE_GPU=1
 
 step() {
+    # A bundle without a test binary (one cut to what a lent machine takes
+    # beside llama.cpp's) runs the rest.
+    local a
+    for a in "$@"; do
+        case "$a" in
+            "$B"/*) [ -x "$a" ] || { echo "=== $a not in the bundle: skipped" | tee -a "$LOG"; return; } ;;
+        esac
+    done
     echo "=== $*" | tee -a "$LOG"
     timeout 300 "$@" 2>&1 | tee -a "$LOG"
     local rc=${PIPESTATUS[0]}
@@ -60,11 +71,62 @@ json.dump({"gpu": name, "driver": driver, "memory": mem, "date": str(datetime.da
           open(sys.argv[1], "w"))
 EOF
 
+# Speed on generated models (SYNTH=<folder with gguf-py/ and tok.json.gz>):
+# random quantized blocks of SmolLM2-135M's layout in Q4_1 and of a 1B Llama
+# in Q4_0 and Q4_K_M, written here by synth_model.py --blocks (no model file
+# needs to travel), then Tessera's CUDA forward and the reference forward
+# (TESSERA_FORWARD=reference) of the same binary alternating, two rounds of
+# decode, decode after 2,048 tokens and decode-batch, each result a line
+# of synth.jsonl after a {"model", "forward", "round"} line; with
+# LLAMA_BENCH=<llama-bench built for CUDA>, llama.cpp on the same files
+# (flash attention, every layer on the GPU) into llama.jsonl.
+synth_ab() {
+    [ -n "${SYNTH:-}" ] || return 0
+    local dir
+    dir=$(mktemp -d)
+    : >"$OUT/synth.jsonl"
+    for spec in "135m Q4_1" "1b Q4_0" "1b Q4_K_M"; do
+        set -- $spec
+        echo "=== generating $1 $2" | tee -a "$LOG"
+        python3 "$B/synth_model.py" "$1" --blocks "$2" --tokenizer-json "$SYNTH/tok.json.gz" \
+            --gguf-py "$SYNTH/gguf-py" --out-dir "$dir" >>"$LOG" 2>&1 || { fail=1; continue; }
+    done
+    local rounds="1 2"
+    [ "${QUICK:-0}" = 1 ] && rounds=1
+    for round in $rounds; do
+        for m in "$dir"/*.gguf; do
+            for fwd in cuda reference; do
+                for sc in decode decode-long decode-batch; do
+                    [ "$round" = 2 ] && [ "$sc" != decode ] && continue
+                    echo "{\"model\": \"$(basename "$m")\", \"forward\": \"$fwd\", \"round\": $round}" >>"$OUT/synth.jsonl"
+                    TESSERA_FORWARD=$fwd timeout 120 "$B/tessera" --device cuda bench --model "$m" --json \
+                        --no-baseline --scenario "$sc" --runs 3 2>>"$LOG" >>"$OUT/synth.jsonl" || fail=1
+                done
+            done
+        done
+    done
+    if [ -n "${LLAMA_BENCH:-}" ]; then
+        : >"$OUT/llama.jsonl"
+        for m in "$dir"/*.gguf; do
+            timeout 120 "$LLAMA_BENCH" -m "$m" -ngl 99 -fa on -p 512 -n 128 -r 3 -o jsonl \
+                >>"$OUT/llama.jsonl" 2>>"$LOG" || fail=1
+            timeout 120 "$LLAMA_BENCH" -m "$m" -ngl 99 -fa on -p 0 -n 128 -d 2048 -r 3 -o jsonl \
+                >>"$OUT/llama.jsonl" 2>>"$LOG" || fail=1
+        done
+    fi
+}
+
 step "$B/kernel-tests" gpu:: --test-threads 1
-if command -v compute-sanitizer >/dev/null; then
+if [ "${QUICK:-0}" != 1 ] && command -v compute-sanitizer >/dev/null; then
     step compute-sanitizer --tool memcheck --error-exitcode 1 "$B/kernel-tests" gpu:: --test-threads 1
 fi
 step "$B/model-tests" gpu_forward_follows_the_cpu_reference_on_every_family --nocapture
+step "$B/model-tests" cuda_forward_ --nocapture --test-threads 1
+if [ "${QUICK:-0}" != 1 ] && command -v compute-sanitizer >/dev/null; then
+    step compute-sanitizer --tool memcheck --error-exitcode 1 "$B/model-tests" cuda_forward_ \
+        --test-threads 1
+fi
+synth_ab
 if [ -z "$MODEL" ]; then
     echo "=== no model file: the steps with the real model are skipped" | tee -a "$LOG"
     echo "=== done, fail=$fail" | tee -a "$LOG"

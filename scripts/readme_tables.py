@@ -13,7 +13,7 @@ pool).
 gpu.jsonl, meta.json and tests.log; copied to target/bench/gpu/, they give
 the GPU section.
 
-`just bench-sessions` writes target/bench/sessions.jsonl (a stream beside a\nsession save).\n\n`just bench-hangups` writes target/bench/hangups.json (clients that hang up\nbefore their answer; hangups-before.json, when present, the same measured on\nan earlier build).\n\nUsage: readme_tables.py model|engine|sessions|hangups|swa|gpu|gpu-ab|gpu-families
+`just bench-sessions` writes target/bench/sessions.jsonl (a stream beside a\nsession save).\n\n`just bench-hangups` writes target/bench/hangups.json (clients that hang up\nbefore their answer; hangups-before.json, when present, the same measured on\nan earlier build).\n\nUsage: readme_tables.py model|engine|sessions|hangups|swa|gpu|gpu-ab|gpu-families|gpu-forward
 """
 
 import datetime
@@ -463,6 +463,92 @@ def gpu_ab():
     return out
 
 
+def gpu_forward():
+    """The CUDA forward on generated models (`SYNTH=... cuda_device_run.sh`:
+    synth.jsonl, llama.jsonl, tests.log and meta.json copied to
+    target/bench/gpu-forward/): Tessera's CUDA forward beside the reference
+    forward of the same binary, alternating, and llama.cpp's CUDA build on
+    the same files."""
+    d = BENCH / "gpu-forward"
+    meta = json.loads((d / "meta.json").read_text())
+    log = (d / "tests.log").read_text().splitlines()
+    got, hdr = {}, None
+    for r in lines("gpu-forward/synth.jsonl"):
+        if "forward" in r:
+            hdr = r
+            continue
+        got.setdefault((hdr["model"], hdr["forward"], r["scenario"]), []).append(r)
+    llama = {}
+    if (d / "llama.jsonl").exists():
+        for r in lines("gpu-forward/llama.jsonl"):
+            what = "pp" if r["n_prompt"] else ("tg_long" if r.get("n_depth") else "tg")
+            # The median of the repetitions, as Tessera's figures are.
+            ts = statistics.median(r["samples_ts"]) if r.get("samples_ts") else r["avg_ts"]
+            llama[(Path(r["model_filename"]).name, what)] = ts
+    agree = [l[l.index("CUDA forward "):].split(": ", 1) for l in log
+             if "CUDA forward " in l and "greedy tokens before" in l]
+    tests = [l for l in log if l.startswith("test result:")]
+    sanit = [l.removeprefix("========= ").lower() for l in log if l.startswith("========= ERROR SUMMARY")]
+    names = {"synth-135m-Q4_1-blocks.gguf": "135M (SmolLM2's layout) Q4_1",
+             "synth-1b-Q4_0-blocks.gguf": "1B Llama Q4_0", "synth-1b-Q4_K_M-blocks.gguf": "1B Llama Q4_K_M"}
+    med = lambda xs: statistics.median(xs)  # noqa: E731
+    out = [
+        f"Measured {meta['date']} on one {meta['gpu']} ({meta['memory']}, driver {meta['driver']}), "
+        f"commit `{meta['commit']}`, `SYNTH=... scripts/cuda_device_run.sh BUNDLE`: models of random "
+        "quantized blocks in the exact tensor layouts, generated on that machine "
+        "(`synth_model.py --blocks`; speed does not depend on the values), f16 cache, 3 runs a "
+        "figure (medians; decode over both rounds).",
+        "",
+        f"- The CUDA forward against the CPU reference on tiny generated files (Llama, Qwen2, Gemma 3, "
+        f"Granite × Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K), greedy tokens before the first difference: "
+        + ", ".join(f"{a.removeprefix('CUDA forward ')} {b.split(' greedy')[0]}" for a, b in agree) + ".",
+        f"- Test steps: {'; '.join(t.removeprefix('test result: ').split(';')[0] for t in tests)}; "
+        f"compute-sanitizer memcheck: {', '.join(sanit) if sanit else 'not run'}.",
+        "",
+        "| model | scenario | CUDA forward | reference forward | ratio | llama.cpp CUDA | ratio |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for m, name in names.items():
+        rows = [("decode", "decode, 128 tokens", lambda r: r["tessera"], "tg"),
+                ("decode-long", "decode, 128 tokens after 2,048", lambda r: r["tessera"], "tg_long"),
+                ("decode-batch", "8 sequences decoding together, aggregate", lambda r: r["batch8"], None)]
+        for sc, label, f, lk in rows:
+            a, b = got.get((m, "cuda", sc)), got.get((m, "reference", sc))
+            if not a or not b:
+                continue
+            x, y = med([f(r) for r in a]), med([f(r) for r in b])
+            ll = llama.get((m, lk)) if lk else None
+            lc = f"{ll:,.0f} tok/s | {x / ll:.2f}×" if ll else "— | —"
+            out.append(f"| {name} | {label} | {x:,.0f} tok/s | {y:,.0f} tok/s | {x / y:.2f}× | {lc} |")
+    pp = [(names[m], v) for (m, w), v in llama.items() if w == "pp" and m in names]
+    if pp:
+        out += ["", "llama.cpp's prefill of 512 tokens on the same files, for scale (Tessera's prefill "
+                "still runs the reference forward): " + ", ".join(f"{n} {v:,.0f} tok/s" for n, v in pp) + "."]
+    # Where a decode step's time goes (later calls on the same kind of GPU):
+    # the forward timed to its stream's end beside the whole step, and
+    # ncu's time of each kernel inside the replayed graphs.
+    if (d / "timing.jsonl").exists():
+        t = [r for r in lines("gpu-forward/timing.jsonl")]
+        parts = [f"{n} {1e3 / r['single']:.2f} ms a step, {r['single_forward_ms']:.2f} ms of it the forward "
+                 f"to its stream's end" for n, r in zip(("135M", "1B Q4_0"), t)]
+        out += ["", "Where a decode step goes (a later call, same GPU kind, `decode-batch` with the "
+                "forward timed): " + "; ".join(parts) + ". The engine around the forward costs little; the "
+                "forward is the GPU's time."]
+    if (d / "ncu-nodes.txt").exists():
+        k = ncu_kernels(d / "ncu-nodes.txt")
+        each = {}
+        for name, n, total in k:
+            a, b = each.get(name, (0, 0.0))
+            each[name] = (a + n, b + total)
+        short = lambda n: n.removeprefix("tessera_fwd_").removeprefix("tessera_")  # noqa: E731
+        out += ["", "ncu's time of each kernel inside the replayed decode graphs of the 135M model "
+                "(mean µs per launch): " + ", ".join(f"{short(n)} {t / c:.1f}" for n, (c, t) in
+                                                     sorted(each.items(), key=lambda x: -x[1][1] / x[1][0]))
+                + ": each a few dependent memory round trips (its latency, not bandwidth), eight of "
+                "them a layer."]
+    return out
+
+
 def ncu_kernels(path):
     """(name, launches, total µs) per kernel of an `ncu --print-summary
     per-kernel` report of gpu__time_duration.sum."""
@@ -623,6 +709,7 @@ def main():
         "gpu": gpu,
         "gpu-ab": gpu_ab,
         "gpu-families": gpu_families,
+        "gpu-forward": gpu_forward,
         "cpu": cpu_table,
     }.get(which)
     if make is None:

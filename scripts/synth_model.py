@@ -17,8 +17,21 @@ family, SIZE alone (`1b`, `3b`). Writes models/synth-<MODEL>-<FORMAT>.gguf
 (the f16 source is removed once quantized unless --keep-f16). Does nothing
 for files already there.
 
-Two kinds of weights:
+    python3 scripts/synth_model.py 1b --blocks Q4_0 --tokenizer-json T --out-dir D
+
+`--blocks` writes random quantized blocks directly (Q4_0, Q4_1, Q8_0, or
+Q4_K_M's mix: Q4_K, with Q6_K for attn_v, ffn_down and the output), with no
+f16 source and no llama-quantize: for speed on a machine that has neither
+llama.cpp's tools nor the model file (a lent GPU), where quantizing would
+cost minutes and the values do not matter. The tokenizer's fields then come
+from a JSON file (gzipped if named .gz) written here by `--dump-tokenizer
+FILE`, and the file is
+models/synth-<MODEL>-<FORMAT>-blocks.gguf (or in --out-dir).
+
+Three kinds of weights:
 - `1b`, `3b` (speed): normal with std 0.02, norms 1, as before;
+- `--blocks` (speed, anywhere): uniformly random quantized values with
+  scales that give weights of std about 0.02;
 - every other model (arithmetic): scaled so that each block changes the
   residual stream as much as a trained one does (projections with std
   1/sqrt(inputs)), norms near 1, and the output head giving logits with a
@@ -28,6 +41,7 @@ Two kinds of weights:
 """
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -96,17 +110,17 @@ def tokenizer_fields(gguf):
     return out
 
 
-def write_f16(path, arch, size, gguf, np):
+def start(path, arch, size, gguf, toks, file_type):
+    """A GGUFWriter for the model with its metadata (tokenizer fields
+    `toks`), and the model's tensors as (name, numpy shape)."""
     s = SIZES[(arch, size)]
     h, ffn, heads, kv, hd = s["hidden"], s["ffn"], s["heads"], s["kv_heads"], s["head_dim"]
-    speed = size in ("1b", "3b")
-    toks = tokenizer_fields(gguf)
     vocab = next(len(v) for k, v, _, _ in toks if k == "tokenizer.ggml.tokens")
     w = gguf.GGUFWriter(str(path), arch)
     # (No family name in it: llama.cpp sets special-token attributes by
     # general.name, for "phi3" on tokens the borrowed vocabulary lacks.)
     w.add_string("general.name", f"synthetic {size} model (random weights)")
-    w.add_uint32("general.file_type", 1)  # MOSTLY_F16
+    w.add_uint32("general.file_type", file_type)
     a = lambda k: f"{arch}.{k}"  # noqa: E731
     w.add_uint32(a("context_length"), 8192)
     w.add_uint32(a("embedding_length"), h)
@@ -149,6 +163,12 @@ def write_f16(path, arch, size, gguf, np):
         if arch == "qwen3":
             shapes += [(b + "attn_q_norm.weight", (hd,)), (b + "attn_k_norm.weight", (hd,))]
     shapes += [("output_norm.weight", (h,)), ("output.weight", (vocab, h))]
+    return w, shapes
+
+
+def write_f16(path, arch, size, gguf, np):
+    speed = size in ("1b", "3b")
+    w, shapes = start(path, arch, size, gguf, tokenizer_fields(gguf), 1)  # MOSTLY_F16
     for name, shape in shapes:
         dt = np.float32 if len(shape) == 1 else np.float16
         n = int(np.prod(shape))
@@ -179,24 +199,106 @@ def write_f16(path, arch, size, gguf, np):
     w.close()
 
 
+
+# --blocks: bytes per block, values per block, and the offsets of the f16
+# scale fields with the value each gets (weights of std about 0.02).
+BLOCKS = {
+    "Q4_0": (18, 32, [(0, 0.0043)]),
+    "Q4_1": (20, 32, [(0, 0.0043), (2, -0.032)]),
+    "Q8_0": (34, 32, [(0, 0.00027)]),
+    "Q4_K": (144, 256, [(0, 1.4e-4), (2, 1.0e-3)]),
+    "Q6_K": (210, 256, [(208, 1.5e-5)]),
+}
+# GGML's file types of the --blocks formats.
+FILE_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q4_K_M": 15}
+
+
+def block_type(fmt, name):
+    """The block format of tensor `name` in a --blocks file of `fmt`."""
+    if fmt != "Q4_K_M":
+        return fmt
+    if name == "output.weight" or name.endswith(("attn_v.weight", "ffn_down.weight")):
+        return "Q6_K"
+    return "Q4_K"
+
+
+def write_blocks(path, arch, size, fmt, toks, gguf, np):
+    w, shapes = start(path, arch, size, gguf, toks, FILE_TYPES[fmt])
+    rng = np.random.default_rng(0)
+    for name, shape in shapes:
+        if len(shape) == 1:
+            w.add_tensor(name, np.ones(shape, dtype=np.float32))
+            continue
+        kind = block_type(fmt, name)
+        nbytes, nvals, scales = BLOCKS[kind]
+        rows, cols = shape
+        if cols % nvals:
+            sys.exit(f"{name}: rows of {cols} values do not fill {kind} blocks of {nvals}")
+        blocks = rng.integers(0, 256, size=(rows, cols // nvals, nbytes), dtype=np.uint8)
+        for off, value in scales:
+            blocks[:, :, off:off + 2] = np.array([value], dtype=np.float16).view(np.uint8)
+        w.add_tensor(name, blocks.reshape(rows, -1), raw_dtype=gguf.GGMLQuantizationType[kind])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def dump_tokenizer(path, gguf):
+    import gzip
+    fields = [[name, val, int(vtype), None if sub is None else int(sub)]
+              for name, val, vtype, sub in tokenizer_fields(gguf)]
+    with (gzip.open(path, "wt") if str(path).endswith(".gz") else open(path, "w")) as f:
+        json.dump(fields, f)
+
+
+def load_tokenizer(path, gguf):
+    import gzip
+    with (gzip.open(path, "rt") if str(path).endswith(".gz") else open(path)) as f:
+        return [(name, val, gguf.GGUFValueType(vtype), None if sub is None else gguf.GGUFValueType(sub))
+                for name, val, vtype, sub in json.load(f)]
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("models", nargs="*", help="ARCH-SIZE or a Llama SIZE (default 1b)")
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--keep-f16", action="store_true")
+    ap.add_argument("--blocks", metavar="FORMAT", choices=sorted(FILE_TYPES),
+                    help="random quantized blocks written directly (see above)")
+    ap.add_argument("--tokenizer-json", metavar="FILE", help="--blocks: the tokenizer's fields")
+    ap.add_argument("--dump-tokenizer", metavar="FILE",
+                    help="write the default model's tokenizer fields for --tokenizer-json")
+    ap.add_argument("--out-dir", metavar="DIR", default=str(ROOT / "models"))
+    ap.add_argument("--gguf-py", metavar="DIR", default=str(LLAMA / "gguf-py"),
+                    help="llama.cpp's gguf-py (default: the tree build_llama_tools.sh unpacks)")
     args = ap.parse_args()
-    sys.path.insert(0, str(LLAMA / "gguf-py"))
+    sys.path.insert(0, args.gguf_py)
     try:
         import numpy as np
         import gguf
     except ImportError as e:
         sys.exit(f"{e}: run scripts/build_llama_tools.sh (the llama.cpp tree) and pip install numpy")
+    if args.dump_tokenizer:
+        return dump_tokenizer(args.dump_tokenizer, gguf)
+    models = [parse(m) for m in args.models or ["1b"]]
+    if args.blocks:
+        if not args.tokenizer_json:
+            sys.exit("--blocks needs --tokenizer-json (written by --dump-tokenizer)")
+        toks = load_tokenizer(args.tokenizer_json, gguf)
+        for arch, size in models:
+            out = Path(args.out_dir) / f"{file_stem(arch, size)}-{args.blocks}-blocks.gguf"
+            if out.exists():
+                continue
+            print(f"writing {out} (random {args.blocks} blocks)", flush=True)
+            tmp = out.with_suffix(".tmp")
+            write_blocks(tmp, arch, size, args.blocks, toks, gguf, np)
+            os.replace(tmp, out)
+        return
     if not QUANTIZE.exists():
         sys.exit(f"{QUANTIZE} missing: run scripts/build_llama_tools.sh")
     if not TOKENIZER_FROM.exists():
         sys.exit(f"{TOKENIZER_FROM} missing: run `just model`")
     formats = [f for f in args.formats.split(",") if f]
-    models = [parse(m) for m in args.models or ["1b"]]
     for arch, size in models:
         stem = file_stem(arch, size)
         outs = {f: ROOT / f"models/{stem}-{f}.gguf" for f in formats}
