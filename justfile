@@ -57,14 +57,14 @@ test-cuda:
 test-metal:
     python3 scripts/check_gpu.py test-metal
 
-# Criterion benches of the KV bookkeeping, the attention kernel and the quantized linear layers (beside the read and FMA rooflines); writes the README table.
+# Criterion benches of the KV bookkeeping, the attention kernel and the quantized linear layers (beside the read and FMA rooflines); writes its table in docs/benchmarks.md.
 bench:
     cargo bench --bench kv
     python3 scripts/criterion_table.py --readme
 
 # Prefill and decode speed of Tessera beside candle's quantized_llama (same run), decode deep in a
 # context and with 4 and 8 sequences beside one (same run), the integer activation modes' agreement
-# with f32 activations, then the README's tables.
+# with f32 activations, then the tables in docs/.
 bench-model: model
     cargo build --release -p tessera
     mkdir -p target/bench
@@ -77,13 +77,13 @@ bench-model: model
 
 # The default build (instruction sets chosen at run time) beside one built for this CPU
 # (`-C target-cpu=native`, in target/native), prefill and decode alternating on the default model and
-# a generated 1B-class one, each instruction set this host has forced in both; then the README's table.
+# a generated 1B-class one, each instruction set this host has forced in both; then its table in docs/.
 bench-portable: model (synth-model "1b" "Q4_K_M")
     cargo build --release -p tessera
     CARGO_TARGET_DIR=target/native RUSTFLAGS="-C target-cpu=native" cargo build --release -p tessera
     python3 scripts/portable_vs_native.py
 
-# The KV-cache scenarios: chat TTFT with and without reuse, shared prefix, interleaved conversations, context shift; then the README's tables.
+# The KV-cache scenarios: chat TTFT with and without reuse, shared prefix, interleaved conversations, context shift; then the tables in docs/.
 bench-engine: model
     cargo build --release -p tessera
     mkdir -p target/bench
@@ -92,7 +92,7 @@ bench-engine: model
     python3 scripts/readme_tables.py engine
 
 # Gemma 3's sliding-window layers on their own pool: an 8,192-token request on the smallest pool beside
-# full attention's memory, and a 12-turn conversation's cache hits (target/bench/swa.json, then the README).
+# full attention's memory, and a 12-turn conversation's cache hits (target/bench/swa.json, then its table in docs/).
 bench-swa: (model "gemma3")
     cargo build --release -p tessera
     mkdir -p target/bench
@@ -100,21 +100,21 @@ bench-swa: (model "gemma3")
     python3 scripts/readme_tables.py swa
 
 # The KV cache types (f16, q8_0, q4_0) in the same run: tokens per MiB, decode speed, and perplexity
-# beside llama.cpp's llama-perplexity with the same cache type; then the README's table.
+# beside llama.cpp's llama-perplexity with the same cache type; then its table in docs/.
 bench-kv-types: model bench-deps
     sh scripts/build_llama_tools.sh
     CARGO_TARGET_DIR=target/native RUSTFLAGS="-C target-cpu=native" cargo build --release -p tessera
     python3 scripts/kv_types.py
 
 # SelfExtend past the default model's trained context: perplexity at 16,384 tokens with and without
-# it, beside llama.cpp's llama-perplexity (which has none); then the README's table.
+# it, beside llama.cpp's llama-perplexity (which has none); then its table in docs/.
 bench-self-extend: model bench-deps
     sh scripts/build_llama_tools.sh
     CARGO_TARGET_DIR=target/native RUSTFLAGS="-C target-cpu=native" cargo build --release -p tessera
     python3 scripts/self_extend.py
 
 # A stream decoding beside a 2,000-token session save (computed as a background request) and
-# alone, alternating: its largest and median gaps between tokens; then the README's table.
+# alone, alternating: its largest and median gaps between tokens; then its table in docs/.
 bench-sessions: model
     cargo build --release -p tessera
     mkdir -p target/bench
@@ -122,13 +122,13 @@ bench-sessions: model
     python3 scripts/readme_tables.py sessions
 
 # 24 clients that send ~2,000-token prompts and hang up after 0.3 s, then a short request: its TTFT
-# beside the idle server's (scripts/hangups.py over HTTP), then the README's table.
+# beside the idle server's (scripts/hangups.py over HTTP), then its table in docs/.
 bench-hangups: model
     cargo build --release -p tessera
     python3 scripts/hangups.py target/release/tessera models/SmolLM2-135M-Instruct.Q4_1.gguf 3
     python3 scripts/readme_tables.py hangups
 
-# 2,000 random requests with injected faults: leaks, errors, RSS (target/bench/soak.json, then the README's soak table).
+# 2,000 random requests with injected faults: leaks, errors, RSS (target/bench/soak.json, then the soak table in docs/architecture.md).
 bench-soak requests="2000": model
     cargo build --release -p tessera
     mkdir -p target/bench
@@ -145,7 +145,7 @@ synth-model models="1b" formats="Q4_0,Q4_K_M,Q5_K_M,Q6_K,Q8_0": model bench-deps
 
 # Tessera beside llama.cpp's own llama-bench (standalone; native, and built for AVX2 and AVX-VNNI alone) at real
 # sizes on each instruction set this host has, TESSERA_ISA forced to match, alternating, with the
-# host's read bandwidth in the same run; then the README's table (target/bench/cpu.json).
+# host's read bandwidth in the same run; then the table in docs/benchmarks.md (target/bench/cpu.json).
 bench-cpu models="SmolLM2-135M-Instruct.Q4_1,synth-1b-Q4_0,synth-1b-Q4_K_M,synth-3b-Q4_0,synth-3b-Q4_K_M" runs="3": (synth-model "1b 3b" "Q4_0,Q4_K_M")
     sh scripts/build_llama_tools.sh avx2
     if grep -q avx_vnni /proc/cpuinfo; then sh scripts/build_llama_tools.sh avxvnni; fi
@@ -153,7 +153,7 @@ bench-cpu models="SmolLM2-135M-Instruct.Q4_1,synth-1b-Q4_0,synth-1b-Q4_K_M,synth
     python3 scripts/bench_cpu.py --models {{models}} --runs {{runs}} --int8 --contention SmolLM2-135M-Instruct.Q4_1,synth-1b-Q4_0
 
 # More formats of the generated 1B-class model beside llama-bench (as `bench-cpu`, each run's own
-# roofline), merged into target/bench/cpu.json and the README's table.
+# roofline), merged into target/bench/cpu.json and the table in docs/benchmarks.md.
 bench-cpu-formats formats="Q5_K_M,Q6_K,Q8_0" runs="3": (synth-model "1b" formats)
     sh scripts/build_llama_tools.sh avx2
     if grep -q avx_vnni /proc/cpuinfo; then sh scripts/build_llama_tools.sh avxvnni; fi
@@ -161,7 +161,7 @@ bench-cpu-formats formats="Q5_K_M,Q6_K,Q8_0" runs="3": (synth-model "1b" formats
     python3 scripts/bench_cpu.py --models $(echo {{formats}} | sed 's/\([^,]*\)/synth-1b-\1/g') --runs {{runs}} --int8 --merge
 
 # Tessera beside llama.cpp and candle on the default model (same file, same threads, same run):
-# a table, target/bench/vs-llamacpp.json, two charts, then the README's results section;
+# a table, target/bench/vs-llamacpp.json, two charts, then the results section of docs/benchmarks.md;
 # then the server beside llama-server (`bench-server`), the router (`bench-router`) and
 # perplexity (`bench-perplexity`).
 # llama.cpp and Tessera are built with the native CPU flags, in target/native.
@@ -174,20 +174,20 @@ bench-llamacpp: model bench-deps
 
 # Tessera's server beside llama.cpp's own llama-server (built from source once, in
 # target/llama-server): 8 users × 8-turn chats at once over HTTP, alternating runs; then the
-# README's table (target/bench/server.json).
+# table in docs/benchmarks.md (target/bench/server.json).
 bench-server: model bench-deps
     sh scripts/build_llama_tools.sh
     CARGO_TARGET_DIR=target/native RUSTFLAGS="-C target-cpu=native" cargo build --release -p tessera
     python3 scripts/server_vs_llamaserver.py
 
 # Scale-out: the server scenario against one replica, and against two behind the SGLang model
-# gateway with cache_aware and with round_robin routing; then the README's table.
+# gateway with cache_aware and with round_robin routing; then its table in docs/.
 bench-router: model
     cargo build --release -p tessera
     python3 scripts/router.py bench target/release/tessera models/SmolLM2-135M-Instruct.Q4_1.gguf
 
 # Perplexity of Tessera beside llama.cpp's llama-perplexity (built from source once) on the
-# shipped text, for the default model and Gemma 3 when fetched; then the README's table.
+# shipped text, for the default model and Gemma 3 when fetched; then its table in docs/.
 bench-perplexity: model bench-deps
     sh scripts/build_llama_tools.sh
     CARGO_TARGET_DIR=target/native RUSTFLAGS="-C target-cpu=native" cargo build --release -p tessera
@@ -195,7 +195,7 @@ bench-perplexity: model bench-deps
 
 # Each family's arithmetic against llama.cpp's on the same generated files (Llama control, Qwen3,
 # Granite, SmolLM3, Phi-3, OLMo 2; F16, Q8_0, Q4_K_M) and the real models: KL divergence and top-1 agreement of
-# tessera perplexity against llama-perplexity's --kl-divergence-base; then the README's table.
+# tessera perplexity against llama-perplexity's --kl-divergence-base; then its table in docs/.
 bench-families: (synth-model "llama-135m qwen3-0.6b granite-s smollm3-s phi3-s olmo2-s" "F16,Q8_0,Q4_K_M")
     cargo build --release -p tessera
     python3 scripts/families_vs_llamacpp.py

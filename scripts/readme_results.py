@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""Regenerates the README's llama.cpp comparison from target/bench/.
+"""Regenerates the llama.cpp comparison (docs/benchmarks.md) from target/bench/.
 
 Reads vs-llamacpp.json and vs-llamacpp-meta.json (written by
 `just bench-llamacpp`), copies the charts to docs/bench/, and replaces the
-README text between the bench-llamacpp markers. Nothing is typed by hand.
+text between the bench-llamacpp markers. Nothing is typed by hand.
 """
 
 import json
@@ -108,12 +108,12 @@ def main():
         out.append(f"- {where}{a['what']}: {a['same']} of {a['of']}")
     out += [
         "",
-        "![TTFT per chat turn](docs/bench/chat-ttft.png)",
+        "![TTFT per chat turn](bench/chat-ttft.png)",
         "",
-        "![Tessera / llama.cpp ratios](docs/bench/ratios.png)",
+        "![Tessera / llama.cpp ratios](bench/ratios.png)",
     ]
     splice("llamacpp", "readme_results.py", out)
-    print(f"README.md: llama.cpp comparison regenerated from {BENCH / 'vs-llamacpp.json'}")
+    print(f"docs/benchmarks.md: llama.cpp comparison regenerated from {BENCH / 'vs-llamacpp.json'}")
 
 
 if __name__ == "__main__":
