@@ -530,6 +530,7 @@ impl HfConfig {
                 attention_scale: self.attention_multiplier,
                 logit_scale: self.logits_scaling.unwrap_or(1.0),
                 no_rope_every: no_rope_every(
+                    arch,
                     self.no_rope_layers.as_deref(),
                     self.no_rope_layer_interval,
                     self.num_hidden_layers,
@@ -549,10 +550,21 @@ impl HfConfig {
 
 /// SmolLM3's NoPE layers as a period: `layers` (1 = RoPE, 0 = none) must
 /// be the pattern of every `interval`-th layer without RoPE, the only one
-/// the forward knows.
-fn no_rope_every(layers: Option<&[u8]>, interval: Option<usize>, n: usize) -> Result<usize> {
+/// the forward knows. Without `layers`, a SmolLM3 config has transformers'
+/// default, every `interval`-th layer (4 unless given); other families
+/// have none.
+fn no_rope_every(
+    arch: Arch,
+    layers: Option<&[u8]>,
+    interval: Option<usize>,
+    n: usize,
+) -> Result<usize> {
     let Some(layers) = layers else {
-        return Ok(0);
+        return Ok(if arch == Arch::SmolLM3 {
+            interval.unwrap_or(4)
+        } else {
+            0
+        });
     };
     if layers.iter().all(|&r| r != 0) {
         return Ok(0);
@@ -640,6 +652,20 @@ mod tests {
         assert_eq!(rope, [true, true, true, false, true, true, true, false]);
         assert!(s.layer_inv_freq(3).iter().all(|&f| f == 0.0));
         assert_eq!(s.layer_inv_freq(2), s.inv_freq());
+        // Without the list, transformers' default: every interval-th layer
+        // (4 unless the config gives another).
+        let plain = parse(r#", "model_type": "smollm3""#).unwrap();
+        assert_eq!(plain.block.no_rope_every, 4);
+        assert!(!plain.layer_has_rope(3) && plain.layer_has_rope(4));
+        let five = parse(r#", "model_type": "smollm3", "no_rope_layer_interval": 5"#).unwrap();
+        assert_eq!(five.block.no_rope_every, 5);
+        assert_eq!(
+            parse(r#", "model_type": "llama""#)
+                .unwrap()
+                .block
+                .no_rope_every,
+            0
+        );
         let odd = parse(r#", "model_type": "smollm3", "no_rope_layers": [1, 0, 1, 1, 1, 1, 1, 1]"#);
         assert!(matches!(odd, Err(ModelError::Config(m)) if m.contains("NoPE")));
         let q = parse(r#", "model_type": "qwen3""#).unwrap();
