@@ -103,6 +103,9 @@ pub enum WeightFormat {
     /// Little-endian f16 values (GGUF's F16 tensors), widened exactly to
     /// f32 in registers.
     F16,
+    /// Little-endian bf16 values (GGUF's BF16 tensors, safetensors' bf16),
+    /// widened exactly to f32 in registers.
+    BF16,
     Q4_0,
     Q4_1,
     Q5_0,
@@ -117,6 +120,7 @@ impl WeightFormat {
         match d {
             GgmlDType::F32 => WeightFormat::F32,
             GgmlDType::F16 => WeightFormat::F16,
+            GgmlDType::BF16 => WeightFormat::BF16,
             GgmlDType::Q4_0 => WeightFormat::Q4_0,
             GgmlDType::Q4_1 => WeightFormat::Q4_1,
             GgmlDType::Q5_0 => WeightFormat::Q5_0,
@@ -130,7 +134,7 @@ impl WeightFormat {
     fn block(self) -> (usize, usize) {
         match self {
             WeightFormat::F32 => (1, 4),
-            WeightFormat::F16 => (1, 2),
+            WeightFormat::F16 | WeightFormat::BF16 => (1, 2),
             WeightFormat::Q4_0 => (32, 18),
             WeightFormat::Q4_1 => (32, 20),
             WeightFormat::Q5_0 => (32, 22),
@@ -193,6 +197,11 @@ impl<'a> Weights<'a> {
             WeightFormat::F16 => {
                 for (o, c) in out.iter_mut().zip(row.chunks_exact(2)) {
                     *o = f16_to_f32(u16::from_le_bytes([c[0], c[1]]));
+                }
+            }
+            WeightFormat::BF16 => {
+                for (o, c) in out.iter_mut().zip(row.chunks_exact(2)) {
+                    *o = bf16_to_f32(u16::from_le_bytes([c[0], c[1]]));
                 }
             }
             WeightFormat::Q4_0 => decode_row::<Q40>(row, out),
@@ -269,6 +278,7 @@ trait Decode {
 
 struct F32Rows;
 struct F16Rows;
+struct Bf16Rows;
 struct Q40;
 struct Q41;
 struct Q50;
@@ -374,23 +384,44 @@ impl Decode for Q51 {
     }
 }
 
+/// Two runs of sixteen little-endian 16-bit values, at bytes 0 and 32.
+#[inline(always)]
+fn halves(b: &[u8; 64]) -> ([u16; 16], [u16; 16]) {
+    let run = |at: usize| -> [u16; 16] {
+        // SAFETY: 32 bytes at `at` (0 or 32) of the 64; any bits are a
+        // u16, and the read is unaligned.
+        let v = unsafe { std::ptr::read_unaligned(b.as_ptr().add(at) as *const [u16; 16]) };
+        v.map(u16::from_le)
+    };
+    (run(0), run(32))
+}
+
 impl Decode for F16Rows {
     const BYTES: usize = 64;
     #[inline(always)]
     unsafe fn dec<L: Lanes>(b: &[u8]) -> ([f32; 16], [f32; 16]) {
-        let b: &[u8; 64] = b.try_into().expect("64 bytes");
-        let half = |at: usize| -> [u16; 16] {
-            // SAFETY: 32 bytes at `at` (0 or 32) of the 64; any bits are
-            // a u16, and the read is unaligned.
-            let v = unsafe { std::ptr::read_unaligned(b.as_ptr().add(at) as *const [u16; 16]) };
-            v.map(u16::from_le)
-        };
+        let (a, c) = halves(b.try_into().expect("64 bytes"));
         let mut lo = [0f32; 16];
         let mut hi = [0f32; 16];
-        L::f16x16(&half(0), &mut lo);
-        L::f16x16(&half(32), &mut hi);
+        L::f16x16(&a, &mut lo);
+        L::f16x16(&c, &mut hi);
         (lo, hi)
     }
+}
+
+impl Decode for Bf16Rows {
+    const BYTES: usize = 64;
+    #[inline(always)]
+    unsafe fn dec<L: Lanes>(b: &[u8]) -> ([f32; 16], [f32; 16]) {
+        let (a, c) = halves(b.try_into().expect("64 bytes"));
+        (a.map(bf16_to_f32), c.map(bf16_to_f32))
+    }
+}
+
+/// A bf16 value widened to f32 (exact: its bits are an f32's top half).
+#[inline(always)]
+pub fn bf16_to_f32(bits: u16) -> f32 {
+    f32::from_bits(u32::from(bits) << 16)
 }
 
 impl Decode for Q80 {
@@ -584,7 +615,10 @@ fn product<L: Lanes, E: FnMut(usize, usize, f32)>(
             drive::<L, Q80, _, _, _>(&row, k / 32, x, t, k, r0, r1, &no_tail, emit)
         }
         WeightFormat::F32 => f32_rows::<L, _, _>(&row, x, t, k, r0, r1, emit),
-        WeightFormat::F16 => f16_rows::<L, _, _>(&row, x, t, k, r0, r1, emit),
+        WeightFormat::F16 => half_rows::<L, F16Rows, _, _>(&row, x, t, k, r0, r1, f16_to_f32, emit),
+        WeightFormat::BF16 => {
+            half_rows::<L, Bf16Rows, _, _>(&row, x, t, k, r0, r1, bf16_to_f32, emit)
+        }
         WeightFormat::Ggml(_) => {
             let mut a = r0;
             while a < r1 {
@@ -630,19 +664,22 @@ fn f32_rows<'w, L: Lanes, R: Fn(usize) -> &'w [u8], E: FnMut(usize, usize, f32)>
     drive::<L, F32Rows, _, _, _>(row, nb, x, t, k, r0, r1, &tail, emit)
 }
 
-/// F16 rows as [`f32_rows`]: each 32-value block widened to f32 in
-/// registers where it is used (the values the rows dequantized to f32
-/// would hold, so the same bits; widening each row once into a buffer
-/// for a prefill's many inputs measured no faster), the rest (`k % 32`
-/// values) as a sequential fused sum added last.
+/// F16 or BF16 rows (`D`, widening one value with `widen`) as
+/// [`f32_rows`]: each 32-value block widened to f32 in registers where it
+/// is used (the values the rows dequantized to f32 would hold, so the same
+/// bits; widening each row once into a buffer for a prefill's many inputs
+/// measured no faster), the rest (`k % 32` values) as a sequential fused
+/// sum added last.
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn f16_rows<'w, L: Lanes, R: Fn(usize) -> &'w [u8], E: FnMut(usize, usize, f32)>(
+fn half_rows<'w, L: Lanes, D: Decode, R: Fn(usize) -> &'w [u8], E: FnMut(usize, usize, f32)>(
     row: &R,
     x: &[f32],
     t: usize,
     k: usize,
     r0: usize,
     r1: usize,
+    widen: fn(u16) -> f32,
     emit: &mut E,
 ) {
     let nb = k / 32;
@@ -651,11 +688,11 @@ fn f16_rows<'w, L: Lanes, R: Fn(usize) -> &'w [u8], E: FnMut(usize, usize, f32)>
         let x = &x[i * k + nb * 32..(i + 1) * k];
         let mut s = 0f32;
         for (c, &xv) in w.chunks_exact(2).zip(x) {
-            s = f16_to_f32(u16::from_le_bytes([c[0], c[1]])).mul_add(xv, s);
+            s = widen(u16::from_le_bytes([c[0], c[1]])).mul_add(xv, s);
         }
         s
     };
-    drive::<L, F16Rows, _, _, _>(row, nb, x, t, k, r0, r1, &tail, emit)
+    drive::<L, D, _, _, _>(row, nb, x, t, k, r0, r1, &tail, emit)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -800,6 +837,8 @@ mod tests {
             (GgmlDType::Q6K, 256),
             (GgmlDType::F16, 40),
             (GgmlDType::F16, 96),
+            (GgmlDType::BF16, 40),
+            (GgmlDType::BF16, 96),
         ];
         let n = 13;
         for (d, k) in cases {

@@ -71,8 +71,9 @@ const FFN_ROWS: usize = 64;
 enum Bytes {
     /// Borrowed from the model's `QTensor` at each step.
     Quantized(WeightFormat),
-    /// f32 rows copied from a dense (safetensors) weight.
-    Owned(Vec<u8>),
+    /// Rows copied from a dense (safetensors) weight: f16 and bf16 as they
+    /// are (widened in registers), anything else as f32.
+    Owned(Vec<u8>, WeightFormat),
 }
 
 struct Lin {
@@ -98,13 +99,35 @@ impl Lin {
                 }
             }
             QLinear::Dense(t) => {
+                use candle_core::DType;
                 let (n, k) = t.dims2()?;
-                let v = t
-                    .to_dtype(candle_core::DType::F32)?
-                    .flatten_all()?
-                    .to_vec1::<f32>()?;
+                let flat = t.flatten_all()?;
+                let bytes = match t.dtype() {
+                    DType::F16 => Bytes::Owned(
+                        flat.to_vec1::<half::f16>()?
+                            .iter()
+                            .flat_map(|x| x.to_le_bytes())
+                            .collect(),
+                        WeightFormat::F16,
+                    ),
+                    DType::BF16 => Bytes::Owned(
+                        flat.to_vec1::<half::bf16>()?
+                            .iter()
+                            .flat_map(|x| x.to_le_bytes())
+                            .collect(),
+                        WeightFormat::BF16,
+                    ),
+                    _ => Bytes::Owned(
+                        flat.to_dtype(DType::F32)?
+                            .to_vec1::<f32>()?
+                            .iter()
+                            .flat_map(|x| x.to_le_bytes())
+                            .collect(),
+                        WeightFormat::F32,
+                    ),
+                };
                 Lin {
-                    bytes: Bytes::Owned(v.iter().flat_map(|x| x.to_le_bytes()).collect()),
+                    bytes,
                     n,
                     k,
                     packed: None,
@@ -115,7 +138,7 @@ impl Lin {
 
     fn data<'a>(&'a self, q: &'a QLinear) -> Result<Cow<'a, [u8]>> {
         match (&self.bytes, q) {
-            (Bytes::Owned(v), _) => Ok(Cow::Borrowed(&v[..])),
+            (Bytes::Owned(v, _), _) => Ok(Cow::Borrowed(&v[..])),
             (Bytes::Quantized(_), QLinear::Quantized(w)) => Ok(w.data()?),
             _ => Err(ModelError::Config(
                 "fast forward: weight kinds changed".into(),
@@ -126,7 +149,7 @@ impl Lin {
     fn format(&self) -> WeightFormat {
         match self.bytes {
             Bytes::Quantized(f) => f,
-            Bytes::Owned(_) => WeightFormat::F32,
+            Bytes::Owned(_, f) => f,
         }
     }
 
