@@ -442,7 +442,7 @@ impl HfDir {
 /// CPU, its f16/bf16 on a GPU (widened to f32 per product).
 fn dense_linear(t: &Tensor, device: &Device) -> Result<QLinear> {
     let half = matches!(t.dtype(), DType::F16 | DType::BF16);
-    let t = if half && !device.is_cpu() {
+    let t = if half {
         t.clone()
     } else {
         t.to_dtype(DType::F32)?
@@ -487,9 +487,10 @@ impl Source<'_> {
     /// A projection weight, kept in its stored format where the forward can
     /// compute it in f32 from there: GGUF blocks stay quantized (on the
     /// CPU, and on a GPU where candle has a kernel that dequantizes them in
-    /// f32; float GGUF tensors become dense f32); safetensors weights are
-    /// dense f32 on the CPU and keep their f16/bf16 on a GPU, widened to
-    /// f32 per product ([`QLinear::forward`]).
+    /// f32; float GGUF tensors become dense f32 on a GPU); safetensors
+    /// weights are dense and keep their f16/bf16 (f32 otherwise), widened
+    /// to f32 per product ([`QLinear::forward`]; on the CPU the fast path
+    /// widens them in registers).
     pub fn matmul(&mut self, w: W, device: &Device) -> Result<QLinear> {
         if !self.has(w) {
             return Err(ModelError::Missing(format!("tensor {}", self.name(w))));
