@@ -69,6 +69,23 @@ __device__ __forceinline__ void ts_scale_min_k4(uint32_t j, const uint32_t* q, f
     }
 }
 
+// Q4_K's and Q5_K's scale and minimum for 64-value chunk c (sub-blocks 2c
+// and 2c + 1) of a super-block: d·sc and dmin·m of each.
+__device__ __forceinline__ void ts_k_chunk(const uint8_t* blk, uint32_t c, float* d1, float* m1,
+                                           float* d2, float* m2) {
+    uint32_t dm = ts_ld4a(blk);
+    float d = __half2float(__ushort_as_half((uint16_t)(dm & 0xffffu)));
+    float dmin = __half2float(__ushort_as_half((uint16_t)(dm >> 16)));
+    uint32_t scales[3] = {ts_ld4a(blk + 4), ts_ld4a(blk + 8), ts_ld4a(blk + 12)};
+    float sc, m;
+    ts_scale_min_k4(2 * c, scales, &sc, &m);
+    *d1 = d * sc;
+    *m1 = dmin * m;
+    ts_scale_min_k4(2 * c + 1, scales, &sc, &m);
+    *d2 = d * sc;
+    *m2 = dmin * m;
+}
+
 // Each format: ROW_BYTES(k), ITEMS(k) per row, and item(row, i, w, off):
 // RUNS runs of 4 weights w[4r..4r+4) that multiply inputs off[r]..off[r]+4.
 struct TsQ4_0 {
@@ -137,14 +154,8 @@ struct TsQ4_K {
     static __device__ void item(const uint8_t* row, uint32_t i, float* w, uint32_t* off) {
         uint32_t sb = i >> 5, r = i & 31, c = r >> 3, l = (r & 7) * 4;
         const uint8_t* blk = row + (size_t)sb * 144;
-        uint32_t dm = ts_ld4a(blk);
-        float d = __half2float(__ushort_as_half((uint16_t)(dm & 0xffffu)));
-        float dmin = __half2float(__ushort_as_half((uint16_t)(dm >> 16)));
-        uint32_t scales[3] = {ts_ld4a(blk + 4), ts_ld4a(blk + 8), ts_ld4a(blk + 12)};
-        float sc1, m1, sc2, m2;
-        ts_scale_min_k4(2 * c, scales, &sc1, &m1);
-        ts_scale_min_k4(2 * c + 1, scales, &sc2, &m2);
-        float d1 = d * sc1, mm1 = dmin * m1, d2 = d * sc2, mm2 = dmin * m2;
+        float d1, mm1, d2, mm2;
+        ts_k_chunk(blk, c, &d1, &mm1, &d2, &mm2);
         uint32_t q = ts_ld4a(blk + 16 + c * 32 + l);
 #pragma unroll
         for (int e = 0; e < 4; e++) {
@@ -163,14 +174,8 @@ struct TsQ5_K {
     static __device__ void item(const uint8_t* row, uint32_t i, float* w, uint32_t* off) {
         uint32_t sb = i >> 5, r = i & 31, c = r >> 3, l = (r & 7) * 4;
         const uint8_t* blk = row + (size_t)sb * 176;
-        uint32_t dm = ts_ld4a(blk);
-        float d = __half2float(__ushort_as_half((uint16_t)(dm & 0xffffu)));
-        float dmin = __half2float(__ushort_as_half((uint16_t)(dm >> 16)));
-        uint32_t scales[3] = {ts_ld4a(blk + 4), ts_ld4a(blk + 8), ts_ld4a(blk + 12)};
-        float sc1, m1, sc2, m2;
-        ts_scale_min_k4(2 * c, scales, &sc1, &m1);
-        ts_scale_min_k4(2 * c + 1, scales, &sc2, &m2);
-        float d1 = d * sc1, mm1 = dmin * m1, d2 = d * sc2, mm2 = dmin * m2;
+        float d1, mm1, d2, mm2;
+        ts_k_chunk(blk, c, &d1, &mm1, &d2, &mm2);
         uint32_t h = ts_ld4a(blk + 16 + l);
         uint32_t q = ts_ld4a(blk + 48 + c * 32 + l);
         uint32_t u1 = 1u << (2 * c), u2 = 2u << (2 * c);

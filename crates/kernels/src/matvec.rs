@@ -614,11 +614,9 @@ fn product<L: Lanes, E: FnMut(usize, usize, f32)>(
         WeightFormat::Q8_0 => {
             drive::<L, Q80, _, _, _>(&row, k / 32, x, t, k, r0, r1, &no_tail, emit)
         }
-        WeightFormat::F32 => f32_rows::<L, _, _>(&row, x, t, k, r0, r1, emit),
-        WeightFormat::F16 => half_rows::<L, F16Rows, _, _>(&row, x, t, k, r0, r1, f16_to_f32, emit),
-        WeightFormat::BF16 => {
-            half_rows::<L, Bf16Rows, _, _>(&row, x, t, k, r0, r1, bf16_to_f32, emit)
-        }
+        WeightFormat::F32 => float_rows::<L, F32Rows, _, _>(&row, x, t, k, r0, r1, F32_LE, emit),
+        WeightFormat::F16 => float_rows::<L, F16Rows, _, _>(&row, x, t, k, r0, r1, F16_LE, emit),
+        WeightFormat::BF16 => float_rows::<L, Bf16Rows, _, _>(&row, x, t, k, r0, r1, BF16_LE, emit),
         WeightFormat::Ggml(_) => {
             let mut a = r0;
             while a < r1 {
@@ -632,68 +630,48 @@ fn product<L: Lanes, E: FnMut(usize, usize, f32)>(
                     std::slice::from_raw_parts(scratch.as_ptr() as *const u8, scratch.len() * 4)
                 };
                 let local = move |r: usize| -> &[u8] { &buf[(r - a) * k * 4..(r - a + 1) * k * 4] };
-                f32_rows::<L, _, _>(&local, x, t, k, a, b, emit);
+                float_rows::<L, F32Rows, _, _>(&local, x, t, k, a, b, F32_LE, emit);
                 a = b;
             }
         }
     }
 }
 
-/// F32 rows: whole 32-value blocks through [`drive`], the rest (`k % 32`
-/// values) as a sequential fused sum added last.
-#[inline(always)]
-fn f32_rows<'w, L: Lanes, R: Fn(usize) -> &'w [u8], E: FnMut(usize, usize, f32)>(
-    row: &R,
-    x: &[f32],
-    t: usize,
-    k: usize,
-    r0: usize,
-    r1: usize,
-    emit: &mut E,
-) {
-    let nb = k / 32;
-    let tail = |r: usize, i: usize| {
-        let w = &row(r)[nb * 128..];
-        let x = &x[i * k + nb * 32..(i + 1) * k];
-        let mut s = 0f32;
-        for (c, &xv) in w.chunks_exact(4).zip(x) {
-            s = f32::from_le_bytes([c[0], c[1], c[2], c[3]]).mul_add(xv, s);
-        }
-        s
-    };
-    drive::<L, F32Rows, _, _, _>(row, nb, x, t, k, r0, r1, &tail, emit)
-}
-
-/// F16 or BF16 rows (`D`, widening one value with `widen`) as
-/// [`f32_rows`]: each 32-value block widened to f32 in registers where it
-/// is used (the values the rows dequantized to f32 would hold, so the same
-/// bits; widening each row once into a buffer for a prefill's many inputs
-/// measured no faster), the rest (`k % 32` values) as a sequential fused
-/// sum added last.
+/// Float rows (`D`: f32, f16 or bf16, `width` bytes a value, `widen`
+/// reading one): whole 32-value blocks through [`drive`], each widened to
+/// f32 in registers where it is used (for f16 and bf16 the values the rows
+/// dequantized to f32 would hold, so the same bits; widening each row once
+/// into a buffer for a prefill's many inputs measured no faster), the rest
+/// (`k % 32` values) as a sequential fused sum added last.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn half_rows<'w, L: Lanes, D: Decode, R: Fn(usize) -> &'w [u8], E: FnMut(usize, usize, f32)>(
+fn float_rows<'w, L: Lanes, D: Decode, R: Fn(usize) -> &'w [u8], E: FnMut(usize, usize, f32)>(
     row: &R,
     x: &[f32],
     t: usize,
     k: usize,
     r0: usize,
     r1: usize,
-    widen: fn(u16) -> f32,
+    (width, widen): (usize, fn(&[u8]) -> f32),
     emit: &mut E,
 ) {
     let nb = k / 32;
     let tail = |r: usize, i: usize| {
-        let w = &row(r)[nb * 64..];
+        let w = &row(r)[nb * 32 * width..];
         let x = &x[i * k + nb * 32..(i + 1) * k];
         let mut s = 0f32;
-        for (c, &xv) in w.chunks_exact(2).zip(x) {
-            s = widen(u16::from_le_bytes([c[0], c[1]])).mul_add(xv, s);
+        for (c, &xv) in w.chunks_exact(width).zip(x) {
+            s = widen(c).mul_add(xv, s);
         }
         s
     };
     drive::<L, D, _, _, _>(row, nb, x, t, k, r0, r1, &tail, emit)
 }
+
+/// One little-endian value of each float format.
+const F32_LE: (usize, fn(&[u8]) -> f32) = (4, |c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]));
+const F16_LE: (usize, fn(&[u8]) -> f32) = (2, |c| f16_to_f32(u16::from_le_bytes([c[0], c[1]])));
+const BF16_LE: (usize, fn(&[u8]) -> f32) = (2, |c| bf16_to_f32(u16::from_le_bytes([c[0], c[1]])));
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]

@@ -983,6 +983,45 @@ fn gpu_device() -> Option<(&'static str, candle_core::Device)> {
     }
 }
 
+/// A tiny generated Hugging Face model (`write_tiny_model`) of `hidden`
+/// and `layers`, in a temporary folder, for the GPU tests to write GGUFs
+/// of.
+#[cfg(any(feature = "cuda", all(feature = "metal", target_vendor = "apple")))]
+fn tiny_hf_dir(hidden: usize, layers: usize) -> tempdir::Dir {
+    let dir = tempdir::Dir::new();
+    write_tiny_model(
+        dir.path(),
+        TinySpec {
+            hidden,
+            layers,
+            ..TinySpec::default()
+        },
+    )
+    .unwrap();
+    dir
+}
+
+/// Greedy tokens and logits (`testing::paged_greedy_with`) of a GPU run
+/// against a reference run: the first logits within `tol` of the largest
+/// and the same first token, else a panic naming `what`; returns how many
+/// greedy tokens agree before the first difference.
+#[cfg(any(feature = "cuda", all(feature = "metal", target_vendor = "apple")))]
+fn first_logits_agree(
+    what: &str,
+    (got, gl): &(Vec<u32>, Vec<Vec<f32>>),
+    (want, wl): &(Vec<u32>, Vec<Vec<f32>>),
+    tol: f32,
+) -> usize {
+    let big = wl[0].iter().fold(1f32, |m, v| m.max(v.abs()));
+    let d = crate::testing::max_diff(&gl[..1], &wl[..1]);
+    assert!(
+        d < tol * big,
+        "{what}: first logits differ by {d} (of {big})"
+    );
+    assert_eq!(got[0], want[0], "{what}");
+    got.iter().zip(want).take_while(|(a, b)| a == b).count()
+}
+
 /// The real default model on a GPU (feature `cuda`: `just test-cuda`;
 /// feature `metal` on a Mac: `just test-metal`) against the candle
 /// reference forward on the CPU, both over an f32 cache: the same weights'
@@ -1056,16 +1095,7 @@ fn gpu_forward_follows_the_cpu_reference_on_every_family() {
     let Some((what, dev)) = gpu_device() else {
         return;
     };
-    let dir = tempdir::Dir::new();
-    write_tiny_model(
-        dir.path(),
-        TinySpec {
-            hidden: 256,
-            layers: 6,
-            ..TinySpec::default()
-        },
-    )
-    .unwrap();
+    let dir = tiny_hf_dir(256, 6);
     let ids: Vec<u32> = (0..40).map(|i| (i * 7 + 3) % 200).collect();
     for arch in [
         "llama", "qwen2", "qwen3", "gemma3", "granite", "smollm3", "phi3", "olmo2",
@@ -1078,19 +1108,11 @@ fn gpu_forward_follows_the_cpu_reference_on_every_family() {
             crate::testing::paged_greedy_with(&m.llama, &ids, 16, 16, KvType::F32, None, reference)
                 .unwrap()
         };
-        let (want, wl) = run(&cpu, true);
-        let (got, gl) = run(&gpu, false);
-        let big = wl[0].iter().fold(1f32, |m, v| m.max(v.abs()));
-        let d = crate::testing::max_diff(&gl[..1], &wl[..1]);
-        assert!(
-            d < 1e-3 * big,
-            "{arch}: first logits differ by {d} (of {big})"
-        );
-        assert_eq!(got[0], want[0], "{arch}");
-        let same = got.iter().zip(&want).take_while(|(a, b)| a == b).count();
+        let want = run(&cpu, true);
+        let same = first_logits_agree(arch, &run(&gpu, false), &want, 1e-3);
         eprintln!(
             "{what} {arch}: {same} of {} greedy tokens before the first difference",
-            want.len()
+            want.0.len()
         );
     }
 }
@@ -1112,16 +1134,7 @@ fn cuda_forward_follows_the_cpu_reference_in_every_format() {
     let Some((_, dev)) = gpu_device() else {
         return;
     };
-    let dir = tempdir::Dir::new();
-    write_tiny_model(
-        dir.path(),
-        TinySpec {
-            hidden: 256,
-            layers: 4,
-            ..TinySpec::default()
-        },
-    )
-    .unwrap();
+    let dir = tiny_hf_dir(256, 4);
     let ids: Vec<u32> = (0..40).map(|i| (i * 11 + 5) % 200).collect();
     for arch in ["llama", "qwen2", "gemma3", "granite"] {
         for dtype in [
@@ -1136,61 +1149,25 @@ fn cuda_forward_follows_the_cpu_reference_in_every_format() {
             write_tiny_gguf(dir.path(), &path, dtype, arch).unwrap();
             let cpu = Model::load(&path, &mut |_, _| {}).unwrap();
             let gpu = Model::load_on(&path, &dev, &mut |_, _| {}).unwrap();
-            let (want, wl) = crate::testing::paged_greedy_with(
-                &cpu.llama,
-                &ids,
-                16,
-                16,
-                KvType::F32,
-                None,
-                true,
-            )
-            .unwrap();
-            let (got, gl) = crate::testing::paged_greedy_with(
-                &gpu.llama,
-                &ids,
-                16,
-                16,
-                KvType::F32,
-                None,
-                false,
-            )
-            .unwrap();
-            let f16 = |reference| {
-                crate::testing::paged_greedy_with(
-                    &gpu.llama,
-                    &ids,
-                    16,
-                    16,
-                    KvType::F16,
-                    None,
-                    reference,
-                )
-                .unwrap()
+            let run = |m: &Model, cache, reference| {
+                crate::testing::paged_greedy_with(&m.llama, &ids, 16, 16, cache, None, reference)
+                    .unwrap()
             };
-            let ((h_want, hl_want), (h_got, hl_got)) = (f16(true), f16(false));
-            let big16 = hl_want[0].iter().fold(1f32, |m, v| m.max(v.abs()));
-            let d16 = crate::testing::max_diff(&hl_got[..1], &hl_want[..1]);
-            assert!(
-                d16 < 1e-3 * big16 && h_got[0] == h_want[0],
-                "{arch} {dtype:?}: with an f16 cache the first logits differ by {d16} (of {big16})"
-            );
+            let label = format!("{arch} {dtype:?}");
+            let with_f16 = format!("{label}, f16 cache");
+            let f16 = (run(&gpu, KvType::F16, false), run(&gpu, KvType::F16, true));
+            first_logits_agree(&with_f16, &f16.0, &f16.1, 1e-3);
+            let want = run(&cpu, KvType::F32, true);
+            let got = run(&gpu, KvType::F32, false);
             assert_eq!(
                 gpu.llama.cuda_forward_status(),
                 Some(Ok(())),
-                "{arch} {dtype:?}: the CUDA forward did not run"
+                "{label}: the CUDA forward did not run"
             );
-            let big = wl[0].iter().fold(1f32, |m, v| m.max(v.abs()));
-            let d = crate::testing::max_diff(&gl[..1], &wl[..1]);
-            assert!(
-                d < 1e-3 * big,
-                "{arch} {dtype:?}: first logits differ by {d} (of {big})"
-            );
-            assert_eq!(got[0], want[0], "{arch} {dtype:?}");
-            let same = got.iter().zip(&want).take_while(|(a, b)| a == b).count();
+            let same = first_logits_agree(&label, &got, &want, 1e-3);
             eprintln!(
                 "CUDA forward {arch} {dtype:?}: {same} of {} greedy tokens before the first difference",
-                want.len()
+                want.0.len()
             );
         }
     }
@@ -1207,16 +1184,7 @@ fn cuda_forward_decodes_sequences_together_as_alone() {
     let Some((_, dev)) = gpu_device() else {
         return;
     };
-    let dir = tempdir::Dir::new();
-    write_tiny_model(
-        dir.path(),
-        TinySpec {
-            hidden: 256,
-            layers: 4,
-            ..TinySpec::default()
-        },
-    )
-    .unwrap();
+    let dir = tiny_hf_dir(256, 4);
     let path = dir.path().join("tiny.gguf");
     write_tiny_gguf(dir.path(), &path, GgmlDType::Q4_0, "llama").unwrap();
     let gpu = Model::load_on(&path, &dev, &mut |_, _| {}).unwrap();
