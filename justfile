@@ -60,7 +60,7 @@ test-metal:
 # Criterion benches of the KV bookkeeping, the attention kernel and the quantized linear layers (beside the read and FMA rooflines); writes its table in docs/benchmarks.md.
 bench:
     cargo bench --bench kv
-    python3 scripts/criterion_table.py --readme
+    python3 scripts/readme_tables.py criterion
 
 # Prefill and decode speed of Tessera beside candle's quantized_llama (same run), decode deep in a
 # context and with 4 and 8 sequences beside one (same run), the integer activation modes' agreement
@@ -133,7 +133,7 @@ bench-soak requests="2000": model
     cargo build --release -p tessera
     mkdir -p target/bench
     ./target/release/tessera bench --model models/SmolLM2-135M-Instruct.Q4_1.gguf --scenario soak --requests {{requests}} --kv-memory 24MiB --json | tee target/bench/soak.json
-    python3 scripts/readme_soak.py
+    python3 scripts/readme_tables.py soak
 
 # Generated GGUFs of a family's tensor layout (random weights, SmolLM2's tokenizer), quantized by
 # llama.cpp's llama-quantize: models/synth-<model>-<FORMAT>.gguf. A model is ARCH-SIZE (qwen3-0.6b,
@@ -167,7 +167,7 @@ bench-cpu-formats formats="Q5_K_M,Q6_K,Q8_0" runs="3": (synth-model "1b" formats
 # llama.cpp and Tessera are built with the native CPU flags, in target/native.
 bench-llamacpp: model bench-deps
     CARGO_TARGET_DIR=target/native RUSTFLAGS="-C target-cpu=native" cargo run --release --features llama-cpp --example vs_llamacpp
-    python3 scripts/readme_results.py
+    python3 scripts/readme_tables.py llamacpp
     just bench-server
     just bench-router
     just bench-perplexity

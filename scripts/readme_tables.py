@@ -1,27 +1,35 @@
 #!/usr/bin/env python3
-"""Regenerates the generated sections of README.md and docs/*.md: the
-model-speed and KV-cache scenario tables, the GPU results and the README's
-summary.
+"""The one generator of the generated sections of README.md and docs/*.md
+(each between `bench-<name>` markers, in whichever page has them); nothing
+in them is typed by hand. Each subcommand reads what its recipe wrote:
 
-`just bench-model` writes target/bench/model.jsonl and `just bench-engine`
-target/bench/engine.jsonl (one `tessera bench --json` object a line); this
-script replaces the text between the matching markers, in whichever page
-has them. Nothing is typed by hand.
+- model, engine: target/bench/model.jsonl (`just bench-model`) and
+  engine.jsonl (`just bench-engine`), one `tessera bench --json` object a line;
+- swa: target/bench/swa.jsonl (`just bench-swa`, Gemma 3's sliding pool);
+- sessions: target/bench/sessions.jsonl (`just bench-sessions`);
+- hangups: target/bench/hangups.json and, when present, hangups-before.json
+  (`just bench-hangups`);
+- soak: target/bench/soak.json (`just bench-soak`);
+- criterion: target/criterion (`just bench`);
+- llamacpp: target/bench/vs-llamacpp.json and vs-llamacpp-meta.json, the
+  charts copied to docs/bench/ (`just bench-llamacpp`);
+- cpu: target/bench/cpu.json (`just bench-cpu`);
+- gpu, gpu-ab, gpu-families, gpu-forward: what `scripts/cuda_device_run.sh`
+  brings back from a GPU machine, copied to target/bench/gpu/,
+  gpu/ab/, gpu-families/ and gpu-forward/;
+- summary: the README's results in brief, from cpu.json and gpu-forward/.
 
-`just bench-swa` writes target/bench/swa.jsonl (Gemma 3's sliding-window
-pool).
+Other scripts (bench_cpu.py, families_vs_llamacpp.py, ...) write their own
+sections through `splice` here.
 
-`scripts/cuda_device_run.sh`, on a machine with an NVIDIA GPU, writes
-gpu.jsonl, meta.json and tests.log; copied to target/bench/gpu/, they give
-the GPU section.
-
-`just bench-sessions` writes target/bench/sessions.jsonl (a stream beside a\nsession save).\n\n`just bench-hangups` writes target/bench/hangups.json (clients that hang up\nbefore their answer; hangups-before.json, when present, the same measured on\nan earlier build).\n\nUsage: readme_tables.py model|engine|sessions|hangups|swa|gpu|gpu-ab|gpu-families|gpu-forward|summary
+Usage: readme_tables.py model|engine|sessions|hangups|swa|soak|criterion|llamacpp|cpu|gpu|gpu-ab|gpu-families|gpu-forward|summary
 """
 
 import datetime
 import json
 import statistics
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -501,8 +509,8 @@ def gpu_forward():
         "(`synth_model.py --blocks`; speed does not depend on the values), f16 cache, 3 runs a "
         "figure (medians; decode over both rounds).",
         "",
-        f"- The CUDA forward against the CPU reference on tiny generated files (Llama, Qwen2, Gemma 3, "
-        f"Granite × Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K), greedy tokens before the first difference: "
+        "- The CUDA forward against the CPU reference on tiny generated files (Llama, Qwen2, Gemma 3, "
+        "Granite × Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K), greedy tokens before the first difference: "
         + ", ".join(f"{a.removeprefix('CUDA forward ')} {b.split(' greedy')[0]}" for a, b in agree) + ".",
         f"- Test steps: {'; '.join(t.removeprefix('test result: ').split(';')[0] for t in tests)}; "
         f"compute-sanitizer memcheck: {', '.join(sanit) if sanit else 'not run'}.",
@@ -747,6 +755,193 @@ def summary():
     return out
 
 
+# The llama.cpp comparison (`just bench-llamacpp`).
+LABELS = {
+    ("prefill", "prefill_tok_s"): "prefill, 512-token prompt",
+    ("decode", "decode_tok_s"): "decode, 128 tokens",
+    ("decode-long", "decode_tok_s"): "decode-long: 128 tokens after 2,048 of context",
+    ("decode-batch", "batch4_tok_s"): "decode-batch: 4 sequences together, aggregate",
+    ("decode-batch", "batch8_tok_s"): "decode-batch: 8 sequences together, aggregate",
+    ("chat-ttft", "ttft_sum_ms"): "chat, 12 turns: sum of TTFT",
+    ("chat-ttft", "ttft_last_turn_ms"): "chat, 12 turns: TTFT of turn 12",
+    ("shared-prefix", "total_ttft_ms"): "shared prefix: 8 requests, time to all first tokens",
+    ("interleaved", "ttft_sum_ms"): "interleaved: 4 conversations × 6 turns, sum of TTFT",
+}
+
+
+def _fmt(x, unit):
+    return f"{x:,.0f} {unit}" if unit == "ms" else f"{x:,.1f} {unit}"
+
+
+def cell(side, unit):
+    """Median, and the spread over the runs when there were several."""
+    if side["runs"] < 2:
+        return _fmt(side["median"], unit)
+    digits = 0 if unit == "ms" else 1
+    return f"{_fmt(side['median'], unit)} ({side['min']:,.{digits}f}–{side['max']:,.{digits}f})"
+
+
+def llamacpp():
+    """`just bench-llamacpp`: both engines in one process (vs-llamacpp.json and
+    vs-llamacpp-meta.json), the charts copied to docs/bench/."""
+    rows = json.loads((BENCH / "vs-llamacpp.json").read_text())
+    meta = json.loads((BENCH / "vs-llamacpp-meta.json").read_text())
+    main_rows = [r for r in rows if r["model"] == "Q4_1"]
+    variants = [r for r in rows if r["model"] in ("Q4_0", "Q8_0")]
+    gemma = [r for r in rows if r["model"] == "Gemma3"]
+    scenarios = {r["scenario"] for r in main_rows}
+    want = {"prefill", "decode", "decode-long", "decode-batch", "chat-ttft", "shared-prefix", "interleaved"}
+    missing = want - scenarios
+    if missing:
+        sys.exit(f"vs-llamacpp.json lacks {sorted(missing)}: run `just bench-llamacpp`")
+    docs = ROOT / "docs" / "bench"
+    docs.mkdir(parents=True, exist_ok=True)
+    for png in ("chat-ttft.png", "ratios.png"):
+        shutil.copyfile(BENCH / png, docs / png)
+
+    m = meta["machine"]
+    out = [
+        f"Measured {meta['date']} on {m['cpu']} ({m['cores']} cores), "
+        f"{meta['threads']} threads for both engines, commit `{meta['commit']}`, "
+        f"model `{Path(meta['model']).name}`; {meta['llama_cpp']}. "
+        "Each cell: median over the runs (min–max in brackets). "
+        "Ratio of medians > 1 means Tessera is better (throughput: Tessera / llama.cpp; "
+        "time: llama.cpp / Tessera).",
+        "",
+        "| scenario | Tessera | llama.cpp | ratio | candle `quantized_llama` |",
+        "|---|---|---|---|---|",
+    ]
+    for r in main_rows:
+        label = LABELS.get((r["scenario"], r["metric"]), f"{r['scenario']} {r['metric']}")
+        candle = cell(r["candle"], r["unit"]) if "candle" in r else ""
+        out.append(
+            f"| {label} | {cell(r['tessera'], r['unit'])} | {cell(r['llamacpp'], r['unit'])} "
+            f"| **{r['ratio']:.2f}×** | {candle} |"
+        )
+    def table(title, rows, with_file):
+        """A titled table of `rows`, with a file column when `with_file`."""
+        if not rows:
+            return []
+        lines = ["", title, "",
+                 "| file | scenario | Tessera | llama.cpp | ratio |" if with_file
+                 else "| scenario | Tessera | llama.cpp | ratio |",
+                 "|---|---|---|---|---|" if with_file else "|---|---|---|---|"]
+        for r in rows:
+            label = LABELS.get((r["scenario"], r["metric"]), f"{r['scenario']} {r['metric']}")
+            first = f"| {r['model']} " if with_file else ""
+            lines.append(
+                f"{first}| {label} | {cell(r['tessera'], r['unit'])} "
+                f"| {cell(r['llamacpp'], r['unit'])} | **{r['ratio']:.2f}×** |"
+            )
+        return lines
+
+    out += table(
+        f"The same model in the formats llama.cpp repacks for its fastest kernels ({meta['variants']}):",
+        variants, True)
+    out += table(
+        "Gemma 3 270M Q4_K_M (`just model gemma3`: sliding-window layers, K-quants; Tessera's "
+        "sliding layers on their own pool, a quarter of the blocks; llama.cpp's library default, "
+        "`swa_full`):",
+        gemma, False)
+    out += ["", "Agreement of the two engines (greedy tokens of the timed runs; the completions "
+            "diverge at near-ties, where llama.cpp's 8-bit activations tip the balance):", ""]
+    for a in meta["agreement"]:
+        where = "" if a["model"] == "Q4_1" else f"{a['model']}: "
+        out.append(f"- {where}{a['what']}: {a['same']} of {a['of']}")
+    out += [
+        "",
+        "![TTFT per chat turn](bench/chat-ttft.png)",
+        "",
+        "![Tessera / llama.cpp ratios](bench/ratios.png)",
+    ]
+    return out
+
+
+
+def soak():
+    """`just bench-soak`: target/bench/soak.json."""
+    r = json.loads((ROOT / "target" / "bench" / "soak.json").read_text())
+    mib = lambda b: f"{b / 2**20:,.1f} MiB"
+    out = [
+        f"Soak (`just bench-soak`), {measured()}, SmolLM2-135M-Instruct Q4_1, "
+        "24 MiB of KV pool (so requests preempt each other), context 256, requests spread over "
+        "four cache partitions (two tenants, a salt, the default): "
+        f"{r['requests']:,} requests, up to four at a time ({r['seconds']:,.0f} s of wall "
+        "time: this scenario counts failures and leaks, it is no speed measure), "
+        "with about one step in 150 failing with an error and one in 300 panicking.",
+        "",
+        "| what | count |",
+        "|---|---|",
+        f"| requests completed (all samples) | {r['done']:,} ({r['samples']:,} samples, {r['shifted']:,} past a context shift) |",
+        f"| requests cancelled part way | {r['cancelled']:,} |",
+        f"| requests failed by an injected fault | {r['failed']:,} (steps failed: {r['failed_steps']:,}) |",
+        f"| sessions saved and loaded back / defragmentations / shrink-and-grow | {r['sessions']} / {r['defrags']} / {r['resizes']} |",
+        f"| requests whose client hung up before any answer | {r['hung_up']:,} |",
+        f"| sessions saved in a tenant's partition beside a stream, restored and used there | {r['background_saves']} |",
+        f"| **prompts served across partitions** (of {r['probes']} probes over 4 partitions; sent again in their own, "
+        f"{r['own_partition_hits']} came whole from the cache) | **{r['cross_partition_hits']}** |",
+        f"| **blocks leaked** (held once every request is over) | **{r['leaked_blocks']}** (sequences left: {r['sequences_left']}; KV invariants hold) |",
+        f"| resident memory after warm-up (10% of the requests) / peak / end | {mib(r['rss_warm_bytes'])} / {mib(r['rss_peak_bytes'])} / {mib(r['rss_end_bytes'])} |",
+        f"| **RSS growth after warm-up** | **{r['rss_growth'] * 100:+.1f}%** |",
+    ]
+    return out
+
+
+
+def _ns(ns: float) -> str:
+    for unit, scale in (("s", 1e9), ("ms", 1e6), ("µs", 1e3)):
+        if ns >= scale:
+            return f"{ns / scale:.3g} {unit}"
+    return f"{ns:.3g} ns"
+
+
+def defined():
+    """The full ids of the benches `benches/kv.rs` defines now."""
+    out = subprocess.run(["cargo", "bench", "-q", "--bench", "kv", "--", "--list"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    return {line.rsplit(": ", 1)[0] for line in out.splitlines() if line.endswith(": benchmark")}
+
+
+def criterion_rows():
+    rows = []
+    names = defined()
+    for bench in sorted((ROOT / "target" / "criterion").glob("*/*/new/benchmark.json")):
+        meta = json.loads(bench.read_text())
+        if meta["full_id"] not in names:
+            continue
+        est = json.loads((bench.parent / "estimates.json").read_text())
+        median = est["median"]["point_estimate"]
+        per = ""
+        thr = meta.get("throughput") or {}
+        both = thr.get("ElementsAndBytes")
+        elements = thr.get("Elements")
+        name = meta["full_id"]
+        if both:
+            # Multiply-adds and bytes (the attention's decode benches).
+            per = (f"{both['bytes'] / median:.1f} GB/s, "
+                   f"{both['elements'] / median:.1f} GMAC/s")
+        elif elements and name.startswith(("matvec", "roofline")):
+            per = f"{elements / median:.1f} GMAC/s"
+        elif elements:
+            per = f"{_ns(median / elements)} per element"
+        if thr.get("Bytes"):
+            per = f"{thr['Bytes'] / median:.1f} GB/s"
+        rows.append((meta["full_id"], _ns(median), per))
+    if not rows:
+        sys.exit("no criterion results in target/criterion: run `just bench`")
+    out = ["| bench | median | |", "|---|---|---|"]
+    out += [f"| `{name}` | {median} | {per} |" for name, median, per in rows]
+    return out
+
+
+def criterion():
+    """`just bench`: the latest criterion results in target/criterion
+    (median per iteration; per element, GB/s or GMAC/s where the bench sets
+    a throughput), only the benches `cargo bench --bench kv -- --list` names
+    (target/criterion keeps those of benches that no longer exist)."""
+    return [f"Criterion medians, {measured()}, `cargo bench --bench kv`.", ""] + criterion_rows()
+
+
 def marked_file(start):
     """The page (README.md or docs/*.md) holding a generated section's start
     marker."""
@@ -783,6 +978,9 @@ def main():
         "gpu-families": gpu_families,
         "gpu-forward": gpu_forward,
         "summary": summary,
+        "llamacpp": llamacpp,
+        "soak": soak,
+        "criterion": criterion,
         "cpu": cpu_table,
     }.get(which)
     if make is None:
