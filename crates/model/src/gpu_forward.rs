@@ -175,6 +175,8 @@ pub(crate) struct GpuForward {
     graphs_on: bool,
     /// Cache tensors' addresses by the tensors' ids.
     cache_refs: HashMap<(TensorId, TensorId), CacheRef>,
+    /// The decode shape of the step before, when it was launched directly.
+    last_shape: Option<GraphKey>,
 }
 
 fn weight(w: &QLinear) -> std::result::Result<DevWeight, String> {
@@ -287,6 +289,7 @@ impl GpuForward {
             graphs: HashMap::new(),
             graphs_on: true,
             cache_refs: HashMap::new(),
+            last_shape: None,
         }))
     }
 
@@ -295,10 +298,10 @@ impl GpuForward {
     ///
     /// A decode batch (one token per sequence) runs as a CUDA graph: the
     /// step's kernels captured once per shape (tokens, logits, the
-    /// attention's partitions, the tables' row length, the caches) and
-    /// replayed with the batch's embeddings, angles, slots and tables
-    /// copied into the same buffers first. Other batches launch the
-    /// kernels one by one.
+    /// attention's partitions, the tables' row length, the caches), when
+    /// that shape repeats the step before, and replayed with the batch's
+    /// embeddings, angles, slots and tables copied into the same buffers
+    /// first. Other batches launch the kernels one by one.
     pub(crate) fn forward(
         &mut self,
         m: &Llama,
@@ -418,7 +421,15 @@ impl GpuForward {
             });
         }
         match key {
-            Some(key) if self.graphs_on => {
+            // A shape is captured when it repeats the step before (steady
+            // decode); shapes that change from step to step (a server's
+            // batches coming and going) launch directly instead of paying
+            // a capture each.
+            Some(key)
+                if self.graphs_on
+                    && (self.graphs.contains_key(&key)
+                        || self.last_shape.as_ref() == Some(&key)) =>
+            {
                 if !self.graphs.contains_key(&key) {
                     if self.graphs.len() >= MAX_GRAPHS {
                         self.graphs.clear();
@@ -448,7 +459,10 @@ impl GpuForward {
                     g.0.launch().map_err(cuda_err)?;
                 }
             }
-            _ => self.launch(m, batch, &caches, plan.as_ref())?,
+            other => {
+                self.last_shape = other;
+                self.launch(m, batch, &caches, plan.as_ref())?
+            }
         }
         let dev = self.k.device().clone();
         let n = picks.len() * vocab;
