@@ -66,7 +66,7 @@ bench:
 # context and with 4 and 8 sequences beside one (same run), the integer activation modes' agreement
 # with f32 activations, then the tables in docs/.
 bench-model: model
-    cargo build --release -p tessera
+    cargo build --release -p tessera --features candle-baseline
     mkdir -p target/bench
     ./target/release/tessera bench --model models/SmolLM2-135M-Instruct.Q4_1.gguf --scenario prefill --runs 5 --json | tee target/bench/model.jsonl
     ./target/release/tessera bench --model models/SmolLM2-135M-Instruct.Q4_1.gguf --scenario decode --runs 3 --json | tee -a target/bench/model.jsonl

@@ -191,7 +191,10 @@ def bundle(dest):
         m = json.loads(line)
         if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["lib"]:
             exes[m["target"]["name"]] = m["executable"]
-    run(["cargo", "build", "--release", "-p", "tessera", "--features", "cuda"], cwd=ROOT, env=env)
+    # With candle's baseline: the GPU table puts candle's quantized_llama
+    # beside Tessera on the same GPU.
+    run(["cargo", "build", "--release", "-p", "tessera", "--features", "cuda,candle-baseline"],
+        cwd=ROOT, env=env)
     shutil.rmtree(dest, ignore_errors=True)
     os.makedirs(dest)
     for src, name in [(exes["tessera_kernels"], "kernel-tests"), (exes["tessera_model"], "model-tests"),

@@ -6,7 +6,9 @@
 
 use anyhow::{bail, Result};
 use clap::{Args, ValueEnum};
-use tessera_bench::{decode_prompt, median, prefill_prompt, Candle, DECODE_TOKENS, PREFILL_TOKENS};
+#[cfg(feature = "candle-baseline")]
+use tessera_bench::Candle;
+use tessera_bench::{decode_prompt, median, prefill_prompt, DECODE_TOKENS, PREFILL_TOKENS};
 use tessera_engine::{Engine, GenerateRequest, Prompt, SamplingParams};
 use tessera_model::ModelFormat;
 
@@ -146,7 +148,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
     }
     let engine = Engine::from_model(model, args.kv.config(false))?;
     let mut candle = if is_gguf && !args.no_baseline {
-        Some(Candle::load(&path, &crate::device()?)?)
+        baseline(&path)?
     } else {
         None
     };
@@ -309,4 +311,37 @@ unsafe fn read_all_avx2(d: &[u8]) -> u64 {
     );
     _mm256_storeu_si256(out.as_mut_ptr() as *mut __m256i, s);
     out.iter().fold(0, |a, &b| a.wrapping_add(b))
+}
+
+/// candle's own quantized model of the file, the prefill and decode
+/// baseline (feature `candle-baseline`).
+#[cfg(feature = "candle-baseline")]
+fn baseline(path: &std::path::Path) -> Result<Option<Candle>> {
+    Ok(Some(Candle::load(path, &crate::device()?)?))
+}
+
+/// Without the `candle-baseline` feature there is no candle to time: the
+/// figures come without a baseline, and stderr says how to get one.
+#[cfg(not(feature = "candle-baseline"))]
+fn baseline(_: &std::path::Path) -> Result<Option<Candle>> {
+    eprintln!(
+        "tessera bench: this build has no candle baseline (build with `--features candle-baseline`, \
+         or pass --no-baseline)"
+    );
+    Ok(None)
+}
+
+/// No value: a build without `candle-baseline` never has a candle model.
+#[cfg(not(feature = "candle-baseline"))]
+enum Candle {}
+
+#[cfg(not(feature = "candle-baseline"))]
+impl Candle {
+    fn prefill(&mut self, _: &[u32]) -> Result<f64> {
+        match *self {}
+    }
+
+    fn decode(&mut self, _: &[u32], _: usize) -> Result<(f64, Vec<u32>)> {
+        match *self {}
+    }
 }
