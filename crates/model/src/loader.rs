@@ -440,6 +440,21 @@ impl HfDir {
 
 /// A safetensors projection as [`Source::matmul`] keeps it: f32 on the
 /// CPU, its f16/bf16 on a GPU (widened to f32 per product).
+/// Whether a GGUF projection of `dtype` becomes a dense tensor on
+/// `device`: float tensors on a GPU do (candle's GPU kernels take blocks);
+/// everything else keeps its blocks, on CUDA with candle's exact kernels
+/// switched on ([`exact_cuda_matmul`]).
+fn gguf_dense(dtype: GgmlDType, device: &Device) -> bool {
+    let float = matches!(dtype, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16);
+    if float && !device.is_cpu() {
+        return true;
+    }
+    if device.is_cuda() {
+        exact_cuda_matmul();
+    }
+    false
+}
+
 fn dense_linear(t: &Tensor, device: &Device) -> Result<QLinear> {
     let half = matches!(t.dtype(), DType::F16 | DType::BF16);
     let t = if half {
@@ -498,17 +513,9 @@ impl Source<'_> {
         let name = self.name(w);
         match self {
             Source::Gguf(g) => {
-                let float = g.content.tensor_infos.get(&name).is_some_and(|i| {
-                    matches!(
-                        i.ggml_dtype,
-                        GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16
-                    )
-                });
-                if float && !device.is_cpu() {
+                let dtype = g.content.tensor_infos.get(&name).map(|i| i.ggml_dtype);
+                if dtype.is_some_and(|d| gguf_dense(d, device)) {
                     return Ok(QLinear::Dense(self.dense(w, device)?));
-                }
-                if device.is_cuda() {
-                    exact_cuda_matmul();
                 }
                 Ok(QLinear::Quantized(Arc::new(g.qtensor(&name, device)?)))
             }
@@ -543,8 +550,7 @@ impl Source<'_> {
                     return Err(bad(&dims));
                 }
                 let dtype = q.dtype();
-                let float = matches!(dtype, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16);
-                if float && !device.is_cpu() {
+                if gguf_dense(dtype, device) {
                     let t = q.dequantize(&Device::Cpu)?;
                     let mut at = 0;
                     return rows
@@ -555,9 +561,6 @@ impl Source<'_> {
                             Ok(QLinear::Dense(part))
                         })
                         .collect();
-                }
-                if device.is_cuda() {
-                    exact_cuda_matmul();
                 }
                 let row_bytes = k / dtype.block_size() * dtype.type_size();
                 let data = q.data()?;
