@@ -21,11 +21,11 @@ use candle_core::cuda_backend::cudarc::driver::sys::{
 };
 use candle_core::cuda_backend::cudarc::driver::{CudaGraph, CudaSlice, CudaStream, DevicePtr};
 use candle_core::op::BackpropOp;
-use candle_core::{CudaDevice, CudaStorage, DType, Storage, Tensor, TensorId};
+use candle_core::{CudaDevice, CudaStorage, Storage, Tensor, TensorId};
 use std::collections::HashMap;
 use std::sync::Arc;
 use tessera_kernels::gpu::forward::{
-    CacheRef, DevWeight, DeviceAttention, Forward, GemvFormat, GemvIo, QkvStep,
+    tensor_addr, CacheRef, DevWeight, DeviceAttention, Forward, GemvFormat, GemvIo, QkvStep,
 };
 use tessera_kernels::{PagedMeta, RopeStyle};
 
@@ -124,11 +124,10 @@ struct Bufs {
     part_sum: Buf,
     /// cos and sin per RoPE frequency set.
     rope: Vec<(Buf, Buf)>,
-    /// Allocations made (a graph captured before one is stale).
-    allocations: usize,
 }
 
 impl Bufs {
+    /// Allocations made so far: a graph captured before one is stale.
     fn generation(&self) -> usize {
         let all = [
             &self.x,
@@ -152,8 +151,7 @@ impl Bufs {
             &self.part_max,
             &self.part_sum,
         ];
-        self.allocations
-            + all.iter().map(|b| b.grown).sum::<usize>()
+        all.iter().map(|b| b.grown).sum::<usize>()
             + self
                 .rope
                 .iter()
@@ -221,17 +219,11 @@ fn proj<const N: usize>(p: &Proj<N>) -> std::result::Result<Vec<(DevWeight, usiz
 /// A contiguous f32 vector's device address; 0 for none.
 fn vector(t: Option<&Tensor>) -> std::result::Result<u64, String> {
     let Some(t) = t else { return Ok(0) };
-    if t.dtype() != DType::F32 || !t.is_contiguous() {
-        return Err(format!("a {:?} norm or bias vector", t.dtype()));
+    match tensor_addr(t) {
+        Ok((p, "f32")) => Ok(p),
+        Ok(_) => Err(format!("a {:?} norm or bias vector", t.dtype())),
+        Err(e) => Err(e.to_string()),
     }
-    let (st, l) = t.storage_and_layout();
-    let Storage::Cuda(cs) = &*st else {
-        return Err("a vector that is not on the GPU".into());
-    };
-    let s = cs.as_cuda_slice::<f32>().map_err(|e| e.to_string())?;
-    let stream = cs.device.cuda_stream();
-    let (p, _sync) = s.device_ptr(&stream);
-    Ok(p + (l.start_offset() * 4) as u64)
 }
 
 impl GpuForward {
@@ -331,9 +323,9 @@ impl GpuForward {
         let at = std::time::Instant::now();
         let s = self.stream.clone();
         let vocab = self.head.rows;
-        let grown = {
+        let before = self.bufs.generation();
+        {
             let b = &mut self.bufs;
-            let before = b.generation();
             // The embeddings (looked up on the host) and the batch's tables.
             let mut x_host = vec![0f32; t * hidden];
             m.embed_into(batch.tokens, &mut x_host)?;
@@ -360,10 +352,6 @@ impl GpuForward {
             b.tmp.at_least(&s, t * hidden)?;
             b.last.at_least(&s, picks.len() * hidden)?;
             b.logits.at_least(&s, picks.len() * vocab)?;
-            b.generation() != before
-        };
-        if grown {
-            self.graphs.clear();
         }
         // The caches' addresses, read once per pair of tensors (reading
         // one records an event on the stream).
@@ -388,7 +376,6 @@ impl GpuForward {
         let mut key = None;
         if let Some(p) = &plan {
             let b = &mut self.bufs;
-            let before = b.generation();
             let padded = |tables: &[u32]| -> Vec<u32> {
                 let mut out = vec![0u32; tables.len() / batch.max_blocks.max(1) * p.max_blocks];
                 for (row, src) in out
@@ -409,9 +396,6 @@ impl GpuForward {
             b.part_out.at_least(&s, states * hd)?;
             b.part_max.at_least(&s, states)?;
             b.part_sum.at_least(&s, states)?;
-            if b.generation() != before {
-                self.graphs.clear();
-            }
             key = Some(GraphKey {
                 tokens: t,
                 picks: picks.len(),
@@ -419,6 +403,11 @@ impl GpuForward {
                 plan: *p,
                 caches: caches.clone(),
             });
+        }
+        // A buffer that moved leaves every captured graph pointing at the
+        // old one.
+        if self.bufs.generation() != before {
+            self.graphs.clear();
         }
         match key {
             // A shape is captured when it repeats the step before (steady

@@ -277,20 +277,9 @@ impl Forward {
         (n_rows, n): (usize, usize),
         eps: f32,
     ) -> Result<()> {
-        if n_rows == 0 {
-            return Ok(());
-        }
-        let n = u(n);
-        let mut b = self.stream.launch_builder(&self.norm);
-        b.arg(&x);
-        b.arg(&rows);
-        b.arg(&w);
-        b.arg(&out);
-        b.arg(&n);
-        b.arg(&eps);
-        // SAFETY: `n_rows` rows of `n` floats at out, and at x the rows named.
-        unsafe { b.launch(per_row(n_rows)) }.w()?;
-        Ok(())
+        // SAFETY (the launch): `n_rows` rows of `n` floats at out, and at x
+        // the rows named.
+        self.per_row(&self.norm, n_rows, &[x, rows, w, out], n, &[eps])
     }
 
     /// `x[r] += s * (w ? rms_norm(y[r], w) : y[r])` for `n_rows` rows of `n`.
@@ -301,19 +290,39 @@ impl Forward {
         eps: f32,
         s: f32,
     ) -> Result<()> {
+        // SAFETY (the launch): `n_rows` rows of `n` floats at x and y.
+        self.per_row(&self.residual, n_rows, &[x, y, w], n, &[eps, s])
+    }
+
+    /// A kernel of a block per row over `n_rows` rows of `n` values, its
+    /// arguments the addresses, `n`, then the floats.
+    fn per_row(
+        &self,
+        f: &CudaFunction,
+        n_rows: usize,
+        ptrs: &[u64],
+        n: usize,
+        floats: &[f32],
+    ) -> Result<()> {
         if n_rows == 0 {
             return Ok(());
         }
         let n = u(n);
-        let mut b = self.stream.launch_builder(&self.residual);
-        b.arg(&x);
-        b.arg(&y);
-        b.arg(&w);
+        let mut b = self.stream.launch_builder(f);
+        for p in ptrs {
+            b.arg(p);
+        }
         b.arg(&n);
-        b.arg(&eps);
-        b.arg(&s);
-        // SAFETY: `n_rows` rows of `n` floats at x and y.
-        unsafe { b.launch(per_row(n_rows)) }.w()?;
+        for x in floats {
+            b.arg(x);
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (u(n_rows), 1, 1),
+            block_dim: (NORM_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the callers' buffers hold the rows their kernels touch.
+        unsafe { b.launch(cfg) }.w()?;
         Ok(())
     }
 
@@ -456,8 +465,8 @@ impl CacheRef {
             )
         }
         let geometry = crate::cache_geometry(k_cache)?;
-        let (k, cache) = cache_addr(k_cache)?;
-        let (v, vcache) = cache_addr(v_cache)?;
+        let (k, cache) = tensor_addr(k_cache)?;
+        let (v, vcache) = tensor_addr(v_cache)?;
         if cache != vcache {
             bail!("the CUDA forward: K and V caches of different types")
         }
@@ -558,15 +567,16 @@ impl Forward {
     }
 }
 
-/// A contiguous float cache's device address (at its layout's start) and
-/// element type.
-fn cache_addr(t: &Tensor) -> Result<(u64, &'static str)> {
+/// A contiguous f32, f16 or bf16 tensor's device address (at its layout's
+/// start) and element type ("f32", "f16" or "bf16"): K/V caches, and the
+/// model's norm and bias vectors.
+pub fn tensor_addr(t: &Tensor) -> Result<(u64, &'static str)> {
     let (st, l) = t.storage_and_layout();
     let Storage::Cuda(cs) = &*st else {
-        bail!("the CUDA forward: a cache that is not on the GPU")
+        bail!("the CUDA forward: a tensor that is not on the GPU")
     };
     if !l.is_contiguous() {
-        bail!("the CUDA forward: caches must be contiguous")
+        bail!("the CUDA forward: tensors must be contiguous")
     }
     let dev = &cs.device;
     let at = |base: u64, size: usize| base + (l.start_offset() * size) as u64;
@@ -575,16 +585,8 @@ fn cache_addr(t: &Tensor) -> Result<(u64, &'static str)> {
         S::F16(c) => (at(addr(dev, c), 2), "f16"),
         S::BF16(c) => (at(addr(dev, c), 2), "bf16"),
         _ => bail!(
-            "the CUDA forward supports f32, f16 and bf16 caches, not {:?}",
+            "the CUDA forward supports f32, f16 and bf16 tensors, not {:?}",
             t.dtype()
         ),
     })
-}
-
-fn per_row(rows: usize) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (u(rows), 1, 1),
-        block_dim: (NORM_THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    }
 }
