@@ -102,27 +102,24 @@ impl Lin {
                 use candle_core::DType;
                 let (n, k) = t.dims2()?;
                 let flat = t.flatten_all()?;
+                // Each value's little-endian bytes.
+                fn le<T, const N: usize>(v: Vec<T>, f: fn(T) -> [u8; N]) -> Vec<u8> {
+                    v.into_iter().flat_map(f).collect()
+                }
                 let bytes = match t.dtype() {
                     DType::F16 => Bytes::Owned(
-                        flat.to_vec1::<half::f16>()?
-                            .iter()
-                            .flat_map(|x| x.to_le_bytes())
-                            .collect(),
+                        le(flat.to_vec1::<half::f16>()?, half::f16::to_le_bytes),
                         WeightFormat::F16,
                     ),
                     DType::BF16 => Bytes::Owned(
-                        flat.to_vec1::<half::bf16>()?
-                            .iter()
-                            .flat_map(|x| x.to_le_bytes())
-                            .collect(),
+                        le(flat.to_vec1::<half::bf16>()?, half::bf16::to_le_bytes),
                         WeightFormat::BF16,
                     ),
                     _ => Bytes::Owned(
-                        flat.to_dtype(DType::F32)?
-                            .to_vec1::<f32>()?
-                            .iter()
-                            .flat_map(|x| x.to_le_bytes())
-                            .collect(),
+                        le(
+                            flat.to_dtype(DType::F32)?.to_vec1::<f32>()?,
+                            f32::to_le_bytes,
+                        ),
                         WeightFormat::F32,
                     ),
                 };
