@@ -473,6 +473,27 @@ def gpu_ab():
     return out
 
 
+def gpu_forward_runs():
+    """The GPU-forward run's results (target/bench/gpu-forward/): Tessera's
+    by (model file, forward, scenario), each a list of bench objects; and
+    llama.cpp's tok/s by (model file, "pp" | "tg" | "tg_long"), the median of
+    its repetitions as Tessera's figures are medians (empty without
+    llama.jsonl)."""
+    got, hdr = {}, None
+    for r in lines("gpu-forward/synth.jsonl"):
+        if "forward" in r:
+            hdr = r
+            continue
+        got.setdefault((hdr["model"], hdr["forward"], r["scenario"]), []).append(r)
+    llama = {}
+    if (BENCH / "gpu-forward" / "llama.jsonl").exists():
+        for r in lines("gpu-forward/llama.jsonl"):
+            what = "pp" if r["n_prompt"] else ("tg_long" if r.get("n_depth") else "tg")
+            ts = statistics.median(r["samples_ts"]) if r.get("samples_ts") else r["avg_ts"]
+            llama[(Path(r["model_filename"]).name, what)] = ts
+    return got, llama
+
+
 def gpu_forward():
     """The CUDA forward on generated models (`SYNTH=... cuda_device_run.sh`:
     synth.jsonl, llama.jsonl, tests.log and meta.json copied to
@@ -482,19 +503,7 @@ def gpu_forward():
     d = BENCH / "gpu-forward"
     meta = json.loads((d / "meta.json").read_text())
     log = (d / "tests.log").read_text().splitlines()
-    got, hdr = {}, None
-    for r in lines("gpu-forward/synth.jsonl"):
-        if "forward" in r:
-            hdr = r
-            continue
-        got.setdefault((hdr["model"], hdr["forward"], r["scenario"]), []).append(r)
-    llama = {}
-    if (d / "llama.jsonl").exists():
-        for r in lines("gpu-forward/llama.jsonl"):
-            what = "pp" if r["n_prompt"] else ("tg_long" if r.get("n_depth") else "tg")
-            # The median of the repetitions, as Tessera's figures are.
-            ts = statistics.median(r["samples_ts"]) if r.get("samples_ts") else r["avg_ts"]
-            llama[(Path(r["model_filename"]).name, what)] = ts
+    got, llama = gpu_forward_runs()
     agree = [l[l.index("CUDA forward "):].split(": ", 1) for l in log
              if "CUDA forward " in l and "greedy tokens before" in l]
     tests = [l for l in log if l.startswith("test result:")]
@@ -736,22 +745,13 @@ def summary():
     g = BENCH / "gpu-forward"
     if (g / "synth.jsonl").exists() and (g / "llama.jsonl").exists():
         meta = json.loads((g / "meta.json").read_text())
-        ours, hdr = {}, None
-        for r in lines("gpu-forward/synth.jsonl"):
-            if "forward" in r:
-                hdr = r
-            elif hdr["forward"] == "cuda" and r["scenario"] == "decode":
-                ours.setdefault(hdr["model"], []).append(r["tessera"])
-        theirs = {}
-        for r in lines("gpu-forward/llama.jsonl"):
-            if r["n_gen"] and not r.get("n_depth"):
-                theirs[Path(r["model_filename"]).name] = (
-                    statistics.median(r["samples_ts"]) if r.get("samples_ts") else r["avg_ts"])
+        got, llama = gpu_forward_runs()
         for f, name in [("synth-135m-Q4_1-blocks.gguf", "135M (SmolLM2's layout) Q4_1"),
                         ("synth-1b-Q4_K_M-blocks.gguf", "1B Llama Q4_K_M")]:
-            if f in ours and f in theirs:
+            ours = [r["tessera"] for r in got.get((f, "cuda", "decode"), [])]
+            if ours and (f, "tg") in llama:
                 out.append(f"| {name} | GPU, one {meta['gpu']}, {meta['date']} | — (the reference forward) | "
-                           f"{statistics.median(ours[f]) / theirs[f]:.2f}× |")
+                           f"{statistics.median(ours) / llama[(f, 'tg')]:.2f}× |")
     return out
 
 

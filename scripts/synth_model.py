@@ -199,7 +199,6 @@ def write_f16(path, arch, size, gguf, np):
     w.close()
 
 
-
 # --blocks: bytes per block, values per block, and the offsets of the f16
 # scale fields with the value each gets (weights of std about 0.02).
 BLOCKS = {
@@ -244,19 +243,24 @@ def write_blocks(path, arch, size, fmt, toks, gguf, np):
     w.close()
 
 
-def dump_tokenizer(path, gguf):
+def json_file(path, mode):
+    """`path` opened as text, through gzip when it is named .gz."""
     import gzip
+    return gzip.open(path, mode + "t") if str(path).endswith(".gz") else open(path, mode)
+
+
+def dump_tokenizer(path, gguf):
     fields = [[name, val, int(vtype), None if sub is None else int(sub)]
               for name, val, vtype, sub in tokenizer_fields(gguf)]
-    with (gzip.open(path, "wt") if str(path).endswith(".gz") else open(path, "w")) as f:
+    with json_file(path, "w") as f:
         json.dump(fields, f)
 
 
 def load_tokenizer(path, gguf):
-    import gzip
-    with (gzip.open(path, "rt") if str(path).endswith(".gz") else open(path)) as f:
+    with json_file(path, "r") as f:
         return [(name, val, gguf.GGUFValueType(vtype), None if sub is None else gguf.GGUFValueType(sub))
                 for name, val, vtype, sub in json.load(f)]
+
 
 def main():
     ap = argparse.ArgumentParser()
@@ -268,7 +272,8 @@ def main():
     ap.add_argument("--tokenizer-json", metavar="FILE", help="--blocks: the tokenizer's fields")
     ap.add_argument("--dump-tokenizer", metavar="FILE",
                     help="write the default model's tokenizer fields for --tokenizer-json")
-    ap.add_argument("--out-dir", metavar="DIR", default=str(ROOT / "models"))
+    ap.add_argument("--out-dir", metavar="DIR", default=str(ROOT / "models"),
+                    help="--blocks: where the files go (default models/)")
     ap.add_argument("--gguf-py", metavar="DIR", default=str(LLAMA / "gguf-py"),
                     help="llama.cpp's gguf-py (default: the tree build_llama_tools.sh unpacks)")
     args = ap.parse_args()
