@@ -1,12 +1,15 @@
 //! `/metrics` in Prometheus' text format, with vLLM's metric names (prefix
 //! `tessera:`, or `vllm:` with `--metrics-prefix vllm`) so that existing
-//! dashboards and routers read them. Gauges and token counters come from
-//! the engine's stats; the latency histograms are observed by the server.
+//! dashboards and routers read them. Recorded with the `metrics` crate and
+//! rendered by `metrics-exporter-prometheus`, one recorder per server (not
+//! the process-global one, so that two servers in one process keep apart).
+//! Gauges and token counters are the engine's stats, set when the page is
+//! rendered; the latency histograms are observed by the server.
 
-use std::fmt::Write;
-use std::sync::Mutex;
 use std::time::Duration;
 
+use metrics::{Counter, Gauge, Histogram, Key, Label, Level, Metadata, Recorder};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusRecorder};
 use tessera_engine::EngineStats;
 
 /// Bucket bounds in seconds (vLLM's for TTFT and end-to-end latency).
@@ -20,182 +23,202 @@ const GAPS: &[f64] = &[
     0.4, 0.5, 0.75, 1.0, 2.5,
 ];
 
-#[derive(Debug)]
-struct Histogram {
-    bounds: &'static [f64],
-    /// Observations at or below each bound (not cumulative), then above.
-    counts: Vec<u64>,
-    sum: f64,
+/// What a value of the engine's stats is exported as.
+enum Kind {
+    Gauge,
+    Counter,
 }
 
-impl Histogram {
-    fn new(bounds: &'static [f64]) -> Histogram {
-        Histogram {
-            bounds,
-            counts: vec![0; bounds.len() + 1],
-            sum: 0.0,
-        }
-    }
+/// The engine's stats on the page: name, kind, help, and the value.
+type StatLine = (&'static str, Kind, &'static str, fn(&EngineStats) -> f64);
 
-    fn observe(&mut self, v: f64) {
-        let i = self.bounds.partition_point(|&b| b < v);
-        self.counts[i] += 1;
-        self.sum += v;
-    }
+const STATS: &[StatLine] = &[
+    (
+        "num_requests_running",
+        Kind::Gauge,
+        "Sequences in the running batch.",
+        |s| s.running as f64,
+    ),
+    (
+        "num_requests_waiting",
+        Kind::Gauge,
+        "Sequences waiting for admission.",
+        |s| s.waiting as f64,
+    ),
+    (
+        "kv_cache_usage_perc",
+        Kind::Gauge,
+        "Share of KV blocks held by sequences (1 = all).",
+        |s| s.kv.used_blocks as f64 / s.kv.num_blocks.max(1) as f64,
+    ),
+    (
+        "prefix_cache_queries_total",
+        Kind::Counter,
+        "Prompt tokens looked up in the prefix cache.",
+        |s| s.prompt_tokens as f64,
+    ),
+    (
+        "prefix_cache_hits_total",
+        Kind::Counter,
+        "Prompt tokens served from the prefix cache.",
+        |s| s.cached_tokens as f64,
+    ),
+    (
+        "num_preemptions_total",
+        Kind::Counter,
+        "Running sequences sent back to the queue for lack of blocks.",
+        |s| s.preemptions as f64,
+    ),
+    (
+        "prompt_tokens_total",
+        Kind::Counter,
+        "Prompt tokens of all requests.",
+        |s| s.prompt_tokens as f64,
+    ),
+    (
+        "generation_tokens_total",
+        Kind::Counter,
+        "Generated tokens of all requests.",
+        |s| s.completion_tokens as f64,
+    ),
+    (
+        "kv_cache_bytes_held",
+        Kind::Gauge,
+        "Bytes of KV blocks held by sequences or the prefix cache (both pools).",
+        |s| s.kv_bytes_held as f64,
+    ),
+    (
+        "sliding_window_evictions_total",
+        Kind::Counter,
+        "Sliding-window blocks taken from cached content under pressure.",
+        |s| s.kv.evicted_sliding_blocks as f64,
+    ),
+];
 
-    fn write(&self, out: &mut String, name: &str, help: &str) {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
-        let mut total = 0;
-        for (b, c) in self.bounds.iter().zip(&self.counts) {
-            total += c;
-            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {total}");
-        }
-        total += self.counts[self.bounds.len()];
-        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {total}");
-        let _ = writeln!(out, "{name}_sum {}\n{name}_count {total}", self.sum);
-    }
+/// A handle on one of [`STATS`].
+enum Stat {
+    Gauge(Gauge),
+    Counter(Counter),
 }
 
-/// The server's own observations.
-#[derive(Debug)]
+/// The server's metrics: its recorder and the handles it records through.
 pub struct Metrics {
     prefix: String,
-    hist: Mutex<[Histogram; 3]>,
+    recorder: PrometheusRecorder,
+    stats: Vec<(Stat, fn(&EngineStats) -> f64)>,
+    ttft: Histogram,
+    gap: Histogram,
+    e2e: Histogram,
 }
 
-const TTFT: usize = 0;
-const GAP: usize = 1;
-const E2E: usize = 2;
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics")
+            .field("prefix", &self.prefix)
+            .finish_non_exhaustive()
+    }
+}
+
+static META: Metadata<'static> = Metadata::new(module_path!(), Level::INFO, None);
 
 impl Metrics {
     pub fn new(prefix: &str) -> Metrics {
+        let name = |n: &str| format!("{prefix}:{n}");
+        let histograms = [
+            (
+                "time_to_first_token_seconds",
+                LATENCY,
+                "Request start to its first token.",
+            ),
+            (
+                "inter_token_latency_seconds",
+                GAPS,
+                "Time between two tokens of a sample.",
+            ),
+            (
+                "e2e_request_latency_seconds",
+                LATENCY,
+                "Request start to its end.",
+            ),
+        ];
+        let mut builder = PrometheusBuilder::new();
+        for (n, bounds, _) in histograms {
+            builder = builder
+                .set_buckets_for_metric(Matcher::Full(name(n)), bounds)
+                .expect("bucket bounds are not empty");
+        }
+        let recorder = builder.build_recorder();
+        let stats = STATS
+            .iter()
+            .map(|(n, kind, help, value)| {
+                let key = Key::from_name(name(n));
+                let stat = match kind {
+                    Kind::Gauge => {
+                        recorder.describe_gauge(name(n).into(), None, (*help).into());
+                        Stat::Gauge(recorder.register_gauge(&key, &META))
+                    }
+                    Kind::Counter => {
+                        recorder.describe_counter(name(n).into(), None, (*help).into());
+                        Stat::Counter(recorder.register_counter(&key, &META))
+                    }
+                };
+                (stat, *value)
+            })
+            .collect();
+        recorder.describe_gauge(
+            name("cache_config_info").into(),
+            None,
+            "The KV cache's geometry.".into(),
+        );
+        let [ttft, gap, e2e] = histograms.map(|(n, _, help)| {
+            recorder.describe_histogram(name(n).into(), None, help.into());
+            recorder.register_histogram(&Key::from_name(name(n)), &META)
+        });
         Metrics {
             prefix: prefix.to_string(),
-            hist: Mutex::new([
-                Histogram::new(LATENCY),
-                Histogram::new(GAPS),
-                Histogram::new(LATENCY),
-            ]),
+            recorder,
+            stats,
+            ttft,
+            gap,
+            e2e,
         }
-    }
-
-    fn observe(&self, which: usize, v: f64) {
-        let mut h = self.hist.lock().unwrap_or_else(|e| e.into_inner());
-        h[which].observe(v);
     }
 
     /// A request's first token came this long after it started.
     pub fn ttft(&self, d: f64) {
-        self.observe(TTFT, d);
+        self.ttft.record(d);
     }
 
     /// Two consecutive tokens of a sample came this far apart.
     pub fn gap(&self, d: Duration) {
-        self.observe(GAP, d.as_secs_f64());
+        self.gap.record(d.as_secs_f64());
     }
 
     /// A request finished this long after it started.
     pub fn e2e(&self, d: f64) {
-        self.observe(E2E, d);
+        self.e2e.record(d);
     }
 
-    /// The text of `/metrics`.
+    /// The text of `/metrics`: the engine's stats as they are now, and the
+    /// histograms observed so far.
     pub fn render(&self, s: &EngineStats) -> String {
-        let p = &self.prefix;
-        let mut out = String::new();
-        let kv = &s.kv;
-        let usage = kv.used_blocks as f64 / kv.num_blocks.max(1) as f64;
-        let (gauge, counter) = ("gauge", "counter");
-        let lines: [(&str, &str, &str, String); 10] = [
-            (
-                "num_requests_running",
-                gauge,
-                "Sequences in the running batch.",
-                s.running.to_string(),
-            ),
-            (
-                "num_requests_waiting",
-                gauge,
-                "Sequences waiting for admission.",
-                s.waiting.to_string(),
-            ),
-            (
-                "kv_cache_usage_perc",
-                gauge,
-                "Share of KV blocks held by sequences (1 = all).",
-                usage.to_string(),
-            ),
-            (
-                "prefix_cache_queries_total",
-                counter,
-                "Prompt tokens looked up in the prefix cache.",
-                s.prompt_tokens.to_string(),
-            ),
-            (
-                "prefix_cache_hits_total",
-                counter,
-                "Prompt tokens served from the prefix cache.",
-                s.cached_tokens.to_string(),
-            ),
-            (
-                "num_preemptions_total",
-                counter,
-                "Running sequences sent back to the queue for lack of blocks.",
-                s.preemptions.to_string(),
-            ),
-            (
-                "prompt_tokens_total",
-                counter,
-                "Prompt tokens of all requests.",
-                s.prompt_tokens.to_string(),
-            ),
-            (
-                "generation_tokens_total",
-                counter,
-                "Generated tokens of all requests.",
-                s.completion_tokens.to_string(),
-            ),
-            (
-                "kv_cache_bytes_held",
-                gauge,
-                "Bytes of KV blocks held by sequences or the prefix cache (both pools).",
-                s.kv_bytes_held.to_string(),
-            ),
-            (
-                "sliding_window_evictions_total",
-                counter,
-                "Sliding-window blocks taken from cached content under pressure.",
-                kv.evicted_sliding_blocks.to_string(),
-            ),
-        ];
-        for (name, kind, help, v) in lines {
-            let _ = writeln!(
-                out,
-                "# HELP {p}:{name} {help}\n# TYPE {p}:{name} {kind}\n{p}:{name} {v}"
-            );
+        for (stat, value) in &self.stats {
+            let v = value(s);
+            match stat {
+                Stat::Gauge(g) => g.set(v),
+                Stat::Counter(c) => c.absolute(v as u64),
+            }
         }
-        let _ = writeln!(
-            out,
-            "# HELP {p}:cache_config_info The KV cache's geometry.\n# TYPE {p}:cache_config_info gauge\n\
-             {p}:cache_config_info{{block_size=\"{}\",num_blocks=\"{}\",sliding_blocks=\"{}\"}} 1",
-            kv.block_size, kv.num_blocks, kv.sliding_blocks
+        let kv = &s.kv;
+        let info = Key::from_parts(
+            format!("{}:cache_config_info", self.prefix),
+            vec![
+                Label::new("block_size", kv.block_size.to_string()),
+                Label::new("num_blocks", kv.num_blocks.to_string()),
+                Label::new("sliding_blocks", kv.sliding_blocks.to_string()),
+            ],
         );
-        let h = self.hist.lock().unwrap_or_else(|e| e.into_inner());
-        h[TTFT].write(
-            &mut out,
-            &format!("{p}:time_to_first_token_seconds"),
-            "Request start to its first token.",
-        );
-        h[GAP].write(
-            &mut out,
-            &format!("{p}:inter_token_latency_seconds"),
-            "Time between two tokens of a sample.",
-        );
-        h[E2E].write(
-            &mut out,
-            &format!("{p}:e2e_request_latency_seconds"),
-            "Request start to its end.",
-        );
-        out
+        self.recorder.register_gauge(&info, &META).set(1.0);
+        self.recorder.handle().render()
     }
 }

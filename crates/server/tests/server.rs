@@ -303,7 +303,11 @@ fn metrics(s: &Running) -> std::collections::HashMap<String, f64> {
         .unwrap();
     let mut out = std::collections::HashMap::new();
     let mut last_bucket = 0.0;
-    for line in text.lines().filter(|l| !l.starts_with('#')) {
+    // Families are separated by blank lines.
+    for line in text
+        .lines()
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+    {
         let (name, value) = line.rsplit_once(' ').unwrap();
         let v: f64 = value.parse().unwrap();
         if name.contains("_bucket{") {
