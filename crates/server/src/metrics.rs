@@ -30,7 +30,9 @@ enum Kind {
 }
 
 /// The engine's stats on the page: name, kind, help, and the value.
-type StatLine = (&'static str, Kind, &'static str, fn(&EngineStats) -> f64);
+type StatLine = (&'static str, Kind, &'static str, StatOf);
+/// Reads one value from the engine's stats.
+type StatOf = fn(&EngineStats) -> f64;
 
 const STATS: &[StatLine] = &[
     (
@@ -105,7 +107,7 @@ enum Stat {
 pub struct Metrics {
     prefix: String,
     recorder: PrometheusRecorder,
-    stats: Vec<(Stat, fn(&EngineStats) -> f64)>,
+    stats: Vec<(Stat, StatOf)>,
     ttft: Histogram,
     gap: Histogram,
     e2e: Histogram,
