@@ -5,9 +5,10 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
+use utoipa::{IntoResponses, ToSchema};
 
 /// `"text"` or `["a", "b"]`.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, ToSchema)]
 #[serde(untagged)]
 pub enum OneOrMany {
     One(String),
@@ -24,14 +25,14 @@ impl OneOrMany {
 }
 
 /// A message's content: a string, or parts of which only text is read.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, ToSchema)]
 #[serde(untagged)]
 pub enum Content {
     Text(String),
     Parts(Vec<Part>),
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, ToSchema)]
 pub struct Part {
     #[serde(rename = "type")]
     pub kind: String,
@@ -39,43 +40,60 @@ pub struct Part {
     pub text: Option<String>,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, ToSchema)]
 pub struct ChatMessage {
     pub role: String,
     #[serde(default)]
     pub content: Option<Content>,
 }
 
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
 pub struct StreamOptions {
     #[serde(default)]
     pub include_usage: bool,
 }
 
 /// The fields both endpoints share (sampling, stopping, streaming).
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
 pub struct Common {
     #[serde(default)]
     pub model: Option<String>,
+    /// Most tokens to generate (default: up to the context).
     pub max_tokens: Option<usize>,
+    /// The same as `max_tokens` (OpenAI's newer name).
     pub max_completion_tokens: Option<usize>,
+    #[schema(minimum = 0, maximum = 2)]
     pub temperature: Option<f32>,
+    #[schema(exclusive_minimum = 0, maximum = 1)]
     pub top_p: Option<f32>,
     pub top_k: Option<usize>,
+    #[schema(minimum = 0, maximum = 1)]
     pub min_p: Option<f32>,
     pub seed: Option<u64>,
     pub stop: Option<OneOrMany>,
+    /// Samples of the prompt, sharing its K/V.
+    #[schema(minimum = 1)]
     pub n: Option<usize>,
+    #[schema(exclusive_minimum = 0)]
     pub repeat_penalty: Option<f32>,
+    #[schema(minimum = -2, maximum = 2)]
     pub presence_penalty: Option<f32>,
+    #[schema(minimum = -2, maximum = 2)]
     pub frequency_penalty: Option<f32>,
+    /// Token id → bias added to its logit (−100 to 100).
+    #[schema(value_type = Option<std::collections::HashMap<String, f64>>)]
     pub logit_bias: Option<serde_json::Map<String, Value>>,
+    /// Chat: `true` for the chosen tokens' log-probabilities (with
+    /// `top_logprobs` alternatives); completions: how many alternatives
+    /// (0–20).
     pub logprobs: Option<Value>,
+    #[schema(maximum = 20)]
     pub top_logprobs: Option<u32>,
     #[serde(default)]
     pub stream: bool,
     #[serde(default)]
     pub stream_options: Option<StreamOptions>,
+    /// `false`: compute the whole prompt (default `true`).
     pub cache_prompt: Option<bool>,
     /// Partitions the prefix cache (vLLM's `cache_salt`): only requests
     /// with the same salt share cached K/V.
@@ -91,7 +109,7 @@ pub struct Common {
     pub ignore_eos: bool,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, ToSchema)]
 pub struct ChatRequest {
     pub messages: Vec<ChatMessage>,
     #[serde(flatten)]
@@ -99,7 +117,7 @@ pub struct ChatRequest {
 }
 
 /// A completion prompt: text, or token ids.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, ToSchema)]
 #[serde(untagged)]
 pub enum PromptField {
     Text(String),
@@ -107,14 +125,14 @@ pub enum PromptField {
     Texts(Vec<String>),
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, ToSchema)]
 pub struct CompletionRequest {
     pub prompt: PromptField,
     #[serde(flatten)]
     pub common: Common,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, ToSchema)]
 pub struct TokenizeRequest {
     pub content: String,
     /// Add the model's BOS token (as llama-server's `add_special`).
@@ -129,14 +147,14 @@ fn yes() -> bool {
     true
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, ToSchema)]
 pub struct DetokenizeRequest {
     pub tokens: Vec<u32>,
 }
 
 /// The conversation a session holds: chat messages (rendered with the
 /// model's template) or token ids.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, ToSchema)]
 pub struct SessionSaveRequest {
     #[serde(default)]
     pub messages: Option<Vec<ChatMessage>>,
@@ -149,7 +167,7 @@ pub struct SessionSaveRequest {
 }
 
 /// A restore's optional body.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
 pub struct SessionRestoreRequest {
     #[serde(default)]
     pub cache_salt: Option<String>,
@@ -157,7 +175,7 @@ pub struct SessionRestoreRequest {
 
 /// `usage` of a response: `cached_tokens` are the prompt tokens whose K/V
 /// came from the prefix cache (not computed by this request).
-#[derive(Debug, Clone, Copy, Default, Serialize)]
+#[derive(Debug, Clone, Copy, Default, Serialize, ToSchema)]
 pub struct UsageOut {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
@@ -165,19 +183,58 @@ pub struct UsageOut {
     pub prompt_tokens_details: CachedOut,
 }
 
-#[derive(Debug, Clone, Copy, Default, Serialize)]
+#[derive(Debug, Clone, Copy, Default, Serialize, ToSchema)]
 pub struct CachedOut {
     pub cached_tokens: usize,
 }
 
 /// llama-server's `timings`, for users coming from it.
-#[derive(Debug, Clone, Copy, Default, Serialize)]
+#[derive(Debug, Clone, Copy, Default, Serialize, ToSchema)]
 pub struct TimingsOut {
     pub cache_n: usize,
     pub prompt_n: usize,
     pub prompt_ms: f64,
     pub predicted_n: usize,
     pub predicted_ms: f64,
+}
+
+/// The body of every error response.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ErrorBody {
+    pub error: ErrorDetail,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ErrorDetail {
+    pub message: String,
+    /// `invalid_request_error` (the request's fault) or `server_error`.
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    /// The request field at fault, when one is.
+    pub param: Option<&'static str>,
+    /// A machine-readable reason, e.g. `context_length_exceeded`.
+    pub code: Option<&'static str>,
+}
+
+/// The error answers every generating route may give, for the OpenAPI
+/// document.
+#[allow(dead_code)] // Only its derived responses are used.
+#[derive(IntoResponses)]
+pub enum RequestErrors {
+    #[response(status = 400, description = "The request is invalid")]
+    Invalid(ErrorBody),
+    #[response(
+        status = 401,
+        description = "A key is required and was missing or wrong"
+    )]
+    Unauthorized(ErrorBody),
+    #[response(
+        status = 429,
+        description = "The queue is full: retry after `Retry-After`"
+    )]
+    Busy(ErrorBody),
+    #[response(status = 503, description = "Loading or shutting down")]
+    Unavailable(ErrorBody),
 }
 
 /// An OpenAI-style error: `{"error": {"message", "type", "param", "code"}}`
@@ -230,12 +287,15 @@ impl ApiError {
     }
 
     pub fn body(&self) -> Value {
-        json!({"error": {
-            "message": self.message,
-            "type": self.kind,
-            "param": self.param,
-            "code": self.code,
-        }})
+        let body = ErrorBody {
+            error: ErrorDetail {
+                message: self.message.clone(),
+                kind: self.kind,
+                param: self.param,
+                code: self.code,
+            },
+        };
+        serde_json::to_value(body).unwrap_or_else(|_| json!({"error": {"message": self.message}}))
     }
 }
 

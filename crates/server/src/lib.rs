@@ -50,7 +50,7 @@ use tokio::sync::mpsc;
 pub use api::ApiError;
 use api::{
     CachedOut, ChatRequest, Common, CompletionRequest, Content, DetokenizeRequest, PromptField,
-    TimingsOut, TokenizeRequest, UsageOut,
+    RequestErrors, TimingsOut, TokenizeRequest, UsageOut,
 };
 
 /// How the server is set up.
@@ -292,6 +292,16 @@ fn now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
+#[utoipa::path(
+    get,
+    path = "/health",
+    tag = "operations",
+    summary = "200 once the model has loaded, 503 before",
+    responses(
+        (status = 200, description = "The model has loaded"),
+        (status = 503, description = "The model is loading"),
+    ),
+)]
 async fn health(State(s): State<Arc<Server>>) -> Response {
     match s.engine.get() {
         Some(_) => (StatusCode::OK, Json(json!({"status": "ok"}))).into_response(),
@@ -303,6 +313,15 @@ async fn health(State(s): State<Arc<Server>>) -> Response {
     }
 }
 
+#[utoipa::path(
+    get,
+    path = "/metrics",
+    tag = "operations",
+    summary = "Prometheus metrics (vLLM's names)",
+    responses(
+        (status = 200, description = "Prometheus metrics (vLLM's names)", content_type = "text/plain"),
+    ),
+)]
 async fn metrics_text(State(s): State<Arc<Server>>) -> Result<Response, ApiError> {
     let engine = s.engine()?;
     let stats = blocking("stats", move || Ok(engine.stats())).await?;
@@ -313,6 +332,15 @@ async fn metrics_text(State(s): State<Arc<Server>>) -> Result<Response, ApiError
         .into_response())
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/models",
+    tag = "OpenAI",
+    summary = "The model this server serves",
+    responses(
+        (status = 200, description = "The model this server serves"),
+    ),
+)]
 async fn models(State(s): State<Arc<Server>>) -> Json<Value> {
     Json(json!({
         "object": "list",
@@ -350,6 +378,17 @@ fn rejected(r: JsonRejection) -> ApiError {
     e
 }
 
+#[utoipa::path(
+    post,
+    path = "/tokenize",
+    tag = "llama-server",
+    summary = "Token ids of a text",
+    request_body = TokenizeRequest,
+    responses(
+        (status = 200, description = "Token ids of the text"),
+        RequestErrors,
+    ),
+)]
 async fn tokenize(
     State(s): State<Arc<Server>>,
     body: Result<Json<TokenizeRequest>, JsonRejection>,
@@ -373,6 +412,17 @@ async fn tokenize(
     Ok(Json(json!({"tokens": ids})))
 }
 
+#[utoipa::path(
+    post,
+    path = "/detokenize",
+    tag = "llama-server",
+    summary = "Text of token ids",
+    request_body = DetokenizeRequest,
+    responses(
+        (status = 200, description = "Text of the token ids"),
+        RequestErrors,
+    ),
+)]
 async fn detokenize(
     State(s): State<Arc<Server>>,
     body: Result<Json<DetokenizeRequest>, JsonRejection>,
@@ -403,6 +453,17 @@ enum Endpoint {
     Completions,
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/chat/completions",
+    tag = "OpenAI",
+    summary = "Chat completion, streamed (SSE) or not",
+    request_body = ChatRequest,
+    responses(
+        (status = 200, description = "A chat completion; with `stream`, its chunks as server-sent events"),
+        RequestErrors,
+    ),
+)]
 async fn chat(
     State(s): State<Arc<Server>>,
     Extension(tenant): Extension<Tenant>,
@@ -441,6 +502,17 @@ fn message_text(content: Option<Content>) -> Result<String, ApiError> {
     })
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/completions",
+    tag = "OpenAI",
+    summary = "Text completion of a prompt (text or token ids)",
+    request_body = CompletionRequest,
+    responses(
+        (status = 200, description = "A completion of the prompt (text or token ids); with `stream`, its chunks as server-sent events"),
+        RequestErrors,
+    ),
+)]
 async fn completions(
     State(s): State<Arc<Server>>,
     Extension(tenant): Extension<Tenant>,

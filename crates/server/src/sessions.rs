@@ -25,7 +25,7 @@ use axum::{Extension, Json};
 use serde_json::{json, Value};
 use tessera_engine::{EngineError, Message, Partition, Prompt};
 
-use crate::api::{ApiError, SessionRestoreRequest, SessionSaveRequest};
+use crate::api::{ApiError, ErrorBody, SessionRestoreRequest, SessionSaveRequest};
 use crate::{blocking, message_text, partition, rejected, Server, Tenant};
 
 /// The saves in flight: the files being written, and the bytes they have
@@ -137,6 +137,19 @@ fn session_error(name: &str, e: EngineError) -> ApiError {
 /// endpoint renders them) or `tokens`, and optionally `cache_salt`: their
 /// K/V (computed now, in the background beside other requests, for what
 /// the partition's cache lacks) is written to the session's file.
+#[utoipa::path(
+    post,
+    path = "/v1/sessions/{name}/save",
+    tag = "sessions",
+    summary = "Write a conversation's K/V to the session directory",
+    params(("name" = String, Path, description = "1 to 128 letters, digits, '-', '_' or '.', not starting with '.'", pattern = "^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}$")),
+    request_body = SessionSaveRequest,
+    responses(
+        (status = 200, description = "The conversation's K/V is written to the session directory"),
+        (status = 400, description = "The request is invalid", body = ErrorBody),
+        (status = 404, description = "Sessions are off", body = ErrorBody),
+    ),
+)]
 pub(crate) async fn save(
     State(s): State<Arc<Server>>,
     Extension(tenant): Extension<Tenant>,
@@ -248,6 +261,19 @@ fn claim<'a>(s: &'a Server, path: &FsPath, name: &str, bytes: u64) -> Result<Cla
 /// `POST /v1/sessions/{name}/restore`, optionally with `cache_salt`: the
 /// session's K/V goes into the partition's prefix cache, validated first,
 /// all or nothing.
+#[utoipa::path(
+    post,
+    path = "/v1/sessions/{name}/restore",
+    tag = "sessions",
+    summary = "Load a saved session into the prefix cache, all or nothing",
+    params(("name" = String, Path, description = "1 to 128 letters, digits, '-', '_' or '.', not starting with '.'", pattern = "^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}$")),
+    request_body(content = SessionRestoreRequest, description = "Optional"),
+    responses(
+        (status = 200, description = "The session is in the prefix cache, all of it"),
+        (status = 400, description = "The request or the file is invalid", body = ErrorBody),
+        (status = 404, description = "No such session, or sessions are off", body = ErrorBody),
+    ),
+)]
 pub(crate) async fn restore(
     State(s): State<Arc<Server>>,
     Extension(tenant): Extension<Tenant>,

@@ -802,15 +802,38 @@ fn openapi_lists_the_routes_the_server_answers() {
     let doc = get_json(&s, "/openapi.json");
     assert_eq!(doc["openapi"], "3.1.0");
     let paths = doc["paths"].as_object().unwrap();
-    for p in [
-        "/v1/chat/completions",
-        "/v1/completions",
-        "/v1/models",
-        "/metrics",
-        "/tokenize",
-    ] {
-        assert!(paths.contains_key(p), "{p}");
-    }
+    // Every route the router has, and no other.
+    let mut listed: Vec<&str> = paths.keys().map(String::as_str).collect();
+    listed.sort_unstable();
+    assert_eq!(
+        listed,
+        [
+            "/detokenize",
+            "/health",
+            "/metrics",
+            "/openapi.json",
+            "/tokenize",
+            "/v1/chat/completions",
+            "/v1/completions",
+            "/v1/models",
+            "/v1/sessions/{name}/restore",
+            "/v1/sessions/{name}/save",
+        ]
+    );
+    // The request schemas come from the request types, bounds included.
+    let schemas = &doc["components"]["schemas"];
+    let chat = &paths["/v1/chat/completions"]["post"];
+    assert_eq!(
+        chat["requestBody"]["content"]["application/json"]["schema"]["$ref"],
+        "#/components/schemas/ChatRequest"
+    );
+    assert_eq!(schemas["Common"]["properties"]["temperature"]["maximum"], 2.0);
+    assert!(schemas["ChatRequest"].to_string().contains("\"messages\""));
+    assert_eq!(
+        chat["responses"]["400"]["content"]["application/json"]["schema"]["$ref"],
+        "#/components/schemas/ErrorBody"
+    );
+    assert_eq!(doc["security"], json!([]), "no keys, no security");
     for (path, ops) in paths {
         let url = format!("{}{}", s.base, path.replace("{name}", "n"));
         for method in ops.as_object().unwrap().keys() {
@@ -1191,6 +1214,13 @@ fn limits_and_small_defects() {
             .unwrap()
             .status(),
         200
+    );
+    // With keys, the document says every route takes the bearer key.
+    let doc = get_json(&open, "/openapi.json");
+    assert_eq!(doc["security"], json!([{"bearer": []}]));
+    assert_eq!(
+        doc["components"]["securitySchemes"]["bearer"]["scheme"],
+        "bearer"
     );
     let r = agent().get(&format!("{}/v1/models", open.base)).call();
     assert!(matches!(r, Err(ureq::Error::Status(401, _))));
