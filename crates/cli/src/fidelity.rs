@@ -149,6 +149,6 @@ pub fn fidelity(model: Model, args: &BenchArgs) -> Result<()> {
             )],
         );
     }
-    llama.set_activations(Activations::from_env());
+    llama.set_activations(Activations::tuned());
     Ok(())
 }

@@ -23,7 +23,7 @@ use tessera_engine::{
     CacheDType, Completion, Engine, EngineConfig, GenerateRequest, Message, ModelSource, Prompt,
     SamplingParams,
 };
-use tessera_model::{device_name, Activations, DeviceSpec, Model, Special};
+use tessera_model::{device_name, Activations, DeviceSpec, IsaCap, Model, Special, Tuning};
 
 #[derive(Parser)]
 #[command(
@@ -43,8 +43,58 @@ struct Cli {
     /// build and machine allow), cpu, cuda, cuda:N or metal.
     #[arg(long, global = true, default_value = "auto")]
     device: DeviceSpec,
+    #[command(flatten)]
+    tuning: TuningArgs,
     #[command(subcommand)]
     cmd: Cmd,
+}
+
+/// The kernels' process-wide settings. Each flag overrides its documented
+/// environment variable (`TESSERA_ISA`, `TESSERA_FORWARD`,
+/// `TESSERA_HUGE_PAGES=0`, `TESSERA_FIXED_TEAM=1`), which overrides the
+/// default.
+#[derive(Args)]
+struct TuningArgs {
+    /// The highest instruction set the CPU kernels use: portable, avx2,
+    /// avxvnni or avx512 (default: the best this CPU runs). For comparing
+    /// with another engine on one ISA.
+    #[arg(long, global = true, value_parser = parse_isa)]
+    isa: Option<IsaCap>,
+    /// Which forward runs the model: fast (default) or reference (the
+    /// candle ops, for debugging).
+    #[arg(long, global = true, value_parser = ["fast", "reference"])]
+    forward: Option<String>,
+    /// Leave repacked weights on the system's default pages instead of
+    /// 2 MiB pages.
+    #[arg(long, global = true)]
+    no_huge_pages: bool,
+    /// Keep every compute worker even while other processes take cores
+    /// (default: the team shrinks while the machine is busy).
+    #[arg(long, global = true)]
+    fixed_team: bool,
+}
+
+impl TuningArgs {
+    fn tuning(&self) -> Tuning {
+        let mut t = Tuning::from_env();
+        if let Some(isa) = self.isa {
+            t.isa = Some(isa);
+        }
+        if let Some(f) = &self.forward {
+            t.reference_forward = f == "reference";
+        }
+        if self.no_huge_pages {
+            t.huge_pages = false;
+        }
+        if self.fixed_team {
+            t.fixed_team = true;
+        }
+        t
+    }
+}
+
+fn parse_isa(s: &str) -> Result<IsaCap, String> {
+    IsaCap::parse(s).ok_or_else(|| format!("`{s}`: expected portable, avx2, avxvnni or avx512"))
 }
 
 /// The `--device` of this invocation, for every model it loads.
@@ -547,6 +597,8 @@ fn main() -> ExitCode {
         // candle and the kernels both size their pools from this.
         std::env::set_var("RAYON_NUM_THREADS", n.to_string());
     }
+    // Before any kernel runs: they pick their paths once per process.
+    let _ = tessera_model::tuning::set(cli.tuning.tuning());
     let verbose = cli.verbose;
     let _ = DEVICE.set(cli.device);
     let result = match cli.cmd {

@@ -269,6 +269,51 @@ fn device_flag_picks_the_cpu_and_names_what_a_gpu_needs() {
     );
 }
 
+/// The kernel settings' flags: every instruction set this build and CPU
+/// take, the reference forward and the fixed team give the same greedy
+/// tokens on the real model; a set that does not exist is named.
+#[test]
+fn tuning_flags_keep_the_tokens() {
+    let m = model();
+    let run = |flags: &[&str]| {
+        let mut args = vec![
+            "run",
+            "--model",
+            &m,
+            "--prompt",
+            "The capital of France is",
+            "--max-tokens",
+            "8",
+            "--temperature",
+            "0",
+            "--json",
+        ];
+        args.extend(flags);
+        let out = tessera(&args, None);
+        assert!(out.status.success(), "{flags:?}: {}", text(&out.stderr));
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()["tokens"].clone()
+    };
+    let want = run(&[]);
+    for flags in [
+        &["--isa", "portable"][..],
+        &["--isa", "avx2", "--no-huge-pages"],
+        &["--fixed-team"],
+        &["--forward", "reference", "--activations", "f32"],
+    ] {
+        // The reference forward runs f32 activations: compare like with like.
+        let base = if flags.contains(&"reference") {
+            run(&["--activations", "f32"])
+        } else {
+            want.clone()
+        };
+        assert_eq!(run(flags), base, "{flags:?}");
+    }
+    fails_with(
+        &tessera(&["--isa", "sse", "inspect", "--model", &m], None),
+        "expected portable, avx2, avxvnni or avx512",
+    );
+}
+
 #[test]
 fn bad_input_gives_clear_errors() {
     let dir = scratch("bad");

@@ -87,6 +87,8 @@ impl Engine {
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Engine> {
         let path = source.resolve()?;
+        // Before the weights are packed for the kernels that it picks.
+        apply_tuning(&cfg);
         let device = cfg.device.open()?;
         let model = Model::load_on(&path, &device, progress)?;
         Engine::from_model(model, cfg)
@@ -95,6 +97,7 @@ impl Engine {
     /// Sizes the pool from `cfg.kv_memory`, starts the worker, and restores
     /// the prefix cache from `cfg.cache_dir` when it holds one.
     pub fn from_model(model: Model, cfg: EngineConfig) -> Result<Engine> {
+        apply_tuning(&cfg);
         if let Some(n) = cfg.threads {
             // Fails only when the pool already exists: the first one stays.
             let _ = rayon::ThreadPoolBuilder::new()
@@ -679,4 +682,15 @@ fn write_cache_dir(
         &snaps,
         serde_json::json!({ "partitions": parts }),
     )
+}
+
+/// Fixes the process's kernel tuning to `cfg`'s, or warns that another is
+/// already in force (the kernels pick their paths once per process).
+fn apply_tuning(cfg: &EngineConfig) {
+    let Some(want) = cfg.tuning else { return };
+    if let Err(now) = tessera_model::tuning::set(want) {
+        tracing::warn!(
+            "kernel tuning {want:?} not applied: this process already runs with {now:?}"
+        );
+    }
 }

@@ -50,7 +50,7 @@ pub use snapshot::{
 };
 pub use source::ModelSource;
 pub use stream::{Canceller, Event, RequestStream, MAX_BACKLOG};
-pub use tessera_model::Activations;
+pub use tessera_model::{Activations, IsaCap, Tuning};
 pub use tessera_model::{DeviceSpec, Message, Model};
 pub use types::{
     CacheDType, Completion, ContextShift, EngineConfig, EngineStats, Fault, FaultHook, FaultSite,

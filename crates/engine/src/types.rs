@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use tessera_kv::KvStats;
-use tessera_model::{Activations, DeviceSpec, Message};
+use tessera_model::{Activations, DeviceSpec, Message, Tuning};
 
 use crate::sampler::{SamplingParams, TokenLogprob};
 pub use crate::self_extend::SelfExtend;
@@ -41,8 +41,15 @@ pub struct EngineConfig {
     pub threads: Option<usize>,
     /// How quantized weights meet activations on the CPU: two int8
     /// levels per block (default), f32, or one int8 level (faster, less
-    /// exact). `None`: the model's setting (`TESSERA_ACTIVATIONS`).
+    /// exact). `None`: the model's setting (the tuning's default).
     pub activations: Option<Activations>,
+    /// The process's kernel settings (instruction-set cap, huge pages,
+    /// fixed team, reference forward), fixed before the model loads. They
+    /// hold for the whole process: once fixed (by an engine, or by the
+    /// first kernel to run), a later engine asking for others is told so
+    /// in a warning. `None`: as fixed already, else [`Tuning::from_env`]
+    /// (the defaults with their documented environment overrides).
+    pub tuning: Option<Tuning>,
     /// Faults injected into chosen steps (tests and the soak benchmark).
     pub faults: Option<FaultHook>,
     /// Models with sliding-window layers (Gemma 3): give those layers as
@@ -86,6 +93,7 @@ impl Default for EngineConfig {
             defrag_threshold: 0.25,
             threads: None,
             activations: None,
+            tuning: None,
             faults: None,
             swa_full: false,
             swa_blocks: None,

@@ -54,6 +54,7 @@ pub mod quant;
 mod rope;
 mod shift;
 mod simd;
+pub mod tuning;
 mod write;
 
 pub use attend::{attend_item, merge, AttnInput, AttnPlan, AttnScratch, AttnShape, KvRows, CHUNK};
@@ -69,6 +70,7 @@ pub use quant::{dequantize_cache, quantize_cache, KvType};
 pub use rope::{rotate_pairs, RopeStyle, Rotation};
 pub use shift::{rotate_k, rotate_k_slow, shift_kv, shift_kv_slow};
 pub use simd::portable_forced;
+pub use tuning::{IsaCap, Tuning};
 pub use write::{write_kv, write_kv_raw, write_kv_slow};
 
 use candle_core::{bail, Result, Tensor};

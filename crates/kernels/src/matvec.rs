@@ -45,6 +45,7 @@ use candle_core::{bail, Result};
 use crate::lanes::x86;
 use crate::lanes::{reduce16, Lanes, Portable};
 use crate::simd::capped;
+use crate::tuning::IsaCap;
 
 /// Instruction sets the kernels are compiled for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -55,17 +56,16 @@ pub enum Isa {
 }
 
 impl Isa {
-    /// The best this CPU runs, or what `TESSERA_ISA` (`portable`, `avx2`,
-    /// `avx512`) asks for when the CPU has it.
+    /// The best this CPU runs, capped by the tuning's instruction set
+    /// (AVX-VNNI's cap is AVX2 here: it has no 512-bit registers).
     pub fn detect() -> Isa {
         static ISA: OnceLock<Isa> = OnceLock::new();
         *ISA.get_or_init(|| {
-            let names = [
-                ("portable", Isa::Portable),
-                ("avx2", Isa::Avx2),
-                ("avx512", Isa::Avx512),
-            ];
-            capped(Isa::best(), &names)
+            capped(Isa::best(), |cap| match cap {
+                IsaCap::Portable => Isa::Portable,
+                IsaCap::Avx2 | IsaCap::AvxVnni => Isa::Avx2,
+                IsaCap::Avx512 => Isa::Avx512,
+            })
         })
     }
 

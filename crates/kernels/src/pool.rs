@@ -24,7 +24,7 @@
 //! see whether the load has gone, unless the kernel's count of runnable
 //! threads says that no core is free for it (`/proc/loadavg`: the load
 //! has not gone, and a probe would stall the whole team for a window to
-//! learn it; the probe waits another back-off). `TESSERA_FIXED_TEAM=1`
+//! learn it; the probe waits another back-off). [`crate::tuning::Tuning::fixed_team`]
 //! keeps every worker. (Linux measures thread CPU time; elsewhere the
 //! team is fixed.)
 //!
@@ -339,8 +339,7 @@ pub struct PoolStats {
 impl StepPool {
     /// A pool of `n` workers (at least 1; at most 65,535).
     pub fn new(n: usize) -> StepPool {
-        let fixed = std::env::var("TESSERA_FIXED_TEAM").is_ok_and(|v| v == "1");
-        StepPool::with_policy(n, fixed)
+        StepPool::with_policy(n, crate::tuning::get().fixed_team)
     }
 
     /// As [`StepPool::new`], the team fixed at `n` when `fixed`.

@@ -50,6 +50,7 @@ use candle_core::quantized::GgmlDType;
 
 use crate::matvec::{f16_to_f32, WeightFormat, Weights};
 use crate::simd::capped;
+use crate::tuning::IsaCap;
 
 /// `$body` for `$i` = 0, 1, … below `$n` (at most [`MAX_NI`]), each a
 /// constant: the loop written out. (Only the x86 tiles use it.)
@@ -159,13 +160,9 @@ impl Activations {
         }
     }
 
-    /// `TESSERA_ACTIVATIONS` when it names a mode, else the default
-    /// (two levels).
-    pub fn from_env() -> Activations {
-        std::env::var("TESSERA_ACTIVATIONS")
-            .ok()
-            .and_then(|v| Activations::parse(&v))
-            .unwrap_or(Activations::Int8x2)
+    /// The process's default ([`crate::tuning::Tuning::activations`]).
+    pub fn tuned() -> Activations {
+        crate::tuning::get().activations
     }
 }
 
@@ -189,17 +186,17 @@ impl QIsa {
         self == QIsa::Avx512Vnni
     }
 
-    /// The best this CPU runs, capped by `TESSERA_ISA` (`portable`,
-    /// `avx2`, `avxvnni`, `avx512`; on ARM only `portable` caps).
+    /// The best this CPU runs, capped by the tuning's instruction set (on
+    /// ARM only `portable` caps).
     pub fn detect() -> QIsa {
         static ISA: OnceLock<QIsa> = OnceLock::new();
         *ISA.get_or_init(|| {
-            let names = [
-                ("portable", QIsa::Portable),
-                ("avx2", QIsa::Avx2),
-                ("avxvnni", QIsa::AvxVnni),
-            ];
-            capped(QIsa::best(), &names)
+            capped(QIsa::best(), |cap| match cap {
+                IsaCap::Portable => QIsa::Portable,
+                IsaCap::Avx2 => QIsa::Avx2,
+                IsaCap::AvxVnni => QIsa::AvxVnni,
+                IsaCap::Avx512 => QIsa::Avx512Vnni,
+            })
         })
     }
 
@@ -381,8 +378,8 @@ const HUGE: usize = 2 << 20;
 
 impl Arena {
     fn new(len: usize) -> Arena {
-        // `TESSERA_HUGE_PAGES=0` leaves the pages to the system's default.
-        let huge = len >= HUGE && std::env::var("TESSERA_HUGE_PAGES").as_deref() != Ok("0");
+        // Without huge pages tuned in, the pages are the system's default.
+        let huge = len >= HUGE && crate::tuning::get().huge_pages;
         let (size, align) = if huge {
             (len.div_ceil(HUGE) * HUGE, HUGE)
         } else {

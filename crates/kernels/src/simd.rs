@@ -5,20 +5,20 @@
 
 use std::sync::OnceLock;
 
-/// `TESSERA_ISA=portable` (read once per process) makes every kernel take
-/// its portable path, whatever the CPU has: tests use it to check those
-/// paths on machines where the SIMD ones would run.
+use crate::tuning::IsaCap;
+
+/// Whether every kernel takes its portable path, whatever the CPU has
+/// ([`crate::tuning::Tuning::isa`] `portable`): tests use it to check
+/// those paths on machines where the SIMD ones would run.
 pub fn portable_forced() -> bool {
-    static FORCED: OnceLock<bool> = OnceLock::new();
-    *FORCED.get_or_init(|| std::env::var("TESSERA_ISA").is_ok_and(|v| v == "portable"))
+    crate::tuning::get().isa == Some(IsaCap::Portable)
 }
 
-/// `best`, capped by the instruction set `TESSERA_ISA` names among
-/// `names` (lowest first): how every kernel family picks its path.
-pub(crate) fn capped<T: Ord + Copy>(best: T, names: &[(&str, T)]) -> T {
-    let want = std::env::var("TESSERA_ISA").ok();
-    match want.and_then(|w| names.iter().find(|(n, _)| *n == w)) {
-        Some(&(_, cap)) => best.min(cap),
+/// `best`, capped by the instruction set the tuning names, which `level`
+/// maps to the family's own: how every kernel family picks its path.
+pub(crate) fn capped<T: Ord + Copy>(best: T, level: impl Fn(IsaCap) -> T) -> T {
+    match crate::tuning::get().isa {
+        Some(cap) => best.min(level(cap)),
         None => best,
     }
 }

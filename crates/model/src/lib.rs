@@ -33,5 +33,5 @@ pub use loader::{GgufFile, HfDir};
 pub use model::{Model, ModelFormat};
 pub use qlinear::{Proj, QLinear};
 pub use template::{ChatTemplate, Message};
-pub use tessera_kernels::Activations;
+pub use tessera_kernels::{tuning, Activations, IsaCap, Tuning};
 pub use tokenizer::{Special, StreamDecoder, Tokenizer};

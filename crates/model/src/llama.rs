@@ -10,7 +10,7 @@
 //! exists as the reference the paged path is tested against.
 
 use std::sync::atomic::AtomicUsize;
-use std::sync::{Mutex, OnceLock};
+use std::sync::Mutex;
 
 use candle_core::{DType, Device, Tensor, D};
 use tessera_kernels::{paged_attention, write_kv, Activations, KvType, PagedMeta, RopeStyle};
@@ -101,11 +101,10 @@ pub(crate) fn rope_angles(inv_freq: &[f32], positions: &[u32], cos: &mut [f32], 
     }
 }
 
-/// `TESSERA_FORWARD=reference` (read once) sends every forward pass
-/// through the candle reference path.
+/// Whether every forward pass goes through the candle reference path
+/// ([`tessera_kernels::Tuning::reference_forward`]).
 fn reference_forced() -> bool {
-    static FORCED: OnceLock<bool> = OnceLock::new();
-    *FORCED.get_or_init(|| std::env::var("TESSERA_FORWARD").is_ok_and(|v| v == "reference"))
+    tessera_kernels::tuning::get().reference_forward
 }
 
 /// The paged K and V cache tensors of one layer:
@@ -380,7 +379,7 @@ impl Llama {
             device: device.clone(),
             fast: Mutex::new(None),
             attention_budget: AtomicUsize::new(ATTENTION_BUDGET),
-            activations: Mutex::new(Activations::from_env()),
+            activations: Mutex::new(Activations::tuned()),
             #[cfg(feature = "cuda")]
             gpu: Mutex::new(None),
         })
@@ -463,7 +462,7 @@ impl Llama {
     /// Logits `[logits_for.len(), vocab]` (f32) for a batch over the paged
     /// cache; writes the batch's K/V into its slots. On the CPU this is the
     /// fast path with as many workers as rayon has threads; elsewhere, or
-    /// with `TESSERA_FORWARD=reference`, the candle reference.
+    /// with the tuning's `reference_forward`, the candle reference.
     pub fn forward(&self, batch: &Batch, cache: &[LayerKv]) -> Result<Tensor> {
         if self.device.is_cpu() && !reference_forced() {
             return self.forward_threads(batch, cache, rayon::current_num_threads());

@@ -872,7 +872,7 @@ fn fast_near_reference(
             "{name} {acts:?}: fast and reference logits differ by {d} (of {big})"
         );
     }
-    m.llama.set_activations(Activations::from_env());
+    m.llama.set_activations(Activations::tuned());
 }
 
 /// The decode clock ([`crate::phases`]): the fast path's decode forwards

@@ -827,7 +827,10 @@ fn openapi_lists_the_routes_the_server_answers() {
         chat["requestBody"]["content"]["application/json"]["schema"]["$ref"],
         "#/components/schemas/ChatRequest"
     );
-    assert_eq!(schemas["Common"]["properties"]["temperature"]["maximum"], 2.0);
+    assert_eq!(
+        schemas["Common"]["properties"]["temperature"]["maximum"],
+        2.0
+    );
     assert!(schemas["ChatRequest"].to_string().contains("\"messages\""));
     assert_eq!(
         chat["responses"]["400"]["content"]["application/json"]["schema"]["$ref"],
