@@ -9,7 +9,7 @@
 //! writes its own greedy replies, compared with f32's token by token.
 
 use anyhow::Result;
-use tessera_model::testing::{paged_greedy, prefill_logits};
+use tessera_model::eval::{paged_greedy, prefill_logits};
 use tessera_model::{Activations, Message, Model};
 
 use crate::bench::BenchArgs;

@@ -3,8 +3,6 @@
 //! kernels' hot functions are compiled again under `#[target_feature]` and
 //! inline these).
 
-use std::sync::OnceLock;
-
 use crate::tuning::IsaCap;
 
 /// Whether every kernel takes its portable path, whatever the CPU has
@@ -28,7 +26,7 @@ pub(crate) fn capped<T: Ord + Copy>(best: T, level: impl Fn(IsaCap) -> T) -> T {
 #[cfg(target_arch = "x86_64")]
 #[inline]
 pub(crate) fn has_avx2_fma() -> bool {
-    static HAS: OnceLock<bool> = OnceLock::new();
+    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *HAS.get_or_init(|| {
         !portable_forced()
             && std::arch::is_x86_feature_detected!("avx2")

@@ -9,6 +9,7 @@
 mod config;
 mod device;
 mod error;
+pub mod eval;
 mod fast;
 #[cfg(feature = "cuda")]
 mod gpu_forward;
@@ -18,6 +19,10 @@ mod model;
 pub mod phases;
 mod qlinear;
 mod template;
+/// Tiny models written on the fly, a fuzz mutator, an allocation counter
+/// and the batch-invariance property: for tests and benches (the
+/// `testing` feature), not the product.
+#[cfg(any(test, feature = "testing"))]
 pub mod testing;
 #[cfg(test)]
 mod tests;

@@ -4,8 +4,9 @@
 //! timed on the first worker) and the whole forward, summed over the
 //! forwards that decode (one token per sequence); on CUDA, the CUDA
 //! forward's whole step, its stream synchronized before the clock is read
-//! (no attention phase of its own). Off unless [`start`]ed;
-//! then two clock reads per layer. `tessera bench` turns it on around its
+//! (no attention phase of its own). Only with the `phase-clock` feature
+//! (the CLI's `bench` turns it on; a library build carries none of it),
+//! and off unless [`start`]ed; then two clock reads per layer. `tessera bench` turns it on around its
 //! decode runs (`decode-long`, `decode-batch`).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
@@ -69,7 +70,10 @@ impl Clock {
     /// Whether a forward over `token_seq` (each token's sequence, a
     /// sequence's tokens consecutive) is a decode step to time.
     pub(crate) fn timing(&self, token_seq: &[u32]) -> bool {
-        self.on.load(Relaxed) && !token_seq.is_empty() && token_seq.windows(2).all(|w| w[0] != w[1])
+        cfg!(feature = "phase-clock")
+            && self.on.load(Relaxed)
+            && !token_seq.is_empty()
+            && token_seq.windows(2).all(|w| w[0] != w[1])
     }
 
     pub(crate) fn add_attention(&self, ns: u64) {
@@ -93,7 +97,7 @@ pub fn stop() -> Option<DecodePhases> {
     CLOCK.stop()
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "phase-clock"))]
 mod tests {
     use super::*;
 
