@@ -292,7 +292,7 @@ impl Engine {
         }
         check_stops(&req.stop)?;
         check_partition(&req.partition)?;
-        let (events, rx) = mpsc::channel();
+        let (events, rx) = crate::stream::channel();
         let cancel = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let backlog = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         self.call(|reply| Command::Submit {

@@ -49,7 +49,7 @@ pub use snapshot::{
     clean_temporaries, Geometry, KvSnapshot, LayerBytes, CACHE_FILE, FORMAT_VERSION,
 };
 pub use source::ModelSource;
-pub use stream::{Canceller, Event, RequestStream, MAX_BACKLOG};
+pub use stream::{Canceller, Event, EventStream, RequestStream, MAX_BACKLOG};
 pub use tessera_model::{Activations, IsaCap, Tuning};
 pub use tessera_model::{DeviceSpec, Message, Model};
 pub use types::{

@@ -4,7 +4,6 @@
 //! usage and timings. Nothing here knows blocks or tensors.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -19,7 +18,7 @@ use crate::Result;
 pub(crate) struct Group {
     pub req: Box<GenerateRequest>,
     pub prompt: Vec<u32>,
-    pub events: mpsc::Sender<Event>,
+    pub events: crate::stream::EventSender,
     pub cancel: Arc<AtomicBool>,
     /// Token events sent and not yet read (see [`crate::MAX_BACKLOG`]).
     pub backlog: Arc<AtomicUsize>,

@@ -1,9 +1,15 @@
 //! [`RequestStream`]: the events of one request, as the worker produces
-//! them. Dropping the stream cancels the request.
+//! them: a blocking iterator, and a `futures::Stream` for async callers
+//! (any runtime: the worker wakes the reader's task itself). Dropping the
+//! stream cancels the request.
 
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::mpsc;
+use std::sync::mpsc::{self, TryRecvError};
 use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use futures_util::task::AtomicWaker;
 
 use crate::sampler::TokenLogprob;
 use crate::types::Completion;
@@ -32,6 +38,8 @@ pub enum Event {
 /// done or after an error.
 pub struct RequestStream {
     rx: mpsc::Receiver<Event>,
+    /// The task polling the stream, woken by every event sent.
+    waker: Arc<AtomicWaker>,
     cancel: Arc<AtomicBool>,
     /// Token events sent and not yet read (the worker pauses the request
     /// past [`MAX_BACKLOG`]).
@@ -47,13 +55,14 @@ pub const MAX_BACKLOG: usize = 1024;
 
 impl RequestStream {
     pub(crate) fn new(
-        rx: mpsc::Receiver<Event>,
+        events: EventReceiver,
         cancel: Arc<AtomicBool>,
         backlog: Arc<AtomicUsize>,
         n: usize,
     ) -> Self {
         RequestStream {
-            rx,
+            rx: events.rx,
+            waker: events.waker,
             cancel,
             backlog,
             open: n,
@@ -84,14 +93,9 @@ impl Canceller {
     }
 }
 
-impl Iterator for RequestStream {
-    type Item = Event;
-
-    fn next(&mut self) -> Option<Event> {
-        if self.open == 0 {
-            return None;
-        }
-        let ev = self.rx.recv().ok();
+impl RequestStream {
+    /// Counts a received event (`None`: the worker is gone).
+    fn took(&mut self, ev: Option<Event>) -> Option<Event> {
         match &ev {
             Some(Event::Done(_)) => self.open -= 1,
             Some(Event::Error(_)) | None => self.open = 0,
@@ -100,6 +104,125 @@ impl Iterator for RequestStream {
             }
         }
         ev
+    }
+
+    /// The next event if one is waiting: `Err(())` when none is yet.
+    fn try_next(&mut self) -> Result<Option<Event>, ()> {
+        match self.rx.try_recv() {
+            Ok(ev) => Ok(self.took(Some(ev))),
+            Err(TryRecvError::Disconnected) => Ok(self.took(None)),
+            Err(TryRecvError::Empty) => Err(()),
+        }
+    }
+}
+
+impl Iterator for RequestStream {
+    type Item = Event;
+
+    fn next(&mut self) -> Option<Event> {
+        if self.open == 0 {
+            return None;
+        }
+        let ev = self.rx.recv().ok();
+        self.took(ev)
+    }
+}
+
+impl RequestStream {
+    /// The same events as a `futures::Stream`, for async callers on any
+    /// runtime; dropping it cancels the request too.
+    pub fn into_async(self) -> EventStream {
+        EventStream(self)
+    }
+}
+
+/// A request's events as a `futures::Stream`
+/// ([`RequestStream::into_async`]): `Pending` until the worker sends the
+/// next event and wakes the polling task.
+pub struct EventStream(RequestStream);
+
+impl EventStream {
+    /// See [`RequestStream::canceller`].
+    pub fn canceller(&self) -> Canceller {
+        self.0.canceller()
+    }
+}
+
+impl futures_util::Stream for EventStream {
+    type Item = Event;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Event>> {
+        let this = &mut self.get_mut().0;
+        if this.open == 0 {
+            return Poll::Ready(None);
+        }
+        if let Ok(ev) = this.try_next() {
+            return Poll::Ready(ev);
+        }
+        // Registered before looking again, so an event sent in between
+        // is either seen now or wakes the task.
+        this.waker.register(cx.waker());
+        match this.try_next() {
+            Ok(ev) => Poll::Ready(ev),
+            Err(()) => Poll::Pending,
+        }
+    }
+}
+
+/// A request's event channel: the worker's end and the stream's.
+pub(crate) fn channel() -> (EventSender, EventReceiver) {
+    let (tx, rx) = mpsc::channel();
+    let waker = Arc::new(AtomicWaker::new());
+    (
+        EventSender {
+            tx: Some(tx),
+            waker: waker.clone(),
+        },
+        EventReceiver { rx, waker },
+    )
+}
+
+/// The stream's end of [`channel`].
+pub(crate) struct EventReceiver {
+    rx: mpsc::Receiver<Event>,
+    waker: Arc<AtomicWaker>,
+}
+
+/// The worker's end of a request's events: every event sent, and every
+/// sender dropped, wakes the task polling the stream, if one is.
+pub(crate) struct EventSender {
+    /// `None` only while being dropped.
+    tx: Option<mpsc::Sender<Event>>,
+    waker: Arc<AtomicWaker>,
+}
+
+impl EventSender {
+    /// `Err` when the stream is gone.
+    pub(crate) fn send(&self, ev: Event) -> Result<(), ()> {
+        let sent = match &self.tx {
+            Some(tx) => tx.send(ev).map_err(|_| ()),
+            None => Err(()),
+        };
+        self.waker.wake();
+        sent
+    }
+}
+
+impl Clone for EventSender {
+    fn clone(&self) -> Self {
+        EventSender {
+            tx: self.tx.clone(),
+            waker: self.waker.clone(),
+        }
+    }
+}
+
+impl Drop for EventSender {
+    fn drop(&mut self) {
+        // The channel closed first (when this was the last sender), so
+        // that the woken stream sees it closed rather than empty.
+        drop(self.tx.take());
+        self.waker.wake();
     }
 }
 

@@ -48,7 +48,7 @@ pub(crate) enum Command {
     Submit {
         ids: Vec<u32>,
         req: Box<GenerateRequest>,
-        events: mpsc::Sender<Event>,
+        events: crate::stream::EventSender,
         cancel: Arc<AtomicBool>,
         backlog: Arc<std::sync::atomic::AtomicUsize>,
         reply: mpsc::Sender<Result<()>>,
@@ -522,7 +522,7 @@ impl Worker {
         &mut self,
         ids: Vec<u32>,
         req: Box<GenerateRequest>,
-        events: mpsc::Sender<Event>,
+        events: crate::stream::EventSender,
         cancel: Arc<AtomicBool>,
         backlog: Arc<std::sync::atomic::AtomicUsize>,
     ) -> Result<()> {

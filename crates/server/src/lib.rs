@@ -7,8 +7,8 @@
 //! is exactly what a request did not compute.
 //!
 //! ```text
-//! axum handler ── spawn_blocking: Engine::generate ──▶ RequestStream (blocking)
-//!      ▲                                   │ forwarder thread: events → channel
+//! axum handler ── spawn_blocking: Engine::generate ──▶ EventStream (async)
+//!      ▲                                   │ forwarder task: events → channel
 //!      └── JSON, or SSE chunks ◀── converter task ◀──┘
 //! client gone → the handler (or the SSE body) is dropped → its cancel
 //!             guard cancels the request, queued or running, at the
@@ -28,6 +28,8 @@ mod openapi;
 mod sessions;
 
 use std::convert::Infallible;
+
+use futures_util::StreamExt;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -786,17 +788,18 @@ async fn generate(
     // Dropped when the client is gone (this handler's future, or the SSE
     // body's task, dropped): the request is cancelled at once, queued or
     // running, rather than when an event next fails to reach the client.
+    let mut stream = stream.into_async();
     let guard = CancelOnDrop(stream.canceller());
     let (tx, mut rx) = mpsc::channel::<Event>(256);
-    // The engine's stream is blocking: a thread forwards it, and stops (so
-    // dropping the stream cancels the request) when the receiver is gone.
-    // It also times the tokens for /metrics.
+    // A task forwards the engine's events (woken by the engine's worker),
+    // and stops (so dropping the stream cancels the request) when the
+    // receiver is gone. It also times the tokens for /metrics.
     let watcher = s.clone();
-    tokio::task::spawn_blocking(move || {
+    tokio::spawn(async move {
         // Counts against the queue limit until the request has ended.
         let _slot = slot;
         let mut last: Vec<Option<std::time::Instant>> = vec![None; n];
-        for ev in stream {
+        while let Some(ev) = stream.next().await {
             match &ev {
                 Event::Token { index, .. } => {
                     let now = std::time::Instant::now();
@@ -810,7 +813,7 @@ async fn generate(
                 }
                 _ => {}
             }
-            if tx.blocking_send(ev).is_err() {
+            if tx.send(ev).await.is_err() {
                 break;
             }
         }

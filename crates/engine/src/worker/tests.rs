@@ -1010,7 +1010,7 @@ fn an_export_read_across_a_defragmentation_reads_its_own_rows() {
     w.sched.kv_mut().insert_sequence(seq).unwrap();
     w.sched.kv_mut().free_sequence(seq).unwrap();
     // A request decoding beside the export keeps the reading to parts.
-    let (events, _rx) = mpsc::channel();
+    let (events, _rx) = crate::stream::channel();
     let req = GenerateRequest {
         max_tokens: 400,
         ignore_eos: true,
@@ -1048,5 +1048,91 @@ fn an_export_read_across_a_defragmentation_reads_its_own_rows() {
     assert!(moved, "the export was read in parts");
     let ns = w.ns;
     assert_eq!(snap, w.export_now(ns, &ids).unwrap());
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// Drives `fut` to its end on this thread, parking while it is pending:
+/// the waker is the only thing that unparks it (with a 30 s bound, so a
+/// missed wake fails the test instead of hanging it).
+fn block_on<F: std::future::Future>(fut: F) -> F::Output {
+    struct Unpark(std::thread::Thread, std::sync::atomic::AtomicUsize);
+    impl std::task::Wake for Unpark {
+        fn wake(self: Arc<Self>) {
+            self.1.fetch_add(1, Ordering::SeqCst);
+            self.0.unpark();
+        }
+    }
+    let unpark = Arc::new(Unpark(std::thread::current(), AtomicUsize::new(0)));
+    let waker = std::task::Waker::from(unpark.clone());
+    let mut cx = std::task::Context::from_waker(&waker);
+    let mut fut = std::pin::pin!(fut);
+    loop {
+        if let std::task::Poll::Ready(v) = fut.as_mut().poll(&mut cx) {
+            return v;
+        }
+        let seen = unpark.1.load(Ordering::SeqCst);
+        let start = std::time::Instant::now();
+        while unpark.1.load(Ordering::SeqCst) == seen {
+            assert!(
+                start.elapsed() < std::time::Duration::from_secs(30),
+                "the stream was never woken"
+            );
+            std::thread::park_timeout(std::time::Duration::from_millis(100));
+        }
+    }
+}
+
+/// The request stream read as a `futures::Stream` (polled, woken by the
+/// worker) gives the events the blocking iterator gives, in order, and
+/// ends after the last sample; dropped early, it cancels its request.
+#[test]
+fn the_async_stream_gives_the_iterators_events() {
+    use futures_util::StreamExt;
+    let (engine, dir) = tiny_engine(small_cfg());
+    let mut req = greedy(&[5, 6, 7, 8], 12);
+    req.n = 2;
+    req.sampling = SamplingParams {
+        temperature: 0.9,
+        seed: 7,
+        ..SamplingParams::greedy()
+    };
+    let summary = |events: Vec<Event>| -> Vec<(usize, Option<u32>)> {
+        events
+            .into_iter()
+            .map(|ev| match ev {
+                Event::Token { index, id, .. } => (index, Some(id)),
+                Event::Done(c) => (c.index, None),
+                Event::Error(e) => panic!("{e}"),
+            })
+            .collect()
+    };
+    let blocking: Vec<Event> = engine.generate(req.clone()).unwrap().collect();
+    let polled: Vec<Event> = block_on(engine.generate(req.clone()).unwrap().into_async().collect());
+    let (b, p) = (summary(blocking), summary(polled));
+    assert_eq!(p.iter().filter(|(_, t)| t.is_none()).count(), 2, "{p:?}");
+    let per_sample = |v: &[(usize, Option<u32>)], i| -> Vec<Option<u32>> {
+        v.iter().filter(|(j, _)| *j == i).map(|(_, t)| *t).collect()
+    };
+    for i in 0..2 {
+        assert_eq!(per_sample(&p, i), per_sample(&b, i), "sample {i}");
+    }
+    // A stream dropped after its first token cancels the request.
+    let mut long = greedy(&[9, 10, 11], 400);
+    long.ignore_eos = true;
+    let mut s = engine.generate(long).unwrap().into_async();
+    let first = block_on(s.next());
+    assert!(matches!(first, Some(Event::Token { .. })), "{first:?}");
+    drop(s);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while engine.stats().running + engine.stats().waiting > 0 {
+        assert!(std::time::Instant::now() < deadline, "never cancelled");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    // 24 tokens of the two requests above, and a few of this one, not 400.
+    let done = engine.stats().completion_tokens;
+    assert!(
+        done < 300,
+        "{done} tokens: the dropped stream's request ran on"
+    );
     std::fs::remove_dir_all(dir).unwrap();
 }
