@@ -10,16 +10,14 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use tessera_kv::KvStats;
-use tessera_model::{Message, Model, Special};
+use tessera_model::{Model, Special};
 use tracing::warn;
 
-use crate::chat::{encode_turn_suffix, ChatSession, SessionMeta, TurnOptions};
 use crate::sampler::argmax_and_norm;
 use crate::snapshot::{read_file, write_file, Geometry, KvSnapshot, CACHE_FILE};
 use crate::stream::{Event, RequestStream};
 use crate::types::{
-    Completion, ContextShift, EngineConfig, EngineStats, FinishReason, GenerateRequest, Partition,
-    Prompt, TokenEvent,
+    Completion, EngineConfig, EngineStats, GenerateRequest, Partition, Prompt, TokenEvent,
 };
 use crate::worker::{Command, KvLayout, Worker};
 use crate::{EngineError, ModelSource, Result};
@@ -351,124 +349,6 @@ impl Engine {
             ..req.clone()
         };
         Ok(self.complete_n(&req, on_token)?.remove(0))
-    }
-}
-
-// ---- chat sessions -------------------------------------------------------
-
-impl Engine {
-    /// A new conversation.
-    pub fn chat(&self, system: Option<&str>) -> ChatSession {
-        ChatSession::new(self, system)
-    }
-
-    /// Resumes a conversation saved by [`ChatSession::save`]: its K/V goes
-    /// into the prefix cache, so the next turn computes only its new
-    /// tokens. A file that is truncated, corrupted, of another format
-    /// version or of another model is refused with the reason, and the
-    /// engine is left as it was.
-    pub fn load_session(&self, path: &Path) -> Result<ChatSession> {
-        let (snaps, meta) = read_file(path, "chat session", &self.geometry())?;
-        let meta: SessionMeta =
-            serde_json::from_value(meta).map_err(|e| EngineError::Snapshot {
-                path: path.to_path_buf(),
-                reason: format!("corrupted session metadata: {e}"),
-            })?;
-        let ids = snaps.first().map(|s| s.tokens.clone()).unwrap_or_default();
-        self.import_kv(snaps)?;
-        Ok(ChatSession {
-            engine: self.clone(),
-            messages: meta
-                .messages
-                .into_iter()
-                .map(|(role, content)| Message::new(&role, content))
-                .collect(),
-            ids,
-            covered: meta.covered,
-            n_keep: meta.n_keep,
-        })
-    }
-
-    /// Runs one turn of `session`: `user` speaks, the assistant answers.
-    pub fn chat_turn(
-        &self,
-        session: &mut ChatSession,
-        user: &str,
-        opts: &TurnOptions,
-        on_token: &mut dyn FnMut(TokenEvent),
-    ) -> Result<Completion> {
-        let model = self.model();
-        let (tok, template) = (&model.tokenizer, &model.template);
-        let mut msgs = session.messages.clone();
-        msgs.push(Message::new("user", user));
-        let full = template.render(&msgs, true)?;
-        let covered = session
-            .covered
-            .as_deref()
-            .filter(|_| !session.ids.is_empty());
-        let spliced = match covered.and_then(|c| full.strip_prefix(c)) {
-            // Append-only template and an unbroken history: splice.
-            Some(suffix) => encode_turn_suffix(tok, suffix, user)?.map(|new| {
-                let mut ids = session.ids.clone();
-                ids.extend(new);
-                ids
-            }),
-            None => None,
-        };
-        let prompt = match spliced {
-            Some(ids) => ids,
-            None => template.encode(tok, &msgs, true)?,
-        };
-        if session.ids.is_empty() && session.system().is_some() {
-            session.n_keep = template.encode(tok, &msgs[..1], false)?.len();
-        }
-        let whole = prompt.len();
-        let prompt = self.fit_context(prompt, session.n_keep);
-        let cut = prompt.len() != whole;
-        let req = GenerateRequest {
-            sampling: opts.sampling.clone(),
-            max_tokens: opts.max_tokens,
-            stop: opts.stop.clone(),
-            context_shift: if opts.context_shift {
-                ContextShift::Keep(session.n_keep)
-            } else {
-                ContextShift::Off
-            },
-            ..GenerateRequest::new(Prompt::Tokens(prompt))
-        };
-        let done = self.complete(&req, on_token)?;
-        let tok = &self.model().tokenizer;
-        session.messages.push(Message::new("user", user));
-        session
-            .messages
-            .push(Message::new("assistant", done.text.clone()));
-        session.ids = done
-            .prompt_tokens
-            .iter()
-            .chain(&done.tokens)
-            .copied()
-            .collect();
-        // A prompt cut to fit the context, or a reply cut at a stop string
-        // (the message holds the text before it, the ids the stop string
-        // too), leaves ids and text disagreeing: the next turn re-encodes.
-        session.covered = if cut || done.finish_reason == FinishReason::StopString {
-            None
-        } else {
-            Some(full + &tok.decode(&done.tokens)?)
-        };
-        Ok(done)
-    }
-
-    /// Drops history after the first `n_keep` tokens until the prompt fits
-    /// in the context with room to answer (a quarter of the context).
-    fn fit_context(&self, mut ids: Vec<u32>, n_keep: usize) -> Vec<u32> {
-        let ctx = self.context_length();
-        let budget = ctx - ctx / 4;
-        if ids.len() > budget && n_keep < budget {
-            let drop = ids.len() - budget;
-            ids.drain(n_keep..n_keep + drop);
-        }
-        ids
     }
 }
 

@@ -57,3 +57,67 @@ pub use types::{
     FinishReason, GenerateRequest, Partition, Prompt, Timings, TokenEvent, Usage,
 };
 pub use worker::INJECTED_PANIC;
+
+#[cfg(test)]
+mod layout {
+    use std::collections::{BTreeMap, BTreeSet};
+
+    /// The modules' `crate::` references (tests aside) form no cycle: each
+    /// module can be read knowing only those below it.
+    #[test]
+    fn modules_import_each_other_without_cycles() {
+        let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let modules: BTreeSet<String> = std::fs::read_dir(&src)
+            .unwrap()
+            .filter_map(|e| {
+                let p = e.unwrap().path();
+                (p.extension()? == "rs").then(|| p.file_stem()?.to_str().map(String::from))?
+            })
+            .filter(|m| m != "lib")
+            .collect();
+        let mut uses: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+        for m in &modules {
+            let text = std::fs::read_to_string(src.join(format!("{m}.rs"))).unwrap();
+            // The code before its unit tests.
+            let code = text.split("#[cfg(test)]").next().unwrap();
+            let deps = code
+                .split("crate::")
+                .skip(1)
+                .filter_map(|rest| {
+                    let name: String = rest
+                        .chars()
+                        .take_while(|c| c.is_alphanumeric() || *c == '_')
+                        .collect();
+                    (modules.contains(&name) && &name != m).then_some(name)
+                })
+                .collect();
+            uses.insert(m.clone(), deps);
+        }
+        // Depth-first search; a module met again while on the path is a
+        // cycle.
+        fn visit(
+            m: &str,
+            uses: &BTreeMap<String, BTreeSet<String>>,
+            path: &mut Vec<String>,
+            done: &mut BTreeSet<String>,
+        ) {
+            if done.contains(m) {
+                return;
+            }
+            if let Some(i) = path.iter().position(|p| p == m) {
+                panic!("module cycle: {} → {m}", path[i..].join(" → "));
+            }
+            path.push(m.to_string());
+            for d in &uses[m] {
+                visit(d, uses, path, done);
+            }
+            path.pop();
+            done.insert(m.to_string());
+        }
+        let mut done = BTreeSet::new();
+        for m in &modules {
+            visit(m, &uses, &mut Vec::new(), &mut done);
+        }
+        assert!(uses["chat"].contains("engine"), "the check reads imports");
+    }
+}
