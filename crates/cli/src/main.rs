@@ -539,6 +539,11 @@ fn inspect(args: ModelArg) -> Result<()> {
     }
     println!("context length: {}", c.context_length);
     println!("quantization:   {}", storage.join(", "));
+    // Built now (on the CPU: the weights repacked for the kernels).
+    model.llama.prepare()?;
+    if let Some(exec) = model.llama.executor() {
+        println!("forward:        {exec}");
+    }
     for t in CacheDType::ALL {
         if t.is_quantized() && !c.head_dim.is_multiple_of(64) {
             continue;

@@ -190,6 +190,7 @@ fn inspect_reports_geometry_and_kv_cost() {
         "12240 B with a q8_0 cache",
         "6480 B with a q4_0 cache",
         "context length: 8192",
+        "forward:        CPU forward (",
     ] {
         assert!(s.contains(needle), "{needle:?} missing in:\n{s}");
     }

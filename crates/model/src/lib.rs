@@ -10,6 +10,7 @@ mod config;
 mod device;
 mod error;
 pub mod eval;
+mod executor;
 mod fast;
 #[cfg(feature = "cuda")]
 mod gpu_forward;

@@ -16,7 +16,6 @@ use candle_core::{DType, Device, Tensor, D};
 use tessera_kernels::{paged_attention, write_kv, Activations, KvType, PagedMeta, RopeStyle};
 
 use crate::config::{Activation, ModelConfig};
-use crate::fast::Fast;
 use crate::loader::{Source, W};
 use crate::qlinear::{Proj, QLinear};
 use crate::Result;
@@ -63,21 +62,13 @@ pub struct Llama {
     pub(crate) inv_freqs: Vec<Vec<f32>>,
     pub(crate) layer_rope: Vec<usize>,
     pub(crate) device: Device,
-    /// The CPU fast path's pool and buffers (built on first use).
-    fast: Mutex<Option<Fast>>,
+    /// The device's forward ([`crate::executor`]; built by `prepare` or
+    /// on first use), or why none runs this model.
+    pub(crate) exec: Mutex<crate::executor::Slot>,
     /// Floats of partial attention states one forward keeps at once.
     pub(crate) attention_budget: AtomicUsize,
     activations: Mutex<Activations>,
-    /// The CUDA forward (built on first use), or why it cannot run this
-    /// model's weights.
-    #[cfg(feature = "cuda")]
-    gpu: Mutex<Option<std::result::Result<crate::gpu_forward::GpuForward, String>>>,
 }
-
-/// Batches of at most this many tokens take the CUDA forward; longer ones
-/// (prefill) the reference forward, whose products are GEMMs.
-#[cfg(feature = "cuda")]
-const GPU_FORWARD_TOKENS: usize = 64;
 
 /// Default of [`Llama::set_attention_budget`]: 32 MiB of states.
 const ATTENTION_BUDGET: usize = 8 << 20;
@@ -103,7 +94,7 @@ pub(crate) fn rope_angles(inv_freq: &[f32], positions: &[u32], cos: &mut [f32], 
 
 /// Whether every forward pass goes through the candle reference path
 /// ([`tessera_kernels::Tuning::reference_forward`]).
-fn reference_forced() -> bool {
+pub(crate) fn reference_forced() -> bool {
     tessera_kernels::tuning::get().reference_forward
 }
 
@@ -377,11 +368,9 @@ impl Llama {
             inv_freqs,
             layer_rope,
             device: device.clone(),
-            fast: Mutex::new(None),
+            exec: Mutex::new(None),
             attention_budget: AtomicUsize::new(ATTENTION_BUDGET),
             activations: Mutex::new(Activations::tuned()),
-            #[cfg(feature = "cuda")]
-            gpu: Mutex::new(None),
         })
     }
 
@@ -460,92 +449,50 @@ impl Llama {
     }
 
     /// Logits `[logits_for.len(), vocab]` (f32) for a batch over the paged
-    /// cache; writes the batch's K/V into its slots. On the CPU this is the
-    /// fast path with as many workers as rayon has threads; elsewhere, or
-    /// with the tuning's `reference_forward`, the candle reference.
+    /// cache; writes the batch's K/V into its slots. The device's executor
+    /// runs it where it takes it ([`crate::executor`]: on the CPU with as
+    /// many workers as rayon has threads, every batch); otherwise the
+    /// candle reference.
     pub fn forward(&self, batch: &Batch, cache: &[LayerKv]) -> Result<Tensor> {
-        if self.device.is_cpu() && !reference_forced() {
-            return self.forward_threads(batch, cache, rayon::current_num_threads());
-        }
-        #[cfg(feature = "cuda")]
-        if let Some(logits) = self.forward_cuda(batch, cache)? {
-            return Ok(logits);
-        }
-        self.forward_reference(batch, cache)
+        self.forward_threads(batch, cache, rayon::current_num_threads())
     }
 
-    /// Whether the CUDA forward runs this model (`Err`: why not); `None`
-    /// before the first forward on CUDA.
-    #[cfg(feature = "cuda")]
-    pub fn cuda_forward_status(&self) -> Option<std::result::Result<(), String>> {
-        let gpu = self.gpu.lock().unwrap_or_else(|e| e.into_inner());
-        gpu.as_ref()
-            .map(|g| g.as_ref().map(|_| ()).map_err(|e| e.clone()))
-    }
-
-    /// The CUDA forward's logits, where it runs this batch: on a CUDA
-    /// device, batches of up to [`GPU_FORWARD_TOKENS`] tokens, weights it
-    /// has kernels for, and no `TESSERA_FORWARD=reference`.
-    #[cfg(feature = "cuda")]
-    fn forward_cuda(&self, batch: &Batch, cache: &[LayerKv]) -> Result<Option<Tensor>> {
-        let Device::Cuda(dev) = &self.device else {
-            return Ok(None);
-        };
-        if reference_forced() || batch.tokens.len() > GPU_FORWARD_TOKENS {
-            return Ok(None);
-        }
-        let mut gpu = self.gpu.lock().unwrap_or_else(|e| e.into_inner());
-        if gpu.is_none() {
-            let built = crate::gpu_forward::GpuForward::new(self, dev)?;
-            if let Err(why) = &built {
-                eprintln!(
-                    "tessera: the CUDA forward does not run {why}; using the reference forward"
-                );
-            }
-            *gpu = Some(built);
-        }
-        match gpu.as_mut() {
-            Some(Ok(g)) => Ok(Some(g.forward(self, batch, cache)?)),
-            _ => Ok(None),
-        }
-    }
-
-    /// The CPU fast path with `threads` workers (the results are the same
-    /// bits for any number).
+    /// [`Llama::forward`] with `threads` workers on the CPU (the results
+    /// are the same bits for any number).
     pub fn forward_threads(
         &self,
         batch: &Batch,
         cache: &[LayerKv],
         threads: usize,
     ) -> Result<Tensor> {
-        let mut fast = self.fast_path(threads)?;
-        let fast = fast.as_mut().expect("just built");
-        self.forward_fast(fast, batch, cache)
-    }
-
-    /// The fast path's state for `threads` workers and the current
-    /// activations, built (the weights' tiles packed) when missing.
-    fn fast_path(&self, threads: usize) -> Result<std::sync::MutexGuard<'_, Option<Fast>>> {
-        let threads = threads.max(1);
-        let mut fast = self.fast.lock().unwrap_or_else(|e| e.into_inner());
-        let acts = self.activations();
-        if fast
-            .as_ref()
-            .is_none_or(|f| f.threads() != threads || f.activations() != acts)
-        {
-            *fast = None;
-            *fast = Some(Fast::new(self, threads, acts)?);
+        let mut slot = self.executor_slot(threads)?;
+        if let Some(Ok(exec)) = slot.as_mut() {
+            if let Some(logits) = exec.forward(self, batch, cache)? {
+                return Ok(logits);
+            }
         }
-        Ok(fast)
+        drop(slot);
+        self.forward_reference(batch, cache)
     }
 
-    /// Builds what [`Llama::forward`] needs before the first call (on the
-    /// CPU: the step pool, and the weights repacked for the integer path),
-    /// so that the first request does not wait for it.
+    /// Whether the CUDA forward runs this model (`Err`: why not); `None`
+    /// before it was built.
+    #[cfg(feature = "cuda")]
+    pub fn cuda_forward_status(&self) -> Option<std::result::Result<(), String>> {
+        if !self.device.is_cuda() {
+            return None;
+        }
+        let slot = self.exec.lock().unwrap_or_else(|e| e.into_inner());
+        slot.as_ref()
+            .map(|g| g.as_ref().map(|_| ()).map_err(|e| e.clone()))
+    }
+
+    /// Builds the device's executor before the first call (on the CPU: the
+    /// step pool, and the weights repacked for the integer path; on CUDA
+    /// its weights and buffers), so that the first request does not wait
+    /// for it.
     pub fn prepare(&self) -> Result<()> {
-        if self.device.is_cpu() && !reference_forced() {
-            drop(self.fast_path(rayon::current_num_threads())?);
-        }
+        drop(self.executor_slot(rayon::current_num_threads())?);
         Ok(())
     }
 

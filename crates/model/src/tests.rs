@@ -1291,3 +1291,31 @@ fn chat_templates_render_as_hugging_face_does() {
         }
     }
 }
+
+/// The CPU executor is built by `prepare` (or the first forward), named by
+/// `executor`, built again when the activations change, and gives the
+/// same logits as a fresh model with those activations.
+#[test]
+fn the_cpu_executor_is_built_once_and_rebuilt_for_new_activations() {
+    let (_d, m) = tiny(TinySpec::default());
+    assert_eq!(m.llama.executor(), None, "nothing built before prepare");
+    m.llama.prepare().unwrap();
+    let first = m.llama.executor().unwrap();
+    assert!(first.starts_with("CPU forward ("), "{first}");
+    let prompt: Vec<u32> = (0..20).map(|i| (i * 5 + 1) % 200).collect();
+    let run = |l: &crate::Llama| {
+        crate::testing::paged_greedy(l, &prompt, 4, 20, KvType::F32)
+            .unwrap()
+            .0
+    };
+    let int8x2 = run(&m.llama);
+    m.llama.set_activations(Activations::F32);
+    let f32s = run(&m.llama);
+    let now = m.llama.executor().unwrap();
+    assert!(now.contains("f32 activations"), "{now}");
+    let (_d2, fresh) = tiny(TinySpec::default());
+    fresh.llama.set_activations(Activations::F32);
+    assert_eq!(run(&fresh.llama), f32s);
+    m.llama.set_activations(Activations::Int8x2);
+    assert_eq!(run(&m.llama), int8x2);
+}
