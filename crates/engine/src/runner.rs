@@ -49,13 +49,6 @@ impl Logits {
         }
         Ok(())
     }
-
-    /// The rows as vectors.
-    pub(crate) fn into_rows(self) -> Result<Vec<Vec<f32>>> {
-        let mut rows = Vec::new();
-        self.each_row(|r| rows.push(r.to_vec()))?;
-        Ok(rows)
-    }
 }
 
 /// One sequence's part of a forward pass.

@@ -102,6 +102,8 @@ pub(crate) struct Worker {
     partitions: HashMap<Namespace, Partition>,
     /// Session exports computing as background requests.
     exports: HashMap<ReqId, Export>,
+    /// Texts scored as requests beside the others ([`Scoring`]).
+    scores: HashMap<ReqId, Scoring>,
     /// Seconds of a recent step without background tokens (a moving
     /// average), against which steps with them are held.
     plain_step: Option<f64>,
@@ -122,6 +124,29 @@ struct Export {
     ids: Vec<u32>,
     reply: mpsc::Sender<Result<(KvSnapshot, usize)>>,
     read: Option<Reading>,
+}
+
+/// A text whose logits are wanted (`Engine::logits`, perplexity): a
+/// private request (nothing cached read or added) computed in prefill
+/// chunks beside the others, its rows gathered as the steps give them.
+struct Scoring {
+    /// Tokens of the text.
+    n: usize,
+    /// The first position whose logits are wanted.
+    first: usize,
+    rows: Vec<Vec<f32>>,
+    reply: mpsc::Sender<Result<Vec<Vec<f32>>>>,
+}
+
+impl Scoring {
+    /// The wanted rows an item over `start..start + len` gives: the
+    /// logits after each token of `lo..hi` (the text's last token predicts
+    /// nothing). `None` when it gives none.
+    fn wanted(&self, start: usize, len: usize) -> Option<std::ops::Range<usize>> {
+        let lo = self.first.max(start);
+        let hi = (start + len).min(self.n - 1);
+        (lo < hi).then_some(lo..hi)
+    }
 }
 
 /// An export's K/V read a part at a time between steps (a 2,000-token
@@ -368,6 +393,7 @@ impl Worker {
             secret,
             partitions: HashMap::new(),
             exports: HashMap::new(),
+            scores: HashMap::new(),
             plain_step: None,
             pace: Pace {
                 ceiling: cfg.prefill_chunk.max(1),
@@ -448,6 +474,7 @@ impl Worker {
             self.sched = Scheduler::new(kv, self.sched.config().clone());
             self.active.clear();
             self.exports.clear();
+            self.scores.clear();
         }
     }
 
@@ -493,9 +520,7 @@ impl Worker {
             Command::Check(reply) => {
                 let _ = reply.send(self.sched.kv().check_invariants().map_err(Into::into));
             }
-            Command::Logits(ids, first, reply) => {
-                let _ = reply.send(self.logits_of(&ids, first));
-            }
+            Command::Logits(ids, first, reply) => self.start_scoring(ids, first, reply),
             Command::Shutdown => unreachable!("handled by run"),
         }
     }
@@ -646,11 +671,22 @@ impl Worker {
                 Err(e) => return self.abort(&plan, &e),
             };
         self.end_scheduled(&plan);
-        let sampled: Vec<ReqId> = plan
+        // Each item's rows, in order: (request, rows the forward gives,
+        // rows kept, scored).
+        let wanting: Vec<(ReqId, usize, usize, bool)> = plan
             .items
             .iter()
-            .filter(|i| self.samples(i))
-            .map(|i| i.req)
+            .filter_map(|i| {
+                let from = self.rows_from(i)?;
+                let given = i.tokens.len() - from;
+                Some(match self.scores.get(&i.req) {
+                    Some(s) => {
+                        let kept = s.wanted(i.start, i.tokens.len()).map_or(0, |r| r.len());
+                        (i.req, given, kept, true)
+                    }
+                    None => (i.req, 1, 1, false),
+                })
+            })
             .collect();
         for item in &plan.items {
             let done = self
@@ -662,18 +698,36 @@ impl Worker {
             }
         }
         let _span = debug_span!("sample").entered();
-        let mut wanting = sampled.iter();
+        let (mut at, mut k) = (0, 0);
         let read = logits.each_row(|row| {
-            if let Some(&req) = wanting.next() {
-                if let Err(e) = self.on_logits(req, row) {
-                    self.fail(req, &e);
-                }
+            while wanting.get(at).is_some_and(|w| k == w.1) {
+                (at, k) = (at + 1, 0);
             }
+            let Some(&(req, _, kept, scored)) = wanting.get(at) else {
+                return;
+            };
+            if scored {
+                if let Some(s) = self.scores.get_mut(&req).filter(|_| k < kept) {
+                    s.rows.push(row.to_vec());
+                }
+            } else if let Err(e) = self.on_logits(req, row) {
+                self.fail(req, &e);
+            }
+            k += 1;
         });
         if let Err(e) = read {
             // Reading fails before the first row, if at all.
-            for req in sampled {
+            for &(req, ..) in &wanting {
                 self.fail(req, &e);
+            }
+        }
+        for item in &plan.items {
+            if self
+                .scores
+                .get(&item.req)
+                .is_some_and(|s| item.start + item.tokens.len() == s.n)
+            {
+                self.end_scoring(item.req);
             }
         }
         self.pace_background(now.elapsed().as_secs_f64(), plain, background, beside);
@@ -744,12 +798,71 @@ impl Worker {
     fn all_paused(&self) -> bool {
         self.sched.num_waiting() == 0
             && self.exports.is_empty()
+            && self.scores.is_empty()
             && self.active.values().all(|a| a.held.is_some())
     }
 
-    /// Whether a step item's last row is sampled (an export's is not).
+    /// Whether a step item's last row is sampled (an export's or a
+    /// scored text's is not).
     fn samples(&self, item: &tessera_sched::StepItem) -> bool {
-        item.wants_logits && !self.exports.contains_key(&item.req)
+        item.wants_logits
+            && !self.exports.contains_key(&item.req)
+            && !self.scores.contains_key(&item.req)
+    }
+
+    /// The first of the rows a step item's part asks the forward for (it
+    /// gives the rest of the part's rows too), if any.
+    fn rows_from(&self, item: &tessera_sched::StepItem) -> Option<usize> {
+        match self.scores.get(&item.req) {
+            Some(s) => s
+                .wanted(item.start, item.tokens.len())
+                .map(|r| r.start - item.start),
+            None => self.samples(item).then(|| item.tokens.len() - 1),
+        }
+    }
+
+    /// Queues the text `ids` to be scored: its logits after each position
+    /// from `first` on go to `reply` once its last chunk is computed.
+    fn start_scoring(
+        &mut self,
+        ids: Vec<u32>,
+        first: usize,
+        reply: mpsc::Sender<Result<Vec<Vec<f32>>>>,
+    ) {
+        let n = ids.len();
+        if first + 1 >= n {
+            let _ = reply.send(Ok(Vec::new()));
+            return;
+        }
+        let added = self.sched.add(NewRequest {
+            namespace: self.ns,
+            prompt: token_ids(&ids),
+            max_new_tokens: 0,
+            shift_keep: None,
+            reuse_prefix: false,
+            private: true,
+            background: false,
+        });
+        match added {
+            Ok(id) => {
+                if let Some(se) = self.cfg.self_extend {
+                    self.maps.insert(id, PositionMap::new(se));
+                }
+                let rows = Vec::with_capacity(n - 1 - first);
+                self.scores.insert(
+                    id,
+                    Scoring {
+                        n,
+                        first,
+                        rows,
+                        reply,
+                    },
+                );
+            }
+            Err(e) => {
+                let _ = reply.send(Err(sched_error(e)));
+            }
+        }
     }
 
     /// Queues the export of `ids`' K/V in partition `p` as a background
@@ -943,12 +1056,13 @@ impl Worker {
                 start: i.start,
                 slots: i.slots.iter().map(|s| s.0).collect(),
                 table: i.block_table.iter().map(|b| b.0).collect(),
-                logits_from: self.samples(i).then(|| i.tokens.len() - 1),
+                logits_from: self.rows_from(i),
                 sliding: split.then(|| sliding_part(&i.sliding_slots, &i.sliding_table)),
                 rope: Vec::new(),
             })
             .collect();
-        self.maps.retain(|id, _| self.active.contains_key(id));
+        self.maps
+            .retain(|id, _| self.active.contains_key(id) || self.scores.contains_key(id));
         let bs = self.sched.kv().block_size();
         for (i, part) in plan.items.iter().zip(&mut parts) {
             if let Some(map) = self.maps.get_mut(&i.req) {
@@ -1066,9 +1180,24 @@ impl Worker {
         if let Some(x) = self.exports.remove(&id) {
             let _ = x.reply.send(Err(e.again()));
         }
+        if let Some(x) = self.scores.remove(&id) {
+            let _ = x.reply.send(Err(e.again()));
+        }
         if let Err(e) = self.sched.finish(id) {
             warn!("dropping failed {id}: {e}");
         }
+    }
+
+    /// A scored text's last chunk is computed: its rows go to the caller
+    /// and its sequence is freed (nothing of it cached).
+    fn end_scoring(&mut self, id: ReqId) {
+        let Some(s) = self.scores.remove(&id) else {
+            return;
+        };
+        if let Err(e) = self.sched.finish(id) {
+            warn!("finishing scored text {id}: {e}");
+        }
+        let _ = s.reply.send(Ok(s.rows));
     }
 
     fn fail_all(&mut self, e: &EngineError) {
@@ -1076,6 +1205,7 @@ impl Worker {
             .active
             .keys()
             .chain(self.exports.keys())
+            .chain(self.scores.keys())
             .copied()
             .collect();
         for id in ids {
@@ -1248,54 +1378,6 @@ impl Worker {
         Ok(())
     }
 
-    /// The logits after each `tokens[..=j]`, for `j` from `first` to the
-    /// next-to-last token; computed as a fresh sequence (no cached prefix
-    /// used, nothing cached), in prefill chunks.
-    fn logits_of(&mut self, tokens: &[u32], first: usize) -> Result<Vec<Vec<f32>>> {
-        let toks = token_ids(tokens);
-        let (seq, _) = self.sched.kv_mut().add_sequence(self.ns, &[]);
-        let mut out = Vec::new();
-        let mut map = self.cfg.self_extend.map(PositionMap::new);
-        let mut run = |w: &mut Self| -> Result<()> {
-            let mut at = 0;
-            for chunk in toks.chunks(w.cfg.prefill_chunk.max(1)) {
-                let plan = w.append_now(seq, chunk)?;
-                w.apply_append(&plan)?;
-                let s = w.sched.kv().sequence(seq)?;
-                let table: Vec<u32> = s.block_table().iter().map(|b| b.0).collect();
-                let rope = match map.as_mut() {
-                    Some(m) => {
-                        let bs = w.sched.kv().block_size();
-                        advance(&w.runner, m, at, chunk.len(), &table, bs)?
-                    }
-                    None => Vec::new(),
-                };
-                // Logits of positions first..len-1 (the last predicts nothing).
-                let lo = first.max(at);
-                let hi = (at + chunk.len()).min(toks.len() - 1);
-                let part = Part {
-                    tokens: chunk,
-                    start: at,
-                    slots: plan.slots.iter().map(|s| s.0).collect(),
-                    table,
-                    logits_from: (lo < hi).then_some(lo - at),
-                    sliding: w.sliding_part(seq, &plan)?,
-                    rope,
-                };
-                let rows = w.runner.forward(&[part])?.into_rows()?;
-                // The part's logits run to its end; the last token's
-                // predict nothing.
-                out.extend(rows.into_iter().take(hi.saturating_sub(lo)));
-                at += chunk.len();
-                w.sched.kv_mut().mark_computed(seq, at)?;
-            }
-            Ok(())
-        };
-        let result = run(self);
-        self.sched.kv_mut().free_sequence(seq)?;
-        result.map(|()| out)
-    }
-
     /// The K/V of `seq`'s positions `0..n`: every one's in global layers,
     /// and in sliding-window layers those a request resuming at `n` reads
     /// (from the returned position on).
@@ -1419,7 +1501,13 @@ impl Worker {
         for id in self.active.keys().copied().collect::<Vec<_>>() {
             self.finish(id, FinishReason::Cancelled);
         }
-        for id in self.exports.keys().copied().collect::<Vec<_>>() {
+        let side: Vec<ReqId> = self
+            .exports
+            .keys()
+            .chain(self.scores.keys())
+            .copied()
+            .collect();
+        for id in side {
             self.fail(id, &EngineError::Stopped);
         }
     }

@@ -1136,3 +1136,44 @@ fn the_async_stream_gives_the_iterators_events() {
     );
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// A text scored while another request decodes is scheduled beside it
+/// (prefill chunks in the same steps, not a stall of the worker): its
+/// rows are the same bits as on an idle engine, the decoding request's
+/// tokens are those it gives alone, and nothing of the text is cached.
+#[test]
+fn texts_are_scored_beside_running_requests() {
+    let (engine, dir) = tiny_engine(small_cfg());
+    let ids: Vec<u32> = (0..70).map(|i| 3 + (i * 17) % 90).collect();
+    let idle = engine.logits(&ids, 5).unwrap();
+    assert_eq!(idle.len(), ids.len() - 1 - 5);
+    let req = greedy(&[9, 8, 7], 200);
+    let tokens = |events: &mut dyn Iterator<Item = Event>| -> Vec<u32> {
+        events
+            .filter_map(|ev| match ev {
+                Event::Token { id, .. } => Some(id),
+                _ => None,
+            })
+            .collect()
+    };
+    let alone = tokens(&mut engine.generate(req.clone()).unwrap());
+    engine.clear_cache().unwrap();
+    let steps_before = engine.stats().steps;
+    let mut stream = engine.generate(req).unwrap();
+    // The request is running before the text arrives.
+    let first = match stream.next() {
+        Some(Event::Token { id, .. }) => id,
+        other => panic!("{other:?}"),
+    };
+    let beside = engine.logits(&ids, 5).unwrap();
+    let mut got = vec![first];
+    got.extend(tokens(&mut stream));
+    assert_eq!(got, alone);
+    assert_eq!(beside, idle, "scored beside a decode: the same bits");
+    // Its 70 tokens (chunks of 16) rode in the decoding steps: no step of
+    // their own.
+    assert!(engine.stats().steps - steps_before <= alone.len() as u64 + 1);
+    assert_eq!(engine.kv_stats().sequences, 0);
+    assert!(engine.logits(&ids[..1], 0).unwrap().is_empty());
+    std::fs::remove_dir_all(dir).unwrap();
+}
