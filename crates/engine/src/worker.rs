@@ -1287,36 +1287,9 @@ impl Worker {
         Ok(blocks)
     }
 
-    /// Runs `tokens` through the model on a private sequence (reusing what
-    /// is cached), then hands the sequence to `f` and releases it; the
-    /// computed tokens stay cached when caching is on and all went well.
-    fn with_computed<T>(
-        &mut self,
-        ns: Namespace,
-        tokens: &[u32],
-        f: impl FnOnce(&Self, SeqId) -> Result<T>,
-    ) -> Result<T> {
-        let toks = token_ids(tokens);
-        let (seq, cached) = self.sched.kv_mut().add_sequence(ns, &toks);
-        let result = self
-            .compute_on(seq, &toks[cached..])
-            .and_then(|()| f(self, seq));
-        let kv = self.sched.kv_mut();
-        if result.is_ok() && self.cfg.prefix_cache {
-            kv.insert_sequence(seq)?;
-        }
-        kv.free_sequence(seq)?;
-        result
-    }
-
-    /// Reserves slots for `toks` on `seq` outside the scheduler (sessions,
-    /// exports): out of blocks is an error, not a wait.
-    fn append_now(&mut self, seq: SeqId, toks: &[TokenId]) -> Result<AppendPlan> {
-        self.append_now_from(seq, toks, 0)
-    }
-
-    /// [`append_now`](Self::append_now) of K/V written from a file, whose
-    /// sliding-window layers hold positions from `sliding_from` on.
+    /// Reserves slots for `toks` on `seq` outside the scheduler (K/V
+    /// written from a file, whose sliding-window layers hold positions from
+    /// `sliding_from` on): out of blocks is an error, not a wait.
     fn append_now_from(
         &mut self,
         seq: SeqId,
@@ -1340,42 +1313,6 @@ impl Worker {
     fn apply_append(&self, plan: &AppendPlan) -> Result<()> {
         self.runner.apply_copies(&plan.copies)?;
         self.runner.apply_sliding_copies(&plan.sliding_copies)
-    }
-
-    /// `seq`'s part in the sliding-window layers' pool after `plan`, when
-    /// they have one.
-    fn sliding_part(&self, seq: SeqId, plan: &AppendPlan) -> Result<Option<(Vec<u32>, Vec<u32>)>> {
-        let kv = self.sched.kv();
-        if kv.window().is_none() {
-            return Ok(None);
-        }
-        Ok(Some(sliding_part(
-            &plan.sliding_slots,
-            &kv.sliding_table(seq)?,
-        )))
-    }
-
-    /// Appends and computes `toks` on `seq`, in chunks. On an error the
-    /// sequence holds tokens not computed; the caller frees it uncached.
-    fn compute_on(&mut self, seq: SeqId, toks: &[TokenId]) -> Result<()> {
-        for chunk in toks.chunks(self.cfg.prefill_chunk.max(1)) {
-            let plan = self.append_now(seq, chunk)?;
-            self.apply_append(&plan)?;
-            let s = self.sched.kv().sequence(seq)?;
-            let part = Part {
-                tokens: chunk,
-                start: s.len() - chunk.len(),
-                slots: plan.slots.iter().map(|s| s.0).collect(),
-                table: s.block_table().iter().map(|b| b.0).collect(),
-                logits_from: None,
-                sliding: self.sliding_part(seq, &plan)?,
-                rope: Vec::new(),
-            };
-            let len = s.len();
-            self.runner.forward(&[part])?;
-            self.sched.kv_mut().mark_computed(seq, len)?;
-        }
-        Ok(())
     }
 
     /// The K/V of `seq`'s positions `0..n`: every one's in global layers,
@@ -1407,16 +1344,27 @@ impl Worker {
         Ok(Rows { slots, sliding })
     }
 
-    /// The K/V of a cached path of namespace `ns` (computed here, outside
-    /// the scheduler, for any part the cache lost).
+    /// The K/V of a path the prefix tree of namespace `ns` holds whole
+    /// (read, not computed: what is not cached is an error). The path is
+    /// held while it is read, then released as it was.
     fn export_now(&mut self, ns: Namespace, ids: &[u32]) -> Result<KvSnapshot> {
-        self.with_computed(ns, ids, |w, seq| {
-            let (layers, sliding_from) = w.read_kv(seq, ids.len())?;
-            Ok(KvSnapshot {
-                tokens: ids.to_vec(),
-                layers,
-                sliding_from,
-            })
+        let toks = token_ids(ids);
+        let (seq, cached) = self.sched.kv_mut().add_sequence(ns, &toks);
+        let read = if cached == ids.len() {
+            self.read_kv(seq, ids.len())
+        } else {
+            Err(EngineError::Step(format!(
+                "{} of {} tokens of a cached path are cached",
+                cached,
+                ids.len()
+            )))
+        };
+        self.sched.kv_mut().free_sequence(seq)?;
+        let (layers, sliding_from) = read?;
+        Ok(KvSnapshot {
+            tokens: ids.to_vec(),
+            layers,
+            sliding_from,
         })
     }
 

@@ -32,8 +32,44 @@ fn tiny_worker(dtype: CacheDType) -> (Worker, std::path::PathBuf) {
 
 fn computed(core: &mut Worker, ids: &[u32]) -> SeqId {
     let (seq, _) = core.sched.kv_mut().add_sequence(core.ns, &[]);
-    core.compute_on(seq, &token_ids(ids)).unwrap();
+    compute_on(core, seq, &token_ids(ids)).unwrap();
     seq
+}
+
+/// `ids` computed on a sequence of their own and left in the prefix tree.
+fn cached(core: &mut Worker, ids: &[u32]) {
+    let seq = computed(core, ids);
+    let kv = core.sched.kv_mut();
+    kv.insert_sequence(seq).unwrap();
+    kv.free_sequence(seq).unwrap();
+}
+
+/// Appends and computes `toks` on `seq` in chunks, outside the scheduler:
+/// the tests' way to fill a sequence.
+fn compute_on(core: &mut Worker, seq: SeqId, toks: &[TokenId]) -> Result<()> {
+    for chunk in toks.chunks(core.cfg.prefill_chunk.max(1)) {
+        let plan = core.append_now_from(seq, chunk, 0)?;
+        core.apply_append(&plan)?;
+        let kv = core.sched.kv();
+        let s = kv.sequence(seq)?;
+        let sliding = match kv.window() {
+            Some(_) => Some(sliding_part(&plan.sliding_slots, &kv.sliding_table(seq)?)),
+            None => None,
+        };
+        let part = Part {
+            tokens: chunk,
+            start: s.len() - chunk.len(),
+            slots: plan.slots.iter().map(|s| s.0).collect(),
+            table: s.block_table().iter().map(|b| b.0).collect(),
+            logits_from: None,
+            sliding,
+            rope: Vec::new(),
+        };
+        let len = s.len();
+        core.runner.forward(&[part])?;
+        core.sched.kv_mut().mark_computed(seq, len)?;
+    }
+    Ok(())
 }
 
 fn max_abs(a: &[u8], b: &[u8]) -> f32 {
@@ -93,6 +129,7 @@ fn snapshots_round_trip_between_pools() {
         let (mut b, d2) = tiny_worker(dtype);
         let ids: Vec<u32> = (0..19).map(|i| 3 + (i * 5) % 80).collect();
         let ns = a.ns;
+        cached(&mut a, &ids);
         let snap = a.export_now(ns, &ids).unwrap();
         assert_eq!(snap.layers.len(), 2);
         let entry = [(Partition::default(), snap.clone())];
@@ -694,7 +731,7 @@ fn self_extend_rotations_equal_a_fresh_computation_at_the_final_positions() {
     let mut map = PositionMap::new(ga);
     let mut at = 0;
     for chunk in toks.chunks(7) {
-        let plan = core.append_now(seq, chunk).unwrap();
+        let plan = core.append_now_from(seq, chunk, 0).unwrap();
         core.apply_append(&plan).unwrap();
         let table = table_of(&core, seq);
         let rope = advance(&core.runner, &mut map, at, chunk.len(), &table, bs).unwrap();
@@ -729,7 +766,7 @@ fn self_extend_rotations_equal_a_fresh_computation_at_the_final_positions() {
     let (extended, _) = core.read_kv(seq, ids.len()).unwrap();
 
     let (fresh, _) = core.sched.kv_mut().add_sequence(core.ns, &[]);
-    let plan = core.append_now(fresh, &toks).unwrap();
+    let plan = core.append_now_from(fresh, &toks, 0).unwrap();
     core.apply_append(&plan).unwrap();
     let table = table_of(&core, fresh);
     let part = Part {
