@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use candle_core::{CpuStorage, DType, Device, Storage, Tensor};
 use tessera_kernels::{copy_blocks, rotate_k, shift_kv, write_kv, write_kv_raw, KvType, Rotation};
-use tessera_kv::{CopyOp, ShiftPlan, TokenId};
+use tessera_kv::{BlockId, CopyOp, ShiftPlan, Slot, TokenId};
 use tessera_model::{Batch, LayerKv, Model, SlidingBatch, NO_BLOCK};
 
 use crate::snapshot::LayerBytes;
@@ -56,10 +56,10 @@ pub(crate) struct Part<'a> {
     pub tokens: &'a [TokenId],
     /// Position of `tokens[0]`.
     pub start: usize,
-    /// Where each token's K/V goes.
-    pub slots: Vec<u32>,
-    /// The sequence's block table.
-    pub table: Vec<u32>,
+    /// Where each token's K/V goes (the scheduler's, borrowed).
+    pub slots: &'a [Slot],
+    /// The sequence's block table (the scheduler's, borrowed).
+    pub table: &'a [BlockId],
     /// Return the logits of the tokens from this index on (`Some(len - 1)`:
     /// the last token's).
     pub logits_from: Option<usize>,
@@ -252,9 +252,9 @@ impl Runner {
                     rope.extend_from_slice(&p.rope);
                 }
             }
-            slots.extend_from_slice(&p.slots);
+            slots.extend(p.slots.iter().map(|s| s.0));
             token_seq.extend(std::iter::repeat_n(i as u32, p.tokens.len()));
-            tables.extend_from_slice(&p.table);
+            tables.extend(p.table.iter().map(|b| b.0));
             tables.extend(std::iter::repeat_n(0, max_blocks - p.table.len()));
             if self.split() {
                 let Some((s, t)) = &p.sliding else {

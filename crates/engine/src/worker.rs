@@ -24,7 +24,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use tessera_kv::{
-    token_ids, Admission, AppendPlan, KvCache, KvConfig, Namespace, SeqId, SlidingConfig, TokenId,
+    token_ids, Admission, AppendPlan, BlockId, KvCache, KvConfig, Namespace, SeqId, SlidingConfig,
+    TokenId,
 };
 use tessera_model::Model;
 use tessera_sched::{
@@ -201,7 +202,7 @@ fn advance(
     map: &mut PositionMap,
     start: usize,
     k: usize,
-    table: &[u32],
+    table: &[BlockId],
     bs: usize,
 ) -> Result<Vec<u32>> {
     if start == 0 {
@@ -218,7 +219,7 @@ fn advance(
     if !moved.is_empty() {
         let slots: Vec<u32> = moved
             .iter()
-            .map(|&(i, _)| table[i / bs] * bs as u32 + (i % bs) as u32)
+            .map(|&(i, _)| table[i / bs].0 * bs as u32 + (i % bs) as u32)
             .collect();
         let deltas: Vec<i64> = moved.iter().map(|&(_, d)| d).collect();
         runner.rotate_keys(&slots, &deltas)?;
@@ -1054,8 +1055,8 @@ impl Worker {
             .map(|i| Part {
                 tokens: &i.tokens,
                 start: i.start,
-                slots: i.slots.iter().map(|s| s.0).collect(),
-                table: i.block_table.iter().map(|b| b.0).collect(),
+                slots: &i.slots,
+                table: &i.block_table,
                 logits_from: self.rows_from(i),
                 sliding: split.then(|| sliding_part(&i.sliding_slots, &i.sliding_table)),
                 rope: Vec::new(),
@@ -1071,7 +1072,7 @@ impl Worker {
                     map,
                     part.start,
                     part.tokens.len(),
-                    &part.table,
+                    part.table,
                     bs,
                 )?;
             }
@@ -1103,7 +1104,10 @@ impl Worker {
             return Ok(());
         };
         let rows = Rows {
-            slots: parts.iter().flat_map(|p| p.slots.iter().copied()).collect(),
+            slots: parts
+                .iter()
+                .flat_map(|p| p.slots.iter().map(|s| s.0))
+                .collect(),
             sliding: parts
                 .iter()
                 .filter_map(|p| p.sliding.as_ref())

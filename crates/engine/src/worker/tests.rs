@@ -59,8 +59,8 @@ fn compute_on(core: &mut Worker, seq: SeqId, toks: &[TokenId]) -> Result<()> {
         let part = Part {
             tokens: chunk,
             start: s.len() - chunk.len(),
-            slots: plan.slots.iter().map(|s| s.0).collect(),
-            table: s.block_table().iter().map(|b| b.0).collect(),
+            slots: &plan.slots,
+            table: s.block_table(),
             logits_from: None,
             sliding,
             rope: Vec::new(),
@@ -733,12 +733,12 @@ fn self_extend_rotations_equal_a_fresh_computation_at_the_final_positions() {
     for chunk in toks.chunks(7) {
         let plan = core.append_now_from(seq, chunk, 0).unwrap();
         core.apply_append(&plan).unwrap();
-        let table = table_of(&core, seq);
-        let rope = advance(&core.runner, &mut map, at, chunk.len(), &table, bs).unwrap();
+        let table = core.sched.kv().sequence(seq).unwrap().block_table();
+        let rope = advance(&core.runner, &mut map, at, chunk.len(), table, bs).unwrap();
         let part = Part {
             tokens: chunk,
             start: at,
-            slots: plan.slots.iter().map(|s| s.0).collect(),
+            slots: &plan.slots,
             table,
             logits_from: None,
             sliding: None,
@@ -768,12 +768,11 @@ fn self_extend_rotations_equal_a_fresh_computation_at_the_final_positions() {
     let (fresh, _) = core.sched.kv_mut().add_sequence(core.ns, &[]);
     let plan = core.append_now_from(fresh, &toks, 0).unwrap();
     core.apply_append(&plan).unwrap();
-    let table = table_of(&core, fresh);
     let part = Part {
         tokens: &toks,
         start: 0,
-        slots: plan.slots.iter().map(|s| s.0).collect(),
-        table,
+        slots: &plan.slots,
+        table: core.sched.kv().sequence(fresh).unwrap().block_table(),
         logits_from: None,
         sliding: None,
         rope: finals,
