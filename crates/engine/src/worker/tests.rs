@@ -1,5 +1,6 @@
 //! Worker tests on a tiny generated model.
 use super::*;
+use tessera_kv::SeqId;
 use crate::types::CacheDType;
 use crate::SelfExtend;
 use tessera_model::testing::{write_tiny_model, TinySpec};
