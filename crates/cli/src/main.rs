@@ -171,8 +171,48 @@ pub(crate) struct KvArgs {
     /// same memory holds about three times the context.
     #[arg(long)]
     swa_full: bool,
+    /// Blocks of the sliding-window layers' pool (at least one request's
+    /// window and prompt chunk); the rest of --kv-memory goes to the other
+    /// layers. Overrides the quarter, not --swa-full.
+    #[arg(long)]
+    swa_blocks: Option<usize>,
+    /// Most tokens computed in one step: the running requests' decodes and
+    /// prompt chunks together (llama.cpp's --ubatch-size).
+    #[arg(long, default_value_t = EngineConfig::default().prefill_chunk,
+          value_parser = parse_positive)]
+    prefill_chunk: usize,
+    /// Most requests decoding together (vLLM's --max-num-seqs).
+    #[arg(long, default_value_t = EngineConfig::default().max_running,
+          value_parser = parse_positive)]
+    max_running: usize,
+    /// Defragment when idle and holes pass this share of the pool's span,
+    /// 0 to 1 (llama.cpp's --defrag-thold).
+    #[arg(long, default_value_t = EngineConfig::default().defrag_threshold,
+          value_parser = parse_share)]
+    defrag_threshold: f64,
+    /// Prompt tokens a background prefill (a session save's K/V) first
+    /// computes in a step beside other requests' work; the engine adapts
+    /// the share so that such steps take at most about 1.5 times a step
+    /// without them.
+    #[arg(long, default_value_t = EngineConfig::default().background_chunk,
+          value_parser = parse_positive)]
+    background_chunk: usize,
     #[command(flatten)]
     self_extend: SelfExtendArgs,
+}
+
+fn parse_positive(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(v) if v >= 1 => Ok(v),
+        _ => Err(format!("`{s}`: expected a whole number of at least 1")),
+    }
+}
+
+fn parse_share(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if (0.0..=1.0).contains(&v) => Ok(v),
+        _ => Err(format!("`{s}`: expected a number from 0 to 1")),
+    }
 }
 
 /// SelfExtend, as llama.cpp's options of the same names.
@@ -214,6 +254,11 @@ impl KvArgs {
             context_length: self.ctx,
             activations: self.activations,
             swa_full: self.swa_full,
+            swa_blocks: self.swa_blocks,
+            prefill_chunk: self.prefill_chunk,
+            max_running: self.max_running,
+            defrag_threshold: self.defrag_threshold,
+            background_chunk: self.background_chunk,
             self_extend: self.self_extend.get(),
             ..EngineConfig::default()
         }

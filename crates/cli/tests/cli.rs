@@ -270,8 +270,8 @@ fn device_flag_picks_the_cpu_and_names_what_a_gpu_needs() {
     );
 }
 
-/// The kernel settings' flags: every instruction set this build and CPU
-/// take, the reference forward and the fixed team give the same greedy
+/// The kernel settings' flags (instruction sets, the reference forward,
+/// the fixed team) and the engine's step settings give the same greedy
 /// tokens on the real model; a set that does not exist is named.
 #[test]
 fn tuning_flags_keep_the_tokens() {
@@ -299,6 +299,15 @@ fn tuning_flags_keep_the_tokens() {
         &["--isa", "portable"][..],
         &["--isa", "avx2", "--no-huge-pages"],
         &["--fixed-team"],
+        // Prompt chunks of 3 tokens: the logits are the same bits.
+        &[
+            "--prefill-chunk",
+            "3",
+            "--max-running",
+            "2",
+            "--defrag-threshold",
+            "0",
+        ],
         &["--forward", "reference", "--activations", "f32"],
     ] {
         // The reference forward runs f32 activations: compare like with like.
@@ -318,6 +327,33 @@ fn tuning_flags_keep_the_tokens() {
 #[test]
 fn bad_input_gives_clear_errors() {
     let dir = scratch("bad");
+    // The engine's settings are checked when parsed.
+    for (flag, value, says) in [
+        (
+            "--prefill-chunk",
+            "0",
+            "expected a whole number of at least 1",
+        ),
+        (
+            "--max-running",
+            "0.5",
+            "expected a whole number of at least 1",
+        ),
+        ("--defrag-threshold", "1.5", "expected a number from 0 to 1"),
+        (
+            "--background-chunk",
+            "x",
+            "expected a whole number of at least 1",
+        ),
+    ] {
+        fails_with(
+            &tessera(
+                &["run", "--model", &model(), "--prompt", "x", flag, value],
+                None,
+            ),
+            says,
+        );
+    }
     fails_with(
         &tessera(
             &[

@@ -1,8 +1,8 @@
 //! Worker tests on a tiny generated model.
 use super::*;
-use tessera_kv::SeqId;
 use crate::types::CacheDType;
 use crate::SelfExtend;
+use tessera_kv::SeqId;
 use tessera_model::testing::{write_tiny_model, TinySpec};
 
 fn tiny_worker(dtype: CacheDType) -> (Worker, std::path::PathBuf) {
