@@ -38,40 +38,47 @@
 //! one kernel source for CUDA, Metal and the host, `gpu/*.cu` for paged
 //! attention). On Metal every op still returns an error that says so
 //! (candle's default for custom ops).
+//!
+//! The source by concern: `kv/` (the movers: write, copy, shift, the RoPE
+//! rotation they share with the forward, and the quantized cache types),
+//! `attention/` (`paged`: the op over block tables and its reference;
+//! `items`: the CPU forward's chunked attention), `linear/` (`matvec` and
+//! `qdot`, the linear layers per instruction set), `norm.rs` (the
+//! forward's per-row ops), `simd/` (the vector helpers the CPU kernels
+//! share), `pool.rs` (the step pool), `gpu/`, and `tuning.rs`.
 
-mod attend;
 mod attention;
-mod copy;
-mod elem;
 pub mod gpu;
-mod lanes;
-mod matvec;
+mod kv;
+mod linear;
 mod mem;
 mod norm;
 pub mod pool;
-mod qdot;
-pub mod quant;
-mod rope;
-mod shift;
 mod simd;
 pub mod tuning;
-mod write;
 
-pub use attend::{attend_item, merge, AttnInput, AttnPlan, AttnScratch, AttnShape, KvRows, CHUNK};
-pub use attention::{
+pub use kv::quant;
+use simd::elem;
+
+pub use attention::items::{
+    attend_item, merge, AttnInput, AttnPlan, AttnScratch, AttnShape, KvRows, CHUNK,
+};
+pub use attention::paged::{
     exp_nonpositive, paged_attention, paged_attention_slow, window_start, PagedMeta,
 };
-pub use copy::{copy_blocks, copy_blocks_slow};
-pub use matvec::{f16_to_f32, matvec, matvec_slow, Isa, WeightFormat, Weights};
+pub use kv::copy::{copy_blocks, copy_blocks_slow};
+pub use kv::quant::{dequantize_cache, quantize_cache, KvType};
+pub use kv::rope::{rotate_pairs, RopeStyle, Rotation};
+pub use kv::shift::{rotate_k, rotate_k_slow, shift_kv, shift_kv_slow};
+pub use kv::write::{write_kv, write_kv_raw, write_kv_slow};
+pub use linear::matvec::{f16_to_f32, matvec, matvec_slow, Isa, WeightFormat, Weights};
+pub use linear::qdot::{
+    qmatvec, qmatvec_slow, quantize_row, ActBlock, Activations, Packed, QIsa, GROUP,
+};
 pub use mem::{advise_huge_pages, zeroed_huge};
 pub use norm::{act_mul, act_mul_slow, rms_norm, rms_norm_in_place, rms_norm_slow, Activation};
-pub use qdot::{qmatvec, qmatvec_slow, quantize_row, ActBlock, Activations, Packed, QIsa, GROUP};
-pub use quant::{dequantize_cache, quantize_cache, KvType};
-pub use rope::{rotate_pairs, RopeStyle, Rotation};
-pub use shift::{rotate_k, rotate_k_slow, shift_kv, shift_kv_slow};
 pub use simd::portable_forced;
 pub use tuning::{IsaCap, Tuning};
-pub use write::{write_kv, write_kv_raw, write_kv_slow};
 
 use candle_core::{bail, Result, Tensor};
 

@@ -2,8 +2,8 @@
 //! `gpu/paged_attention.cu` to PTX (for `CUDA_COMPUTE_CAP`, default 80),
 //! embedded here, loaded through candle's device
 //! (`get_or_load_custom_func`) and launched on its stream from the
-//! `cuda_fwd` of the ops in `write.rs`, `copy.rs`, `shift.rs` and
-//! `attention.rs`. The launch shapes and host tables are those of
+//! `cuda_fwd` of the ops in `kv/write.rs`, `kv/copy.rs`, `kv/shift.rs` and
+//! `attention/paged.rs`. The launch shapes and host tables are those of
 //! [`super`], which the `kernel-emu` tests run on the CPU.
 
 use std::cell::RefCell;

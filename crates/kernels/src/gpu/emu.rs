@@ -147,7 +147,7 @@ fn gather(
 
 /// [`crate::write_kv`] through the GPU kernel source.
 pub fn write_kv(cache: &Tensor, new: &Tensor, slots: &[u32]) -> Result<()> {
-    crate::write::check(cache, new, slots)?;
+    crate::kv::write::check(cache, new, slots)?;
     let raw = float_cache(cache)?;
     let rows = new.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
     scatter(raw, &rows, slots, rows.len() / slots.len().max(1));
@@ -157,7 +157,7 @@ pub fn write_kv(cache: &Tensor, new: &Tensor, slots: &[u32]) -> Result<()> {
 /// [`crate::copy_blocks`] through the GPU kernel source (any cache type:
 /// blocks move as 16-bit units).
 pub fn copy_blocks(cache: &Tensor, pairs: &[(u32, u32)]) -> Result<()> {
-    let values = crate::copy::check(cache, pairs)?;
+    let values = crate::kv::copy::check(cache, pairs)?;
     let units = (KvType::of(cache)?.bytes_for(values) / 2) as u32;
     let flat: Vec<u32> = pairs.iter().flat_map(|&(s, d)| [s, d]).collect();
     let base = match cache_raw(cache)? {
@@ -181,7 +181,7 @@ pub fn shift_kv(
     moves: &[(u32, u32)],
     rotation: &Rotation,
 ) -> Result<()> {
-    let (heads, head_dim) = crate::shift::check(k_cache, v_cache, moves, rotation)?;
+    let (heads, head_dim) = crate::kv::shift::check(k_cache, v_cache, moves, rotation)?;
     let (k, v) = (float_cache(k_cache)?, float_cache(v_cache)?);
     let (src, dst): (Vec<u32>, Vec<u32>) = moves.iter().copied().unzip();
     let neox = rotation.style == crate::RopeStyle::Neox;
@@ -207,7 +207,7 @@ pub fn rotate_k(
     deltas: &[i64],
     rotation: &Rotation,
 ) -> Result<()> {
-    let (heads, head_dim) = crate::shift::check_rotate(k_cache, slots, deltas, rotation)?;
+    let (heads, head_dim) = crate::kv::shift::check_rotate(k_cache, slots, deltas, rotation)?;
     let k = float_cache(k_cache)?;
     let (slots, deltas) = moved_rows(slots, deltas);
     let neox = rotation.style == crate::RopeStyle::Neox;

@@ -422,7 +422,7 @@ impl Forward {
         meta: &PagedMeta,
         heads: (usize, usize, usize),
     ) -> Result<()> {
-        let heads = crate::attention::check_geometry(
+        let heads = crate::attention::paged::check_geometry(
             (meta.token_pos.len(), heads.0, heads.2),
             c.geometry,
             meta,
@@ -515,7 +515,7 @@ impl Forward {
         meta: &PagedMeta,
         heads: (usize, usize, usize),
     ) -> Result<()> {
-        let heads = crate::attention::check_geometry(
+        let heads = crate::attention::paged::check_geometry(
             (meta.token_pos.len(), heads.0, heads.2),
             c.geometry,
             meta,

@@ -2,8 +2,8 @@
 //! its headers inlined ([`super::metal_source`]), is compiled at run time
 //! through candle's Metal device with fast math off, once per device;
 //! pipelines are cached by device and entry point. They run on candle's
-//! command encoder from the `metal_fwd` of the ops in `write.rs`,
-//! `copy.rs`, `shift.rs` and `attention.rs`, with the launch shapes and
+//! command encoder from the `metal_fwd` of the ops in `kv/write.rs`,
+//! `kv/copy.rs`, `kv/shift.rs` and `attention/paged.rs`, with the launch shapes and
 //! host tables of [`super`] (those the CUDA launchers and the `kernel-emu`
 //! tests use).
 

@@ -3,10 +3,14 @@
 //! Metal (`metal_tests.rs`) run the same ones through a [`Backend`]; the two
 //! devices also run [`paged_attention_on`], all through [`device_tests`].
 
-use candle_core::{DType, Device, Result, Tensor};
+#[cfg(any(feature = "cuda", all(feature = "metal", target_vendor = "apple")))]
+use candle_core::Device;
+use candle_core::{DType, Result, Tensor};
 
 use crate::testing::{max_abs_diff, seeded, seeded_cache};
-use crate::{KvType, PagedMeta, RopeStyle, Rotation};
+#[cfg(any(feature = "cuda", all(feature = "metal", target_vendor = "apple")))]
+use crate::PagedMeta;
+use crate::{KvType, RopeStyle, Rotation};
 
 /// A backend under test: each op applied to a copy of CPU inputs, the
 /// result brought back to the CPU.
@@ -121,18 +125,22 @@ pub(crate) fn quantized_caches_refused(b: &dyn Backend) -> Result<()> {
 }
 
 /// The crate's ops on copies of the inputs on a device (CUDA, Metal).
+#[cfg(any(feature = "cuda", all(feature = "metal", target_vendor = "apple")))]
 pub(crate) struct OnDevice(pub Device);
 
+#[cfg(any(feature = "cuda", all(feature = "metal", target_vendor = "apple")))]
 impl OnDevice {
     fn up(&self, t: &Tensor) -> Result<Tensor> {
         t.to_device(&self.0)
     }
 }
 
+#[cfg(any(feature = "cuda", all(feature = "metal", target_vendor = "apple")))]
 fn down(t: &Tensor) -> Result<Tensor> {
     t.to_device(&Device::Cpu)
 }
 
+#[cfg(any(feature = "cuda", all(feature = "metal", target_vendor = "apple")))]
 impl Backend for OnDevice {
     fn write_kv(&self, cache: &Tensor, new: &Tensor, slots: &[u32]) -> Result<Tensor> {
         let c = self.up(cache)?;
@@ -164,6 +172,7 @@ impl Backend for OnDevice {
 
 /// The largest difference between paged attention on `dev` and the slow
 /// reference on the CPU, for the same (CPU) inputs.
+#[cfg(any(feature = "cuda", all(feature = "metal", target_vendor = "apple")))]
 fn attention_diff(
     dev: &Device,
     q: &Tensor,
@@ -185,6 +194,7 @@ fn attention_diff(
 /// prefill chunks, several partitions (on CUDA, of 64 and of 256
 /// positions), GQA, a sliding window, head dims 64–256, every float cache
 /// type.
+#[cfg(any(feature = "cuda", all(feature = "metal", target_vendor = "apple")))]
 pub(crate) fn paged_attention_on(dev: &Device) -> Result<()> {
     // (n_heads, n_kv_heads, head_dim, block_size, context, new tokens, window)
     // (CUDA: the chunks of 8 tokens or more go through the tiled kernel.)
@@ -249,6 +259,7 @@ pub(crate) fn paged_attention_on(dev: &Device) -> Result<()> {
 /// there is none: the tests print `skipped: no $what device` and pass,
 /// unless `TESSERA_REQUIRE_GPU=1`, which makes them fail, so a GPU run
 /// cannot pass by skipping).
+#[cfg(any(feature = "cuda", all(feature = "metal", target_vendor = "apple")))]
 macro_rules! device_tests {
     ($what:literal, $open:expr) => {
         use candle_core::{Device, Result};
@@ -302,4 +313,5 @@ macro_rules! device_tests {
         }
     };
 }
+#[cfg(any(feature = "cuda", all(feature = "metal", target_vendor = "apple")))]
 pub(crate) use device_tests;

@@ -26,7 +26,7 @@
 //! restores its bytes exactly.
 
 use super::{combine, ActBlock, Kind, Packed, QIsa, GROUP, MAX_NI};
-use crate::matvec::f16_to_f32;
+use crate::linear::matvec::f16_to_f32;
 
 /// Values per super-block.
 pub(super) const QK: usize = 256;
@@ -822,7 +822,7 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::matvec::{WeightFormat, Weights};
+    use crate::linear::matvec::{WeightFormat, Weights};
     use candle_core::quantized::{GgmlDType, QTensor};
 
     /// The fields [`decode`] reads are GGML's: they give back the values

@@ -16,8 +16,8 @@
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::elem::{contiguous, f32_data, KvElem};
 use crate::simd;
+use crate::simd::elem::{contiguous, f32_data, KvElem};
 
 /// Where each query token's context lives. All ids are plain integers.
 #[derive(Debug, Clone, Copy)]

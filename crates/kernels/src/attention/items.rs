@@ -32,12 +32,12 @@
 // Lane loops index several arrays in step.
 #![allow(clippy::needless_range_loop)]
 
-use crate::attention::{exp_nonpositive, window_start};
-#[cfg(target_arch = "x86_64")]
-use crate::lanes::x86;
-use crate::lanes::{reduce16, Lanes, Portable};
-use crate::matvec::{f16_to_f32, Isa};
+use crate::attention::paged::{exp_nonpositive, window_start};
+use crate::linear::matvec::{f16_to_f32, Isa};
 use crate::quant::{BlockQ4_0, BlockQ8_0, QBlock, QK};
+#[cfg(target_arch = "x86_64")]
+use crate::simd::lanes::x86;
+use crate::simd::lanes::{reduce16, Lanes, Portable};
 
 /// Positions per chunk of context.
 pub const CHUNK: usize = 128;

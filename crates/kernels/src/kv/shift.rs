@@ -8,7 +8,7 @@
 
 use candle_core::{bail, CpuStorage, InplaceOp1, Layout, Result, Tensor};
 
-use crate::elem::{with_cache_mut, KvElem};
+use crate::simd::elem::{with_cache_mut, KvElem};
 use crate::Rotation;
 
 struct MoveSlots<'a> {

@@ -5,6 +5,9 @@
 
 use crate::tuning::IsaCap;
 
+pub(crate) mod elem;
+pub(crate) mod lanes;
+
 /// Whether every kernel takes its portable path, whatever the CPU has
 /// ([`crate::tuning::Tuning::isa`] `portable`): tests use it to check
 /// those paths on machines where the SIMD ones would run.

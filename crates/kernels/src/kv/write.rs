@@ -2,7 +2,7 @@
 
 use candle_core::{bail, CpuStorage, DType, InplaceOp1, InplaceOp2, Layout, Result, Tensor};
 
-use crate::elem::{f32_data, with_cache_mut, KvElem};
+use crate::simd::elem::{f32_data, with_cache_mut, KvElem};
 
 struct WriteKv<'a> {
     slots: &'a [u32],
@@ -128,7 +128,7 @@ pub fn write_kv_raw(cache: &Tensor, rows: &[u8], slots: &[u32]) -> Result<()> {
             let CpuStorage::U8(d) = s else {
                 bail!("write_kv_raw: not a quantized cache")
             };
-            let d = crate::elem::contiguous_mut(d, l, "KV cache")?;
+            let d = crate::simd::elem::contiguous_mut(d, l, "KV cache")?;
             let row = self.2;
             for (i, &s) in self.1.iter().enumerate() {
                 d[s as usize * row..(s as usize + 1) * row]

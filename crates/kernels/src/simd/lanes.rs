@@ -6,7 +6,7 @@
 // Lane loops index several arrays in step.
 #![allow(clippy::needless_range_loop)]
 
-use crate::matvec::f16_to_f32;
+use crate::linear::matvec::f16_to_f32;
 
 /// The fixed tree over 16 values (see [`Lanes::reduce`]).
 #[inline(always)]
@@ -113,7 +113,7 @@ pub(crate) trait Lanes: Copy {
         x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v))
     }
     /// `exp_nonpositive(x − m)` in every lane: the same operations in the
-    /// same order as [`crate::attention::exp_nonpositive`], so the same bits.
+    /// same order as [`crate::attention::paged::exp_nonpositive`], so the same bits.
     /// # Safety
     /// As [`Lanes::zero`].
     #[inline(always)]
@@ -121,7 +121,7 @@ pub(crate) trait Lanes: Copy {
         let mut v = [0f32; 16];
         x.store(&mut v);
         for e in v.iter_mut() {
-            *e = crate::attention::exp_nonpositive(*e - m);
+            *e = crate::attention::paged::exp_nonpositive(*e - m);
         }
         Self::load(&v)
     }
@@ -195,7 +195,7 @@ pub(crate) mod x86 {
 
     use super::Lanes;
 
-    /// [`crate::attention::exp_nonpositive`] of the vector `$x` with
+    /// [`crate::attention::paged::exp_nonpositive`] of the vector `$x` with
     /// vector operations (no fused ones: the scalar code rounds each
     /// product and sum), wrapped by `$wrap`.
     macro_rules! exp_ops {
@@ -532,7 +532,7 @@ pub(crate) mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::attention::exp_nonpositive;
+    use crate::attention::paged::exp_nonpositive;
 
     /// Scores and maxima over the softmax's whole range, and beyond it.
     fn inputs() -> Vec<(f32, f32)> {

@@ -41,10 +41,10 @@ use candle_core::quantized::k_quants::{
 use candle_core::quantized::GgmlDType;
 use candle_core::{bail, Result};
 
-#[cfg(target_arch = "x86_64")]
-use crate::lanes::x86;
-use crate::lanes::{reduce16, Lanes, Portable};
 use crate::simd::capped;
+#[cfg(target_arch = "x86_64")]
+use crate::simd::lanes::x86;
+use crate::simd::lanes::{reduce16, Lanes, Portable};
 use crate::tuning::IsaCap;
 
 /// Instruction sets the kernels are compiled for.

@@ -48,7 +48,7 @@ use std::sync::OnceLock;
 
 use candle_core::quantized::GgmlDType;
 
-use crate::matvec::{f16_to_f32, WeightFormat, Weights};
+use crate::linear::matvec::{f16_to_f32, WeightFormat, Weights};
 use crate::simd::capped;
 use crate::tuning::IsaCap;
 
@@ -214,7 +214,7 @@ impl QIsa {
         }
         #[cfg(target_arch = "x86_64")]
         {
-            use crate::matvec::Isa;
+            use crate::linear::matvec::Isa;
             use std::arch::is_x86_feature_detected as has;
             let base = Isa::best();
             if base >= Isa::Avx2 {
@@ -657,7 +657,7 @@ fn quantize_block(xb: &[f32; 32], levels: usize) -> ActBlock {
     let (d1, q1) = level(xb);
     // Σx by a fixed tree: pairs 16 apart, then the kernels' tree.
     let pairs: [f32; 16] = std::array::from_fn(|j| xb[j] + xb[j + 16]);
-    let xsum = crate::lanes::reduce16(&pairs);
+    let xsum = crate::simd::lanes::reduce16(&pairs);
     let (d2, q2) = if levels == 2 && d1.is_finite() {
         let mut r = [0f32; 32];
         for j in 0..32 {
@@ -1105,7 +1105,7 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::{kind_of, ActBlock, Kind, Packed, GROUP, MAX_NI};
-    use crate::lanes::x86::Across16;
+    use crate::simd::lanes::x86::Across16;
 
     /// One level of 32 values in two registers (the steps of
     /// `super::level`, vectorized): the scale and the i32 values, or
@@ -1350,7 +1350,7 @@ mod x86 {
             let hi = _mm512_loadu_ps(xb.as_ptr().add(16));
             let mut pairs = [0f32; 16];
             _mm512_storeu_ps(pairs.as_mut_ptr(), _mm512_add_ps(lo, hi));
-            let xsum = crate::lanes::reduce16(&pairs);
+            let xsum = crate::simd::lanes::reduce16(&pairs);
             let mut blk = ActBlock {
                 xsum,
                 ..ActBlock::default()

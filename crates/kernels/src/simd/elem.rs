@@ -89,20 +89,20 @@ macro_rules! with_cache_mut {
     ($storage:expr, $layout:expr, |$v:ident| $body:expr) => {
         match $storage {
             candle_core::CpuStorage::F32(d) => {
-                let $v = $crate::elem::contiguous_mut(d, $layout, "KV cache")?;
+                let $v = $crate::simd::elem::contiguous_mut(d, $layout, "KV cache")?;
                 $body
             }
             candle_core::CpuStorage::F16(d) => {
-                let $v = $crate::elem::contiguous_mut(d, $layout, "KV cache")?;
+                let $v = $crate::simd::elem::contiguous_mut(d, $layout, "KV cache")?;
                 $body
             }
             candle_core::CpuStorage::BF16(d) => {
-                let $v = $crate::elem::contiguous_mut(d, $layout, "KV cache")?;
+                let $v = $crate::simd::elem::contiguous_mut(d, $layout, "KV cache")?;
                 $body
             }
             candle_core::CpuStorage::U8(d) => {
                 let t = $crate::KvType::of_dims(candle_core::DType::U8, $layout.dims())?;
-                let bytes = $crate::elem::contiguous_mut(d, $layout, "KV cache")?;
+                let bytes = $crate::simd::elem::contiguous_mut(d, $layout, "KV cache")?;
                 if t == $crate::KvType::Q8_0 {
                     let $v = $crate::quant::blocks_mut::<$crate::quant::BlockQ8_0>(bytes);
                     $body
