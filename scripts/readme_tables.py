@@ -45,19 +45,29 @@ def cpu():
     return "unknown CPU"
 
 
-def commit():
-    return subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()
+def commit(before=None):
+    """HEAD, or the last commit made before the time `before` (seconds)."""
+    args = ["git", "rev-list", "-1", "--abbrev-commit"]
+    if before is not None:
+        args.append(f"--before=@{int(before)}")
+    out = subprocess.run(args + ["HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return out.stdout.strip() or "unknown"
 
 
-def measured(at=None):
-    """When, where and at which commit (`at`, else HEAD): the start of every generated text."""
-    return f"measured {datetime.date.today()} on {cpu()} ({os.cpu_count()} cores), commit `{at or commit()}`"
+def measured(at=None, source=None):
+    """When, where and at which commit (`at`, else HEAD): the start of every
+    generated text. Given `source` (the results file), the date is the day
+    it was written and the commit the last one made before that, so that
+    regenerating a table does not restamp old results with today's."""
+    day, when = datetime.date.today(), None
+    if source is not None and Path(source).exists():
+        when = Path(source).stat().st_mtime
+        day = datetime.date.fromtimestamp(when)
+    return f"measured {day} on {cpu()} ({os.cpu_count()} cores), commit `{at or commit(when)}`"
 
 
-def header():
-    return f"{measured()}, SmolLM2-135M-Instruct Q4_1, default (portable) release build"
+def header(source=None):
+    return f"{measured(source=source)}, SmolLM2-135M-Instruct Q4_1, default (portable) release build"
 
 
 def lines(name):
@@ -100,7 +110,7 @@ def fidelity(name):
 def model():
     r = rows("model.jsonl")
     out = [
-        f"`tessera bench --scenario prefill|decode`, {header()}, "
+        f"`tessera bench --scenario prefill|decode`, {header(BENCH / 'model.jsonl')}, "
         f"{r['prefill']['threads']} threads, both engines alternating in the same run; "
         f"median of {r['prefill']['runs']} runs (prefill) and {r['decode']['runs']} (decode). "
         "candle's `quantized_llama` quantizes activations to 8 bits and has no SIMD "
@@ -157,7 +167,7 @@ def engine():
     second = c["turns"][1]
     new = [t["prompt_tokens"] - t["cached_tokens"] for t in c["turns"][1:]]
     return [
-        f"`tessera bench --scenario chat|shared-prefix|interleaved|shift --json`, {header()}. "
+        f"`tessera bench --scenario chat|shared-prefix|interleaved|shift --json`, {header(BENCH / 'engine.jsonl')}. "
         "Each scenario runs beside the same engine without the cache's help, in the same run.",
         "",
         "| scenario | with the cache | without | |",
@@ -215,7 +225,7 @@ def isa():
 def sessions():
     r = rows("sessions.jsonl")["session_save"]
     return [
-        f"`tessera bench --scenario session-save --runs {r['runs']} --json`, {header()}, {isa()} host. "
+        f"`tessera bench --scenario session-save --runs {r['runs']} --json`, {header(BENCH / 'sessions.jsonl')}, {isa()} host. "
         "A stream decodes 128 greedy tokens; once its fourth token is out, a "
         f"{r['session_tokens']:,}-token session nothing cached is saved (its K/V computed as a "
         "background request, written to a file). The stream's gaps between tokens from the fifth "
@@ -247,7 +257,7 @@ def hangups():
         sys.exit(f"{path} is missing: run just bench-hangups")
     r = json.loads(path.read_text())
     out = [
-        f"`scripts/hangups.py`, {header()}, {isa()} host, `tessera serve` on loopback. "
+        f"`scripts/hangups.py`, {header(path)}, {isa()} host, `tessera serve` on loopback. "
         f"{r['clients']} clients each send a prompt of {r['prompt_tokens']:,} tokens (not "
         f"streamed) and close their socket after {r['hang_up_after_s']} s; right after them a short "
         "streamed request asks for 4 tokens. Its time to first token beside the same request on "
@@ -863,7 +873,7 @@ def soak():
     r = json.loads((ROOT / "target" / "bench" / "soak.json").read_text())
     mib = lambda b: f"{b / 2**20:,.1f} MiB"
     out = [
-        f"Soak (`just bench-soak`), {measured()}, SmolLM2-135M-Instruct Q4_1, "
+        f"Soak (`just bench-soak`), {measured(source=ROOT / 'target' / 'bench' / 'soak.json')}, SmolLM2-135M-Instruct Q4_1, "
         "24 MiB of KV pool (so requests preempt each other), context 256, requests spread over "
         "four cache partitions (two tenants, a salt, the default): "
         f"{r['requests']:,} requests, up to four at a time ({r['seconds']:,.0f} s of wall "
