@@ -922,6 +922,65 @@ impl Scheduler {
         released?;
         Ok(r.tokens)
     }
+
+    /// Between steps, slots for K/V that arrives whole from outside (a
+    /// session file): a sequence of `namespace` holding `tokens`, its
+    /// cached prefix reused and the rest given slots, evicting cached
+    /// blocks if need be (no room is an error, not a wait: nothing else is
+    /// held back for it). The sliding-window layers get slots for positions
+    /// from `sliding_from` on. The caller applies the plan's copies, writes
+    /// the rows, then calls [`Scheduler::end_placement`].
+    pub fn place_kv(
+        &mut self,
+        namespace: Namespace,
+        tokens: &[TokenId],
+        sliding_from: usize,
+    ) -> Result<Placement, SchedError> {
+        let (seq, cached) = self.kv.add_sequence(namespace, tokens);
+        let plan = match self.kv.append_from(seq, &tokens[cached..], sliding_from) {
+            Ok(Admission::Ok(plan)) => plan,
+            other => {
+                self.kv.free_sequence(seq)?;
+                return Err(match other {
+                    Err(e) => e.into(),
+                    Ok(Admission::Later { needed, .. } | Admission::Never { needed, .. }) => {
+                        SchedError::TooLarge {
+                            needed,
+                            total: self.kv.pool().num_blocks(),
+                            block_size: self.kv.block_size(),
+                        }
+                    }
+                    Ok(Admission::Ok(_)) => unreachable!("matched above"),
+                });
+            }
+        };
+        Ok(Placement { seq, cached, plan })
+    }
+
+    /// Ends a [`Scheduler::place_kv`]: when `written`, its tokens count as
+    /// computed and enter the prefix tree (the number of tokens new to the
+    /// tree is returned); either way its sequence is freed.
+    pub fn end_placement(&mut self, p: Placement, written: bool) -> Result<usize, SchedError> {
+        let mut inserted = 0;
+        if written {
+            let n = self.kv.sequence(p.seq)?.len();
+            self.kv.mark_computed(p.seq, n)?;
+            inserted = self.kv.insert_sequence(p.seq)?.inserted;
+        }
+        self.kv.free_sequence(p.seq)?;
+        Ok(inserted)
+    }
+}
+
+/// Slots given by [`Scheduler::place_kv`] to K/V that arrives whole.
+#[derive(Debug)]
+pub struct Placement {
+    pub seq: SeqId,
+    /// Leading tokens the prefix tree already held (their rows are not
+    /// written again).
+    pub cached: usize,
+    /// Copies to apply first, and the slots of the tokens after `cached`.
+    pub plan: AppendPlan,
 }
 
 enum Placed {

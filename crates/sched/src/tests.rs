@@ -989,3 +989,36 @@ fn a_background_request_takes_a_small_share_beside_others_and_all_alone() {
     assert_eq!(out[&fg].len(), 30);
     assert_eq!(out[&bg].len(), 1);
 }
+
+/// K/V placed from outside between steps: written, it enters the tree (a
+/// second placement finds it all cached and needs no slot); not written,
+/// nothing is cached; no room is an error with the numbers, and leaves no
+/// block held.
+#[test]
+fn placed_kv_enters_the_tree_only_when_written() {
+    let mut sim = Sim::new(8, 4, cfg(64, 8));
+    let toks = token_ids(&prompt(3, 10));
+    let p = sim.sched.place_kv(NS, &toks, 0).unwrap();
+    assert_eq!((p.cached, p.plan.slots.len()), (0, 10));
+    assert_eq!(sim.sched.end_placement(p, true).unwrap(), 10);
+    let again = sim.sched.place_kv(NS, &toks, 0).unwrap();
+    assert_eq!((again.cached, again.plan.slots.len()), (10, 0));
+    assert_eq!(sim.sched.end_placement(again, true).unwrap(), 0);
+
+    let other = token_ids(&prompt(4, 6));
+    let p = sim.sched.place_kv(NS, &other, 0).unwrap();
+    assert_eq!(sim.sched.end_placement(p, false).unwrap(), 0);
+    let p = sim.sched.place_kv(NS, &other, 0).unwrap();
+    assert_eq!(p.cached, 0, "an unwritten placement left nothing cached");
+    sim.sched.end_placement(p, false).unwrap();
+
+    let huge = token_ids(&prompt(5, 40));
+    let err = sim.sched.place_kv(NS, &huge, 0).unwrap_err();
+    assert!(
+        matches!(err, SchedError::TooLarge { total: 8, .. }),
+        "{err}"
+    );
+    let kv = sim.sched.kv();
+    assert_eq!(kv.stats().sequences, 0);
+    kv.check_invariants().unwrap();
+}

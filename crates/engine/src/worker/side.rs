@@ -6,7 +6,7 @@
 
 use std::sync::mpsc;
 
-use tessera_kv::{token_ids, Admission, AppendPlan, Namespace, SeqId, TokenId};
+use tessera_kv::{token_ids, AppendPlan, Namespace, SeqId};
 use tessera_sched::{NewRequest, ReqId};
 use tracing::warn;
 
@@ -246,28 +246,6 @@ impl Worker {
         let _ = s.reply.send(Ok(s.rows));
     }
 
-    /// Reserves slots for `toks` on `seq` outside the scheduler (K/V
-    /// written from a file, whose sliding-window layers hold positions from
-    /// `sliding_from` on): out of blocks is an error, not a wait.
-    pub(super) fn append_now_from(
-        &mut self,
-        seq: SeqId,
-        toks: &[TokenId],
-        sliding_from: usize,
-    ) -> Result<AppendPlan> {
-        let kv = self.sched.kv_mut();
-        match kv.append_from(seq, toks, sliding_from)? {
-            Admission::Ok(p) => Ok(p),
-            Admission::Later { needed, .. } | Admission::Never { needed, .. } => {
-                Err(EngineError::OutOfKvMemory {
-                    needed,
-                    total: kv.pool().num_blocks(),
-                    block_size: kv.block_size(),
-                })
-            }
-        }
-    }
-
     /// Carries out an append plan's copies in both pools.
     pub(super) fn apply_append(&self, plan: &AppendPlan) -> Result<()> {
         self.runner.apply_copies(&plan.copies)?;
@@ -376,38 +354,35 @@ impl Worker {
             let from = snap.sliding_from.min(n);
             self.runner.check_rows(&snap.layers, n, n - from)?;
             let toks = token_ids(&snap.tokens);
-            let (seq, cached) = self.sched.kv_mut().add_sequence(ns, &toks);
-            let result = self
-                .append_now_from(seq, &toks[cached..], from)
-                .and_then(|plan| {
-                    self.apply_append(&plan)?;
-                    // Sliding rows of positions `first..` (the tail past
-                    // what the cache held).
-                    let first = cached.max(from);
-                    let rows = Rows {
-                        slots: plan.slots.iter().map(|s| s.0).collect(),
-                        sliding: plan
-                            .sliding_slots
-                            .get(first - cached..)
-                            .unwrap_or_default()
-                            .iter()
-                            .map(|s| s.0)
-                            .collect(),
-                    };
-                    if rows.sliding.contains(&u32::MAX) {
-                        return Err(EngineError::Step(
-                            "a restored tail has no sliding-window block".into(),
-                        ));
-                    }
-                    self.runner
-                        .write_rows(&rows, &snap.layers, cached, first - from)
-                });
-            let kv = self.sched.kv_mut();
-            if result.is_ok() {
-                kv.mark_computed(seq, toks.len())?;
-                total += kv.insert_sequence(seq)?.inserted;
-            }
-            kv.free_sequence(seq)?;
+            let placed = self.sched.place_kv(ns, &toks, from).map_err(sched_error)?;
+            let cached = placed.cached;
+            let plan = &placed.plan;
+            let result = self.apply_append(plan).and_then(|()| {
+                // Sliding rows of positions `first..` (the tail past what
+                // the cache held).
+                let first = cached.max(from);
+                let rows = Rows {
+                    slots: plan.slots.iter().map(|s| s.0).collect(),
+                    sliding: plan
+                        .sliding_slots
+                        .get(first - cached..)
+                        .unwrap_or_default()
+                        .iter()
+                        .map(|s| s.0)
+                        .collect(),
+                };
+                if rows.sliding.contains(&u32::MAX) {
+                    return Err(EngineError::Step(
+                        "a restored tail has no sliding-window block".into(),
+                    ));
+                }
+                self.runner
+                    .write_rows(&rows, &snap.layers, cached, first - from)
+            });
+            total += self
+                .sched
+                .end_placement(placed, result.is_ok())
+                .map_err(sched_error)?;
             result?;
         }
         Ok(total)

@@ -2,7 +2,7 @@
 use super::*;
 use crate::types::CacheDType;
 use crate::SelfExtend;
-use tessera_kv::SeqId;
+use tessera_kv::{AppendPlan, SeqId};
 use tessera_model::testing::{write_tiny_model, TinySpec};
 
 fn tiny_worker(dtype: CacheDType) -> (Worker, std::path::PathBuf) {
@@ -45,11 +45,19 @@ fn cached(core: &mut Worker, ids: &[u32]) {
     kv.free_sequence(seq).unwrap();
 }
 
+/// Slots for `toks` on `seq`, outside the scheduler (no room: an error).
+fn append_now(core: &mut Worker, seq: SeqId, toks: &[TokenId]) -> Result<AppendPlan> {
+    match core.sched.kv_mut().append(seq, toks)? {
+        tessera_kv::Admission::Ok(p) => Ok(p),
+        _ => Err(EngineError::Step("the test's pool is full".into())),
+    }
+}
+
 /// Appends and computes `toks` on `seq` in chunks, outside the scheduler:
 /// the tests' way to fill a sequence.
 fn compute_on(core: &mut Worker, seq: SeqId, toks: &[TokenId]) -> Result<()> {
     for chunk in toks.chunks(core.cfg.prefill_chunk.max(1)) {
-        let plan = core.append_now_from(seq, chunk, 0)?;
+        let plan = append_now(core, seq, chunk)?;
         core.apply_append(&plan)?;
         let kv = core.sched.kv();
         let s = kv.sequence(seq)?;
@@ -732,7 +740,7 @@ fn self_extend_rotations_equal_a_fresh_computation_at_the_final_positions() {
     let mut map = PositionMap::new(ga);
     let mut at = 0;
     for chunk in toks.chunks(7) {
-        let plan = core.append_now_from(seq, chunk, 0).unwrap();
+        let plan = append_now(&mut core, seq, chunk).unwrap();
         core.apply_append(&plan).unwrap();
         let table = core.sched.kv().sequence(seq).unwrap().block_table();
         let rope = advance(&core.runner, &mut map, at, chunk.len(), table, bs).unwrap();
@@ -767,7 +775,7 @@ fn self_extend_rotations_equal_a_fresh_computation_at_the_final_positions() {
     let (extended, _) = core.read_kv(seq, ids.len()).unwrap();
 
     let (fresh, _) = core.sched.kv_mut().add_sequence(core.ns, &[]);
-    let plan = core.append_now_from(fresh, &toks, 0).unwrap();
+    let plan = append_now(&mut core, fresh, &toks).unwrap();
     core.apply_append(&plan).unwrap();
     let part = Part {
         tokens: &toks,
