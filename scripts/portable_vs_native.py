@@ -13,6 +13,12 @@ the README's `bench-portable` section.
 
     python3 scripts/portable_vs_native.py [--models SmolLM2-135M-Instruct.Q4_1,synth-1b-Q4_K_M]
                                           [--isas avx512,avxvnni,avx2] [--runs 7]
+                                          [--against native|x86-64-v3]
+
+`--against x86-64-v3` compares with a build for the x86-64-v3 level
+(`target/x86-64-v3`, AVX2 + FMA, 16 vector registers) instead, on the AVX2
+rows: on an AVX-512 host `native` gives the 256-bit tiles 32 registers, so
+only this build says what an AVX2 machine's own build would gain.
 """
 
 import argparse
@@ -27,10 +33,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cpu import host_isas, model_paths  # noqa: E402
 from readme_tables import BENCH, ROOT, measured, splice  # noqa: E402
 
-BUILDS = {
-    "portable": ROOT / "target" / "release" / "tessera",
-    "native": ROOT / "target" / "native" / "release" / "tessera",
+# The builds the default one is compared with: this CPU's, or the x86-64-v3
+# level (AVX2 + FMA, 16 vector registers), a faithful AVX2 build on a host
+# whose `native` has AVX-512's 32 registers.
+AGAINST = {
+    "native": (ROOT / "target" / "native" / "release" / "tessera", "-C target-cpu=native"),
+    "x86-64-v3": (ROOT / "target" / "x86-64-v3" / "release" / "tessera",
+                  "-C target-cpu=x86-64-v3"),
 }
+PORTABLE = ROOT / "target" / "release" / "tessera"
 NAMES = {"avx512": "AVX-512 VNNI", "avxvnni": "AVX-VNNI", "avx2": "AVX2"}
 # One binary's runs spread by about ±10% on a shared host (AMD EPYC,
 # 2026-11-25: prefill 885 to 1,062 tok/s over 5 runs), so the medians need
@@ -52,8 +63,11 @@ def main():
     ap.add_argument("--models", default="SmolLM2-135M-Instruct.Q4_1,synth-1b-Q4_K_M")
     ap.add_argument("--isas", default=",".join(host_isas()))
     ap.add_argument("--runs", type=int, default=RUNS)
+    ap.add_argument("--against", choices=sorted(AGAINST), default="native")
     args = ap.parse_args()
-    for name, path in BUILDS.items():
+    other, flags = AGAINST[args.against]
+    builds = {"portable": PORTABLE, "native": other}
+    for name, path in builds.items():
         if not path.exists():
             sys.exit(f"{path} is missing: run `just bench-portable`")
     models = model_paths(args.models)
@@ -61,13 +75,13 @@ def main():
     rows = []
     for name, path in models:
         for isa in isas:
-            got = {s: {b: [] for b in BUILDS} for s in ("prefill", "decode")}
+            got = {s: {b: [] for b in builds} for s in ("prefill", "decode")}
             for i in range(args.runs):
                 for scenario, per in got.items():
-                    for build, binary in BUILDS.items():
+                    for build, binary in builds.items():
                         per[build].append(run(binary, path, scenario, isa))
                 print(f"{name} {isa} run {i + 1}/{args.runs}: "
-                      + ", ".join(f"{s} {b} {v[b][-1]:.1f}" for s, v in got.items() for b in BUILDS), flush=True)
+                      + ", ".join(f"{s} {b} {v[b][-1]:.1f}" for s, v in got.items() for b in builds), flush=True)
             for s, per in got.items():
                 rows.append({
                     "model": name, "isa": isa, "scenario": s,
@@ -76,15 +90,19 @@ def main():
                     "ratio": statistics.median(per["portable"]) / statistics.median(per["native"]),
                 })
     BENCH.mkdir(parents=True, exist_ok=True)
-    (BENCH / "portable.json").write_text(json.dumps({"runs": args.runs, "rows": rows}, indent=1) + "\n")
+    native = args.against == "native"
+    out = BENCH / ("portable.json" if native else f"portable-{args.against}.json")
+    out.write_text(json.dumps({"runs": args.runs, "against": args.against, "rows": rows},
+                              indent=1) + "\n")
+    what = "one for this CPU" if native else f"one for the {args.against} level"
     lines = [
-        f"The default build against one for this CPU (`just bench-portable`), {measured()}: "
+        f"The default build against {what} (`just bench-portable`), {measured()}: "
         "`target/release/tessera` (kernels chosen at run time) and the same code built with "
-        "`-C target-cpu=native`, `TESSERA_ISA` forced to the row's instruction set in both, 2 threads, "
+        f"`{flags}`, `TESSERA_ISA` forced to the row's instruction set in both, 2 threads, "
         f"alternating, {args.runs} runs each, median (min–max). Prefill: a 512-token prompt; decode: 128 "
         "tokens after a 16-token prompt.",
         "",
-        "| model | ISA | scenario | default build | `target-cpu=native` | default / native |",
+        f"| model | ISA | scenario | default build | `{flags.split()[-1]}` | default / other |",
         "|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -93,7 +111,7 @@ def main():
             f"| {r['model']} | {NAMES.get(r['isa'], r['isa'])} | {r['scenario']} | {r['portable']:.1f} tok/s "
             f"{span('portable')} | {r['native']:.1f} tok/s {span('native')} | {r['ratio']:.3f} |"
         )
-    splice("portable", "portable_vs_native.py", lines)
+    splice("portable" if native else f"portable-{args.against}", "portable_vs_native.py", lines)
     print("\n".join(lines))
 
 
