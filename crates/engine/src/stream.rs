@@ -81,19 +81,13 @@ impl RequestStream {
     pub fn canceller(&self) -> Canceller {
         Canceller(self.cancel.clone())
     }
-}
 
-/// Cancels one request: see [`RequestStream::canceller`].
-#[derive(Debug, Clone)]
-pub struct Canceller(Arc<AtomicBool>);
-
-impl Canceller {
-    pub fn cancel(&self) {
-        self.0.store(true, Ordering::Relaxed);
+    /// The same events as a `futures::Stream`, for async callers on any
+    /// runtime; dropping it cancels the request too.
+    pub fn into_async(self) -> EventStream {
+        EventStream(self)
     }
-}
 
-impl RequestStream {
     /// Counts a received event (`None`: the worker is gone).
     fn took(&mut self, ev: Option<Event>) -> Option<Event> {
         match &ev {
@@ -116,6 +110,16 @@ impl RequestStream {
     }
 }
 
+/// Cancels one request: see [`RequestStream::canceller`].
+#[derive(Debug, Clone)]
+pub struct Canceller(Arc<AtomicBool>);
+
+impl Canceller {
+    pub fn cancel(&self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
 impl Iterator for RequestStream {
     type Item = Event;
 
@@ -125,14 +129,6 @@ impl Iterator for RequestStream {
         }
         let ev = self.rx.recv().ok();
         self.took(ev)
-    }
-}
-
-impl RequestStream {
-    /// The same events as a `futures::Stream`, for async callers on any
-    /// runtime; dropping it cancels the request too.
-    pub fn into_async(self) -> EventStream {
-        EventStream(self)
     }
 }
 
@@ -190,6 +186,7 @@ pub(crate) struct EventReceiver {
 
 /// The worker's end of a request's events: every event sent, and every
 /// sender dropped, wakes the task polling the stream, if one is.
+#[derive(Clone)]
 pub(crate) struct EventSender {
     /// `None` only while being dropped.
     tx: Option<mpsc::Sender<Event>>,
@@ -205,15 +202,6 @@ impl EventSender {
         };
         self.waker.wake();
         sent
-    }
-}
-
-impl Clone for EventSender {
-    fn clone(&self) -> Self {
-        EventSender {
-            tx: self.tx.clone(),
-            waker: self.waker.clone(),
-        }
     }
 }
 

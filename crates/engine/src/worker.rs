@@ -119,6 +119,16 @@ struct Pace {
     good: usize,
 }
 
+/// The logits rows a step item asks for: the last `given` rows of its
+/// part, of which the first `kept` are wanted (a scored text's last token
+/// predicts nothing); `scored`: a text's rows, else a sample's one row.
+#[derive(Debug, Clone, Copy)]
+struct ItemRows {
+    given: usize,
+    kept: usize,
+    scored: bool,
+}
+
 /// Partitions beyond which the idle worker forgets those with nothing
 /// cached and nothing running.
 const PARTITIONS_KEPT: usize = 4096;
@@ -609,36 +619,30 @@ impl Worker {
                 a.started.get_or_insert(now);
             }
         }
-        let ran = catch_unwind(AssertUnwindSafe(|| self.execute(&plan))).unwrap_or_else(|p| {
-            let text = panic_text(&*p);
-            Err(if text == INJECTED_PANIC {
-                EngineError::Injected
-            } else {
-                EngineError::Step(text)
-            })
-        });
+        // Where each item's logits rows go, fixed before the forward asks
+        // for them (ending requests below must not move them).
+        let rows: Vec<Option<ItemRows>> = plan.items.iter().map(|i| self.item_rows(i)).collect();
+        let ran =
+            catch_unwind(AssertUnwindSafe(|| self.execute(&plan, &rows))).unwrap_or_else(|p| {
+                let text = panic_text(&*p);
+                Err(if text == INJECTED_PANIC {
+                    EngineError::Injected
+                } else {
+                    EngineError::Step(text)
+                })
+            });
         let logits =
             match ran.and_then(|l| self.sched.step_done(&plan).map(|()| l).map_err(sched_error)) {
                 Ok(l) => l,
                 Err(e) => return self.abort(&plan, &e),
             };
         self.end_scheduled(&plan);
-        // Each item's rows, in order: (request, rows the forward gives,
-        // rows kept, scored).
-        let wanting: Vec<(ReqId, usize, usize, bool)> = plan
+        // The items that asked for rows, in the forward's order.
+        let wanting: Vec<(ReqId, ItemRows)> = plan
             .items
             .iter()
-            .filter_map(|i| {
-                let from = self.rows_from(i)?;
-                let given = i.tokens.len() - from;
-                Some(match self.scores.get(&i.req) {
-                    Some(s) => {
-                        let kept = s.wanted(i.start, i.tokens.len()).map_or(0, |r| r.len());
-                        (i.req, given, kept, true)
-                    }
-                    None => (i.req, 1, 1, false),
-                })
-            })
+            .zip(&rows)
+            .filter_map(|(i, r)| Some((i.req, (*r)?)))
             .collect();
         for item in &plan.items {
             let done = self
@@ -652,14 +656,14 @@ impl Worker {
         let _span = debug_span!("sample").entered();
         let (mut at, mut k) = (0, 0);
         let read = logits.each_row(|row| {
-            while wanting.get(at).is_some_and(|w| k == w.1) {
+            while wanting.get(at).is_some_and(|w| k == w.1.given) {
                 (at, k) = (at + 1, 0);
             }
-            let Some(&(req, _, kept, scored)) = wanting.get(at) else {
+            let Some(&(req, r)) = wanting.get(at) else {
                 return;
             };
-            if scored {
-                if let Some(s) = self.scores.get_mut(&req).filter(|_| k < kept) {
+            if r.scored {
+                if let Some(s) = self.scores.get_mut(&req).filter(|_| k < r.kept) {
                     s.rows.push(row.to_vec());
                 }
             } else if let Err(e) = self.on_logits(req, row) {
@@ -762,14 +766,21 @@ impl Worker {
             && !self.scores.contains_key(&item.req)
     }
 
-    /// The first of the rows a step item's part asks the forward for (it
-    /// gives the rest of the part's rows too), if any.
-    fn rows_from(&self, item: &tessera_sched::StepItem) -> Option<usize> {
+    /// The logits rows a step item asks the forward for, if any: a
+    /// sample's last row, or a scored text's rows in this part.
+    fn item_rows(&self, item: &tessera_sched::StepItem) -> Option<ItemRows> {
+        let end = item.start + item.tokens.len();
         match self.scores.get(&item.req) {
-            Some(s) => s
-                .wanted(item.start, item.tokens.len())
-                .map(|r| r.start - item.start),
-            None => self.samples(item).then(|| item.tokens.len() - 1),
+            Some(s) => s.wanted(item.start, item.tokens.len()).map(|r| ItemRows {
+                given: end - r.start,
+                kept: r.len(),
+                scored: true,
+            }),
+            None => self.samples(item).then_some(ItemRows {
+                given: 1,
+                kept: 1,
+                scored: false,
+            }),
         }
     }
 
@@ -823,7 +834,7 @@ impl Worker {
 
     /// Applies the plan's KV operations and runs the forward pass; returns
     /// the logits of the items that want them, in order.
-    fn execute(&mut self, plan: &StepPlan) -> Result<Logits> {
+    fn execute(&mut self, plan: &StepPlan, rows: &[Option<ItemRows>]) -> Result<Logits> {
         let _span = debug_span!("execute", tokens = plan.num_tokens()).entered();
         for op in &plan.ops {
             match op {
@@ -836,12 +847,13 @@ impl Worker {
         let mut parts: Vec<Part> = plan
             .items
             .iter()
-            .map(|i| Part {
+            .zip(rows)
+            .map(|(i, r)| Part {
                 tokens: &i.tokens,
                 start: i.start,
                 slots: &i.slots,
                 table: &i.block_table,
-                logits_from: self.rows_from(i),
+                logits_from: r.map(|r| i.tokens.len() - r.given),
                 sliding: split.then(|| sliding_part(&i.sliding_slots, &i.sliding_table)),
                 rope: Vec::new(),
             })

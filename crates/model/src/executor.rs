@@ -16,7 +16,7 @@ use candle_core::{Device, Tensor};
 use tessera_kernels::Activations;
 
 use crate::fast::Fast;
-use crate::llama::{reference_forced, Batch, LayerKv, Llama};
+use crate::llama::{Batch, LayerKv, Llama};
 use crate::Result;
 
 /// Batches of at most this many tokens take the CUDA forward; longer ones
@@ -135,7 +135,7 @@ impl Llama {
         &self,
         want: BuiltFor,
     ) -> Result<std::result::Result<Box<dyn Executor>, String>> {
-        if reference_forced() {
+        if tessera_kernels::tuning::get().reference_forward {
             return Ok(Err("the reference forward was asked for".into()));
         }
         match &self.device {

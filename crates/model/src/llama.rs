@@ -92,12 +92,6 @@ pub(crate) fn rope_angles(inv_freq: &[f32], positions: &[u32], cos: &mut [f32], 
     }
 }
 
-/// Whether every forward pass goes through the candle reference path
-/// ([`tessera_kernels::Tuning::reference_forward`]).
-pub(crate) fn reference_forced() -> bool {
-    tessera_kernels::tuning::get().reference_forward
-}
-
 /// The paged K and V cache tensors of one layer:
 /// `[num_blocks, block_size, n_kv_heads, head_dim]` each.
 #[derive(Debug, Clone)]

@@ -175,7 +175,7 @@ pub struct SessionRestoreRequest {
 
 /// `usage` of a response: `cached_tokens` are the prompt tokens whose K/V
 /// came from the prefix cache (not computed by this request).
-#[derive(Debug, Clone, Copy, Default, Serialize, ToSchema)]
+#[derive(Debug, Clone, Copy, Default, Serialize)]
 pub struct UsageOut {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
@@ -183,13 +183,13 @@ pub struct UsageOut {
     pub prompt_tokens_details: CachedOut,
 }
 
-#[derive(Debug, Clone, Copy, Default, Serialize, ToSchema)]
+#[derive(Debug, Clone, Copy, Default, Serialize)]
 pub struct CachedOut {
     pub cached_tokens: usize,
 }
 
 /// llama-server's `timings`, for users coming from it.
-#[derive(Debug, Clone, Copy, Default, Serialize, ToSchema)]
+#[derive(Debug, Clone, Copy, Default, Serialize)]
 pub struct TimingsOut {
     pub cache_n: usize,
     pub prompt_n: usize,

@@ -28,8 +28,6 @@ mod openapi;
 mod sessions;
 
 use std::convert::Infallible;
-
-use futures_util::StreamExt;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -42,6 +40,7 @@ use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
+use futures_util::StreamExt;
 use serde_json::{json, Value};
 use tessera_engine::{
     Canceller, Completion, ContextShift, Engine, EngineError, Event, FinishReason, GenerateRequest,
