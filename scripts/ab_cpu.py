@@ -5,8 +5,9 @@
 
 Runs `tessera bench --no-baseline` of both binaries alternating, round by
 round (old, new, new, old, ...: neither always goes first), for prefill,
-decode, decode-long and decode-batch on the default model and decode on
-Gemma 3 270M when it is present, and keeps the median of each side's
+decode, decode-long and decode-batch on the default model, decode on
+Gemma 3 270M and prefill and decode on the generated 1B-class Q4_K_M
+when they are present, and keeps the median of each side's
 rounds. Writes target/bench/ab-cpu.json and the README's `bench-ab-cpu`
 section. Both binaries should come from the same build profile and flags.
 """
@@ -20,10 +21,12 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from readme_tables import BENCH, ROOT, measured, splice  # noqa: E402
+from readme_tables import BENCH, ROOT, isa, measured, splice  # noqa: E402
 
 SMOL = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 GEMMA = ROOT / "models" / "gemma-3-270m-q4_k_m.gguf"
+# The 1B-class Llama layout with random weights (`just synth-model`).
+SYNTH_1B = ROOT / "models" / "synth-1b-Q4_K_M.gguf"
 # (row, model, scenario, runs per round, the JSON field that holds tok/s)
 CASES = [
     ("prefill, 512-token prompt", SMOL, "prefill", 3, "tessera"),
@@ -31,6 +34,8 @@ CASES = [
     ("decode-long: 128 tokens after 2,048", SMOL, "decode-long", 2, "tessera"),
     ("decode-batch: 8 sequences, aggregate", SMOL, "decode-batch", 2, "batch8"),
     ("Gemma 3 270M decode, 128 tokens", GEMMA, "decode", 3, "tessera"),
+    ("1B-class Q4_K_M (generated) prefill, 512-token prompt", SYNTH_1B, "prefill", 2, "tessera"),
+    ("1B-class Q4_K_M (generated) decode, 128 tokens", SYNTH_1B, "decode", 2, "tessera"),
 ]
 
 
@@ -64,7 +69,7 @@ def main():
              "new": statistics.median(r["new"]), "old_runs": r["old"], "new_runs": r["new"]}
             for n, r in results.items()]
     BENCH.mkdir(parents=True, exist_ok=True)
-    data = {"measured": measured(), "label": args.label, "rounds": args.rounds,
+    data = {"measured": f"{measured()}, {isa()} host", "label": args.label, "rounds": args.rounds,
             "threads": os.cpu_count(), "rows": rows}
     (BENCH / "ab-cpu.json").write_text(json.dumps(data, indent=1))
     table(data)
