@@ -665,14 +665,26 @@ impl Scheduler {
             if *budget == 0 || (self.running.len() >= self.cfg.max_running && !solo) {
                 break;
             }
-            let r = &self.reqs[&id];
-            if r.tokens.len() > self.cfg.context_length && r.shift_keep.is_none() {
+            let ctx = self.cfg.context_length;
+            let r = self.reqs.get_mut(&id).expect("known");
+            if r.tokens.len() > ctx {
                 // Preempted with a sampled token past a full context: it
-                // ends as it would have had it kept running.
-                self.waiting.retain(|&w| w != id);
-                plan.ended.push((id, EndReason::ContextFull));
-                continue;
+                // ends, or shifts, as it would have had it kept running
+                // (the shift made on its tokens: its K/V is computed again).
+                let Some(keep) = r.shift_keep else {
+                    self.waiting.retain(|&w| w != id);
+                    plan.ended.push((id, EndReason::ContextFull));
+                    continue;
+                };
+                let n_keep = keep.min(ctx / 2);
+                while r.tokens.len() > ctx {
+                    let len = r.tokens.len() - 1;
+                    let n_discard = ((len - n_keep) / 2).max(1);
+                    r.tokens.drain(n_keep..n_keep + n_discard);
+                    self.stats.shifts += 1;
+                }
             }
+            let r = &self.reqs[&id];
             let reusable = if self.cfg.prefix_cache && r.reuse {
                 &r.tokens[..r.tokens.len() - 1]
             } else {

@@ -132,6 +132,12 @@ impl Sim {
         let bs = self.bs();
         for item in plan.items.iter().filter(|i| i.wants_logits) {
             let len = item.start + item.tokens.len();
+            let most = self.sched.config().context_length;
+            assert!(
+                len <= most,
+                "{}: {len} tokens in a context of {most}",
+                item.req
+            );
             let ctx: Vec<TokenId> = (0..len)
                 .map(|p| {
                     let slot = Slot::of(item.block_table[p / bs], p % bs, bs).0;
@@ -1021,4 +1027,23 @@ fn placed_kv_enters_the_tree_only_when_written() {
     let kv = sim.sched.kv();
     assert_eq!(kv.stats().sequences, 0);
     kv.check_invariants().unwrap();
+}
+
+/// A request started over (here: its step failed) after its context filled
+/// shifts before it computes again, as it would have running: it never
+/// computes past the context, and its tokens are those of a run without
+/// the failure (a case proptest found).
+#[test]
+fn a_request_started_over_past_a_full_context_shifts_first() {
+    let reqs = [
+        (0, 15, 3, false),
+        (1, 1, 2, false),
+        (0, 1, 2, false),
+        (0, 23, 15, true),
+    ];
+    let faults = [false, true, false, false, false, false];
+    let (outs, failed) = faulty_run(&reqs, &faults, &[], true, 13);
+    let (clean, _) = faulty_run(&reqs, &[], &[], true, 13);
+    assert!(failed.is_empty());
+    assert_eq!(outs, clean);
 }
