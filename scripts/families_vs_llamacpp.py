@@ -19,8 +19,15 @@ differ by llama.cpp's f16 rounding alone; the quantized rows by its 8-bit
 activations, and the Llama control row shows how much that is for a
 family both engines have long run.
 
-Writes target/bench/families.json and the README's `bench-families`
-section.
+Phi-3.5's LongRoPE is checked on a Phi-3 file with its factors, at a
+context past its original one (the long factors) and at the original one
+(the short factors): both engines choose by their context size.
+
+    python3 scripts/families_vs_llamacpp.py [--only LABEL,...]
+
+(`--only`: those rows again, the others kept from the last run, each row
+marked with its own run's stamp.) Writes target/bench/families.json and the
+README's `bench-families` section.
 """
 
 import json
@@ -51,23 +58,35 @@ SYNTH = [
      "OLMo 2 1B's width (2,048, 16/16 heads of 128, FFN 8,192) at 8 layers: post-norms only, whole q/k norms"),
 ]
 FORMATS = ["F16", "Q8_0", "Q4_K_M"]
+# Phi-3.5's LongRoPE on the Phi-3 layout (an original context of 256, a
+# 128k one): both engines choose the short factors for a context of at most
+# the original and the long ones past it (llama.cpp by its context per
+# sequence, which it pads to a multiple of 256), so the same file is checked
+# at the original context and at twice it: (label, ctx, chunks, what).
+LONGROPE = ("synth-phi3-long", "phi3", ["F16", "Q8_0"], [
+    ("Phi-3.5 LongRoPE: short factors", CTX, CHUNKS,
+     "Phi-3 mini's layout with Phi-3.5's LongRoPE (original context 256, attention factor 1.46): "
+     f"a context of {CTX}, the short factors"),
+    ("Phi-3.5 LongRoPE: long factors", 2 * CTX, CHUNKS // 2,
+     f"the same file at a context of {2 * CTX}, the long factors ({CHUNKS // 2} chunks of {2 * CTX})"),
+])
 REAL = [
     ("SmolLM2-135M-Instruct (real)", "SmolLM2-135M-Instruct.Q4_1", "llama", "Q4_1"),
     ("Gemma 3 270M (real)", "gemma-3-270m-q4_k_m", "gemma3", "Q4_K_M"),
 ]
 
 
-def run(model):
+def run(model, ctx=CTX, chunks=CHUNKS):
     base = BENCH / "families" / f"{model.stem}.kld"
     base.parent.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, LD_LIBRARY_PATH=str(BIN))
-    r = subprocess.run([str(BIN / "llama-perplexity"), "-m", str(model), "-f", str(TEXT), "-c", str(CTX),
-                        "--chunks", str(CHUNKS), "-t", str(THREADS), "--kl-divergence-base", str(base)],
+    r = subprocess.run([str(BIN / "llama-perplexity"), "-m", str(model), "-f", str(TEXT), "-c", str(ctx),
+                        "--chunks", str(chunks), "-t", str(THREADS), "--kl-divergence-base", str(base)],
                        capture_output=True, text=True, env=env)
     if r.returncode != 0 or not base.exists():
         sys.exit(f"llama-perplexity failed on {model}:\n{r.stderr[-2000:]}")
     r = subprocess.run([str(TESSERA), "perplexity", "--model", str(model), "--file", str(TEXT),
-                        "--ctx", str(CTX), "--chunks", str(CHUNKS), "--kl-divergence", str(base), "--json"],
+                        "--ctx", str(ctx), "--chunks", str(chunks), "--kl-divergence", str(base), "--json"],
                        capture_output=True, text=True)
     if r.returncode != 0:
         sys.exit(f"tessera perplexity failed on {model}:\n{r.stderr[-2000:]}")
@@ -85,27 +104,53 @@ def main():
     for exe in (TESSERA, BIN / "llama-perplexity"):
         if not exe.exists():
             sys.exit(f"{exe} is missing: run `just bench-families`")
+    # `--only LABEL,...`: those rows again, the others kept from the last run.
+    only = sys.argv[2].split(",") if sys.argv[1:2] == ["--only"] else None
+    wanted = lambda label: only is None or label in only  # noqa: E731
     rows = []
     for label, stem, arch, what in SYNTH:
         for fmt in FORMATS:
             model = ROOT / "models" / f"{stem}-{fmt}.gguf"
             if not model.exists():
                 sys.exit(f"{model} is missing: run `just bench-families` (it generates it)")
-            print(f"{label} {fmt}", flush=True)
-            rows.append(dict(label=label, arch=arch, format=fmt, what=what, **run(model)))
+            if wanted(label):
+                print(f"{label} {fmt}", flush=True)
+                rows.append(dict(label=label, arch=arch, format=fmt, what=what, **run(model)))
+    stem, arch, formats, checks = LONGROPE
+    for fmt in formats:
+        model = ROOT / "models" / f"{stem}-{fmt}.gguf"
+        if not model.exists():
+            sys.exit(f"{model} is missing: run `just bench-families` (it generates it)")
+        for label, ctx, chunks, what in checks:
+            if wanted(label):
+                print(f"{label} {fmt}", flush=True)
+                rows.append(dict(label=label, arch=arch, format=fmt, what=what,
+                                 **run(model, ctx, chunks)))
     for label, stem, arch, fmt in REAL:
         model = ROOT / "models" / f"{stem}.gguf"
-        if model.exists():
+        if model.exists() and wanted(label):
             print(label, flush=True)
             rows.append(dict(label=label, arch=arch, format=fmt, what="", **run(model)))
-    (BENCH / "families.json").write_text(json.dumps({"measured": measured(), "rows": rows}, indent=1))
+    stamp = measured()
+    if only is not None:
+        # Each row in the place of the last run's row of its label and
+        # format; the rows kept carry the last run's stamp.
+        last = json.loads((BENCH / "families.json").read_text())
+        for r in rows:
+            r["measured"] = stamp
+        new = {(r["label"], r["format"]): r for r in rows}
+        kept = [new.pop((r["label"], r["format"]), {"measured": last["measured"], **r})
+                for r in last["rows"]]
+        rows = kept + list(new.values())
+    (BENCH / "families.json").write_text(json.dumps({"measured": stamp, "rows": rows}, indent=1))
     table()
 
 
 def table():
     data = json.loads((BENCH / "families.json").read_text())
+    stamps = sorted({r["measured"] for r in data["rows"] if "measured" in r})
     out = [
-        f"{data['measured']}; `llama-perplexity` of the llama.cpp tree vendored by llama-cpp-python 0.3.36 "
+        f"{'rows measured as marked below' if len(stamps) > 1 else data['measured']}; `llama-perplexity` of the llama.cpp tree vendored by llama-cpp-python 0.3.36 "
         f"(native CPU build) with `--kl-divergence-base`, then `tessera perplexity --kl-divergence` on its "
         f"file (default activations: two int8 levels for quantized weights, f32 for f16 ones), "
         f"{CHUNKS} chunks of {CTX} tokens of `data/pride-and-prejudice.txt`, the second half of each scored "
@@ -117,8 +162,12 @@ def table():
     ]
     for r in data["rows"]:
         toks = "same tokens" if r["tokens_differing"] == 0 else f"{r['tokens_differing']} tokens differ"
-        out.append(f"| {r['label']} (`{r['arch']}`) | {r['what'] or 'real weights'} | {r['format']} | "
+        mark = "¹²³⁴⁵⁶⁷⁸⁹"[stamps.index(r["measured"])] if len(stamps) > 1 else ""
+        out.append(f"| {r['label']} (`{r['arch']}`){mark} | {r['what'] or 'real weights'} | {r['format']} | "
                    f"{100 * r['same_top1']:.1f}% | {r['kl_mean']:.2e} | {r['kl_max']:.2e} | {toks} |")
+    if len(stamps) > 1:
+        out.append("")
+        out += [f"{'¹²³⁴⁵⁶⁷⁸⁹'[i]} {st}." for i, st in enumerate(stamps)]
     splice("families", "families_vs_llamacpp.py", out)
 
 

@@ -56,7 +56,7 @@ TOKENIZER_FROM = ROOT / "models/SmolLM2-135M-Instruct.Q4_1.gguf"
 # 1B and 3B; SmolLM2-135M's geometry (the control of the family checks);
 # Qwen3 0.6B; Granite 3 2B's, SmolLM3 3B's, Phi-3 mini's and OLMo 2 1B's
 # widths at 8 layers (two of them SmolLM3's NoPE layers), deep enough to carry an
-# error, small enough to check in a minute. The vocabulary is the borrowed tokenizer's.
+# error, small enough to check in a minute; Phi-3 again with Phi-3.5's LongRoPE. The vocabulary is the borrowed tokenizer's.
 SIZES = {
     ("llama", "1b"): dict(hidden=2048, layers=16, heads=32, kv_heads=8, head_dim=64, ffn=8192,
                           theta=500000.0),
@@ -74,6 +74,14 @@ SIZES = {
                         theta=10000.0),
     ("olmo2", "s"): dict(hidden=2048, layers=8, heads=16, kv_heads=16, head_dim=128, ffn=8192,
                          theta=500000.0),
+    # Phi-3.5 mini's LongRoPE on phi3-s's layout: a 128k context extended
+    # from an original one of 256 (Phi-3.5's is 4,096: this one is short,
+    # so that a check of a few hundred tokens runs past it, and a multiple
+    # of the 256 llama.cpp pads a sequence's context to), its factors'
+    # shapes (short near 1, long up to 61 at the lowest frequencies) and
+    # the converter's attention factor for that extension.
+    ("phi3", "long"): dict(hidden=3072, layers=8, heads=32, kv_heads=32, head_dim=96, ffn=8192,
+                           theta=10000.0, context=131072, longrope_original=256),
 }
 # Granite 3's scales (its 2B: embeddings ×12, block outputs ×0.22, scores
 # ×1/64, logits ÷8).
@@ -122,7 +130,12 @@ def start(path, arch, size, gguf, toks, file_type):
     w.add_string("general.name", f"synthetic {size} model (random weights)")
     w.add_uint32("general.file_type", file_type)
     a = lambda k: f"{arch}.{k}"  # noqa: E731
-    w.add_uint32(a("context_length"), 8192)
+    w.add_uint32(a("context_length"), s.get("context", 8192))
+    if "longrope_original" in s:
+        # What llama.cpp's converter writes for LongRoPE (conversion/phi.py).
+        orig = s["longrope_original"]
+        w.add_uint32(a("rope.scaling.original_context_length"), orig)
+        w.add_float32(a("rope.scaling.attn_factor"), longrope_attn_factor(s["context"], orig))
     w.add_uint32(a("embedding_length"), h)
     w.add_uint32(a("block_count"), s["layers"])
     w.add_uint32(a("feed_forward_length"), ffn)
@@ -163,7 +176,26 @@ def start(path, arch, size, gguf, toks, file_type):
         if arch == "qwen3":
             shapes += [(b + "attn_q_norm.weight", (hd,)), (b + "attn_k_norm.weight", (hd,))]
     shapes += [("output_norm.weight", (h,)), ("output.weight", (vocab, h))]
+    if "longrope_original" in s:
+        shapes += [("rope_factors_long.weight", (hd // 2,)), ("rope_factors_short.weight", (hd // 2,))]
     return w, shapes
+
+
+def longrope_attn_factor(context, original):
+    """The converter's `sqrt(1 + ln(scale) / ln(original))`."""
+    import math
+    scale = context / original
+    return math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+
+
+def longrope_factors(name, n, np):
+    """LongRoPE divisors shaped as Phi-3.5 mini's: the short ones from 1 to
+    1.9, the long ones from 1 to 61, both growing toward the low
+    frequencies (the last pairs)."""
+    x = np.arange(n, dtype=np.float32) / n
+    if "long" in name:
+        return (1.0 + 60.0 * x ** 3).astype(np.float32)
+    return (1.0 + 0.9 * x ** 2).astype(np.float32)
 
 
 def write_f16(path, arch, size, gguf, np):
@@ -179,6 +211,9 @@ def write_f16(path, arch, size, gguf, np):
     rng = np.random.default_rng(0)
     logit_scale = GRANITE["logit_scale"] if arch == "granite" else 1.0
     for name, shape in shapes:
+        if name.startswith("rope_factors_"):
+            w.write_tensor_data(longrope_factors(name, shape[0], np))
+            continue
         if len(shape) == 1:
             t = np.ones(shape, dtype=np.float32)
             if not speed:
@@ -225,6 +260,9 @@ def write_blocks(path, arch, size, fmt, toks, gguf, np):
     w, shapes = start(path, arch, size, gguf, toks, FILE_TYPES[fmt])
     rng = np.random.default_rng(0)
     for name, shape in shapes:
+        if name.startswith("rope_factors_"):
+            w.add_tensor(name, longrope_factors(name, shape[0], np))
+            continue
         if len(shape) == 1:
             w.add_tensor(name, np.ones(shape, dtype=np.float32))
             continue

@@ -523,12 +523,19 @@ fn inspect(args: ModelArg) -> Result<()> {
         model.format, model.file_bytes
     );
     println!(
-        "architecture:   {} (RoPE {:?}, theta {}, scaling {:?})",
+        "architecture:   {} (RoPE {:?}, theta {}, scaling {})",
         c.arch.name(),
         c.rope_style,
         c.rope_theta,
         c.rope_scaling
     );
+    if let Some(long) = c.uses_long_factors() {
+        println!(
+            "LongRoPE:       {} factors at a context of {} (long ones above the original context; --ctx chooses)",
+            if long { "long" } else { "short" },
+            c.context_length
+        );
+    }
     println!("layers:         {}", c.n_layers);
     println!(
         "hidden:         {} (intermediate {})",

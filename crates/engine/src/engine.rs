@@ -113,6 +113,11 @@ impl Engine {
                 tessera_model::device_name(device)
             )));
         }
+        let mut model = model;
+        if let Some(ctx) = cfg.context_length {
+            // What LongRoPE chooses its factors by (before any forward).
+            model.llama.set_context_length(ctx)?;
+        }
         model.llama.prepare()?;
         let mc = model.config();
         let layout = KvLayout::new(mc, &cfg)?;

@@ -220,6 +220,55 @@ pub enum RopeScaling {
     /// Per-frequency divisors (GGUF `rope_freqs.weight`, written by llama.cpp's
     /// converter for Llama 3.1 and later).
     Factors(Vec<f32>),
+    /// Phi-3's LongRoPE (Phi-3 mini 128k, Phi-3.5 mini): per-frequency
+    /// divisors, `long` when the context a sequence may reach
+    /// ([`ModelConfig::context_length`], which the engine sets) is longer
+    /// than `original_context` and `short` otherwise, as llama.cpp chooses
+    /// by its context size; and queries and keys both scaled by
+    /// `attn_factor` (cos and sin times it in llama.cpp and Hugging Face),
+    /// which is the attention scores times `attn_factor²`.
+    LongRope {
+        short: Vec<f32>,
+        long: Vec<f32>,
+        original_context: usize,
+        attn_factor: f32,
+    },
+}
+
+impl std::fmt::Display for RopeScaling {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RopeScaling::None => write!(f, "none"),
+            RopeScaling::Linear { factor } => write!(f, "linear ×{factor}"),
+            RopeScaling::Llama3 {
+                factor,
+                original_context,
+                ..
+            } => write!(f, "Llama 3 ×{factor} (original context {original_context})"),
+            RopeScaling::Factors(d) => write!(f, "{} per-frequency factors", d.len()),
+            RopeScaling::LongRope {
+                original_context,
+                attn_factor,
+                ..
+            } => write!(
+                f,
+                "LongRoPE (original context {original_context}, attention factor {attn_factor})"
+            ),
+        }
+    }
+}
+
+impl RopeScaling {
+    /// LongRoPE's attention factor when a file does not give it: Hugging
+    /// Face's and llama.cpp's converter's `sqrt(1 + ln(s) / ln(original))`
+    /// with `s = context / original` (1 when the context is not longer).
+    pub fn longrope_attn_factor(context: usize, original_context: usize) -> f32 {
+        let s = context as f64 / original_context.max(1) as f64;
+        if s <= 1.0 || original_context <= 1 {
+            return 1.0;
+        }
+        (1.0 + s.ln() / (original_context as f64).ln()).sqrt() as f32
+    }
 }
 
 /// Everything the forward pass needs to know about the shapes.
@@ -283,11 +332,29 @@ impl ModelConfig {
         n == 0 || !(l + 1).is_multiple_of(n)
     }
 
-    /// The softmax scale of attention scores.
+    /// The softmax scale of attention scores (times LongRoPE's
+    /// `attn_factor²`: queries and keys each carry one factor).
     pub fn attention_scale(&self) -> f32 {
-        self.block
+        let scale = self
+            .block
             .attention_scale
-            .unwrap_or(1.0 / (self.head_dim as f32).sqrt())
+            .unwrap_or(1.0 / (self.head_dim as f32).sqrt());
+        match &self.rope_scaling {
+            RopeScaling::LongRope { attn_factor, .. } if *attn_factor != 1.0 => {
+                scale * attn_factor * attn_factor
+            }
+            _ => scale,
+        }
+    }
+
+    /// LongRoPE: whether the long factors apply, at this context length.
+    pub fn uses_long_factors(&self) -> Option<bool> {
+        match &self.rope_scaling {
+            RopeScaling::LongRope {
+                original_context, ..
+            } => Some(self.context_length > *original_context),
+            _ => None,
+        }
     }
 
     /// The inverse frequencies of layer `l`: Gemma 3's sliding layers
@@ -328,6 +395,19 @@ impl ModelConfig {
             RopeScaling::None => base,
             RopeScaling::Linear { factor } => base.iter().map(|f| f / *factor as f64).collect(),
             RopeScaling::Factors(div) => base.iter().zip(div).map(|(f, d)| f / *d as f64).collect(),
+            RopeScaling::LongRope {
+                short,
+                long,
+                original_context,
+                ..
+            } => {
+                let div = if self.context_length > *original_context {
+                    long
+                } else {
+                    short
+                };
+                base.iter().zip(div).map(|(f, d)| f / *d as f64).collect()
+            }
             RopeScaling::Llama3 {
                 factor,
                 low_freq_factor,
@@ -394,13 +474,31 @@ impl ModelConfig {
                 self.head_dim
             ));
         }
-        if let RopeScaling::Factors(f) = &self.rope_scaling {
+        let factors: Vec<&Vec<f32>> = match &self.rope_scaling {
+            RopeScaling::Factors(f) => vec![f],
+            RopeScaling::LongRope {
+                short,
+                long,
+                attn_factor,
+                ..
+            } => {
+                if !(attn_factor.is_finite() && *attn_factor > 0.0) {
+                    return bad(format!("LongRoPE attention factor {attn_factor}"));
+                }
+                vec![short, long]
+            }
+            _ => Vec::new(),
+        };
+        for f in factors {
             if f.len() * 2 != self.head_dim {
                 return bad(format!(
                     "{} RoPE frequency factors for head_dim {}",
                     f.len(),
                     self.head_dim
                 ));
+            }
+            if let Some(x) = f.iter().find(|x| !(x.is_finite() && **x > 0.0)) {
+                return bad(format!("RoPE frequency factor {x} (each must be positive)"));
             }
         }
         let b = &self.block;
@@ -439,6 +537,9 @@ pub(crate) struct HfConfig {
     pub rope_scaling: Option<HfRopeScaling>,
     #[serde(default = "default_ctx")]
     pub max_position_embeddings: usize,
+    /// Phi-3's LongRoPE: the context it was trained at before extension.
+    #[serde(default)]
+    pub original_max_position_embeddings: Option<usize>,
     #[serde(default)]
     pub tie_word_embeddings: bool,
     #[serde(default)]
@@ -471,6 +572,13 @@ pub(crate) struct HfRopeScaling {
     pub high_freq_factor: Option<f32>,
     #[serde(default)]
     pub original_max_position_embeddings: Option<usize>,
+    /// LongRoPE's divisors and attention factor.
+    #[serde(default)]
+    pub long_factor: Option<Vec<f32>>,
+    #[serde(default)]
+    pub short_factor: Option<Vec<f32>>,
+    #[serde(default)]
+    pub attention_factor: Option<f32>,
 }
 
 fn default_eps() -> f64 {
@@ -497,6 +605,32 @@ impl HfConfig {
                     high_freq_factor: s.high_freq_factor.unwrap_or(4.0),
                     original_context: s.original_max_position_embeddings.unwrap_or(8192),
                 },
+                ("longrope" | "su", _) => {
+                    let original = s
+                        .original_max_position_embeddings
+                        .or(self.original_max_position_embeddings)
+                        .ok_or_else(|| {
+                            ModelError::Config(
+                                "LongRoPE without original_max_position_embeddings".into(),
+                            )
+                        })?;
+                    let (Some(short), Some(long)) = (s.short_factor, s.long_factor) else {
+                        return Err(ModelError::Config(
+                            "LongRoPE without short_factor and long_factor".into(),
+                        ));
+                    };
+                    RopeScaling::LongRope {
+                        short,
+                        long,
+                        original_context: original,
+                        attn_factor: s.attention_factor.unwrap_or_else(|| {
+                            RopeScaling::longrope_attn_factor(
+                                self.max_position_embeddings,
+                                original,
+                            )
+                        }),
+                    }
+                }
                 (other, _) => {
                     return Err(ModelError::Config(format!(
                         "unsupported rope_scaling type {other:?}"

@@ -79,6 +79,26 @@ fn bad_split(what: &str) -> crate::ModelError {
     ))
 }
 
+/// The distinct RoPE frequency sets of `cfg`'s layers, and each layer's.
+fn frequencies(cfg: &ModelConfig) -> (Vec<Vec<f32>>, Vec<usize>) {
+    let (mut inv_freqs, mut layer_rope) = (Vec::<Vec<f32>>::new(), Vec::new());
+    for l in 0..cfg.n_layers {
+        let f = cfg.layer_inv_freq(l);
+        let i = match inv_freqs.iter().position(|g| *g == f) {
+            Some(i) => i,
+            None => {
+                inv_freqs.push(f);
+                inv_freqs.len() - 1
+            }
+        };
+        layer_rope.push(i);
+    }
+    if inv_freqs.is_empty() {
+        inv_freqs.push(cfg.inv_freq());
+    }
+    (inv_freqs, layer_rope)
+}
+
 /// `cos`/`sin` of each position's RoPE angles, `[positions, inv_freq]`
 /// row-major (the reference and the fast path share them).
 pub(crate) fn rope_angles(inv_freq: &[f32], positions: &[u32], cos: &mut [f32], sin: &mut [f32]) {
@@ -338,21 +358,7 @@ impl Llama {
             src.matmul(W::Embed, device)?
         };
         progress(total, total);
-        let (mut inv_freqs, mut layer_rope) = (Vec::<Vec<f32>>::new(), Vec::new());
-        for l in 0..cfg.n_layers {
-            let f = cfg.layer_inv_freq(l);
-            let i = match inv_freqs.iter().position(|g| *g == f) {
-                Some(i) => i,
-                None => {
-                    inv_freqs.push(f);
-                    inv_freqs.len() - 1
-                }
-            };
-            layer_rope.push(i);
-        }
-        if inv_freqs.is_empty() {
-            inv_freqs.push(cfg.inv_freq());
-        }
+        let (inv_freqs, layer_rope) = frequencies(&cfg);
         Ok(Llama {
             cfg,
             embed,
@@ -370,6 +376,26 @@ impl Llama {
 
     pub fn config(&self) -> &ModelConfig {
         &self.cfg
+    }
+
+    /// The longest context a sequence will reach (the engine's context
+    /// length): what Phi-3's LongRoPE chooses its factors by, as llama.cpp
+    /// does by its context size. Rebuilds the frequencies and the device's
+    /// forward; call it before the first forward and with an empty cache
+    /// (keys cached under the other factors would be rotated differently).
+    pub fn set_context_length(&mut self, ctx: usize) -> Result<()> {
+        if ctx == self.cfg.context_length {
+            return Ok(());
+        }
+        let cfg = ModelConfig {
+            context_length: ctx,
+            ..self.cfg.clone()
+        };
+        cfg.validate()?;
+        (self.inv_freqs, self.layer_rope) = frequencies(&cfg);
+        self.cfg = cfg;
+        *self.exec.get_mut().unwrap_or_else(|e| e.into_inner()) = None;
+        Ok(())
     }
 
     pub fn device(&self) -> &Device {

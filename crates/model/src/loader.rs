@@ -253,6 +253,12 @@ impl GgufFile {
         self.meta(key).and_then(|v| v.to_f32().ok())
     }
 
+    /// A small tensor of the file as f32 values (RoPE factors).
+    fn f32_vector(&mut self, name: &str) -> Result<Vec<f32>> {
+        let t = self.qtensor(name, &Device::Cpu)?.dequantize(&Device::Cpu)?;
+        Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?)
+    }
+
     pub(crate) fn qtensor(&mut self, name: &str, device: &Device) -> Result<QTensor> {
         self.content
             .tensor(&mut self.reader, name, device)
@@ -281,11 +287,31 @@ impl GgufFile {
                 .map(|v| v.len())
                 .unwrap_or(0),
         };
+        let longrope = ["rope_factors_long.weight", "rope_factors_short.weight"]
+            .map(|t| self.content.tensor_infos.contains_key(t));
+        let context_length = self
+            .meta_u32(&k("context_length"))
+            .map(|v| v as usize)
+            .unwrap_or(4096);
         let rope_scaling = if self.content.tensor_infos.contains_key("rope_freqs.weight") {
-            let t = self
-                .qtensor("rope_freqs.weight", &Device::Cpu)?
-                .dequantize(&Device::Cpu)?;
-            RopeScaling::Factors(t.to_dtype(DType::F32)?.to_vec1()?)
+            RopeScaling::Factors(self.f32_vector("rope_freqs.weight")?)
+        } else if longrope == [true, true] {
+            // Phi-3's LongRoPE, as llama.cpp reads it: the context before
+            // extension (default: the file's context) and the factor on
+            // queries and keys (default 1).
+            RopeScaling::LongRope {
+                long: self.f32_vector("rope_factors_long.weight")?,
+                short: self.f32_vector("rope_factors_short.weight")?,
+                original_context: self
+                    .meta_u32(&k("rope.scaling.original_context_length"))
+                    .map(|v| v as usize)
+                    .unwrap_or(context_length),
+                attn_factor: self.meta_f32(&k("rope.scaling.attn_factor")).unwrap_or(1.0),
+            }
+        } else if longrope.contains(&true) {
+            return Err(ModelError::Config(
+                "this file has one of LongRoPE's two factor tensors (rope_factors_long, rope_factors_short) but not the other".into(),
+            ));
         } else {
             match self
                 .meta(&k("rope.scaling.type"))
@@ -328,10 +354,7 @@ impl GgufFile {
             rope_theta: self.meta_f32(&k("rope.freq_base")).unwrap_or(10_000.0),
             rope_scaling,
             rope_style: arch.gguf_rope_style(),
-            context_length: self
-                .meta_u32(&k("context_length"))
-                .map(|v| v as usize)
-                .unwrap_or(4096),
+            context_length,
             tie_embeddings: !self.content.tensor_infos.contains_key("output.weight"),
             qkv_bias: self.content.tensor_infos.contains_key("blk.0.attn_q.bias"),
             block: match arch {
@@ -366,15 +389,6 @@ impl GgufFile {
             return Err(ModelError::Config(
                 "this OLMo file has sliding-window layers (OLMo 3), which Tessera does not run yet"
                     .into(),
-            ));
-        }
-        if arch == Arch::Phi3
-            && ["rope_factors_long.weight", "rope_factors_short.weight"]
-                .iter()
-                .any(|t| self.content.tensor_infos.contains_key(*t))
-        {
-            return Err(ModelError::Config(
-                "this Phi-3 file has LongRoPE factors (a 128k-context variant), which Tessera does not apply yet".into(),
             ));
         }
         cfg.validate()?;

@@ -11,6 +11,34 @@ use crate::{ModelError, Result};
 
 pub use crate::eval::{paged_greedy, paged_greedy_with, prefill_logits};
 
+/// The LongRoPE of tiny `"phi3+longrope"` files: factors shaped as
+/// Phi-3.5's (short near 1, long growing toward the low frequencies).
+pub struct TinyLongRope {
+    /// The context before extension: tiny tests run on either side of it.
+    pub original_context: usize,
+    pub attn_factor: f32,
+}
+
+pub const TINY_LONGROPE: TinyLongRope = TinyLongRope {
+    original_context: 16,
+    attn_factor: 1.25,
+};
+
+impl TinyLongRope {
+    /// The `(short, long)` divisors of `half` frequencies (all 1 when
+    /// `neutral`).
+    pub fn factors(&self, half: usize, neutral: bool) -> (Vec<f32>, Vec<f32>) {
+        let x = |i: usize| i as f32 / half.max(1) as f32;
+        if neutral {
+            return (vec![1.0; half], vec![1.0; half]);
+        }
+        (
+            (0..half).map(|i| 1.0 + 0.1 * x(i)).collect(),
+            (0..half).map(|i| 1.0 + 30.0 * x(i) * x(i)).collect(),
+        )
+    }
+}
+
 /// What to generate.
 #[derive(Debug, Clone, Copy)]
 pub struct TinySpec {
@@ -233,7 +261,9 @@ pub const TINY_WINDOW: usize = 5;
 /// scales (none of them 1); `"phi3"` files fused `attn_qkv` and a
 /// gate-and-up `ffn_up`; `"olmo2"` files no pre-norms, whole-row q/k norms
 /// and post-norms; `"smollm3"` needs nothing more (its NoPE layers
-/// come with the architecture).
+/// come with the architecture). `"phi3+longrope"` is a Phi-3 file with
+/// LongRoPE (see [`TINY_LONGROPE`]), `"phi3+longrope-neutral"` one whose
+/// factors and attention factor are all 1.
 pub fn write_tiny_gguf(
     hf_dir: &Path,
     out: &Path,
@@ -242,6 +272,12 @@ pub fn write_tiny_gguf(
 ) -> Result<()> {
     use candle_core::quantized::gguf_file::Value;
     use candle_core::quantized::QTensor;
+
+    let (arch, longrope) = match arch.split_once('+') {
+        Some((a, "longrope")) => (a, Some(false)),
+        Some((a, "longrope-neutral")) => (a, Some(true)),
+        _ => (arch, None),
+    };
 
     let cfg: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(hf_dir.join("config.json")).map_err(|e| ModelError::Io {
@@ -363,6 +399,20 @@ pub fn write_tiny_gguf(
             put(g(name), (seeded(&[n], &mut seed, 0.3)? + 1.0)?, false)?;
         }
     }
+    if let Some(neutral) = longrope {
+        let half = head_dim / 2;
+        let (short, long) = TINY_LONGROPE.factors(half, neutral);
+        put(
+            "rope_factors_short.weight".into(),
+            Tensor::new(short, &Device::Cpu)?,
+            false,
+        )?;
+        put(
+            "rope_factors_long.weight".into(),
+            Tensor::new(long, &Device::Cpu)?,
+            false,
+        )?;
+    }
     let (tok, vocab) = tiny_tokenizer()?;
     let tokens: Vec<Value> = (0..vocab as u32)
         .map(|i| Value::String(tok.id_to_token(i).unwrap_or_default()))
@@ -424,6 +474,18 @@ pub fn write_tiny_gguf(
         ] {
             meta.push((a(k), Value::F32(v)));
         }
+    }
+    if let Some(neutral) = longrope {
+        meta.push((
+            a("rope.scaling.original_context_length"),
+            Value::U32(TINY_LONGROPE.original_context as u32),
+        ));
+        let f = if neutral {
+            1.0
+        } else {
+            TINY_LONGROPE.attn_factor
+        };
+        meta.push((a("rope.scaling.attn_factor"), Value::F32(f)));
     }
     if gemma {
         meta.push((

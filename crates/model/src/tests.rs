@@ -157,6 +157,85 @@ fn new_families_load_their_switches_and_paged_equals_dense() {
     }
 }
 
+/// Phi-3's LongRoPE on tiny files: the factors and the attention factor
+/// read from the file, the long divisors above the original context and
+/// the short ones at or below it (the engine's context length chooses),
+/// each frequency the base one over its divisor, scores times the factor
+/// squared; a file whose factors are all 1 gives plain Phi-3's logits bit
+/// for bit, and the paged forward equals the dense one in any chunking.
+#[test]
+fn phi3_longrope_chooses_its_factors_by_the_context() {
+    use crate::config::RopeScaling;
+    use crate::testing::{max_diff, prefill_logits, TINY_LONGROPE};
+    let dir = tempdir::Dir::new();
+    write_tiny_model(
+        dir.path(),
+        TinySpec {
+            layers: 3,
+            seed: 5,
+            ..TinySpec::default()
+        },
+    )
+    .unwrap();
+    let load = |arch: &str| {
+        let path = dir.path().join(format!("tiny-{arch}.gguf"));
+        write_tiny_gguf(dir.path(), &path, GgmlDType::F32, arch).unwrap();
+        Model::load(&path, &mut |_, _| {}).unwrap()
+    };
+    // Long enough to pass the original context of 16.
+    let prompt: Vec<u32> = (0..40).map(|i| (i * 11 + 7) % 150).collect();
+    let logits = |m: &Model| prefill_logits(&m.llama, &prompt, KvType::F32).unwrap();
+    let plain = logits(&load("phi3"));
+    assert_eq!(logits(&load("phi3+longrope-neutral")), plain);
+
+    let mut m = load("phi3+longrope");
+    let c = m.config().clone();
+    let hd = c.head_dim;
+    let (short, long) = TINY_LONGROPE.factors(hd / 2, false);
+    match &c.rope_scaling {
+        RopeScaling::LongRope {
+            short: s,
+            long: l,
+            original_context,
+            attn_factor,
+        } => {
+            assert_eq!((s, l), (&short, &long));
+            assert_eq!(*original_context, TINY_LONGROPE.original_context);
+            assert_eq!(*attn_factor, TINY_LONGROPE.attn_factor);
+        }
+        other => panic!("read as {other:?}"),
+    }
+    let a = TINY_LONGROPE.attn_factor;
+    assert_eq!(c.attention_scale(), 1.0 / (hd as f32).sqrt() * a * a);
+    let expect = |div: &[f32]| -> Vec<f32> {
+        (0..hd / 2)
+            .map(|i| (10000f64.powf(-2.0 * i as f64 / hd as f64) / div[i] as f64) as f32)
+            .collect()
+    };
+    // The file's context (512) is past the original: the long factors.
+    assert_eq!(c.uses_long_factors(), Some(true));
+    assert_eq!(m.llama.inv_freq(0), expect(&long).as_slice());
+    let long_logits = logits(&m);
+    assert!(max_diff(&long_logits, &plain) > 1e-3);
+    let (dense, dl) = dense_greedy(&m.llama, &prompt, 8).unwrap();
+    for chunk in [usize::MAX, 7, 1] {
+        let (paged, pl) = paged_greedy(&m.llama, &prompt, 8, chunk, KvType::F32).unwrap();
+        assert_eq!(paged, dense, "chunk {chunk}");
+        assert!(max_diff(&pl, &dl) < 1e-3, "chunk {chunk}");
+    }
+    // A context of at most the original: the short ones.
+    m.llama
+        .set_context_length(TINY_LONGROPE.original_context)
+        .unwrap();
+    assert_eq!(m.config().uses_long_factors(), Some(false));
+    assert_eq!(m.llama.inv_freq(2), expect(&short).as_slice());
+    let short_logits = logits(&m);
+    assert!(max_diff(&short_logits, &long_logits) > 1e-3);
+    // And back: the same bits as before.
+    m.llama.set_context_length(512).unwrap();
+    assert_eq!(logits(&m), long_logits);
+}
+
 /// Gemma 3's block on tiny GGUF files: the configuration (five sliding
 /// layers of six, NEOX RoPE, a table per base), the paged cache equal to the
 /// dense reference in any prefill chunking, and the window enforced: with
@@ -745,6 +824,7 @@ fn fast_forward_matches_the_candle_reference() {
         (GgmlDType::Q4K, &gemma, "granite"),
         (GgmlDType::Q8_0, &gemma, "smollm3"),
         (GgmlDType::Q4K, &wide, "phi3"),
+        (GgmlDType::Q8_0, &wide, "phi3+longrope"),
         (GgmlDType::Q8_0, &gemma, "olmo2"),
     ] {
         let out = hf.path().join(format!("tiny-{dtype:?}-{arch}.gguf"));
