@@ -63,9 +63,7 @@ use simd::elem;
 pub use attention::items::{
     attend_item, merge, AttnInput, AttnPlan, AttnScratch, AttnShape, KvRows, CHUNK,
 };
-pub use attention::paged::{
-    exp_nonpositive, paged_attention, paged_attention_slow, window_start, PagedMeta,
-};
+pub use attention::paged::{paged_attention, paged_attention_slow, window_start, PagedMeta};
 pub use kv::copy::{copy_blocks, copy_blocks_slow};
 pub use kv::quant::{dequantize_cache, quantize_cache, KvType};
 pub use kv::rope::{rotate_pairs, RopeStyle, Rotation};
@@ -77,6 +75,7 @@ pub use linear::qdot::{
 };
 pub use mem::{advise_huge_pages, zeroed_huge};
 pub use norm::{act_mul, act_mul_slow, rms_norm, rms_norm_in_place, rms_norm_slow, Activation};
+pub use simd::exp_nonpositive;
 pub use simd::portable_forced;
 pub use tuning::{IsaCap, Tuning};
 
@@ -99,8 +98,60 @@ pub fn cache_geometry(cache: &Tensor) -> Result<(usize, usize, usize, usize)> {
     Ok((d[0], d[1], d[2], hd))
 }
 
-/// Deterministic tensors for tests and benches.
+/// Deterministic tensors for tests and benches, and an allocation counter.
 pub mod testing {
+    /// The largest single allocation made on the calling thread, for fuzz
+    /// tests that check a loader allocates no more than its input justifies.
+    /// Counted only in binaries that install [`CountingAlloc`].
+    pub mod alloc_track {
+        use std::alloc::{GlobalAlloc, Layout, System};
+        use std::cell::Cell;
+
+        thread_local! {
+            static LARGEST: Cell<usize> = const { Cell::new(0) };
+        }
+
+        fn note(n: usize) {
+            let _ = LARGEST.try_with(|c| {
+                if n > c.get() {
+                    c.set(n)
+                }
+            });
+        }
+
+        /// Resets the count and returns the previous largest allocation.
+        pub fn take_largest() -> usize {
+            LARGEST.with(|c| c.replace(0))
+        }
+
+        /// The system allocator, noting each request's size.
+        pub struct CountingAlloc;
+
+        // SAFETY: every call is passed to the system allocator unchanged; the
+        // only addition is a thread-local counter that never allocates.
+        unsafe impl GlobalAlloc for CountingAlloc {
+            unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+                note(l.size());
+                // SAFETY: forwarded with the caller's layout.
+                unsafe { System.alloc(l) }
+            }
+            unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
+                note(l.size());
+                // SAFETY: forwarded with the caller's layout.
+                unsafe { System.alloc_zeroed(l) }
+            }
+            unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
+                note(n);
+                // SAFETY: forwarded with the caller's pointer, layout and size.
+                unsafe { System.realloc(p, l, n) }
+            }
+            unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+                // SAFETY: forwarded with the caller's pointer and layout.
+                unsafe { System.dealloc(p, l) }
+            }
+        }
+    }
+
     use candle_core::{DType, Device, Result, Tensor};
 
     /// Seeded pseudo-random tensor (xorshift), values in [-1, 1).

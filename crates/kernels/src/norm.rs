@@ -3,7 +3,7 @@
 //! vectorized for the CPU with the same operations on every instruction
 //! set (so the same bits), and a slow f64 reference each.
 
-use crate::attention::paged::exp_nonpositive;
+use crate::simd::exp_nonpositive;
 use crate::Isa;
 
 /// The gate activation of a feed-forward block: `act(x·Wg) · (x·Wu)`.

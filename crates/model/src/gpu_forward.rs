@@ -19,13 +19,14 @@
 use candle_core::cuda_backend::cudarc::driver::sys::{
     CUgraphInstantiate_flags, CUstreamCaptureMode,
 };
-use candle_core::cuda_backend::cudarc::driver::{CudaGraph, CudaSlice, CudaStream, DevicePtr};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, CudaStorage, Storage, Tensor, TensorId};
 use std::collections::HashMap;
 use std::sync::Arc;
 use tessera_kernels::gpu::forward::{
-    tensor_addr, CacheRef, DevWeight, DeviceAttention, Forward, GemvFormat, GemvIo, QkvStep,
+    tensor_addr, upload_bits, Bits32, CacheRef, DevWeight, DeviceAttention, Forward, GemvFormat,
+    GemvIo, QkvStep, SendGraph,
 };
 use tessera_kernels::{PagedMeta, RopeStyle};
 
@@ -78,18 +79,10 @@ impl Buf {
     }
 
     /// `data` copied in (the buffer grown to hold it); its address.
-    fn upload<T: Copy>(&mut self, stream: &Arc<CudaStream>, data: &[T]) -> Result<u64> {
-        assert_eq!(std::mem::size_of::<T>(), 4, "4-byte values");
+    fn upload<T: Bits32>(&mut self, stream: &Arc<CudaStream>, data: &[T]) -> Result<u64> {
         let ptr = self.at_least(stream, data.len())?;
-        if !data.is_empty() {
-            let s = self.slice.as_mut().expect("allocated above");
-            // SAFETY: T is a plain 4-byte value (f32 or u32) read as f32 bits.
-            let raw: &[f32] =
-                unsafe { std::slice::from_raw_parts(data.as_ptr() as *const f32, data.len()) };
-            stream
-                .memcpy_htod(raw, &mut s.slice_mut(..data.len()))
-                .map_err(cuda_err)?;
-        }
+        let s = self.slice.as_mut().expect("allocated above");
+        upload_bits(stream, data, s)?;
         Ok(ptr)
     }
 }
@@ -168,7 +161,7 @@ pub(crate) struct GpuForward {
     head: DevWeight,
     bufs: Bufs,
     /// Captured decode steps by shape.
-    graphs: HashMap<GraphKey, Graph>,
+    graphs: HashMap<GraphKey, SendGraph>,
     /// Off once a capture has failed.
     graphs_on: bool,
     /// Cache tensors' addresses by the tensors' ids.
@@ -429,7 +422,7 @@ impl GpuForward {
                     let graph = s.end_capture(CUgraphInstantiate_flags(0));
                     match (launched, graph) {
                         (Ok(()), Ok(Some(g))) => {
-                            self.graphs.insert(key.clone(), Graph(g));
+                            self.graphs.insert(key.clone(), SendGraph::new(g));
                         }
                         (Err(e), _) => return Err(e),
                         (Ok(()), other) => {
@@ -445,7 +438,7 @@ impl GpuForward {
                     }
                 }
                 if let Some(g) = self.graphs.get(&key) {
-                    g.0.launch().map_err(cuda_err)?;
+                    g.launch()?;
                 }
             }
             other => {
@@ -455,8 +448,7 @@ impl GpuForward {
         }
         let dev = self.k.device().clone();
         let n = picks.len() * vocab;
-        // SAFETY: every value is written by the copy below before it is read.
-        let mut logits = unsafe { s.alloc::<f32>(n.max(1)) }.map_err(cuda_err)?;
+        let mut logits = s.alloc_zeros::<f32>(n.max(1)).map_err(cuda_err)?;
         if n > 0 {
             let src = self.bufs.logits.slice.as_ref().expect("sized above");
             s.memcpy_dtod(&src.slice(..n), &mut logits.slice_mut(..n))
@@ -730,10 +722,3 @@ struct GraphKey {
     /// Each layer's caches.
     caches: Vec<CacheRef>,
 }
-
-/// A captured step. CUDA graphs may be used from one thread at a time:
-/// this one is only reached through the model's lock on its CUDA forward.
-struct Graph(CudaGraph);
-
-// SAFETY: see `Graph`: never used from two threads at once.
-unsafe impl Send for Graph {}

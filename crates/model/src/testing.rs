@@ -678,57 +678,7 @@ pub fn fuzz_cases(default: usize) -> usize {
         .unwrap_or(default)
 }
 
-/// The largest single allocation made on the calling thread, for fuzz
-/// tests that check a loader allocates no more than its input justifies.
-/// Counted only in binaries that install [`CountingAlloc`].
-pub mod alloc_track {
-    use std::alloc::{GlobalAlloc, Layout, System};
-    use std::cell::Cell;
-
-    thread_local! {
-        static LARGEST: Cell<usize> = const { Cell::new(0) };
-    }
-
-    fn note(n: usize) {
-        let _ = LARGEST.try_with(|c| {
-            if n > c.get() {
-                c.set(n)
-            }
-        });
-    }
-
-    /// Resets the count and returns the previous largest allocation.
-    pub fn take_largest() -> usize {
-        LARGEST.with(|c| c.replace(0))
-    }
-
-    /// The system allocator, noting each request's size.
-    pub struct CountingAlloc;
-
-    // SAFETY: every call is passed to the system allocator unchanged; the
-    // only addition is a thread-local counter that never allocates.
-    unsafe impl GlobalAlloc for CountingAlloc {
-        unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-            note(l.size());
-            // SAFETY: forwarded with the caller's layout.
-            unsafe { System.alloc(l) }
-        }
-        unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
-            note(l.size());
-            // SAFETY: forwarded with the caller's layout.
-            unsafe { System.alloc_zeroed(l) }
-        }
-        unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
-            note(n);
-            // SAFETY: forwarded with the caller's pointer, layout and size.
-            unsafe { System.realloc(p, l, n) }
-        }
-        unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-            // SAFETY: forwarded with the caller's pointer and layout.
-            unsafe { System.dealloc(p, l) }
-        }
-    }
-}
+pub use tessera_kernels::testing::alloc_track;
 
 /// Logits of one sequence at one position.
 type LogitsAt = std::collections::BTreeMap<(usize, usize), Vec<f32>>;

@@ -32,9 +32,10 @@
 // Lane loops index several arrays in step.
 #![allow(clippy::needless_range_loop)]
 
-use crate::attention::paged::{exp_nonpositive, window_start};
+use crate::attention::paged::window_start;
 use crate::linear::matvec::{f16_to_f32, Isa};
 use crate::quant::{BlockQ4_0, BlockQ8_0, QBlock, QK};
+use crate::simd::exp_nonpositive;
 #[cfg(target_arch = "x86_64")]
 use crate::simd::lanes::x86;
 use crate::simd::lanes::{reduce16, Lanes, Portable};

@@ -10,14 +10,22 @@
 //! The K/V of the new tokens are written to the cache first (`write_kv`), so
 //! causality inside a prefill chunk falls out of the position bound. Grouped
 //! query attention: query head `h` reads KV head `h / (n_heads / n_kv_heads)`.
-//! Scores use an online softmax per block with f32 accumulation, whatever the
-//! cache dtype.
+//! On the CPU this is the forward's own attention ([`crate::attention::items`]:
+//! chunks of context per item, partial softmax states merged), so the
+//! reference forward and the fast one share one attention, and
+//! [`paged_attention_slow`] (plain candle ops) is its reference; CUDA and
+//! Metal have their kernels.
 
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::simd;
-use crate::simd::elem::{contiguous, f32_data, KvElem};
+use crate::attention::items::{
+    attend_item, merge, AttnInput, AttnPlan, AttnScratch, AttnShape, KvRows,
+};
+use crate::linear::matvec::Isa;
+use crate::quant::hadamard64;
+use crate::simd::elem::{contiguous, f32_data};
+use half::slice::HalfFloatSliceExt;
 
 /// Where each query token's context lives. All ids are plain integers.
 #[derive(Debug, Clone, Copy)]
@@ -54,436 +62,82 @@ struct PagedAttention<'a> {
     head_dim: usize,
 }
 
-/// Most query tokens of one sequence that share one pass over its cache.
-const QUERY_TILE: usize = 16;
-
 impl PagedAttention<'_> {
-    /// Runs of consecutive tokens of the same sequence, at most
-    /// [`QUERY_TILE`] long: `(first token, count)`.
-    fn tiles(&self) -> Vec<(usize, usize)> {
-        let seqs = self.meta.token_seq;
-        let mut tiles = Vec::new();
-        let mut t = 0;
-        while t < seqs.len() {
-            let mut n = 1;
-            while t + n < seqs.len() && n < QUERY_TILE && seqs[t + n] == seqs[t] {
-                n += 1;
-            }
-            tiles.push((t, n));
-            t += n;
-        }
-        tiles
-    }
-
-    fn run<T: KvElem>(&self, q: &[f32], k: &[T], v: &[T]) -> Vec<f32> {
-        let (nh, kvh, hd) = (self.n_heads, self.n_kv_heads, self.head_dim);
-        let group = nh / kvh;
-        let bs = self.meta.block_size;
+    /// The CPU's one attention ([`crate::attention::items`]) over the whole
+    /// batch: its plan, its items on rayon's workers (each with its own
+    /// scratch), then each query head's chunks merged. A quantized cache
+    /// holds Hadamard-rotated rows ([`crate::quant`]): the queries are
+    /// rotated as the keys were, and the outputs (sums of rotated values)
+    /// rotated back (the transform is its own inverse).
+    fn run(&self, q: &[f32], k: KvRows, v: KvRows) -> Vec<f32> {
+        let rotated = matches!(k, KvRows::Q8_0(_) | KvRows::Q4_0(_));
+        let mut q_rot = Vec::new();
+        let q = if rotated {
+            q_rot.extend_from_slice(q);
+            q_rot.chunks_exact_mut(self.head_dim).for_each(hadamard64);
+            &q_rot[..]
+        } else {
+            q
+        };
         let m = &self.meta;
-        let tiles = self.tiles();
-        // One task per (tile of query tokens, KV head): each cached row is
-        // converted to f32 once for every query token of the tile and every
-        // query head sharing the KV head.
-        let results: Vec<Vec<f32>> = (0..tiles.len() * kvh)
-            .into_par_iter()
-            .map_init(
-                || (vec![0f32; bs * hd], vec![0f32; bs * hd], vec![0f32; bs]),
-                |(kbuf, vbuf, scores), task| {
-                    let job = Tile {
-                        tile: tiles[task / kvh],
-                        g: task % kvh,
-                        group,
-                        nh,
-                        kvh,
-                        hd,
-                    };
-                    // Transposing a block's keys pays off over several
-                    // query tokens, not for one decode token.
-                    let fixed = bs == FIXED_BS && hd == FIXED_HD && job.tile.1 > 1;
-                    #[cfg(target_arch = "x86_64")]
-                    if simd::has_avx2_fma() {
-                        // SAFETY: the CPU supports AVX2 and FMA (checked).
-                        return unsafe {
-                            if fixed {
-                                attend_fixed_avx2(m, &job, q, k, v, kbuf, vbuf)
-                            } else {
-                                attend_tile_avx2(m, &job, q, k, v, kbuf, vbuf, scores)
-                            }
-                        };
-                    }
-                    if fixed {
-                        attend_fixed::<T, false>(m, &job, q, k, v, kbuf, vbuf)
-                    } else {
-                        attend_tile::<T, false>(m, &job, q, k, v, kbuf, vbuf, scores)
-                    }
-                },
-            )
+        let shape = AttnShape {
+            n_heads: self.n_heads,
+            n_kv_heads: self.n_kv_heads,
+            head_dim: self.head_dim,
+            block_size: m.block_size,
+            scale: m.scale,
+            window: m.window,
+        };
+        let mut plan = AttnPlan::default();
+        plan.build(&shape, m.token_seq, m.token_pos);
+        let input = AttnInput {
+            shape,
+            q,
+            positions: m.token_pos,
+            token_seq: m.token_seq,
+            block_tables: m.block_tables,
+            max_blocks: m.max_blocks,
+            k,
+            v,
+        };
+        let (rec, isa) = (shape.record(), Isa::detect());
+        // Each item's partial states: where each goes, and the states.
+        let parts: Vec<(Vec<usize>, Vec<f32>)> = plan
+            .items
+            .par_iter()
+            .map_init(AttnScratch::default, |scratch, &item| {
+                let (mut at, mut states) = (Vec::new(), Vec::new());
+                attend_item(isa, &input, item, scratch, &mut |t, idx, r| {
+                    at.push(plan.base[t] + idx);
+                    states.extend_from_slice(r);
+                });
+                (at, states)
+            })
             .collect();
-        let mut out = vec![0f32; q.len()];
-        for (task, acc) in results.iter().enumerate() {
-            let ((t0, nt), g) = (tiles[task / kvh], task % kvh);
-            for ti in 0..nt {
-                let dst = ((t0 + ti) * nh + g * group) * hd;
-                out[dst..dst + group * hd]
-                    .copy_from_slice(&acc[ti * group * hd..(ti + 1) * group * hd]);
+        let mut states = vec![0f32; plan.states * rec];
+        for (at, part) in &parts {
+            for (&i, r) in at.iter().zip(part.chunks_exact(rec)) {
+                states[i * rec..(i + 1) * rec].copy_from_slice(r);
             }
         }
+        let (nh, hd) = (self.n_heads, self.head_dim);
+        let mut out = vec![0f32; q.len()];
+        out.par_chunks_mut(hd).enumerate().for_each(|(p, o)| {
+            let (t, head) = (p / nh, p % nh);
+            let chunks = shape.chunks(m.token_pos[t] as usize).1;
+            merge(
+                &states[(plan.base[t] + head) * rec..],
+                chunks,
+                nh * rec,
+                hd,
+                o,
+            );
+            if rotated {
+                hadamard64(o);
+            }
+        });
         out
     }
-}
-
-/// One task: a tile of query tokens of one sequence and one KV head.
-struct Tile {
-    /// First token and number of tokens.
-    tile: (usize, usize),
-    g: usize,
-    group: usize,
-    nh: usize,
-    kvh: usize,
-    hd: usize,
-}
-
-/// How one path of the attention treats a loaded block: what it prepares
-/// from the block's keys, and how one query row attends to the block's
-/// positions `from..n` (updating the row's output, running max and sum).
-trait BlockKernel {
-    fn prepare(&mut self, loaded: usize, kbuf: &[f32]);
-    #[allow(clippy::too_many_arguments)]
-    fn row(
-        &mut self,
-        qh: &[f32],
-        span: (usize, usize),
-        kbuf: &[f32],
-        vbuf: &[f32],
-        acc: &mut [f32],
-        mx: &mut f32,
-        l: &mut f32,
-    );
-}
-
-/// Online-softmax attention of a tile's queries over their context, block
-/// by block; each cached row is converted to f32 once for the whole tile,
-/// and `kernel` does the per-block arithmetic.
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn walk_tile<T: KvElem, K: BlockKernel>(
-    m: &PagedMeta,
-    job: &Tile,
-    q: &[f32],
-    k: &[T],
-    v: &[T],
-    kbuf: &mut [f32],
-    vbuf: &mut [f32],
-    kernel: &mut K,
-) -> Vec<f32> {
-    let Tile {
-        tile: (t0, nt),
-        g,
-        group,
-        nh,
-        kvh,
-        hd,
-    } = *job;
-    let bs = m.block_size;
-    let seq = m.token_seq[t0] as usize;
-    let table = &m.block_tables[seq * m.max_blocks..(seq + 1) * m.max_blocks];
-    let rows = nt * group;
-    let mut acc = vec![0f32; rows * hd];
-    let mut mx = vec![f32::NEG_INFINITY; rows];
-    let mut l = vec![0f32; rows];
-    let last = (t0..t0 + nt)
-        .map(|t| m.token_pos[t] as usize)
-        .max()
-        .unwrap_or(0);
-    let first = (t0..t0 + nt)
-        .map(|t| window_start(m.token_pos[t] as usize, m.window))
-        .min()
-        .unwrap_or(0);
-    for (j, &b) in table
-        .iter()
-        .enumerate()
-        .take(last / bs + 1)
-        .skip(first / bs)
-    {
-        let loaded = bs.min(last + 1 - j * bs);
-        for o in 0..loaded {
-            let row = ((b as usize * bs + o) * kvh + g) * hd;
-            let (a, b) = (row / T::PER, (row + hd) / T::PER);
-            T::load(&k[a..b], &mut kbuf[o * hd..(o + 1) * hd]);
-            T::load(&v[a..b], &mut vbuf[o * hd..(o + 1) * hd]);
-        }
-        kernel.prepare(loaded, kbuf);
-        for ti in 0..nt {
-            let t = t0 + ti;
-            let pos = m.token_pos[t] as usize;
-            let lo = window_start(pos, m.window);
-            if pos < j * bs || lo >= (j + 1) * bs {
-                continue;
-            }
-            let n = bs.min(pos + 1 - j * bs);
-            let from = lo.saturating_sub(j * bs);
-            for h in 0..group {
-                let r = ti * group + h;
-                let qh = &q[(t * nh + g * group + h) * hd..][..hd];
-                let out = &mut acc[r * hd..(r + 1) * hd];
-                kernel.row(qh, (from, n), kbuf, vbuf, out, &mut mx[r], &mut l[r]);
-            }
-        }
-    }
-    for (r, a) in acc.chunks_mut(hd).enumerate() {
-        let inv = 1.0 / l[r];
-        a.iter_mut().for_each(|x| *x *= inv);
-    }
-    acc
-}
-
-/// Any block size and head dimension: one dot per key, one axpy per value.
-struct AnyGeometry<'a, const FMA: bool> {
-    scores: &'a mut [f32],
-    scale: f32,
-}
-
-impl<const FMA: bool> BlockKernel for AnyGeometry<'_, FMA> {
-    #[inline(always)]
-    fn prepare(&mut self, _loaded: usize, _kbuf: &[f32]) {}
-
-    #[inline(always)]
-    fn row(
-        &mut self,
-        qh: &[f32],
-        (from, n): (usize, usize),
-        kbuf: &[f32],
-        vbuf: &[f32],
-        acc: &mut [f32],
-        mx: &mut f32,
-        l: &mut f32,
-    ) {
-        let hd = qh.len();
-        let (kbuf, vbuf) = (&kbuf[from * hd..], &vbuf[from * hd..]);
-        let scores = &mut self.scores[..n - from];
-        let mut best = f32::NEG_INFINITY;
-        for (i, s) in scores.iter_mut().enumerate() {
-            *s = simd::dot::<FMA>(qh, &kbuf[i * hd..(i + 1) * hd]) * self.scale;
-            best = best.max(*s);
-        }
-        let new_max = mx.max(best);
-        let correction = (*mx - new_max).exp();
-        if correction != 1.0 {
-            acc.iter_mut().for_each(|a| *a *= correction);
-        }
-        *l *= correction;
-        for s in scores.iter_mut() {
-            *s = exp_nonpositive(*s - new_max);
-        }
-        *l += scores.iter().sum::<f32>();
-        for (i, &p) in scores.iter().enumerate() {
-            simd::axpy::<FMA>(p, &vbuf[i * hd..(i + 1) * hd], acc);
-        }
-        *mx = new_max;
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn attend_tile_avx2<T: KvElem>(
-    m: &PagedMeta,
-    job: &Tile,
-    q: &[f32],
-    k: &[T],
-    v: &[T],
-    kbuf: &mut [f32],
-    vbuf: &mut [f32],
-    scores: &mut [f32],
-) -> Vec<f32> {
-    attend_tile::<T, true>(m, job, q, k, v, kbuf, vbuf, scores)
-}
-
-/// [`walk_tile`] with [`AnyGeometry`].
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn attend_tile<T: KvElem, const FMA: bool>(
-    m: &PagedMeta,
-    job: &Tile,
-    q: &[f32],
-    k: &[T],
-    v: &[T],
-    kbuf: &mut [f32],
-    vbuf: &mut [f32],
-    scores: &mut [f32],
-) -> Vec<f32> {
-    let mut kernel = AnyGeometry::<FMA> {
-        scores,
-        scale: m.scale,
-    };
-    walk_tile(m, job, q, k, v, kbuf, vbuf, &mut kernel)
-}
-
-/// Block size and head dimension of the register-blocked path (the
-/// defaults: 16-token blocks, 64-dim heads as in SmolLM2 and Llama 3.2 1B).
-const FIXED_BS: usize = 16;
-const FIXED_HD: usize = 64;
-
-/// 16-token blocks and 64-dim heads, in fixed-size arrays the compiler
-/// keeps in vector registers: the block's keys are transposed once per tile
-/// so that one query's 16 scores accumulate together over the head
-/// dimension (no horizontal sums), and a row's output accumulates over the
-/// block's 16 values before it is stored.
-struct Fixed<const FMA: bool> {
-    /// Transposed keys of the block: `kt[d][i]`.
-    kt: [[f32; FIXED_BS]; FIXED_HD],
-    scale: f32,
-}
-
-impl<const FMA: bool> BlockKernel for Fixed<FMA> {
-    #[inline(always)]
-    fn prepare(&mut self, loaded: usize, kbuf: &[f32]) {
-        for (d, col) in self.kt.iter_mut().enumerate() {
-            for (i, c) in col.iter_mut().enumerate() {
-                *c = if i < loaded {
-                    kbuf[i * FIXED_HD + d]
-                } else {
-                    0.0
-                };
-            }
-        }
-    }
-
-    #[inline(always)]
-    fn row(
-        &mut self,
-        qh: &[f32],
-        (from, n): (usize, usize),
-        _kbuf: &[f32],
-        vbuf: &[f32],
-        acc: &mut [f32],
-        mx: &mut f32,
-        l: &mut f32,
-    ) {
-        const BS: usize = FIXED_BS;
-        const HD: usize = FIXED_HD;
-        let qh: &[f32; HD] = qh.try_into().expect("HD values");
-        let mut sc = [0f32; BS];
-        for (d, col) in self.kt.iter().enumerate() {
-            let qd = qh[d];
-            for i in 0..BS {
-                sc[i] = simd::madd::<FMA>(sc[i], qd, col[i]);
-            }
-        }
-        let mut best = f32::NEG_INFINITY;
-        for (i, x) in sc.iter_mut().enumerate() {
-            *x = if (from..n).contains(&i) {
-                *x * self.scale
-            } else {
-                f32::NEG_INFINITY
-            };
-            best = best.max(*x);
-        }
-        let new_max = mx.max(best);
-        let correction = (*mx - new_max).exp();
-        for x in sc.iter_mut() {
-            *x = exp_nonpositive(*x - new_max);
-        }
-        // Positions before the window weigh nothing.
-        sc[..from].fill(0.0);
-        *l = *l * correction + sc.iter().sum::<f32>();
-        let out: &mut [f32; HD] = acc.try_into().expect("HD values");
-        let mut o = [0f32; HD];
-        for d in 0..HD {
-            o[d] = out[d] * correction;
-        }
-        for (i, &p) in sc.iter().enumerate().take(n).skip(from) {
-            let vi: &[f32; HD] = vbuf[i * HD..(i + 1) * HD].try_into().expect("HD values");
-            for d in 0..HD {
-                o[d] = simd::madd::<FMA>(o[d], p, vi[d]);
-            }
-        }
-        *out = o;
-        *mx = new_max;
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn attend_fixed_avx2<T: KvElem>(
-    m: &PagedMeta,
-    job: &Tile,
-    q: &[f32],
-    k: &[T],
-    v: &[T],
-    kbuf: &mut [f32],
-    vbuf: &mut [f32],
-) -> Vec<f32> {
-    attend_fixed::<T, true>(m, job, q, k, v, kbuf, vbuf)
-}
-
-/// [`walk_tile`] with [`Fixed`].
-#[inline(always)]
-fn attend_fixed<T: KvElem, const FMA: bool>(
-    m: &PagedMeta,
-    job: &Tile,
-    q: &[f32],
-    k: &[T],
-    v: &[T],
-    kbuf: &mut [f32],
-    vbuf: &mut [f32],
-) -> Vec<f32> {
-    let mut kernel = Fixed::<FMA> {
-        kt: [[0f32; FIXED_BS]; FIXED_HD],
-        scale: m.scale,
-    };
-    walk_tile(m, job, q, k, v, kbuf, vbuf, &mut kernel)
-}
-
-/// `e^x` for `x <= 0` (softmax weights, sigmoids), within 2 ulp of `f32::exp`, in
-/// straight-line arithmetic the compiler vectorizes: `x = n·ln2 + r` with
-/// `|r| <= ln2/2`, a degree-6 polynomial for `e^r`, and `2^n` put into the
-/// exponent bits. Below -87 the result is 0.
-#[inline(always)]
-pub fn exp_nonpositive(x: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_145_75;
-    const LN2_LO: f32 = 1.428_606_8e-6;
-    let x = x.max(-87.0);
-    // Round to nearest, ties to even, by the 1.5·2^23 trick (exact for
-    // |x·log2 e| < 2^22, here at most 126): no library call anywhere.
-    const MAGIC: f32 = 12_582_912.0;
-    let t = x * LOG2E + MAGIC;
-    let n = t - MAGIC;
-    let r = x - n * LN2_HI - n * LN2_LO;
-    let p = 1.0
-        + r * (1.0
-            + r * (0.5
-                + r * (0.166_666_67
-                    + r * (0.041_666_668 + r * (0.008_333_334 + r * 0.001_388_889)))));
-    // `2^n` from the bits of `t` = 1.5·2^23 + n (spacing 1 there, so its
-    // low bits hold n exactly): integer steps that vectorize, where `n as
-    // i32` (a saturating conversion) is done one lane at a time.
-    let scale = f32::from_bits(t.to_bits().wrapping_sub(MAGIC.to_bits() - 127) << 23);
-    p * scale
-}
-
-#[cfg(test)]
-#[test]
-fn fast_exp_matches_std_exp() {
-    let mut worst = 0f32;
-    for i in 0..=200_000 {
-        let x = -(i as f32) * 87.0 / 200_000.0;
-        let (a, b) = (exp_nonpositive(x), x.exp());
-        worst = worst.max((a - b).abs() / b.max(f32::MIN_POSITIVE));
-    }
-    assert!(worst < 3e-7, "relative error {worst}");
-    // The exponent taken from the rounding sum's bits is `n as i32`: every
-    // integer n the clamp allows, and the halfway points between them.
-    for i in 0..=2 * 126 {
-        let x = (-(i as f32) / 2.0 / std::f32::consts::LOG2_E).max(-87.0);
-        let t = x * std::f32::consts::LOG2_E + 12_582_912.0;
-        let n = (t - 12_582_912.0) as i32;
-        assert_eq!(t.to_bits().wrapping_sub(0x4B40_0000) as i32, n, "at {x}");
-        assert!((-126..=0).contains(&n), "{n} at {x}");
-    }
-    assert_eq!(exp_nonpositive(0.0), 1.0);
-    assert_eq!(exp_nonpositive(-1000.0), exp_nonpositive(-87.0));
 }
 
 impl CustomOp3 for PagedAttention<'_> {
@@ -504,30 +158,27 @@ impl CustomOp3 for PagedAttention<'_> {
         let out = match (s2, s3) {
             (CpuStorage::F32(k), CpuStorage::F32(v)) => self.run(
                 q,
-                contiguous(k, l2, "K cache")?,
-                contiguous(v, l3, "V cache")?,
+                KvRows::F32(contiguous(k, l2, "K cache")?),
+                KvRows::F32(contiguous(v, l3, "V cache")?),
             ),
             (CpuStorage::F16(k), CpuStorage::F16(v)) => self.run(
                 q,
-                contiguous(k, l2, "K cache")?,
-                contiguous(v, l3, "V cache")?,
+                KvRows::F16(contiguous(k, l2, "K cache")?.reinterpret_cast()),
+                KvRows::F16(contiguous(v, l3, "V cache")?.reinterpret_cast()),
             ),
             (CpuStorage::BF16(k), CpuStorage::BF16(v)) => self.run(
                 q,
-                contiguous(k, l2, "K cache")?,
-                contiguous(v, l3, "V cache")?,
+                KvRows::Bf16(contiguous(k, l2, "K cache")?.reinterpret_cast()),
+                KvRows::Bf16(contiguous(v, l3, "V cache")?.reinterpret_cast()),
             ),
             (CpuStorage::U8(k), CpuStorage::U8(v)) => {
+                use crate::quant::blocks;
                 let (k, v) = (contiguous(k, l2, "K cache")?, contiguous(v, l3, "V cache")?);
                 match crate::KvType::of_dims(DType::U8, l2.dims())? {
                     crate::KvType::Q8_0 => {
-                        use crate::quant::{blocks, BlockQ8_0};
-                        self.run(q, blocks::<BlockQ8_0>(k), blocks::<BlockQ8_0>(v))
+                        self.run(q, KvRows::Q8_0(blocks(k)), KvRows::Q8_0(blocks(v)))
                     }
-                    _ => {
-                        use crate::quant::{blocks, BlockQ4_0};
-                        self.run(q, blocks::<BlockQ4_0>(k), blocks::<BlockQ4_0>(v))
-                    }
+                    _ => self.run(q, KvRows::Q4_0(blocks(k)), KvRows::Q4_0(blocks(v))),
                 }
             }
             (k, v) => bail!(

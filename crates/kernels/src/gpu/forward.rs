@@ -9,7 +9,7 @@
 use std::sync::Arc;
 
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
 use candle_core::cuda_backend::{CudaStorageSlice as S, WrapErr};
@@ -20,6 +20,57 @@ use super::cuda::{addr, attention_into, launch_attention, AttnBuffers, AttnLaunc
 use crate::PagedMeta;
 
 const FORWARD_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/forward.ptx"));
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for u32 {}
+    impl Sealed for i32 {}
+}
+
+/// Plain 4-byte values (f32, u32, i32) that the forward's f32 device
+/// buffers carry as their bits: activations, and the batch's positions,
+/// slots and block tables.
+pub trait Bits32: Copy + sealed::Sealed {}
+impl Bits32 for f32 {}
+impl Bits32 for u32 {}
+impl Bits32 for i32 {}
+
+/// `src` copied into the start of `dst`, bit for bit.
+pub fn upload_bits<T: Bits32>(
+    stream: &Arc<CudaStream>,
+    src: &[T],
+    dst: &mut CudaSlice<f32>,
+) -> Result<()> {
+    if src.is_empty() {
+        return Ok(());
+    }
+    // SAFETY: `T` is f32, u32 or i32 (the trait is sealed): four bytes,
+    // four-byte aligned, and every bit pattern is some f32.
+    let raw: &[f32] = unsafe { std::slice::from_raw_parts(src.as_ptr().cast(), src.len()) };
+    stream.memcpy_htod(raw, &mut dst.slice_mut(..src.len())).w()
+}
+
+/// A captured CUDA graph that may be moved to another thread. cudarc's
+/// graph is not `Send` (it holds raw driver handles); the driver lets any
+/// thread launch a graph, and a graph here is only reached through its
+/// owner's lock (tessera-model's CUDA forward), so never from two threads
+/// at once: it is `Send`, and not `Sync`.
+pub struct SendGraph(CudaGraph);
+
+impl SendGraph {
+    pub fn new(graph: CudaGraph) -> SendGraph {
+        SendGraph(graph)
+    }
+
+    /// Launches the graph on the stream it was captured on.
+    pub fn launch(&self) -> Result<()> {
+        self.0.launch().w()
+    }
+}
+
+// SAFETY: see `SendGraph`: moved between threads, never shared.
+unsafe impl Send for SendGraph {}
 
 /// Inputs one GEMV block multiplies at once (`TS_FWD_MAXT`).
 const MAXT: u32 = 8;

@@ -113,7 +113,7 @@ pub(crate) trait Lanes: Copy {
         x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v))
     }
     /// `exp_nonpositive(x − m)` in every lane: the same operations in the
-    /// same order as [`crate::attention::paged::exp_nonpositive`], so the same bits.
+    /// same order as [`crate::simd::exp_nonpositive`], so the same bits.
     /// # Safety
     /// As [`Lanes::zero`].
     #[inline(always)]
@@ -121,7 +121,7 @@ pub(crate) trait Lanes: Copy {
         let mut v = [0f32; 16];
         x.store(&mut v);
         for e in v.iter_mut() {
-            *e = crate::attention::paged::exp_nonpositive(*e - m);
+            *e = crate::simd::exp_nonpositive(*e - m);
         }
         Self::load(&v)
     }
@@ -195,7 +195,7 @@ pub(crate) mod x86 {
 
     use super::Lanes;
 
-    /// [`crate::attention::paged::exp_nonpositive`] of the vector `$x` with
+    /// [`crate::simd::exp_nonpositive`] of the vector `$x` with
     /// vector operations (no fused ones: the scalar code rounds each
     /// product and sum), wrapped by `$wrap`.
     macro_rules! exp_ops {
@@ -532,7 +532,7 @@ pub(crate) mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::attention::paged::exp_nonpositive;
+    use crate::simd::exp_nonpositive;
 
     /// Scores and maxima over the softmax's whole range, and beyond it.
     fn inputs() -> Vec<(f32, f32)> {

@@ -1,7 +1,11 @@
-//! f32 vector loops, written so the compiler vectorizes them, in two
-//! builds: the baseline target, and AVX2 + FMA chosen at run time (the
-//! kernels' hot functions are compiled again under `#[target_feature]` and
-//! inline these).
+//! The f32 kernels' vectors: [`lanes::Lanes`], sixteen f32 lanes (an
+//! array in portable code, one AVX-512 register, two AVX2 registers) with
+//! one fixed reduction tree, which the attention and the f32-activation
+//! products are written in; the kernels' exponential; and how every kernel
+//! family picks its instruction set ([`capped`]). Element-wise loops (the
+//! norms and activations) are plain code compiled again under each
+//! instruction set's `#[target_feature]`, the same operations in every
+//! build. [`elem`] converts cache elements (f16, bf16) to and from f32.
 
 use crate::tuning::IsaCap;
 
@@ -24,55 +28,53 @@ pub(crate) fn capped<T: Ord + Copy>(best: T, level: impl Fn(IsaCap) -> T) -> T {
     }
 }
 
-/// Whether this CPU has AVX2 and FMA (checked once; x86-64 only, its
-/// one caller's AVX2 attention paths are).
-#[cfg(target_arch = "x86_64")]
-#[inline]
-pub(crate) fn has_avx2_fma() -> bool {
-    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *HAS.get_or_init(|| {
-        !portable_forced()
-            && std::arch::is_x86_feature_detected!("avx2")
-            && std::arch::is_x86_feature_detected!("fma")
-    })
+/// `e^x` for `x <= 0` (softmax weights, sigmoids), within 2 ulp of `f32::exp`, in
+/// straight-line arithmetic the compiler vectorizes: `x = n·ln2 + r` with
+/// `|r| <= ln2/2`, a degree-6 polynomial for `e^r`, and `2^n` put into the
+/// exponent bits. Below -87 the result is 0.
+#[inline(always)]
+pub fn exp_nonpositive(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    let x = x.max(-87.0);
+    // Round to nearest, ties to even, by the 1.5·2^23 trick (exact for
+    // |x·log2 e| < 2^22, here at most 126): no library call anywhere.
+    const MAGIC: f32 = 12_582_912.0;
+    let t = x * LOG2E + MAGIC;
+    let n = t - MAGIC;
+    let r = x - n * LN2_HI - n * LN2_LO;
+    let p = 1.0
+        + r * (1.0
+            + r * (0.5
+                + r * (0.166_666_67
+                    + r * (0.041_666_668 + r * (0.008_333_334 + r * 0.001_388_889)))));
+    // `2^n` from the bits of `t` = 1.5·2^23 + n (spacing 1 there, so its
+    // low bits hold n exactly): integer steps that vectorize, where `n as
+    // i32` (a saturating conversion) is done one lane at a time.
+    let scale = f32::from_bits(t.to_bits().wrapping_sub(MAGIC.to_bits() - 127) << 23);
+    p * scale
 }
 
-#[inline(always)]
-pub(crate) fn madd<const FMA: bool>(acc: f32, x: f32, y: f32) -> f32 {
-    if FMA {
-        x.mul_add(y, acc)
-    } else {
-        acc + x * y
+#[cfg(test)]
+#[test]
+fn fast_exp_matches_std_exp() {
+    let mut worst = 0f32;
+    for i in 0..=200_000 {
+        let x = -(i as f32) * 87.0 / 200_000.0;
+        let (a, b) = (exp_nonpositive(x), x.exp());
+        worst = worst.max((a - b).abs() / b.max(f32::MIN_POSITIVE));
     }
-}
-
-/// Dot product with sixteen independent accumulators.
-#[inline(always)]
-pub(crate) fn dot<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 16];
-    let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
-    let tail: f32 = ca
-        .remainder()
-        .iter()
-        .zip(cb.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (x, y) in ca.zip(cb) {
-        for i in 0..16 {
-            acc[i] = madd::<FMA>(acc[i], x[i], y[i]);
-        }
+    assert!(worst < 3e-7, "relative error {worst}");
+    // The exponent taken from the rounding sum's bits is `n as i32`: every
+    // integer n the clamp allows, and the halfway points between them.
+    for i in 0..=2 * 126 {
+        let x = (-(i as f32) / 2.0 / std::f32::consts::LOG2_E).max(-87.0);
+        let t = x * std::f32::consts::LOG2_E + 12_582_912.0;
+        let n = (t - 12_582_912.0) as i32;
+        assert_eq!(t.to_bits().wrapping_sub(0x4B40_0000) as i32, n, "at {x}");
+        assert!((-126..=0).contains(&n), "{n} at {x}");
     }
-    let mut s = [0f32; 8];
-    for i in 0..8 {
-        s[i] = acc[i] + acc[i + 8];
-    }
-    (s[0] + s[4]) + (s[1] + s[5]) + ((s[2] + s[6]) + (s[3] + s[7])) + tail
-}
-
-/// `y += a · x`.
-#[inline(always)]
-pub(crate) fn axpy<const FMA: bool>(a: f32, x: &[f32], y: &mut [f32]) {
-    for (y, &x) in y.iter_mut().zip(x) {
-        *y = madd::<FMA>(*y, a, x);
-    }
+    assert_eq!(exp_nonpositive(0.0), 1.0);
+    assert_eq!(exp_nonpositive(-1000.0), exp_nonpositive(-87.0));
 }
