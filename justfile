@@ -196,9 +196,9 @@ bench-perplexity: model bench-deps
     python3 scripts/perplexity_vs_llamacpp.py
 
 # Each family's arithmetic against llama.cpp's on the same generated files (Llama control, Qwen3,
-# Granite, SmolLM3, Phi-3, OLMo 2; F16, Q8_0, Q4_K_M; Phi-3.5's LongRoPE at a context past its original and at it) and the real models: KL divergence and top-1 agreement of
+# Granite, SmolLM3, Phi-3, OLMo 2; F16, Q8_0, Q4_K_M; Phi-3.5's LongRoPE and Phi-4 mini's partial RoPE at a context past the original and at it) and the real models: KL divergence and top-1 agreement of
 # tessera perplexity against llama-perplexity's --kl-divergence-base; then its table in docs/.
-bench-families: (synth-model "llama-135m qwen3-0.6b granite-s smollm3-s phi3-s olmo2-s" "F16,Q8_0,Q4_K_M") (synth-model "phi3-long" "F16,Q8_0")
+bench-families: (synth-model "llama-135m qwen3-0.6b granite-s smollm3-s phi3-s olmo2-s" "F16,Q8_0,Q4_K_M") (synth-model "phi3-long phi3-4mini" "F16,Q8_0")
     cargo build --release -p tessera
     python3 scripts/families_vs_llamacpp.py
 

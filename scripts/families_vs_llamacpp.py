@@ -63,13 +63,24 @@ FORMATS = ["F16", "Q8_0", "Q4_K_M"]
 # the original and the long ones past it (llama.cpp by its context per
 # sequence, which it pads to a multiple of 256), so the same file is checked
 # at the original context and at twice it: (label, ctx, chunks, what).
-LONGROPE = ("synth-phi3-long", "phi3", ["F16", "Q8_0"], [
-    ("Phi-3.5 LongRoPE: short factors", CTX, CHUNKS,
-     "Phi-3 mini's layout with Phi-3.5's LongRoPE (original context 256, attention factor 1.46): "
-     f"a context of {CTX}, the short factors"),
-    ("Phi-3.5 LongRoPE: long factors", 2 * CTX, CHUNKS // 2,
-     f"the same file at a context of {2 * CTX}, the long factors ({CHUNKS // 2} chunks of {2 * CTX})"),
-])
+# Phi-4 mini's layout adds a rotation of 96 of each head's 128 dimensions
+# (and a tied output) to the same LongRoPE.
+LONGROPE = [
+    ("synth-phi3-long", "phi3", ["F16", "Q8_0"], [
+        ("Phi-3.5 LongRoPE: short factors", CTX, CHUNKS,
+         "Phi-3 mini's layout with Phi-3.5's LongRoPE (original context 256, attention factor 1.46): "
+         f"a context of {CTX}, the short factors"),
+        ("Phi-3.5 LongRoPE: long factors", 2 * CTX, CHUNKS // 2,
+         f"the same file at a context of {2 * CTX}, the long factors ({CHUNKS // 2} chunks of {2 * CTX})"),
+    ]),
+    ("synth-phi3-4mini", "phi3", ["F16", "Q8_0"], [
+        ("Phi-4 mini: short factors", CTX, CHUNKS,
+         "Phi-4 mini's width (3,072, 24/8 heads of 128, RoPE on 96 of them, FFN 8,192, tied output) at "
+         f"8 layers, LongRoPE as above: a context of {CTX}, the short factors"),
+        ("Phi-4 mini: long factors", 2 * CTX, CHUNKS // 2,
+         f"the same file at a context of {2 * CTX}, the long factors ({CHUNKS // 2} chunks of {2 * CTX})"),
+    ]),
+]
 REAL = [
     ("SmolLM2-135M-Instruct (real)", "SmolLM2-135M-Instruct.Q4_1", "llama", "Q4_1"),
     ("Gemma 3 270M (real)", "gemma-3-270m-q4_k_m", "gemma3", "Q4_K_M"),
@@ -116,16 +127,16 @@ def main():
             if wanted(label):
                 print(f"{label} {fmt}", flush=True)
                 rows.append(dict(label=label, arch=arch, format=fmt, what=what, **run(model)))
-    stem, arch, formats, checks = LONGROPE
-    for fmt in formats:
-        model = ROOT / "models" / f"{stem}-{fmt}.gguf"
-        if not model.exists():
-            sys.exit(f"{model} is missing: run `just bench-families` (it generates it)")
-        for label, ctx, chunks, what in checks:
-            if wanted(label):
-                print(f"{label} {fmt}", flush=True)
-                rows.append(dict(label=label, arch=arch, format=fmt, what=what,
-                                 **run(model, ctx, chunks)))
+    for stem, arch, formats, checks in LONGROPE:
+        for fmt in formats:
+            model = ROOT / "models" / f"{stem}-{fmt}.gguf"
+            if not model.exists():
+                sys.exit(f"{model} is missing: run `just bench-families` (it generates it)")
+            for label, ctx, chunks, what in checks:
+                if wanted(label):
+                    print(f"{label} {fmt}", flush=True)
+                    rows.append(dict(label=label, arch=arch, format=fmt, what=what,
+                                     **run(model, ctx, chunks)))
     for label, stem, arch, fmt in REAL:
         model = ROOT / "models" / f"{stem}.gguf"
         if model.exists() and wanted(label):

@@ -82,6 +82,13 @@ SIZES = {
     # the converter's attention factor for that extension.
     ("phi3", "long"): dict(hidden=3072, layers=8, heads=32, kv_heads=32, head_dim=96, ffn=8192,
                            theta=10000.0, context=131072, longrope_original=256),
+    # Phi-4 mini's layout at 8 layers: 24/8 heads of 128 of which RoPE
+    # turns 96, LongRoPE over those (original context 256 as above), the
+    # output tied to the embeddings, and its GPT-4o pre-tokenizer (over the
+    # borrowed vocabulary: the split is what differs).
+    ("phi3", "4mini"): dict(hidden=3072, layers=8, heads=24, kv_heads=8, head_dim=128, ffn=8192,
+                            theta=10000.0, context=131072, longrope_original=256, rope_dims=96,
+                            tied=True, pre="gpt-4o"),
 }
 # Granite 3's scales (its 2B: embeddings ×12, block outputs ×0.22, scores
 # ×1/64, logits ÷8).
@@ -143,7 +150,7 @@ def start(path, arch, size, gguf, toks, file_type):
     w.add_uint32(a("attention.head_count_kv"), kv)
     w.add_uint32(a("attention.key_length"), hd)
     w.add_uint32(a("attention.value_length"), hd)
-    w.add_uint32(a("rope.dimension_count"), hd)
+    w.add_uint32(a("rope.dimension_count"), s.get("rope_dims", hd))
     w.add_uint32(a("vocab_size"), vocab)
     w.add_float32(a("rope.freq_base"), s["theta"])
     w.add_float32(a("attention.layer_norm_rms_epsilon"), 1e-6 if arch in ("qwen3", "olmo2") else 1e-5)
@@ -151,6 +158,8 @@ def start(path, arch, size, gguf, toks, file_type):
         for k, v in GRANITE.items():
             w.add_float32(a(k), v)
     for name, val, vtype, sub in toks:
+        if name == "tokenizer.ggml.pre" and "pre" in s:
+            val = s["pre"]
         w.add_key_value(name, val, vtype, sub)
     # (numpy shape: rows = outputs, columns = inputs)
     shapes = [("token_embd.weight", (vocab, h))]
@@ -175,9 +184,12 @@ def start(path, arch, size, gguf, toks, file_type):
             shapes += [(b + "attn_norm.weight", (h,)), (b + "ffn_norm.weight", (h,))]
         if arch == "qwen3":
             shapes += [(b + "attn_q_norm.weight", (hd,)), (b + "attn_k_norm.weight", (hd,))]
-    shapes += [("output_norm.weight", (h,)), ("output.weight", (vocab, h))]
+    shapes += [("output_norm.weight", (h,))]
+    if not s.get("tied"):
+        shapes += [("output.weight", (vocab, h))]
     if "longrope_original" in s:
-        shapes += [("rope_factors_long.weight", (hd // 2,)), ("rope_factors_short.weight", (hd // 2,))]
+        rot = s.get("rope_dims", hd) // 2
+        shapes += [("rope_factors_long.weight", (rot,)), ("rope_factors_short.weight", (rot,))]
     return w, shapes
 
 
@@ -223,6 +235,9 @@ def write_f16(path, arch, size, gguf, np):
         t = rng.standard_normal(shape, dtype=np.float32)
         if speed:
             std = 0.02
+        elif name == "token_embd.weight" and SIZES[(arch, size)].get("tied"):
+            # Also the output head: the spread of logits an untied head gets.
+            std = 2.5 * logit_scale / np.sqrt(shape[1])
         elif name == "token_embd.weight":
             std = 1.0
         elif name == "output.weight":

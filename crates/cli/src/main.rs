@@ -529,6 +529,12 @@ fn inspect(args: ModelArg) -> Result<()> {
         c.rope_theta,
         c.rope_scaling
     );
+    if c.partial_rope() {
+        println!(
+            "partial RoPE:   {} of {} dimensions of each head",
+            c.rope_dims, c.head_dim
+        );
+    }
     if let Some(long) = c.uses_long_factors() {
         println!(
             "LongRoPE:       {} factors at a context of {} (long ones above the original context; --ctx chooses)",

@@ -224,9 +224,9 @@ pub enum RopeScaling {
     /// divisors, `long` when the context a sequence may reach
     /// ([`ModelConfig::context_length`], which the engine sets) is longer
     /// than `original_context` and `short` otherwise, as llama.cpp chooses
-    /// by its context size; and queries and keys both scaled by
-    /// `attn_factor` (cos and sin times it in llama.cpp and Hugging Face),
-    /// which is the attention scores times `attn_factor²`.
+    /// by its context size; and the rotated pairs of queries and keys both
+    /// scaled by `attn_factor` (cos and sin times it, as in llama.cpp and
+    /// Hugging Face: [`ModelConfig::rope_scale`]).
     LongRope {
         short: Vec<f32>,
         long: Vec<f32>,
@@ -289,6 +289,10 @@ pub struct ModelConfig {
     /// (llama.cpp permuted Q/K at conversion); Hugging Face checkpoints and
     /// GGUF Qwen2: neox. Wrong here means wrong attention at every position.
     pub rope_style: RopeStyle,
+    /// Dimensions of each head that RoPE rotates (llama.cpp's `n_rot`):
+    /// `head_dim`, or fewer (Phi-4 mini: 96 of 128), the rest left as they
+    /// are. See [`ModelConfig::head_order`].
+    pub rope_dims: usize,
     pub context_length: usize,
     pub tie_embeddings: bool,
     /// Qwen2 has biases on the q, k and v projections.
@@ -332,18 +336,22 @@ impl ModelConfig {
         n == 0 || !(l + 1).is_multiple_of(n)
     }
 
-    /// The softmax scale of attention scores (times LongRoPE's
-    /// `attn_factor²`: queries and keys each carry one factor).
+    /// The softmax scale of attention scores.
     pub fn attention_scale(&self) -> f32 {
-        let scale = self
-            .block
+        self.block
             .attention_scale
-            .unwrap_or(1.0 / (self.head_dim as f32).sqrt());
+            .unwrap_or(1.0 / (self.head_dim as f32).sqrt())
+    }
+
+    /// What the forward's RoPE multiplies the cos and sin of its rotated
+    /// pairs by: LongRoPE's attention factor, else 1. (A pair left alone by
+    /// a partial rotation is not scaled, so this is not a scale of the
+    /// scores.) A context shift rotates by plain cos and sin: a key keeps
+    /// its one factor.
+    pub fn rope_scale(&self) -> f32 {
         match &self.rope_scaling {
-            RopeScaling::LongRope { attn_factor, .. } if *attn_factor != 1.0 => {
-                scale * attn_factor * attn_factor
-            }
-            _ => scale,
+            RopeScaling::LongRope { attn_factor, .. } => *attn_factor,
+            _ => 1.0,
         }
     }
 
@@ -355,6 +363,37 @@ impl ModelConfig {
             } => Some(self.context_length > *original_context),
             _ => None,
         }
+    }
+
+    /// Whether RoPE rotates only part of each head.
+    pub fn partial_rope(&self) -> bool {
+        self.rope_dims < self.head_dim
+    }
+
+    /// The order the forward keeps a head's q and k dimensions in (new
+    /// index → the file's), when RoPE rotates only `r = rope_dims` of its
+    /// `d = head_dim` dimensions in half-split pairs `(i, i + r/2)`: the
+    /// rotated pairs first and the others after, in each half, so that
+    /// every pair is `(j, j + d/2)` as in a whole rotation and the pairs
+    /// left alone take frequency 0 (cos 1, sin 0: exactly unchanged).
+    /// Queries and keys are reordered alike (the q/k rows at load), which
+    /// leaves every score `q·k` as it was; values are not. With adjacent
+    /// pairs the order is the file's: the rotated pairs already come first.
+    pub fn head_order(&self) -> Option<Vec<usize>> {
+        if !self.partial_rope() || self.rope_style != RopeStyle::Neox {
+            return None;
+        }
+        let (d, r) = (self.head_dim, self.rope_dims);
+        let (hr, hu) = (r / 2, (d - r) / 2);
+        let half = |first: usize| (0..hr).map(move |i| first + i);
+        let rest = |first: usize| (0..hu).map(move |i| first + i);
+        Some(
+            half(0)
+                .chain(rest(r))
+                .chain(half(hr))
+                .chain(rest(r + hu))
+                .collect(),
+        )
     }
 
     /// The inverse frequencies of layer `l`: Gemma 3's sliding layers
@@ -385,9 +424,18 @@ impl ModelConfig {
         2 * self.n_layers * self.n_kv_heads * t.bytes_for(self.head_dim)
     }
 
-    /// The `head_dim / 2` RoPE inverse frequencies, scaling applied.
+    /// The `head_dim / 2` RoPE inverse frequencies, scaling applied: the
+    /// first `rope_dims / 2` from the base over `rope_dims` (as llama.cpp
+    /// computes a partial rotation's), the rest 0 (pairs left as they are).
     pub fn inv_freq(&self) -> Vec<f32> {
-        let d = self.head_dim;
+        let mut f = self.rotated_inv_freq();
+        f.resize(self.head_dim / 2, 0.0);
+        f
+    }
+
+    /// The inverse frequencies of the `rope_dims / 2` rotated pairs.
+    fn rotated_inv_freq(&self) -> Vec<f32> {
+        let d = self.rope_dims;
         let base: Vec<f64> = (0..d / 2)
             .map(|i| 1.0 / (self.rope_theta as f64).powf(2.0 * i as f64 / d as f64))
             .collect();
@@ -489,12 +537,21 @@ impl ModelConfig {
             }
             _ => Vec::new(),
         };
+        if self.rope_dims == 0
+            || self.rope_dims > self.head_dim
+            || !self.rope_dims.is_multiple_of(2)
+        {
+            return bad(format!(
+                "RoPE over {} of {} dimensions (an even number, at most head_dim)",
+                self.rope_dims, self.head_dim
+            ));
+        }
         for f in factors {
-            if f.len() * 2 != self.head_dim {
+            if f.len() * 2 != self.rope_dims {
                 return bad(format!(
-                    "{} RoPE frequency factors for head_dim {}",
+                    "{} RoPE frequency factors for {} rotated dimensions",
                     f.len(),
-                    self.head_dim
+                    self.rope_dims
                 ));
             }
             if let Some(x) = f.iter().find(|x| !(x.is_finite() && **x > 0.0)) {
@@ -540,6 +597,9 @@ pub(crate) struct HfConfig {
     /// Phi-3's LongRoPE: the context it was trained at before extension.
     #[serde(default)]
     pub original_max_position_embeddings: Option<usize>,
+    /// The share of each head that RoPE rotates (Phi-4 mini: 0.75).
+    #[serde(default)]
+    pub partial_rotary_factor: Option<f32>,
     #[serde(default)]
     pub tie_word_embeddings: bool,
     #[serde(default)]
@@ -638,6 +698,11 @@ impl HfConfig {
                 }
             },
         };
+        let head_dim = self.head_dim.unwrap_or(
+            self.hidden_size
+                .checked_div(self.num_attention_heads)
+                .unwrap_or(0),
+        );
         let cfg = ModelConfig {
             arch,
             vocab_size: self.vocab_size,
@@ -646,15 +711,16 @@ impl HfConfig {
             n_layers: self.num_hidden_layers,
             n_heads: self.num_attention_heads,
             n_kv_heads: self.num_key_value_heads.unwrap_or(self.num_attention_heads),
-            head_dim: self.head_dim.unwrap_or(
-                self.hidden_size
-                    .checked_div(self.num_attention_heads)
-                    .unwrap_or(0),
-            ),
+            head_dim,
             rms_eps: self.rms_norm_eps,
             rope_theta: self.rope_theta,
             rope_scaling,
             rope_style: RopeStyle::Neox,
+            // Phi-4 mini's `partial_rotary_factor` (0.75).
+            rope_dims: match self.partial_rotary_factor {
+                Some(f) if f > 0.0 && f < 1.0 => (head_dim as f64 * f as f64) as usize,
+                _ => head_dim,
+            },
             context_length: self.max_position_embeddings,
             tie_embeddings: self.tie_word_embeddings,
             qkv_bias: self.attention_bias.unwrap_or(arch == Arch::Qwen2),
@@ -736,6 +802,7 @@ mod tests {
             rope_theta: 10_000.0,
             rope_scaling: scaling,
             rope_style: RopeStyle::Neox,
+            rope_dims: 4,
             context_length: 128,
             tie_embeddings: true,
             qkv_bias: false,

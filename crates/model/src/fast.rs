@@ -780,7 +780,14 @@ impl Llama {
         for ((c, s), f) in fast.cos.iter_mut().zip(&mut fast.sin).zip(&self.inv_freqs) {
             grow(c, t * half);
             grow(s, t * half);
-            rope_angles(f, batch.rope(), &mut c[..t * half], &mut s[..t * half]);
+            let scale = self.cfg.rope_scale();
+            rope_angles(
+                f,
+                scale,
+                batch.rope(),
+                &mut c[..t * half],
+                &mut s[..t * half],
+            );
         }
         grow(&mut fast.logits, picks * vocab);
         let levels = fast.acts.levels();

@@ -327,7 +327,7 @@ impl GpuForward {
             for (f, (cb, sb)) in m.inv_freqs.iter().zip(b.rope.iter_mut()) {
                 let mut cos = vec![0f32; t * half];
                 let mut sin = vec![0f32; t * half];
-                rope_angles(f, batch.rope(), &mut cos, &mut sin);
+                rope_angles(f, m.cfg.rope_scale(), batch.rope(), &mut cos, &mut sin);
                 cb.upload(&s, &cos)?;
                 sb.upload(&s, &sin)?;
             }

@@ -79,6 +79,19 @@ fn bad_split(what: &str) -> crate::ModelError {
     ))
 }
 
+/// The q or k rows of `heads` heads in the forward's head order (each
+/// head's rows reordered by [`ModelConfig::head_order`]), or `None` when
+/// that order is the file's.
+fn head_rows(cfg: &ModelConfig, heads: usize) -> Option<Vec<usize>> {
+    let order = cfg.head_order()?;
+    let d = cfg.head_dim;
+    Some(
+        (0..heads)
+            .flat_map(|h| order.iter().map(move |&j| h * d + j))
+            .collect(),
+    )
+}
+
 /// The distinct RoPE frequency sets of `cfg`'s layers, and each layer's.
 fn frequencies(cfg: &ModelConfig) -> (Vec<Vec<f32>>, Vec<usize>) {
     let (mut inv_freqs, mut layer_rope) = (Vec::<Vec<f32>>::new(), Vec::new());
@@ -99,15 +112,24 @@ fn frequencies(cfg: &ModelConfig) -> (Vec<Vec<f32>>, Vec<usize>) {
     (inv_freqs, layer_rope)
 }
 
-/// `cos`/`sin` of each position's RoPE angles, `[positions, inv_freq]`
-/// row-major (the reference and the fast path share them).
-pub(crate) fn rope_angles(inv_freq: &[f32], positions: &[u32], cos: &mut [f32], sin: &mut [f32]) {
+/// `cos`/`sin` of each position's RoPE angles, `[positions, inv_freq]`,
+/// each times `scale` where the frequency is not 0 (LongRoPE's attention
+/// factor, on the rotated pairs only, as llama.cpp and Hugging Face scale
+/// cos and sin; a pair of frequency 0 stays exactly as it is).
+pub(crate) fn rope_angles(
+    inv_freq: &[f32],
+    scale: f32,
+    positions: &[u32],
+    cos: &mut [f32],
+    sin: &mut [f32],
+) {
     let half = inv_freq.len();
     for (i, &p) in positions.iter().enumerate() {
         for (j, &f) in inv_freq.iter().enumerate() {
             let a = p as f32 * f;
-            cos[i * half + j] = a.cos();
-            sin[i * half + j] = a.sin();
+            let m = if f == 0.0 { 1.0 } else { scale };
+            cos[i * half + j] = a.cos() * m;
+            sin[i * half + j] = a.sin() * m;
         }
     }
 }
@@ -311,15 +333,54 @@ impl Llama {
             // Phi-3 stores q/k/v, and gate/up, as one tensor each: split
             // by rows here, so the forward sees the same projections.
             let (q_rows, kv_rows) = (cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim);
+            // A partial rotation: q and k rows (and their biases and
+            // norms) in the forward's head order (`ModelConfig::head_order`).
+            let q_order = head_rows(&cfg, cfg.n_heads);
+            let k_order = head_rows(&cfg, cfg.n_kv_heads);
             let [q, k, v] = if src.has(W::Qkv(l)) {
-                let parts = src.matmul_split(W::Qkv(l), &[q_rows, kv_rows, kv_rows], device)?;
+                let order = q_order.as_ref().map(|q| {
+                    let k = k_order.as_deref().unwrap_or_default();
+                    let kv = (0..kv_rows).map(|i| q_rows + kv_rows + i);
+                    q.iter()
+                        .copied()
+                        .chain(k.iter().map(|&i| q_rows + i))
+                        .chain(kv)
+                        .collect::<Vec<_>>()
+                });
+                let parts = src.matmul_parts(
+                    W::Qkv(l),
+                    order.as_deref(),
+                    &[q_rows, kv_rows, kv_rows],
+                    device,
+                )?;
                 <[QLinear; 3]>::try_from(parts).map_err(|_| bad_split("attn_qkv"))?
             } else {
+                let mut one = |w: W, order: &Option<Vec<usize>>, rows: usize| -> Result<QLinear> {
+                    match order {
+                        None => src.matmul(w, device),
+                        Some(o) => Ok(src.matmul_parts(w, Some(o), &[rows], device)?.remove(0)),
+                    }
+                };
                 [
-                    src.matmul(W::Q(l), device)?,
-                    src.matmul(W::K(l), device)?,
+                    one(W::Q(l), &q_order, q_rows)?,
+                    one(W::K(l), &k_order, kv_rows)?,
                     src.matmul(W::V(l), device)?,
                 ]
+            };
+            let along = |t: Option<Tensor>, order: &Option<Vec<usize>>| -> Result<Option<Tensor>> {
+                Ok(match (t, order) {
+                    (Some(t), Some(o)) => {
+                        // A per-head norm has one head's weights; the
+                        // rest cover every head.
+                        let o: Vec<usize> = if t.elem_count() == cfg.head_dim {
+                            o[..cfg.head_dim].to_vec()
+                        } else {
+                            o.clone()
+                        };
+                        Some(crate::loader::reorder_rows(t, Some(&o))?)
+                    }
+                    (t, _) => t,
+                })
             };
             let ffn = cfg.intermediate_size;
             let [gate, up] = if !src.has(W::Gate(l)) && src.has(W::GateUp(l)) {
@@ -334,15 +395,15 @@ impl Llama {
             layers.push(Layer {
                 attn_norm: maybe(src, pre, W::AttnNorm(l))?,
                 qkv: Proj::new([q, k, v])?,
-                q_bias: bias(src, W::QBias(l))?,
-                k_bias: bias(src, W::KBias(l))?,
+                q_bias: along(bias(src, W::QBias(l))?, &q_order)?,
+                k_bias: along(bias(src, W::KBias(l))?, &k_order)?,
                 v_bias: bias(src, W::VBias(l))?,
                 o: src.matmul(W::O(l), device)?,
                 ffn_norm: maybe(src, pre, W::FfnNorm(l))?,
                 gate_up: Proj::new([gate, up])?,
                 down: src.matmul(W::Down(l), device)?,
-                q_norm: maybe(src, qk, W::QNorm(l))?,
-                k_norm: maybe(src, qk, W::KNorm(l))?,
+                q_norm: along(maybe(src, qk, W::QNorm(l))?, &q_order)?,
+                k_norm: along(maybe(src, qk, W::KNorm(l))?, &k_order)?,
                 post_attn_norm: maybe(src, post, W::PostAttnNorm(l))?,
                 post_ffn_norm: maybe(src, post, W::PostFfnNorm(l))?,
             });
@@ -574,7 +635,13 @@ impl Llama {
         let half = inv_freq.len();
         let mut cos = vec![0f32; positions.len() * half];
         let mut sin = vec![0f32; positions.len() * half];
-        rope_angles(inv_freq, positions, &mut cos, &mut sin);
+        rope_angles(
+            inv_freq,
+            self.cfg.rope_scale(),
+            positions,
+            &mut cos,
+            &mut sin,
+        );
         let shape = (positions.len(), 1, half);
         Ok((
             Tensor::from_vec(cos, shape, &self.device)?,

@@ -329,13 +329,10 @@ impl GgufFile {
                 }
             }
         };
-        if let Ok(dims) = self.meta_u32(&k("rope.dimension_count")) {
-            if dims as usize != head_dim {
-                return Err(ModelError::Config(format!(
-                    "partial RoPE ({dims} of {head_dim} dimensions) is not supported"
-                )));
-            }
-        }
+        let rope_dims = self
+            .meta_u32(&k("rope.dimension_count"))
+            .map(|d| d as usize)
+            .unwrap_or(head_dim);
         let cfg = ModelConfig {
             arch,
             vocab_size,
@@ -354,6 +351,7 @@ impl GgufFile {
             rope_theta: self.meta_f32(&k("rope.freq_base")).unwrap_or(10_000.0),
             rope_scaling,
             rope_style: arch.gguf_rope_style(),
+            rope_dims,
             context_length,
             tie_embeddings: !self.content.tensor_infos.contains_key("output.weight"),
             qkv_bias: self.content.tensor_infos.contains_key("blk.0.attn_q.bias"),
@@ -543,6 +541,19 @@ impl Source<'_> {
     /// tensor's rows are whole blocks one after another, so each part is
     /// its bytes, unchanged.
     pub fn matmul_split(&mut self, w: W, rows: &[usize], device: &Device) -> Result<Vec<QLinear>> {
+        self.matmul_parts(w, None, rows, device)
+    }
+
+    /// [`Source::matmul_split`] with the rows first put in `order` (row
+    /// `i` of the result is the file's row `order[i]`; whole rows of
+    /// blocks, so a quantized row keeps its bytes).
+    pub fn matmul_parts(
+        &mut self,
+        w: W,
+        order: Option<&[usize]>,
+        rows: &[usize],
+        device: &Device,
+    ) -> Result<Vec<QLinear>> {
         if !self.has(w) {
             return Err(ModelError::Missing(format!("tensor {}", self.name(w))));
         }
@@ -563,9 +574,12 @@ impl Source<'_> {
                 if n != total {
                     return Err(bad(&dims));
                 }
+                if order.is_some_and(|o| o.len() != n) {
+                    return Err(bad(&dims));
+                }
                 let dtype = q.dtype();
                 if gguf_dense(dtype, device) {
-                    let t = q.dequantize(&Device::Cpu)?;
+                    let t = reorder_rows(q.dequantize(&Device::Cpu)?, order)?;
                     let mut at = 0;
                     return rows
                         .iter()
@@ -578,6 +592,15 @@ impl Source<'_> {
                 }
                 let row_bytes = k / dtype.block_size() * dtype.type_size();
                 let data = q.data()?;
+                let data: std::borrow::Cow<[u8]> = match order {
+                    None => data,
+                    Some(o) => o
+                        .iter()
+                        .flat_map(|&r| &data[r * row_bytes..(r + 1) * row_bytes])
+                        .copied()
+                        .collect::<Vec<u8>>()
+                        .into(),
+                };
                 let mut at = 0;
                 rows.iter()
                     .map(|&r| {
@@ -596,9 +619,10 @@ impl Source<'_> {
             Source::Hf(h) => {
                 let t = h.tensor(&name)?;
                 let dims = t.dims().to_vec();
-                if dims.len() != 2 || dims[0] != total {
+                if dims.len() != 2 || dims[0] != total || order.is_some_and(|o| o.len() != total) {
                     return Err(bad(&dims));
                 }
+                let t = reorder_rows(t.clone(), order)?;
                 let mut at = 0;
                 rows.iter()
                     .map(|&r| {
@@ -629,6 +653,16 @@ impl Source<'_> {
             Source::Hf(_) => Ok(QLinear::Dense(self.vector(W::Embed, device)?)),
         }
     }
+}
+
+/// `t`'s rows (its first dimension) in `order` (`None`: as they are).
+pub(crate) fn reorder_rows(t: Tensor, order: Option<&[usize]>) -> Result<Tensor> {
+    let Some(order) = order else {
+        return Ok(t);
+    };
+    let ids: Vec<u32> = order.iter().map(|&i| i as u32).collect();
+    let ids = Tensor::new(ids, t.device())?;
+    Ok(t.index_select(&ids, 0)?.contiguous()?)
 }
 
 /// Makes candle's CUDA quantized matrix-vector product dequantize the

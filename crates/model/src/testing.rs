@@ -263,7 +263,8 @@ pub const TINY_WINDOW: usize = 5;
 /// and post-norms; `"smollm3"` needs nothing more (its NoPE layers
 /// come with the architecture). `"phi3+longrope"` is a Phi-3 file with
 /// LongRoPE (see [`TINY_LONGROPE`]), `"phi3+longrope-neutral"` one whose
-/// factors and attention factor are all 1.
+/// factors and attention factor are all 1; `+partial` rotates three
+/// quarters of each head (Phi-4 mini's share).
 pub fn write_tiny_gguf(
     hf_dir: &Path,
     out: &Path,
@@ -273,11 +274,17 @@ pub fn write_tiny_gguf(
     use candle_core::quantized::gguf_file::Value;
     use candle_core::quantized::QTensor;
 
-    let (arch, longrope) = match arch.split_once('+') {
-        Some((a, "longrope")) => (a, Some(false)),
-        Some((a, "longrope-neutral")) => (a, Some(true)),
-        _ => (arch, None),
+    let mut flags = arch.split('+');
+    let arch = flags.next().unwrap_or(arch);
+    let flags: Vec<&str> = flags.collect();
+    let longrope = if flags.contains(&"longrope") {
+        Some(false)
+    } else if flags.contains(&"longrope-neutral") {
+        Some(true)
+    } else {
+        None
     };
+    let partial = flags.contains(&"partial");
 
     let cfg: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(hf_dir.join("config.json")).map_err(|e| ModelError::Io {
@@ -294,6 +301,8 @@ pub fn write_tiny_gguf(
         get("num_key_value_heads"),
     );
     let head_dim = hidden / heads;
+    // `+partial`: RoPE over three quarters of each head (Phi-4 mini's share).
+    let rope_dims = if partial { head_dim * 3 / 4 } else { head_dim };
     let w = candle_core::safetensors::load(hf_dir.join("model.safetensors"), &Device::Cpu)?;
     let permute = |t: &Tensor, n: usize| -> Result<Tensor> {
         let (rows, cols) = t.dims2()?;
@@ -400,7 +409,7 @@ pub fn write_tiny_gguf(
         }
     }
     if let Some(neutral) = longrope {
-        let half = head_dim / 2;
+        let half = rope_dims / 2;
         let (short, long) = TINY_LONGROPE.factors(half, neutral);
         put(
             "rope_factors_short.weight".into(),
@@ -453,7 +462,7 @@ pub fn write_tiny_gguf(
             a("rope.freq_base"),
             Value::F32(if gemma { 1e6 } else { 10000.0 }),
         ),
-        (a("rope.dimension_count"), Value::U32(head_dim as u32)),
+        (a("rope.dimension_count"), Value::U32(rope_dims as u32)),
         ("tokenizer.ggml.model".into(), Value::String("gpt2".into())),
         ("tokenizer.ggml.pre".into(), Value::String("default".into())),
         ("tokenizer.ggml.tokens".into(), Value::Array(tokens)),

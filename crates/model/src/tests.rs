@@ -160,8 +160,8 @@ fn new_families_load_their_switches_and_paged_equals_dense() {
 /// Phi-3's LongRoPE on tiny files: the factors and the attention factor
 /// read from the file, the long divisors above the original context and
 /// the short ones at or below it (the engine's context length chooses),
-/// each frequency the base one over its divisor, scores times the factor
-/// squared; a file whose factors are all 1 gives plain Phi-3's logits bit
+/// each frequency the base one over its divisor, cos and sin times the
+/// attention factor; a file whose factors are all 1 gives plain Phi-3's logits bit
 /// for bit, and the paged forward equals the dense one in any chunking.
 #[test]
 fn phi3_longrope_chooses_its_factors_by_the_context() {
@@ -205,8 +205,8 @@ fn phi3_longrope_chooses_its_factors_by_the_context() {
         }
         other => panic!("read as {other:?}"),
     }
-    let a = TINY_LONGROPE.attn_factor;
-    assert_eq!(c.attention_scale(), 1.0 / (hd as f32).sqrt() * a * a);
+    assert_eq!(c.attention_scale(), 1.0 / (hd as f32).sqrt());
+    assert_eq!(c.rope_scale(), TINY_LONGROPE.attn_factor);
     let expect = |div: &[f32]| -> Vec<f32> {
         (0..hd / 2)
             .map(|i| (10000f64.powf(-2.0 * i as f64 / hd as f64) / div[i] as f64) as f32)
@@ -234,6 +234,93 @@ fn phi3_longrope_chooses_its_factors_by_the_context() {
     // And back: the same bits as before.
     m.llama.set_context_length(512).unwrap();
     assert_eq!(logits(&m), long_logits);
+}
+
+/// A rotation of part of each head (Phi-4 mini: 96 of 128 dimensions):
+/// the forward's head order with frequency 0 on the pairs left alone gives
+/// exactly the partial rotation's values, pair `(i, i + r/2)` of the first
+/// `r` dimensions turned by `p · base^(−2i/r)` and the rest untouched, as
+/// llama.cpp rotates; on a tiny file (with LongRoPE's factors over the
+/// rotated pairs) the logits move, and paged equals dense in any chunking.
+#[test]
+fn partial_rope_turns_only_the_rotated_pairs() {
+    use crate::testing::{max_diff, prefill_logits};
+    let dir = tempdir::Dir::new();
+    write_tiny_model(
+        dir.path(),
+        TinySpec {
+            layers: 3,
+            seed: 9,
+            ..TinySpec::default()
+        },
+    )
+    .unwrap();
+    let load = |arch: &str| {
+        let path = dir
+            .path()
+            .join(format!("tiny-{}.gguf", arch.replace('+', "-")));
+        write_tiny_gguf(dir.path(), &path, GgmlDType::F32, arch).unwrap();
+        Model::load(&path, &mut |_, _| {}).unwrap()
+    };
+    let m = load("phi3+partial+longrope");
+    let c = m.config().clone();
+    let (d, r) = (c.head_dim, c.rope_dims);
+    assert_eq!((d, r), (16, 12));
+    let order = c.head_order().unwrap();
+    let f = m.llama.inv_freq(0).to_vec();
+    assert_eq!(f.len(), d / 2);
+    assert!(f[r / 2..].iter().all(|&x| x == 0.0));
+    let crate::config::RopeScaling::LongRope { long, .. } = &c.rope_scaling else {
+        panic!("{:?}", c.rope_scaling)
+    };
+    for i in 0..r / 2 {
+        let want = (10000f64.powf(-2.0 * i as f64 / r as f64) / long[i] as f64) as f32;
+        assert_eq!(f[i], want, "pair {i}");
+    }
+    let x: Vec<f32> = (0..d)
+        .map(|i| ((i * 37 + 11) % 23) as f32 / 7.0 - 1.5)
+        .collect();
+    for p in [0u32, 1, 7, 300] {
+        let (cos, sin): (Vec<f32>, Vec<f32>) = f
+            .iter()
+            .map(|&f| ((p as f32 * f).cos(), (p as f32 * f).sin()))
+            .unzip();
+        // The partial rotation, by its definition.
+        let mut want = x.clone();
+        for i in 0..r / 2 {
+            let (a, b) = (x[i], x[i + r / 2]);
+            want[i] = a * cos[i] - b * sin[i];
+            want[i + r / 2] = a * sin[i] + b * cos[i];
+        }
+        // The forward's: reordered, a whole rotation, put back.
+        let mut y: Vec<f32> = order.iter().map(|&j| x[j]).collect();
+        tessera_kernels::rotate_pairs(tessera_kernels::RopeStyle::Neox, &mut y, &cos, &sin);
+        let mut got = vec![0f32; d];
+        for (j, &o) in order.iter().enumerate() {
+            got[o] = y[j];
+        }
+        assert_eq!(got, want, "position {p}");
+    }
+    // The forward's angles: LongRoPE's factor on the rotated pairs' cos
+    // and sin only (llama.cpp's), the others exactly cos 1 and sin 0.
+    let a = c.rope_scale();
+    assert_eq!(a, crate::testing::TINY_LONGROPE.attn_factor);
+    let (mut cs, mut sn) = (vec![0f32; d / 2], vec![0f32; d / 2]);
+    crate::llama::rope_angles(&f, a, &[7], &mut cs, &mut sn);
+    for i in 0..d / 2 {
+        let (x, m) = (7.0 * f[i], if i < r / 2 { a } else { 1.0 });
+        assert_eq!((cs[i], sn[i]), (x.cos() * m, x.sin() * m), "pair {i}");
+    }
+    assert!(cs[r / 2..].iter().all(|&c| c == 1.0) && sn[r / 2..].iter().all(|&s| s == 0.0));
+    let prompt: Vec<u32> = (0..30).map(|i| (i * 17 + 3) % 150).collect();
+    let logits = |m: &Model| prefill_logits(&m.llama, &prompt, KvType::F32).unwrap();
+    assert!(max_diff(&logits(&m), &logits(&load("phi3+longrope"))) > 1e-3);
+    let (dense, dl) = dense_greedy(&m.llama, &prompt, 8).unwrap();
+    for chunk in [usize::MAX, 4, 1] {
+        let (paged, pl) = paged_greedy(&m.llama, &prompt, 8, chunk, KvType::F32).unwrap();
+        assert_eq!(paged, dense, "chunk {chunk}");
+        assert!(max_diff(&pl, &dl) < 1e-3, "chunk {chunk}");
+    }
 }
 
 /// Gemma 3's block on tiny GGUF files: the configuration (five sliding
@@ -825,6 +912,7 @@ fn fast_forward_matches_the_candle_reference() {
         (GgmlDType::Q8_0, &gemma, "smollm3"),
         (GgmlDType::Q4K, &wide, "phi3"),
         (GgmlDType::Q8_0, &wide, "phi3+longrope"),
+        (GgmlDType::Q4K, &wide, "phi3+partial+longrope"),
         (GgmlDType::Q8_0, &gemma, "olmo2"),
     ] {
         let out = hf.path().join(format!("tiny-{dtype:?}-{arch}.gguf"));

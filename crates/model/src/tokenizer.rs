@@ -54,6 +54,8 @@ const EOG_TEXTS: &[&str] = &[
 ];
 
 const LLAMA3_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// GPT-4o's (o200k) split, as its `tokenizer.json` writes it (Phi-4 mini).
+const GPT4O_REGEX: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 const QWEN2_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// A model's tokenizer with its special-token facts.
@@ -90,10 +92,11 @@ fn gpt2_pre_tokenizer(pre: &str) -> Result<PreTokenizerWrapper> {
         }
         "llama-bpe" | "llama3" | "dbrx" | "smaug-bpe" => PreSequence::new(vec![split(LLAMA3_REGEX)?, byte_level(false)]).into(),
         "qwen2" | "stablelm2" | "deepseek-r1-qwen" => PreSequence::new(vec![split(QWEN2_REGEX)?, byte_level(false)]).into(),
+        "gpt-4o" | "llama4" => PreSequence::new(vec![split(GPT4O_REGEX)?, byte_level(false)]).into(),
         "default" | "gpt2" | "gpt-2" | "mpt" | "olmo" | "jais" => byte_level(true),
         other => {
             return Err(ModelError::Tokenizer(format!(
-                "unsupported pre-tokenizer {other:?} (tokenizer.ggml.pre); supported: smollm, llama-bpe, qwen2, gpt2 and their aliases"
+                "unsupported pre-tokenizer {other:?} (tokenizer.ggml.pre); supported: smollm, llama-bpe, qwen2, gpt-4o, gpt2 and their aliases"
             )))
         }
     })
