@@ -65,21 +65,22 @@ FORMATS = ["F16", "Q8_0", "Q4_K_M"]
 # at the original context and at twice it: (label, ctx, chunks, what).
 # Phi-4 mini's layout adds a rotation of 96 of each head's 128 dimensions
 # (and a tied output) to the same LongRoPE.
+def short_and_long(label, what):
+    """The two checks of a LongRoPE file: at the original context (the
+    short factors) and at twice it (the long ones)."""
+    return [(f"{label}: short factors", CTX, CHUNKS, f"{what}: a context of {CTX}, the short factors"),
+            (f"{label}: long factors", 2 * CTX, CHUNKS // 2,
+             f"the same file at a context of {2 * CTX}, the long factors ({CHUNKS // 2} chunks of {2 * CTX})")]
+
+
 LONGROPE = [
-    ("synth-phi3-long", "phi3", ["F16", "Q8_0"], [
-        ("Phi-3.5 LongRoPE: short factors", CTX, CHUNKS,
-         "Phi-3 mini's layout with Phi-3.5's LongRoPE (original context 256, attention factor 1.46): "
-         f"a context of {CTX}, the short factors"),
-        ("Phi-3.5 LongRoPE: long factors", 2 * CTX, CHUNKS // 2,
-         f"the same file at a context of {2 * CTX}, the long factors ({CHUNKS // 2} chunks of {2 * CTX})"),
-    ]),
-    ("synth-phi3-4mini", "phi3", ["F16", "Q8_0"], [
-        ("Phi-4 mini: short factors", CTX, CHUNKS,
-         "Phi-4 mini's width (3,072, 24/8 heads of 128, RoPE on 96 of them, FFN 8,192, tied output) at "
-         f"8 layers, LongRoPE as above: a context of {CTX}, the short factors"),
-        ("Phi-4 mini: long factors", 2 * CTX, CHUNKS // 2,
-         f"the same file at a context of {2 * CTX}, the long factors ({CHUNKS // 2} chunks of {2 * CTX})"),
-    ]),
+    ("synth-phi3-long", "phi3", ["F16", "Q8_0"], short_and_long(
+        "Phi-3.5 LongRoPE",
+        "Phi-3 mini's layout with Phi-3.5's LongRoPE (original context 256, attention factor 1.46)")),
+    ("synth-phi3-4mini", "phi3", ["F16", "Q8_0"], short_and_long(
+        "Phi-4 mini",
+        "Phi-4 mini's width (3,072, 24/8 heads of 128, RoPE on 96 of them, FFN 8,192, tied output) at "
+        "8 layers, LongRoPE as above")),
 ]
 REAL = [
     ("SmolLM2-135M-Instruct (real)", "SmolLM2-135M-Instruct.Q4_1", "llama", "Q4_1"),

@@ -77,6 +77,29 @@ fn paged_equals_dense_and_chunking_does_not_matter() {
     }
 }
 
+/// A tiny safetensors model of `layers` layers in a new directory, from
+/// which [`load_as`] writes and loads a GGUF file of any family.
+fn tiny_family_dir(layers: usize, seed: u64) -> tempdir::Dir {
+    let dir = tempdir::Dir::new();
+    let spec = TinySpec {
+        layers,
+        seed,
+        ..TinySpec::default()
+    };
+    write_tiny_model(dir.path(), spec).unwrap();
+    dir
+}
+
+/// The model of `dir` written as an f32 GGUF file of `arch` (with
+/// [`write_tiny_gguf`]'s `+` options), loaded.
+fn load_as(dir: &tempdir::Dir, arch: &str) -> Model {
+    let path = dir
+        .path()
+        .join(format!("tiny-{}.gguf", arch.replace('+', "-")));
+    write_tiny_gguf(dir.path(), &path, GgmlDType::F32, arch).unwrap();
+    Model::load(&path, &mut |_, _| {}).unwrap()
+}
+
 /// Qwen3, Granite, SmolLM3 and OLMo 2 on tiny GGUF files (and Phi-3's
 /// fused tensors): each file's switches
 /// read from its metadata and tensors, the paged forward equal to the
@@ -85,21 +108,8 @@ fn paged_equals_dense_and_chunking_does_not_matter() {
 #[test]
 fn new_families_load_their_switches_and_paged_equals_dense() {
     use crate::testing::{max_diff, prefill_logits};
-    let dir = tempdir::Dir::new();
-    write_tiny_model(
-        dir.path(),
-        TinySpec {
-            layers: 4,
-            seed: 11,
-            ..TinySpec::default()
-        },
-    )
-    .unwrap();
-    let load = |arch: &str| {
-        let path = dir.path().join(format!("tiny-{arch}.gguf"));
-        write_tiny_gguf(dir.path(), &path, GgmlDType::F32, arch).unwrap();
-        Model::load(&path, &mut |_, _| {}).unwrap()
-    };
+    let dir = tiny_family_dir(4, 11);
+    let load = |arch: &str| load_as(&dir, arch);
     let prompt: Vec<u32> = (0..19).map(|i| (i * 13 + 5) % 150).collect();
     let logits = |m: &Model| prefill_logits(&m.llama, &prompt, KvType::F32).unwrap();
     let llama = load("llama");
@@ -167,21 +177,8 @@ fn new_families_load_their_switches_and_paged_equals_dense() {
 fn phi3_longrope_chooses_its_factors_by_the_context() {
     use crate::config::RopeScaling;
     use crate::testing::{max_diff, prefill_logits, TINY_LONGROPE};
-    let dir = tempdir::Dir::new();
-    write_tiny_model(
-        dir.path(),
-        TinySpec {
-            layers: 3,
-            seed: 5,
-            ..TinySpec::default()
-        },
-    )
-    .unwrap();
-    let load = |arch: &str| {
-        let path = dir.path().join(format!("tiny-{arch}.gguf"));
-        write_tiny_gguf(dir.path(), &path, GgmlDType::F32, arch).unwrap();
-        Model::load(&path, &mut |_, _| {}).unwrap()
-    };
+    let dir = tiny_family_dir(3, 5);
+    let load = |arch: &str| load_as(&dir, arch);
     // Long enough to pass the original context of 16.
     let prompt: Vec<u32> = (0..40).map(|i| (i * 11 + 7) % 150).collect();
     let logits = |m: &Model| prefill_logits(&m.llama, &prompt, KvType::F32).unwrap();
@@ -245,23 +242,8 @@ fn phi3_longrope_chooses_its_factors_by_the_context() {
 #[test]
 fn partial_rope_turns_only_the_rotated_pairs() {
     use crate::testing::{max_diff, prefill_logits};
-    let dir = tempdir::Dir::new();
-    write_tiny_model(
-        dir.path(),
-        TinySpec {
-            layers: 3,
-            seed: 9,
-            ..TinySpec::default()
-        },
-    )
-    .unwrap();
-    let load = |arch: &str| {
-        let path = dir
-            .path()
-            .join(format!("tiny-{}.gguf", arch.replace('+', "-")));
-        write_tiny_gguf(dir.path(), &path, GgmlDType::F32, arch).unwrap();
-        Model::load(&path, &mut |_, _| {}).unwrap()
-    };
+    let dir = tiny_family_dir(3, 9);
+    let load = |arch: &str| load_as(&dir, arch);
     let m = load("phi3+partial+longrope");
     let c = m.config().clone();
     let (d, r) = (c.head_dim, c.rope_dims);
