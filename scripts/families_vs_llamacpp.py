@@ -110,6 +110,21 @@ def run(model, ctx=CTX, chunks=CHUNKS):
             "activations": out["activations"]}
 
 
+def checks():
+    """Every row to measure: (label, family, format, what the file is, its
+    path, context, chunks, whether `just bench-families` generates it)."""
+    models = ROOT / "models"
+    for label, stem, arch, what in SYNTH:
+        for fmt in FORMATS:
+            yield label, arch, fmt, what, models / f"{stem}-{fmt}.gguf", CTX, CHUNKS, True
+    for stem, arch, formats, file_checks in LONGROPE:
+        for fmt in formats:
+            for label, ctx, chunks, what in file_checks:
+                yield label, arch, fmt, what, models / f"{stem}-{fmt}.gguf", ctx, chunks, True
+    for label, stem, arch, fmt in REAL:
+        yield label, arch, fmt, "", models / f"{stem}.gguf", CTX, CHUNKS, False
+
+
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "table":
         return table()
@@ -120,29 +135,12 @@ def main():
     only = sys.argv[2].split(",") if sys.argv[1:2] == ["--only"] else None
     wanted = lambda label: only is None or label in only  # noqa: E731
     rows = []
-    for label, stem, arch, what in SYNTH:
-        for fmt in FORMATS:
-            model = ROOT / "models" / f"{stem}-{fmt}.gguf"
-            if not model.exists():
-                sys.exit(f"{model} is missing: run `just bench-families` (it generates it)")
-            if wanted(label):
-                print(f"{label} {fmt}", flush=True)
-                rows.append(dict(label=label, arch=arch, format=fmt, what=what, **run(model)))
-    for stem, arch, formats, checks in LONGROPE:
-        for fmt in formats:
-            model = ROOT / "models" / f"{stem}-{fmt}.gguf"
-            if not model.exists():
-                sys.exit(f"{model} is missing: run `just bench-families` (it generates it)")
-            for label, ctx, chunks, what in checks:
-                if wanted(label):
-                    print(f"{label} {fmt}", flush=True)
-                    rows.append(dict(label=label, arch=arch, format=fmt, what=what,
-                                     **run(model, ctx, chunks)))
-    for label, stem, arch, fmt in REAL:
-        model = ROOT / "models" / f"{stem}.gguf"
+    for label, arch, fmt, what, model, ctx, chunks, generated in checks():
+        if generated and not model.exists():
+            sys.exit(f"{model} is missing: run `just bench-families` (it generates it)")
         if model.exists() and wanted(label):
-            print(label, flush=True)
-            rows.append(dict(label=label, arch=arch, format=fmt, what="", **run(model)))
+            print(f"{label} {fmt}", flush=True)
+            rows.append(dict(label=label, arch=arch, format=fmt, what=what, **run(model, ctx, chunks)))
     stamp = measured()
     if only is not None:
         # Each row in the place of the last run's row of its label and

@@ -94,7 +94,7 @@ impl Engine {
 
     /// Sizes the pool from `cfg.kv_memory`, starts the worker, and restores
     /// the prefix cache from `cfg.cache_dir` when it holds one.
-    pub fn from_model(model: Model, cfg: EngineConfig) -> Result<Engine> {
+    pub fn from_model(mut model: Model, cfg: EngineConfig) -> Result<Engine> {
         apply_tuning(&cfg);
         if let Some(n) = cfg.threads {
             // Fails only when the pool already exists: the first one stays.
@@ -113,7 +113,6 @@ impl Engine {
                 tessera_model::device_name(device)
             )));
         }
-        let mut model = model;
         if let Some(ctx) = cfg.context_length {
             // What LongRoPE chooses its factors by (before any forward).
             model.llama.set_context_length(ctx)?;

@@ -439,22 +439,16 @@ impl ModelConfig {
         let base: Vec<f64> = (0..d / 2)
             .map(|i| 1.0 / (self.rope_theta as f64).powf(2.0 * i as f64 / d as f64))
             .collect();
+        fn divided(base: &[f64], div: &[f32]) -> Vec<f64> {
+            base.iter().zip(div).map(|(f, d)| f / *d as f64).collect()
+        }
         let scaled = match &self.rope_scaling {
             RopeScaling::None => base,
             RopeScaling::Linear { factor } => base.iter().map(|f| f / *factor as f64).collect(),
-            RopeScaling::Factors(div) => base.iter().zip(div).map(|(f, d)| f / *d as f64).collect(),
-            RopeScaling::LongRope {
-                short,
-                long,
-                original_context,
-                ..
-            } => {
-                let div = if self.context_length > *original_context {
-                    long
-                } else {
-                    short
-                };
-                base.iter().zip(div).map(|(f, d)| f / *d as f64).collect()
+            RopeScaling::Factors(div) => divided(&base, div),
+            RopeScaling::LongRope { short, long, .. } => {
+                let long_ones = self.uses_long_factors() == Some(true);
+                divided(&base, if long_ones { long } else { short })
             }
             RopeScaling::Llama3 {
                 factor,

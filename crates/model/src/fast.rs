@@ -777,10 +777,10 @@ impl Llama {
         if whole {
             grow(&mut fast.kraw, t * kvh * hd);
         }
+        let scale = self.cfg.rope_scale();
         for ((c, s), f) in fast.cos.iter_mut().zip(&mut fast.sin).zip(&self.inv_freqs) {
             grow(c, t * half);
             grow(s, t * half);
-            let scale = self.cfg.rope_scale();
             rope_angles(
                 f,
                 scale,

@@ -320,6 +320,18 @@ impl Llama {
         let embed = src.embedding(&Device::Cpu)?;
         progress(1, total);
         let mut layers = Vec::with_capacity(cfg.n_layers);
+        let (q_rows, kv_rows) = (cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim);
+        // A partial rotation: q and k rows (and their biases and norms) in
+        // the forward's head order (`ModelConfig::head_order`), the same
+        // for every layer; Phi-3's fused q|k|v rows so too, v's as they are.
+        let head_order = cfg.head_order();
+        let q_order = head_rows(&cfg, cfg.n_heads);
+        let k_order = head_rows(&cfg, cfg.n_kv_heads);
+        let qkv_order = q_order.as_ref().zip(k_order.as_ref()).map(|(q, k)| {
+            let v = q_rows + kv_rows..q_rows + 2 * kv_rows;
+            let k = k.iter().map(|&i| q_rows + i);
+            q.iter().copied().chain(k).chain(v).collect::<Vec<_>>()
+        });
         for l in 0..cfg.n_layers {
             let maybe = |src: &mut Source, on: bool, w: W| -> Result<Option<Tensor>> {
                 Ok(if on {
@@ -332,24 +344,10 @@ impl Llama {
             let (qk, post, pre) = (cfg.block.qk_norm, cfg.block.post_norms, cfg.block.pre_norms);
             // Phi-3 stores q/k/v, and gate/up, as one tensor each: split
             // by rows here, so the forward sees the same projections.
-            let (q_rows, kv_rows) = (cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim);
-            // A partial rotation: q and k rows (and their biases and
-            // norms) in the forward's head order (`ModelConfig::head_order`).
-            let q_order = head_rows(&cfg, cfg.n_heads);
-            let k_order = head_rows(&cfg, cfg.n_kv_heads);
             let [q, k, v] = if src.has(W::Qkv(l)) {
-                let order = q_order.as_ref().map(|q| {
-                    let k = k_order.as_deref().unwrap_or_default();
-                    let kv = (0..kv_rows).map(|i| q_rows + kv_rows + i);
-                    q.iter()
-                        .copied()
-                        .chain(k.iter().map(|&i| q_rows + i))
-                        .chain(kv)
-                        .collect::<Vec<_>>()
-                });
                 let parts = src.matmul_parts(
                     W::Qkv(l),
-                    order.as_deref(),
+                    qkv_order.as_deref(),
                     &[q_rows, kv_rows, kv_rows],
                     device,
                 )?;
@@ -367,17 +365,17 @@ impl Llama {
                     src.matmul(W::V(l), device)?,
                 ]
             };
+            // Biases and norms of q or k in the same order: a per-head
+            // norm has one head's weights, the rest cover every head.
             let along = |t: Option<Tensor>, order: &Option<Vec<usize>>| -> Result<Option<Tensor>> {
                 Ok(match (t, order) {
                     (Some(t), Some(o)) => {
-                        // A per-head norm has one head's weights; the
-                        // rest cover every head.
-                        let o: Vec<usize> = if t.elem_count() == cfg.head_dim {
-                            o[..cfg.head_dim].to_vec()
+                        let o = if t.elem_count() == cfg.head_dim {
+                            head_order.as_deref()
                         } else {
-                            o.clone()
+                            Some(&o[..])
                         };
-                        Some(crate::loader::reorder_rows(t, Some(&o))?)
+                        Some(crate::loader::reorder_rows(t, o)?)
                     }
                     (t, _) => t,
                 })

@@ -474,6 +474,15 @@ impl Scheduler {
         }
     }
 
+    /// A context shift of a sequence of `len` computed tokens in a context
+    /// of `context`: the tokens it keeps at the front (`keep`, at most half
+    /// the context) and how many after them it drops (half the rest, at
+    /// least one). Running and started over alike.
+    fn shift_sizes(context: usize, keep: usize, len: usize) -> (usize, usize) {
+        let n_keep = keep.min(context / 2);
+        (n_keep, ((len - n_keep) / 2).max(1))
+    }
+
     /// Schedules one running request's next tokens.
     fn schedule_running(
         &mut self,
@@ -495,8 +504,7 @@ impl Scheduler {
                 plan.ended.push((id, EndReason::ContextFull));
                 return Ok(Placed::Ended);
             };
-            let n_keep = keep.min(self.cfg.context_length / 2);
-            let n_discard = ((len - n_keep) / 2).max(1);
+            let (n_keep, n_discard) = Self::shift_sizes(self.cfg.context_length, keep, len);
             let shift = match self.kv.plan_shift(seq, n_keep, n_discard) {
                 // The sliding-window layers no longer hold what it keeps
                 // (it was matched from the cache with those positions
@@ -676,10 +684,8 @@ impl Scheduler {
                     plan.ended.push((id, EndReason::ContextFull));
                     continue;
                 };
-                let n_keep = keep.min(ctx / 2);
                 while r.tokens.len() > ctx {
-                    let len = r.tokens.len() - 1;
-                    let n_discard = ((len - n_keep) / 2).max(1);
+                    let (n_keep, n_discard) = Self::shift_sizes(ctx, keep, r.tokens.len() - 1);
                     r.tokens.drain(n_keep..n_keep + n_discard);
                     self.stats.shifts += 1;
                 }
