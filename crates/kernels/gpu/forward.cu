@@ -7,9 +7,11 @@
 //   block row, W in its GGML blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, or
 //   f16/f32 rows), dequantized in registers to f32 and multiplied with the
 //   f32 activations (no 8-bit rounding of the activations: the precision of
-//   the CPU reference). A warp per output row; each lane takes items of 8
-//   (Q6_K: 16) weights, as runs of 4 consecutive inputs; the warp's sums
-//   are reduced by shuffles. `acc` adds the result to y (the residual add)
+//   the CPU reference). One, two or four warps per output row (the
+//   launcher picks by the row's length: few passes each); each lane takes
+//   items of 8 (Q6_K: 16) weights, as runs of 4 consecutive inputs; a
+//   warp's sums are reduced by shuffles, a row's warps' through shared
+//   memory in warp order. `acc` adds the result to y (the residual add)
 //   instead of storing it.
 // - tessera_fwd_rms_norm: one block per row, rows optionally gathered.
 // - tessera_fwd_qkv_<cache>: per token and head, the q/k/v biases, the
@@ -28,6 +30,10 @@
 // Inputs (tokens) one GEMV block multiplies at once; more take more block
 // rows (gridDim.y).
 #define TS_FWD_MAXT 8
+// Blocks per multiprocessor the products' register budget is set for
+// (without it ptxas held the split-row products to 64 registers and
+// spilled).
+#define TS_FWD_MIN_BLOCKS 4
 
 __device__ __forceinline__ float ts_fwd_warp_sum(float x) {
     for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
@@ -247,24 +253,26 @@ struct TsF16W {
 };
 
 // The lane's share of sum_i row[i] x[t][i] for MT tokens, added into
-// sum[t]. x rows are `x_stride` floats apart (a multiple of 4, 16-byte
-// aligned). Each pass loads U items per lane before using any of them:
-// decode is bound by the weight bytes in flight.
-template <typename F, int MT, int U>
+// sum[t], the row's items shared by the WPR warps' 32 * WPR lanes (`lane`
+// counts across them). x rows are `x_stride` floats apart (a multiple of
+// 4, 16-byte aligned). Each pass loads U items per lane before using any
+// of them: decode is bound by the weight bytes in flight.
+template <typename F, int MT, int U, int WPR>
 __device__ __forceinline__ void ts_row_dots(const uint8_t* __restrict__ row, uint32_t k,
                                             const float* __restrict__ xs, uint32_t x_stride,
                                             uint32_t nt, uint32_t lane, float* sum) {
+    const uint32_t lanes = 32 * WPR;
     uint32_t items = F::items(k);
-    for (uint32_t base = lane; base < items; base += 32 * U) {
+    for (uint32_t base = lane; base < items; base += lanes * U) {
         float wv[U][F::RUNS * 4];
         uint32_t off[U][F::RUNS];
 #pragma unroll
         for (int u = 0; u < U; u++) {
-            if (base + 32 * u < items) F::item(row, base + 32 * u, wv[u], off[u]);
+            if (base + lanes * u < items) F::item(row, base + lanes * u, wv[u], off[u]);
         }
 #pragma unroll
         for (int u = 0; u < U; u++) {
-            if (base + 32 * u >= items) break;
+            if (base + lanes * u >= items) break;
 #pragma unroll
             for (int t = 0; t < MT; t++) {
                 if (t < nt) {
@@ -283,28 +291,59 @@ __device__ __forceinline__ void ts_row_dots(const uint8_t* __restrict__ row, uin
     }
 }
 
-// y[t][r] (= or +=) sum_i W[r][i] x[t][i] for the block's rows (a warp
-// each) and up to MT of its tokens; y rows are `y_stride` floats apart.
-template <typename F, int MT, int U>
+// The row's total of each token's partial sums over its WPR warps, in
+// warp order (the same bits however the blocks are scheduled): valid in
+// lane 0 of the row's first warp. Every thread of the block calls it (a
+// barrier when WPR > 1).
+template <int MT, int WPR>
+__device__ __forceinline__ void ts_row_total(float* sum) {
+#pragma unroll
+    for (int t = 0; t < MT; t++) sum[t] = ts_fwd_warp_sum(sum[t]);
+    if (WPR == 1) return;
+    __shared__ float red[TS_FWD_WARPS][MT];
+    uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (lane == 0) {
+#pragma unroll
+        for (int t = 0; t < MT; t++) red[warp][t] = sum[t];
+    }
+    __syncthreads();
+    if (warp % WPR == 0 && lane == 0) {
+#pragma unroll
+        for (int t = 0; t < MT; t++) {
+            float v = red[warp][t];
+            for (int w = 1; w < WPR; w++) v += red[warp + w][t];
+            sum[t] = v;
+        }
+    }
+}
+
+// y[t][r] (= or +=) sum_i W[r][i] x[t][i] for the block's rows (WPR warps
+// each: one for short rows, more where a warp alone would take several
+// passes) and up to MT of its tokens; y rows are `y_stride` floats apart.
+template <typename F, int MT, int U, int WPR>
 __device__ void ts_gemv(const uint8_t* __restrict__ w, const float* __restrict__ x,
                         float* __restrict__ y, uint32_t rows, uint32_t k, uint32_t tokens,
                         uint32_t x_stride, uint32_t y_stride, uint32_t acc) {
     uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    uint32_t r = blockIdx.x * TS_FWD_WARPS + warp;
-    if (r >= rows) return;
+    uint32_t r = blockIdx.x * (TS_FWD_WARPS / WPR) + warp / WPR;
+    // A row past the end computes the last row's sums (so every warp
+    // meets the barrier) and stores nothing.
+    bool live = r < rows;
+    if (!live) r = rows - 1;
     uint32_t t0 = blockIdx.y * MT;
     uint32_t nt = tokens - t0 < (uint32_t)MT ? tokens - t0 : (uint32_t)MT;
     float sum[MT];
 #pragma unroll
     for (int t = 0; t < MT; t++) sum[t] = 0.0f;
-    ts_row_dots<F, MT, U>(w + (size_t)r * F::row_bytes(k), k, x + (size_t)t0 * x_stride, x_stride,
-                          nt, lane, sum);
+    ts_row_dots<F, MT, U, WPR>(w + (size_t)r * F::row_bytes(k), k, x + (size_t)t0 * x_stride,
+                               x_stride, nt, (warp % WPR) * 32 + lane, sum);
+    ts_row_total<MT, WPR>(sum);
+    if (!live || warp % WPR != 0 || lane != 0) return;
 #pragma unroll
     for (int t = 0; t < MT; t++) {
-        float v = ts_fwd_warp_sum(sum[t]);
-        if (lane == 0 && t < nt) {
+        if (t < nt) {
             float* o = y + (size_t)(t0 + t) * y_stride + r;
-            *o = acc ? *o + v : v;
+            *o = acc ? *o + sum[t] : sum[t];
         }
     }
 }
@@ -316,46 +355,52 @@ __device__ __forceinline__ float ts_act(float g, uint32_t act) {
 }
 
 // The gated activation of a stacked gate|up weight (2n rows: gate, then
-// up): y[t][r] = act(gate_r · x[t]) * (up_r · x[t]) for r < n, a warp per
-// r (act 0: SiLU, 1: GELU with tanh).
-template <typename F, int MT, int U>
+// up): y[t][r] = act(gate_r · x[t]) * (up_r · x[t]) for r < n, WPR warps
+// per r (act 0: SiLU, 1: GELU with tanh).
+template <typename F, int MT, int U, int WPR>
 __device__ void ts_glu(const uint8_t* __restrict__ w, const float* __restrict__ x,
                        float* __restrict__ y, uint32_t n, uint32_t k, uint32_t tokens,
                        uint32_t x_stride, uint32_t y_stride, uint32_t act) {
     uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    uint32_t r = blockIdx.x * TS_FWD_WARPS + warp;
-    if (r >= n) return;
+    uint32_t r = blockIdx.x * (TS_FWD_WARPS / WPR) + warp / WPR;
+    bool live = r < n;
+    if (!live) r = n - 1;
     uint32_t t0 = blockIdx.y * MT;
     uint32_t nt = tokens - t0 < (uint32_t)MT ? tokens - t0 : (uint32_t)MT;
     const float* xs = x + (size_t)t0 * x_stride;
-    float g[MT], u[MT];
+    // The gate's sums, then the up's: one total over both.
+    float gu[2 * MT];
 #pragma unroll
-    for (int t = 0; t < MT; t++) g[t] = u[t] = 0.0f;
-    ts_row_dots<F, MT, U>(w + (size_t)r * F::row_bytes(k), k, xs, x_stride, nt, lane, g);
-    ts_row_dots<F, MT, U>(w + (size_t)(n + r) * F::row_bytes(k), k, xs, x_stride, nt, lane, u);
+    for (int t = 0; t < 2 * MT; t++) gu[t] = 0.0f;
+    uint32_t sub = (warp % WPR) * 32 + lane;
+    ts_row_dots<F, MT, U, WPR>(w + (size_t)r * F::row_bytes(k), k, xs, x_stride, nt, sub, gu);
+    ts_row_dots<F, MT, U, WPR>(w + (size_t)(n + r) * F::row_bytes(k), k, xs, x_stride, nt, sub,
+                               gu + MT);
+    ts_row_total<2 * MT, WPR>(gu);
+    if (!live || warp % WPR != 0 || lane != 0) return;
 #pragma unroll
     for (int t = 0; t < MT; t++) {
-        float gv = ts_fwd_warp_sum(g[t]), uv = ts_fwd_warp_sum(u[t]);
-        if (lane == 0 && t < nt) y[(size_t)(t0 + t) * y_stride + r] = ts_act(gv, act) * uv;
+        if (t < nt) y[(size_t)(t0 + t) * y_stride + r] = ts_act(gu[t], act) * gu[MT + t];
     }
 }
 
-// Per format: tessera_fwd_gemv_* and tessera_fwd_glu_* for up to
-// TS_FWD_MAXT tokens per block row, tessera_fwd_gemv1_* and
-// tessera_fwd_glu1_* for one (decode of one sequence: one accumulator, so
-// more items in flight).
-#define TS_GEMV_KERNEL(kname, body, F, MT, U)                                                 \
-    extern "C" __global__ void __launch_bounds__(TS_FWD_THREADS)                              \
+// Per format and warps per row (_w1, _w2, _w4): tessera_fwd_gemv_* and
+// tessera_fwd_glu_* for up to TS_FWD_MAXT tokens per block row,
+// tessera_fwd_gemv1_* and tessera_fwd_glu1_* for one (decode of one
+// sequence: one accumulator, so more items in flight).
+#define TS_GEMV_KERNEL(kname, body, F, MT, U, WPR)                                            \
+    extern "C" __global__ void __launch_bounds__(TS_FWD_THREADS, TS_FWD_MIN_BLOCKS)           \
         kname(const uint8_t* __restrict__ w, const float* __restrict__ x,                     \
               float* __restrict__ y, uint32_t rows, uint32_t k, uint32_t tokens,              \
               uint32_t x_stride, uint32_t y_stride, uint32_t flag) {                          \
-        body<F, MT, U>(w, x, y, rows, k, tokens, x_stride, y_stride, flag);                   \
+        body<F, MT, U, WPR>(w, x, y, rows, k, tokens, x_stride, y_stride, flag);              \
     }
-#define TS_GEMV(name, F)                                                                      \
-    TS_GEMV_KERNEL(tessera_fwd_gemv_##name, ts_gemv, F, TS_FWD_MAXT, 2)                       \
-    TS_GEMV_KERNEL(tessera_fwd_gemv1_##name, ts_gemv, F, 1, 4)                                \
-    TS_GEMV_KERNEL(tessera_fwd_glu_##name, ts_glu, F, TS_FWD_MAXT, 2)                         \
-    TS_GEMV_KERNEL(tessera_fwd_glu1_##name, ts_glu, F, 1, 4)
+#define TS_GEMV_W(name, F, WPR)                                                               \
+    TS_GEMV_KERNEL(tessera_fwd_gemv_##name##_w##WPR, ts_gemv, F, TS_FWD_MAXT, 2, WPR)         \
+    TS_GEMV_KERNEL(tessera_fwd_gemv1_##name##_w##WPR, ts_gemv, F, 1, 4, WPR)                  \
+    TS_GEMV_KERNEL(tessera_fwd_glu_##name##_w##WPR, ts_glu, F, TS_FWD_MAXT, 2, WPR)           \
+    TS_GEMV_KERNEL(tessera_fwd_glu1_##name##_w##WPR, ts_glu, F, 1, 4, WPR)
+#define TS_GEMV(name, F) TS_GEMV_W(name, F, 1) TS_GEMV_W(name, F, 2) TS_GEMV_W(name, F, 4)
 
 TS_GEMV(q4_0, TsQ4_0)
 TS_GEMV(q4_1, TsQ4_1)

@@ -13,6 +13,8 @@
 //! | `TESSERA_HUGE_PAGES` | `0` | [`Tuning::huge_pages`] off |
 //! | `TESSERA_FIXED_TEAM` | `1` | [`Tuning::fixed_team`] on |
 //! | `TESSERA_FORWARD` | `reference` | [`Tuning::reference_forward`] on |
+//! | `TESSERA_CUDA_ROW_WARPS` | `1`, `2`, `4` | [`Tuning::gpu_row_warps`] |
+//! | `TESSERA_CUDA_ATT_PART` | `16`, `32`, `64` | [`Tuning::gpu_att_part`] |
 
 use std::fmt;
 use std::sync::OnceLock;
@@ -75,6 +77,12 @@ pub struct Tuning {
     pub fixed_team: bool,
     /// Every forward through the candle reference, for debugging.
     pub reference_forward: bool,
+    /// Warps per output row of the CUDA products (`None`: by the row's
+    /// length), for comparing the kernels' shapes on a GPU.
+    pub gpu_row_warps: Option<u32>,
+    /// The shortest partition of the CUDA paged attention, in positions
+    /// (`None`: 64; the launch takes the shortest its state budget allows).
+    pub gpu_att_part: Option<usize>,
 }
 
 impl Default for Tuning {
@@ -85,6 +93,8 @@ impl Default for Tuning {
             huge_pages: true,
             fixed_team: false,
             reference_forward: false,
+            gpu_row_warps: None,
+            gpu_att_part: None,
         }
     }
 }
@@ -103,6 +113,12 @@ impl Tuning {
             huge_pages: var("TESSERA_HUGE_PAGES").as_deref() != Some("0"),
             fixed_team: var("TESSERA_FIXED_TEAM").as_deref() == Some("1"),
             reference_forward: var("TESSERA_FORWARD").as_deref() == Some("reference"),
+            gpu_row_warps: var("TESSERA_CUDA_ROW_WARPS")
+                .and_then(|v| v.parse().ok())
+                .filter(|w| [1, 2, 4].contains(w)),
+            gpu_att_part: var("TESSERA_CUDA_ATT_PART")
+                .and_then(|v| v.parse().ok())
+                .filter(|p: &usize| [16, 32, 64].contains(p)),
         }
     }
 }

@@ -74,8 +74,10 @@ unsafe impl Send for SendGraph {}
 
 /// Inputs one GEMV block multiplies at once (`TS_FWD_MAXT`).
 const MAXT: u32 = 8;
-/// Output rows per GEMV block (`TS_FWD_WARPS`: a warp per row).
-const ROWS_PER_BLOCK: u32 = 4;
+/// Warps per GEMV block (`TS_FWD_WARPS`), shared by its rows.
+const BLOCK_WARPS: u32 = 4;
+/// The warps per row the products are compiled for (`_w1`, `_w2`, `_w4`).
+const ROW_WARPS: [u32; 3] = [1, 2, 4];
 const NORM_THREADS: u32 = 256;
 
 /// A weight's storage as the GEMV kernels read it.
@@ -125,6 +127,26 @@ impl GemvFormat {
             GemvFormat::Q4K | GemvFormat::Q5K | GemvFormat::Q6K => 256,
             GemvFormat::F32 | GemvFormat::F16 => 8,
         }
+    }
+
+    /// What one lane takes at a time from a row of `k` values (`ITEMS` in
+    /// the kernels): 8 weights, Q6_K's 16.
+    fn items(self, k: usize) -> usize {
+        match self {
+            GemvFormat::Q6K => k / 16,
+            _ => k / 8,
+        }
+    }
+
+    /// Warps per output row: the fewest that take a row of `k` values in
+    /// one pass of `per_pass` items a lane, at most four (a long row in
+    /// one warp is passes of loads one after another, with few rows to
+    /// hide them behind).
+    pub fn row_warps(self, k: usize, per_pass: usize) -> u32 {
+        ROW_WARPS
+            .into_iter()
+            .find(|&w| self.items(k) <= 32 * w as usize * per_pass)
+            .unwrap_or(4)
     }
 
     fn name(self) -> &'static str {
@@ -191,14 +213,16 @@ pub struct Forward {
     dev: CudaDevice,
     stream: Arc<CudaStream>,
     _module: Arc<CudaModule>,
-    /// Per format: the product for up to [`MAXT`] tokens per block row and
-    /// the one for a single token, then the same two of the gated
-    /// activation over a stacked gate|up weight.
-    gemv: Vec<(GemvFormat, [CudaFunction; 4])>,
+    /// Per format and warps per row ([`ROW_WARPS`]): the product for up to
+    /// [`MAXT`] tokens per block row and the one for a single token, then
+    /// the same two of the gated activation over a stacked gate|up weight.
+    gemv: Vec<(GemvFormat, [[CudaFunction; 4]; 3])>,
     norm: CudaFunction,
     residual: CudaFunction,
     act_mul: CudaFunction,
     qkv: Vec<(&'static str, CudaFunction)>,
+    /// Warps per row for every product (`None`: by the row's length).
+    row_warps: Option<u32>,
 }
 
 fn u(x: usize) -> u32 {
@@ -217,15 +241,15 @@ impl Forward {
             .iter()
             .map(|&g| {
                 let n = g.name();
-                Ok((
-                    g,
-                    [
-                        f(&format!("tessera_fwd_gemv_{n}"))?,
-                        f(&format!("tessera_fwd_gemv1_{n}"))?,
-                        f(&format!("tessera_fwd_glu_{n}"))?,
-                        f(&format!("tessera_fwd_glu1_{n}"))?,
-                    ],
-                ))
+                let set = |w: u32| -> Result<[CudaFunction; 4]> {
+                    Ok([
+                        f(&format!("tessera_fwd_gemv_{n}_w{w}"))?,
+                        f(&format!("tessera_fwd_gemv1_{n}_w{w}"))?,
+                        f(&format!("tessera_fwd_glu_{n}_w{w}"))?,
+                        f(&format!("tessera_fwd_glu1_{n}_w{w}"))?,
+                    ])
+                };
+                Ok((g, [set(1)?, set(2)?, set(4)?]))
             })
             .collect::<Result<Vec<_>>>()?;
         let qkv = ["f32", "f16", "bf16"]
@@ -237,6 +261,7 @@ impl Forward {
             norm: f("tessera_fwd_rms_norm")?,
             residual: f("tessera_fwd_residual")?,
             act_mul: f("tessera_fwd_act_mul")?,
+            row_warps: crate::tuning::get().gpu_row_warps,
             gemv,
             qkv,
             stream,
@@ -265,7 +290,7 @@ impl Forward {
     }
 
     /// A product kernel (`kind` 0: GEMV, 2: gated activation) over
-    /// `rows` warps' rows, `flag` its last argument.
+    /// `rows` output rows, `flag` its last argument.
     fn product(
         &self,
         w: &DevWeight,
@@ -290,16 +315,27 @@ impl Forward {
             .iter()
             .find(|(g, _)| *g == w.format)
             .expect("a kernel per format");
-        let (f, per_block) = if io.tokens == 1 {
-            (&fs[kind + 1], 1)
+        // Items a lane loads per pass (the kernels' U): 4 for one token,
+        // 2 for up to MAXT.
+        let (single, per_pass) = (io.tokens == 1, if io.tokens == 1 { 4 } else { 2 });
+        let warps = self
+            .row_warps
+            .unwrap_or_else(|| w.format.row_warps(w.k, per_pass));
+        let wi = ROW_WARPS.iter().position(|&x| x == warps).unwrap_or(0);
+        let (f, per_block) = if single {
+            (&fs[wi][kind + 1], 1)
         } else {
-            (&fs[kind], MAXT)
+            (&fs[wi][kind], MAXT)
         };
         let (rows, k, tokens) = (u(rows), u(w.k), u(io.tokens));
         let (xs, ys) = (u(io.x_stride), u(io.y_stride));
         let cfg = LaunchConfig {
-            grid_dim: (rows.div_ceil(ROWS_PER_BLOCK), tokens.div_ceil(per_block), 1),
-            block_dim: (ROWS_PER_BLOCK * 32, 1, 1),
+            grid_dim: (
+                rows.div_ceil(BLOCK_WARPS / ROW_WARPS[wi]),
+                tokens.div_ceil(per_block),
+                1,
+            ),
+            block_dim: (BLOCK_WARPS * 32, 1, 1),
             shared_mem_bytes: 0,
         };
         let mut b = self.stream.launch_builder(f);
@@ -640,4 +676,24 @@ pub fn tensor_addr(t: &Tensor) -> Result<(u64, &'static str)> {
             t.dtype()
         ),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::GemvFormat;
+
+    #[test]
+    fn rows_take_the_fewest_warps_that_cover_them_in_one_pass() {
+        // SmolLM2-135M's rows (576 and 1536 values), one token (4 items
+        // a lane a pass) and several (2).
+        assert_eq!(GemvFormat::Q4_1.row_warps(576, 4), 1);
+        assert_eq!(GemvFormat::Q4_1.row_warps(1536, 4), 2);
+        assert_eq!(GemvFormat::Q4_1.row_warps(576, 2), 2);
+        // A 1B model's (2048 and 8192): the long rows take four.
+        assert_eq!(GemvFormat::Q4_0.row_warps(2048, 4), 2);
+        assert_eq!(GemvFormat::Q4K.row_warps(8192, 4), 4);
+        assert_eq!(GemvFormat::Q4K.row_warps(8192, 2), 4);
+        // Q6_K's items are twice as wide.
+        assert_eq!(GemvFormat::Q6K.row_warps(2048, 4), 1);
+    }
 }

@@ -232,10 +232,12 @@ pub const ATT_STATES: usize = 1 << 14;
 /// positions); the partition is the shortest of 64, 128, 256 and
 /// [`ATT_PART`] positions that keeps the launch within [`ATT_STATES`]
 /// partial states (tokens × heads × partitions), or [`ATT_PART`].
+/// [`crate::tuning::Tuning::gpu_att_part`] puts a shorter one first.
 pub fn attention_split(meta: &crate::PagedMeta, n_heads: usize) -> (usize, usize) {
     let longest = longest_context(meta);
     let queries = meta.token_pos.len().max(1) * n_heads;
-    let part = [64, 128, 256]
+    let first = crate::tuning::get().gpu_att_part.unwrap_or(64);
+    let part = [first, 64, 128, 256]
         .into_iter()
         .find(|&p| queries * longest.div_ceil(p) <= ATT_STATES)
         .unwrap_or(ATT_PART);
