@@ -16,7 +16,17 @@
 # tiny generated files.
 #
 # QUICK=1 (a first look with little device time): no sanitizer runs, one
-# round of the generated models' A/B.
+# round of the generated models' A/B. FORWARDS=cuda leaves the reference
+# forward out of that A/B, FORWARDS=none the whole A/B (the models are
+# still generated).
+#
+# VARIANTS="label:VAR=v,VAR=v;label2:..." (with SYNTH): kernel settings
+# against each other in one run. Each variant's environment first runs the
+# CUDA forward's format test (so a variant that is wrong fails here), then
+# on the generated models decode, and on the first one decode after 2,048
+# tokens and 8 sequences together too, the variants alternating for
+# ROUNDS rounds (default 2), into
+# variants.jsonl (a {"model", "variant", "round"} line before each result).
 #
 # Usage: cuda_device_run.sh BUNDLE_DIR [MODEL_GGUF]
 set -uo pipefail
@@ -91,11 +101,13 @@ synth_ab() {
         python3 "$B/synth_model.py" "$1" --blocks "$2" --tokenizer-json "$SYNTH/tok.json.gz" \
             --gguf-py "$SYNTH/gguf-py" --out-dir "$dir" >>"$LOG" 2>&1 || { fail=1; continue; }
     done
+    SYNTH_DIR=$dir
     local rounds="1 2"
     [ "${QUICK:-0}" = 1 ] && rounds=1
     for round in $rounds; do
         for m in "$dir"/*.gguf; do
-            for fwd in cuda reference; do
+            for fwd in ${FORWARDS:-cuda reference}; do
+                [ "$fwd" = none ] && continue
                 for sc in decode decode-long decode-batch; do
                     [ "$round" = 2 ] && [ "$sc" != decode ] && continue
                     echo "{\"model\": \"$(basename "$m")\", \"forward\": \"$fwd\", \"round\": $round}" >>"$OUT/synth.jsonl"
@@ -116,6 +128,36 @@ synth_ab() {
     fi
 }
 
+variants_ab() {
+    [ -n "${VARIANTS:-}" ] && [ -n "${SYNTH_DIR:-}" ] || return 0
+    local v label envs round m n sc
+    IFS=';' read -ra vs <<<"$VARIANTS"
+    for v in "${vs[@]}"; do
+        label=${v%%:*}
+        envs=${v#*:}
+        echo "=== variant $label: $envs" | tee -a "$LOG"
+        step env ${envs//,/ } "$B/model-tests" cuda_forward_follows_the_cpu_reference_in_every_format \
+            --nocapture
+    done
+    : >"$OUT/variants.jsonl"
+    for round in $(seq 1 "${ROUNDS:-2}"); do
+        n=0
+        for m in "$SYNTH_DIR"/*.gguf; do
+            n=$((n + 1))
+            for v in "${vs[@]}"; do
+                label=${v%%:*}
+                envs=${v#*:}
+                for sc in decode decode-long decode-batch; do
+                    [ "$sc" != decode ] && [ "$n" -gt 1 ] && continue
+                    echo "{\"model\": \"$(basename "$m")\", \"variant\": \"$label\", \"round\": $round}" >>"$OUT/variants.jsonl"
+                    env ${envs//,/ } timeout 120 "$B/tessera" --device cuda bench --model "$m" --json \
+                        --no-baseline --scenario "$sc" --runs 3 2>>"$LOG" >>"$OUT/variants.jsonl" || fail=1
+                done
+            done
+        done
+    done
+}
+
 step "$B/kernel-tests" gpu:: --test-threads 1
 if [ "${QUICK:-0}" != 1 ] && command -v compute-sanitizer >/dev/null; then
     step compute-sanitizer --tool memcheck --error-exitcode 1 "$B/kernel-tests" gpu:: --test-threads 1
@@ -127,6 +169,7 @@ if [ "${QUICK:-0}" != 1 ] && command -v compute-sanitizer >/dev/null; then
         --test-threads 1
 fi
 synth_ab
+variants_ab
 if [ -z "$MODEL" ]; then
     echo "=== no model file: the steps with the real model are skipped" | tee -a "$LOG"
     echo "=== done, fail=$fail" | tee -a "$LOG"

@@ -72,6 +72,14 @@ struct TuningArgs {
     /// (default: the team shrinks while the machine is busy).
     #[arg(long, global = true)]
     fixed_team: bool,
+    /// Warps per output row of the CUDA products (default: by the row's
+    /// length), for comparing kernel shapes on a GPU.
+    #[arg(long, global = true, value_parser = ["1", "2", "4"])]
+    cuda_row_warps: Option<String>,
+    /// The shortest partition of the CUDA paged attention, in positions
+    /// (default 64).
+    #[arg(long, global = true, value_parser = ["16", "32", "64"])]
+    cuda_att_part: Option<String>,
 }
 
 impl TuningArgs {
@@ -88,6 +96,12 @@ impl TuningArgs {
         }
         if self.fixed_team {
             t.fixed_team = true;
+        }
+        if let Some(w) = &self.cuda_row_warps {
+            t.gpu_row_warps = w.parse().ok();
+        }
+        if let Some(p) = &self.cuda_att_part {
+            t.gpu_att_part = p.parse().ok();
         }
         t
     }
