@@ -24,8 +24,8 @@
 # against each other in one run. Each variant's environment first runs the
 # CUDA forward's format test (so a variant that is wrong fails here), then
 # on the generated models decode, and on the first one decode after 2,048
-# tokens and 8 sequences together too, the variants alternating for
-# ROUNDS rounds (default 2), into
+# tokens and 8 sequences together too (with VARIANT_ALL=1 on every one),
+# the variants alternating for ROUNDS rounds (default 2), into
 # variants.jsonl (a {"model", "variant", "round"} line before each result).
 #
 # Usage: cuda_device_run.sh BUNDLE_DIR [MODEL_GGUF]
@@ -148,7 +148,7 @@ variants_ab() {
                 label=${v%%:*}
                 envs=${v#*:}
                 for sc in decode decode-long decode-batch; do
-                    [ "$sc" != decode ] && [ "$n" -gt 1 ] && continue
+                    [ "$sc" != decode ] && [ "$n" -gt 1 ] && [ "${VARIANT_ALL:-0}" != 1 ] && continue
                     echo "{\"model\": \"$(basename "$m")\", \"variant\": \"$label\", \"round\": $round}" >>"$OUT/variants.jsonl"
                     env ${envs//,/ } timeout 120 "$B/tessera" --device cuda bench --model "$m" --json \
                         --no-baseline --scenario "$sc" --runs 3 2>>"$LOG" >>"$OUT/variants.jsonl" || fail=1
