@@ -14,15 +14,15 @@ in them is typed by hand. Each subcommand reads what its recipe wrote:
 - llamacpp: target/bench/vs-llamacpp.json and vs-llamacpp-meta.json, the
   charts copied to docs/bench/ (`just bench-llamacpp`);
 - cpu: target/bench/cpu.json (`just bench-cpu`);
-- gpu, gpu-ab, gpu-families, gpu-forward: what `scripts/cuda_device_run.sh`
+- gpu, gpu-ab, gpu-families, gpu-forward, gpu-variants: what `scripts/cuda_device_run.sh`
   brings back from a GPU machine, copied to target/bench/gpu/,
-  gpu/ab/, gpu-families/ and gpu-forward/;
+  gpu/ab/, gpu-families/, gpu-forward/ and gpu-variants/<call>/;
 - summary: the README's results in brief, from cpu.json and gpu-forward/.
 
 Other scripts (bench_cpu.py, families_vs_llamacpp.py, ...) write their own
 sections through `splice` here.
 
-Usage: readme_tables.py model|engine|sessions|hangups|swa|soak|criterion|llamacpp|cpu|gpu|gpu-ab|gpu-families|gpu-forward|summary
+Usage: readme_tables.py model|engine|sessions|hangups|swa|soak|criterion|llamacpp|cpu|gpu|gpu-ab|gpu-families|gpu-forward|gpu-variants|summary
 """
 
 import datetime
@@ -578,6 +578,57 @@ def gpu_forward():
     return out
 
 
+def gpu_variants():
+    """Kernel settings against each other on the GPU (`VARIANTS=...
+    scripts/cuda_device_run.sh`: variants.jsonl, llama.jsonl, tests.log and
+    meta.json of each call copied to target/bench/gpu-variants/<call>/):
+    a table per call, each variant's median tok/s per generated model and
+    scenario, llama.cpp's CUDA build on the same files beside them."""
+    names = {"synth-135m-Q4_1-blocks.gguf": "135M Q4_1", "synth-1b-Q4_0-blocks.gguf": "1B Q4_0",
+             "synth-1b-Q4_K_M-blocks.gguf": "1B Q4_K_M"}
+    label = {"decode": "decode, 128 tokens", "decode-long": "decode after 2,048",
+             "decode-batch": "8 sequences together, aggregate"}
+    llama_key = {"decode": "tg", "decode-long": "tg_long"}
+    out = []
+    for d in sorted((BENCH / "gpu-variants").iterdir()):
+        meta = json.loads((d / "meta.json").read_text())
+        got, order, hdr = {}, [], None
+        for r in (json.loads(x) for x in (d / "variants.jsonl").read_text().splitlines() if x.strip()):
+            if "variant" in r:
+                hdr = r
+                if r["variant"] not in order:
+                    order.append(r["variant"])
+                continue
+            v = r["batch8"] if r["scenario"] == "decode-batch" else r["tessera"]
+            got.setdefault((hdr["model"], r["scenario"], hdr["variant"]), []).append(v)
+        llama = {}
+        if (d / "llama.jsonl").exists():
+            for r in (json.loads(x) for x in (d / "llama.jsonl").read_text().splitlines() if x.strip()):
+                what = "pp" if r["n_prompt"] else ("tg_long" if r.get("n_depth") else "tg")
+                llama[(Path(r["model_filename"]).name, what)] = r["avg_ts"]
+        log = (d / "tests.log").read_text()
+        envs = dict(l.removeprefix("=== variant ").split(": ", 1) for l in log.splitlines()
+                    if l.startswith("=== variant "))
+        passed = log[log.find("=== variant "):].count(
+            "test tests::cuda_forward_follows_the_cpu_reference_in_every_format ... ok")
+        out += [f"{meta['date']}, one {meta['gpu']}, commit `{meta['commit']}`; variants: "
+                + "; ".join(f"`{v}` = {envs.get(v) or 'the defaults'}" for v in order)
+                + f". The format test passed under {passed} of {len(order)} variants.", "",
+                "| model | scenario | " + " | ".join(f"`{v}`" for v in order) + " | llama.cpp CUDA |",
+                "|---|---|" + "---|" * (len(order) + 1)]
+        for m, name in names.items():
+            for sc in label:
+                cells = [got.get((m, sc, v)) for v in order]
+                if not any(cells):
+                    continue
+                ll = llama.get((m, llama_key.get(sc)))
+                out.append(f"| {name} | {label[sc]} | "
+                           + " | ".join(f"{statistics.median(c):,.0f}" if c else "—" for c in cells)
+                           + f" | {f'{ll:,.0f}' if ll else '—'} |")
+        out.append("")
+    return out[:-1]
+
+
 def ncu_kernels(path):
     """(name, launches, total µs) per kernel of an `ncu --print-summary
     per-kernel` report of gpu__time_duration.sum."""
@@ -987,6 +1038,7 @@ def main():
         "gpu-ab": gpu_ab,
         "gpu-families": gpu_families,
         "gpu-forward": gpu_forward,
+        "gpu-variants": gpu_variants,
         "summary": summary,
         "llamacpp": llamacpp,
         "soak": soak,
