@@ -513,11 +513,18 @@ def gpu_forward():
     d = BENCH / "gpu-forward"
     meta = json.loads((d / "meta.json").read_text())
     log = (d / "tests.log").read_text().splitlines()
+    # The default settings' steps (VARIANTS runs the format test again
+    # under each variant's after them).
+    log = log[:next((i for i, l in enumerate(log) if l.startswith("=== variant ")), len(log))]
     got, llama = gpu_forward_runs()
     agree = [l[l.index("CUDA forward "):].split(": ", 1) for l in log
              if "CUDA forward " in l and "greedy tokens before" in l]
     tests = [l for l in log if l.startswith("test result:")]
-    sanit = [l.removeprefix("========= ").lower() for l in log if l.startswith("========= ERROR SUMMARY")]
+    # memcheck inside the run, or (memcheck-*.txt) beside it.
+    sanit = [l.removeprefix("========= ").lower()
+             for l in log + [x for f in sorted(d.glob("memcheck-*.txt")) for x in f.read_text().splitlines()]
+             if l.startswith("========= ERROR SUMMARY")]
+    rounds = max(h["round"] for h in lines("gpu-forward/synth.jsonl") if "round" in h)
     names = {"synth-135m-Q4_1-blocks.gguf": "135M (SmolLM2's layout) Q4_1",
              "synth-1b-Q4_0-blocks.gguf": "1B Llama Q4_0", "synth-1b-Q4_K_M-blocks.gguf": "1B Llama Q4_K_M"}
     med = lambda xs: statistics.median(xs)  # noqa: E731
@@ -526,7 +533,7 @@ def gpu_forward():
         f"commit `{meta['commit']}`, `SYNTH=... scripts/cuda_device_run.sh BUNDLE`: models of random "
         "quantized blocks in the exact tensor layouts, generated on that machine "
         "(`synth_model.py --blocks`; speed does not depend on the values), f16 cache, 3 runs a "
-        "figure (medians; decode over both rounds).",
+        f"figure (medians{'; decode over both rounds' if rounds > 1 else ''}).",
         "",
         "- The CUDA forward against the CPU reference on tiny generated files (Llama, Qwen2, Gemma 3, "
         "Granite × Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K), greedy tokens before the first difference: "
@@ -573,8 +580,9 @@ def gpu_forward():
         out += ["", "ncu's time of each kernel inside the replayed decode graphs of the 135M model "
                 "(mean µs per launch): " + ", ".join(f"{short(n)} {t / c:.1f}" for n, (c, t) in
                                                      sorted(each.items(), key=lambda x: -x[1][1] / x[1][0]))
-                + ": each a few dependent memory round trips (its latency, not bandwidth), eight of "
-                "them a layer."]
+                + ": each a few dependent memory round trips (its latency, not bandwidth), "
+                + ("nine of them a layer (the merge: short contexts' attention in several partitions)."
+                   if any("merge" in n for n in each) else "eight of them a layer.")]
     return out
 
 

@@ -141,8 +141,15 @@ impl GemvFormat {
     /// Warps per output row: the fewest that take a row of `k` values in
     /// one pass of `per_pass` items a lane, at most four (a long row in
     /// one warp is passes of loads one after another, with few rows to
-    /// hide them behind).
+    /// hide them behind). K-quant rows for one token (`per_pass` 4) keep
+    /// one warp: on an H200 the 1B Q4_K_M decode ran 442 tok/s so and 424
+    /// split (Q4_0's 577 against 607 went the other way; both 2026-11-27,
+    /// docs/gpu.md).
     pub fn row_warps(self, k: usize, per_pass: usize) -> u32 {
+        let k_quant = matches!(self, GemvFormat::Q4K | GemvFormat::Q5K | GemvFormat::Q6K);
+        if k_quant && per_pass == 4 {
+            return 1;
+        }
         ROW_WARPS
             .into_iter()
             .find(|&w| self.items(k) <= 32 * w as usize * per_pass)
@@ -691,9 +698,12 @@ mod tests {
         assert_eq!(GemvFormat::Q4_1.row_warps(576, 2), 2);
         // A 1B model's (2048 and 8192): the long rows take four.
         assert_eq!(GemvFormat::Q4_0.row_warps(2048, 4), 2);
-        assert_eq!(GemvFormat::Q4K.row_warps(8192, 4), 4);
+        assert_eq!(GemvFormat::Q4_0.row_warps(8192, 4), 4);
         assert_eq!(GemvFormat::Q4K.row_warps(8192, 2), 4);
         // Q6_K's items are twice as wide.
+        assert_eq!(GemvFormat::Q6K.row_warps(2048, 2), 2);
+        // K-quants for one token: one warp whatever the length.
+        assert_eq!(GemvFormat::Q4K.row_warps(8192, 4), 1);
         assert_eq!(GemvFormat::Q6K.row_warps(2048, 4), 1);
     }
 }
