@@ -573,6 +573,45 @@ impl KvCache {
         Ok(())
     }
 
+    /// Drops `seq`'s tokens from `new_len` on: the end of a speculative
+    /// append whose tokens were not accepted. Blocks wholly past the new
+    /// end go back to the pool (with their sliding blocks); the kept tail
+    /// block's later slots are written again by the next append. No K/V
+    /// moves. Only what the sequence appended itself may go: every block
+    /// released must be the sequence's alone (not cached, not shared with
+    /// a fork), else nothing changes and the error says so.
+    pub fn truncate(&mut self, seq: SeqId, new_len: usize) -> Result<(), KvError> {
+        let bs = self.block_size();
+        let s = self.sequence(seq)?;
+        let len = s.tokens.len();
+        if new_len > len {
+            return Err(KvError::Invariant(format!(
+                "truncate {seq} to {new_len} tokens: it has {len}"
+            )));
+        }
+        let keep = new_len.div_ceil(bs);
+        if let Some(&b) = s.table[keep..]
+            .iter()
+            .find(|&&b| self.pool.ref_count(b) != 1)
+        {
+            return Err(KvError::Invariant(format!(
+                "truncate {seq} to {new_len} tokens: block {b} past the end is shared"
+            )));
+        }
+        let s = self.seqs.get_mut(&seq).expect("checked above");
+        for b in s.table.drain(keep..) {
+            self.pool.release(b)?;
+        }
+        s.tokens.truncate(new_len);
+        s.computed = s.computed.min(new_len);
+        s.trimmed = s.trimmed.min(keep);
+        s.gaps.retain_mut(|g| {
+            g.1 = g.1.min(new_len);
+            g.0 < g.1
+        });
+        Ok(())
+    }
+
     /// A new sequence sharing every block of `seq` (parallel samples, beam
     /// search, a branch of a chat). The shared tail block is copied lazily by
     /// whichever of the two appends first.

@@ -15,7 +15,9 @@
 //! forward(plan.items)              // write K/V into the slots, attend
 //! sched.step_done(&plan)           // the items' K/V is now computed
 //! for items with logits:
-//!     sched.push_token(req, tok)   // or finish(req) / fork(req)
+//!     sched.settle_draft(req, n)   // an item with a draft: keep n guesses
+//!     sched.push_token(req, tok)   // or push_draft(req, tok, guesses),
+//!                                  // finish(req) / fork(req)
 //! ```
 //!
 //! Policies:
@@ -46,6 +48,17 @@
 //!   pool was shrunk under it) is ended with [`EndReason::OutOfKvMemory`],
 //!   never left waiting. A request that fits alone but not beside the cache
 //!   evicts just the cached blocks it needs, least recently used first.
+//! - **Drafts** (speculative decoding). A request may follow its sampled
+//!   token with guessed ones ([`Scheduler::push_draft`]). The sampled
+//!   token is scheduled as any decode; the guesses are appended in a
+//!   second pass, from what is left of the budget, within the context and
+//!   the request's own blocks, and only where the pool has room (a guess
+//!   never preempts anyone; a step that preempted drops its drafts). After
+//!   the step the engine keeps the guesses that match what it sampled
+//!   ([`Scheduler::settle_draft`]); the rest leave the sequence through
+//!   [`KvCache::truncate`], no K/V copied. Preemption, a failed step and
+//!   finishing drop a pending draft; drafts never enter the prefix tree
+//!   before they are settled.
 //! - **Failed steps.** [`Scheduler::abort_step`] undoes a step whose forward
 //!   pass failed: the sequences of its items are freed without entering the
 //!   prefix tree (their new slots were never written), and their requests
@@ -174,6 +187,10 @@ pub struct StepItem {
     pub sliding_table: Vec<Option<BlockId>>,
     /// The last token ends what is known: the engine samples from it.
     pub wants_logits: bool,
+    /// The item's last `draft` tokens are speculative
+    /// ([`Scheduler::push_draft`]): the engine reads the logits of its last
+    /// `draft + 1` positions, then settles ([`Scheduler::settle_draft`]).
+    pub draft: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -244,6 +261,9 @@ struct Request {
     /// Ran out of blocks while running alone: its own cached path pinned
     /// what it needed. The second time, it starts over on an empty cache.
     starved: bool,
+    /// Speculative tokens at the end of `tokens` (see
+    /// [`Scheduler::push_draft`]).
+    draft: usize,
     state: State,
 }
 
@@ -369,6 +389,7 @@ impl Scheduler {
                 most_blocks: needed,
                 solo_until: None,
                 starved: false,
+                draft: 0,
                 state: State::Waiting { since: self.step },
             },
         );
@@ -390,6 +411,7 @@ impl Scheduler {
         let mut budget = self.cfg.max_batch_tokens.max(1);
         if let Some(id) = self.solo_candidate() {
             self.schedule_solo(id, &mut budget, &mut plan)?;
+            self.place_drafts(&mut budget, &mut plan)?;
             return Ok(plan);
         }
         let mut i = 0;
@@ -418,7 +440,68 @@ impl Scheduler {
             let order = self.admission_order();
             self.admit(order, &mut budget, &mut plan)?;
         }
+        self.place_drafts(&mut budget, &mut plan)?;
         Ok(plan)
+    }
+
+    /// The second pass of a step: each placed item that ends with a
+    /// sampled token followed by a draft ([`Scheduler::push_draft`]) gets
+    /// the draft's tokens appended, as far as what is left of the budget,
+    /// the context and the request's own blocks allows, and only where the
+    /// pool has room: a guess never costs another request its place. A
+    /// step that preempted drops every draft in it. What does not fit is
+    /// dropped (the request's sampled token still runs).
+    fn place_drafts(&mut self, budget: &mut usize, plan: &mut StepPlan) -> Result<(), SchedError> {
+        let bs = self.kv.block_size();
+        for i in 0..plan.items.len() {
+            let (id, seq) = (plan.items[i].req, plan.items[i].seq);
+            let Some(r) = self.reqs.get(&id) else {
+                continue;
+            };
+            let len = plan.items[i].start + plan.items[i].tokens.len();
+            if r.draft == 0 || !plan.items[i].wants_logits || len + r.draft != r.tokens.len() {
+                continue;
+            }
+            let room = if plan.preempted.is_empty() {
+                (*budget)
+                    .min(self.cfg.context_length.saturating_sub(len))
+                    .min((r.most_blocks * bs).saturating_sub(len))
+                    .min(r.draft)
+            } else {
+                0
+            };
+            // The draft cut to `room` (still a draft).
+            self.drop_draft(id, room)?;
+            if room == 0 {
+                continue;
+            }
+            self.reqs.get_mut(&id).expect("known").draft = room;
+            let draft = self.reqs[&id].tokens[len..].to_vec();
+            let Admission::Ok(a) = self.kv.append(seq, &draft)? else {
+                self.drop_draft(id, 0)?;
+                continue;
+            };
+            *budget -= room;
+            if !a.copies.is_empty() {
+                plan.ops.push(KvOp::Copy(a.copies));
+            }
+            if !a.sliding_copies.is_empty() {
+                plan.ops.push(KvOp::CopySliding(a.sliding_copies));
+            }
+            let sliding_table = if self.kv.window().is_some() {
+                self.kv.sliding_table(seq)?
+            } else {
+                Vec::new()
+            };
+            let item = &mut plan.items[i];
+            item.tokens.extend_from_slice(&draft);
+            item.slots.extend(a.slots);
+            item.sliding_slots.extend(a.sliding_slots);
+            item.block_table = self.kv.sequence(seq)?.block_table().to_vec();
+            item.sliding_table = sliding_table;
+            item.draft = room;
+        }
+        Ok(())
     }
 
     /// The part of `budget` request `id` may take this step: all of it,
@@ -550,11 +633,14 @@ impl Scheduler {
                 }
             }
         }
+        // A draft waits for the second pass (see `place_drafts`): here the
+        // sampled token before it goes as any decode.
         let req = &self.reqs[&id];
-        let known = req.tokens.len();
+        let known = req.tokens.len() - req.draft;
         let end = known.min(len.saturating_add(*budget));
         let chunk = req.tokens[len..end].to_vec();
-        match self.kv.append(seq, &chunk)? {
+        let admitted = self.kv.append(seq, &chunk)?;
+        match admitted {
             Admission::Ok(a) => {
                 *budget -= chunk.len();
                 self.place(plan, id, seq, len, chunk, a, end == known)?;
@@ -602,6 +688,7 @@ impl Scheduler {
             sliding_table,
             wants_logits,
             tokens,
+            draft: 0,
         });
         Ok(())
     }
@@ -617,6 +704,7 @@ impl Scheduler {
             })
             .expect("a running request asked for room");
         self.running.retain(|&r| r != victim);
+        self.drop_draft(victim, 0)?;
         let alone = self.running.is_empty();
         if alone && self.reqs[&victim].starved {
             // Alone and out of room again: what pins the missing blocks is
@@ -796,7 +884,9 @@ impl Scheduler {
         for item in &plan.items {
             let computed = item.start + item.tokens.len();
             self.kv.mark_computed(item.seq, computed)?;
-            let prefill = item.tokens.len() > 1 || !item.wants_logits;
+            // A draft's tokens are not a prompt's: they never enter the tree
+            // here (what is accepted does when the request ends).
+            let prefill = item.tokens.len() - item.draft > 1 || !item.wants_logits;
             let private = self.reqs.get(&item.req).is_some_and(|r| r.private);
             if self.cfg.prefix_cache && prefill && !private {
                 // The end of a prompt is a point requests resume from.
@@ -832,6 +922,9 @@ impl Scheduler {
             if let State::Running { seq, .. } = r.state {
                 self.kv.free_sequence(seq)?;
             }
+            let n = r.tokens.len() - r.draft;
+            r.tokens.truncate(n);
+            r.draft = 0;
             r.state = State::Waiting { since: self.step };
             self.running.retain(|&x| x != item.req);
             self.waiting.retain(|&x| x != item.req);
@@ -889,6 +982,62 @@ impl Scheduler {
         Ok(())
     }
 
+    /// Appends a sampled token and after it `draft`, tokens guessed to
+    /// follow (speculative decoding): the next step computes them all
+    /// (the draft shortened to what the step's budget and the context
+    /// leave), its item's [`StepItem::draft`] says how many are guesses,
+    /// and [`Scheduler::settle_draft`] then keeps what the engine
+    /// accepted. Only for a running request whose tokens are all computed.
+    pub fn push_draft(
+        &mut self,
+        req: ReqId,
+        token: TokenId,
+        draft: &[TokenId],
+    ) -> Result<(), SchedError> {
+        let r = self.get(req)?;
+        let State::Running { seq, .. } = r.state else {
+            return Err(SchedError::BadState(req, "only a running request drafts"));
+        };
+        if r.draft > 0 || self.kv.sequence(seq)?.num_computed() != r.tokens.len() {
+            return Err(SchedError::BadState(req, "a draft follows computed tokens"));
+        }
+        let r = self.reqs.get_mut(&req).expect("known");
+        r.tokens.push(token);
+        r.tokens.extend_from_slice(draft);
+        r.draft = draft.len();
+        Ok(())
+    }
+
+    /// After the step that computed a draft: keeps its first `accepted`
+    /// tokens and drops the rest, from the request and from its sequence
+    /// (the blocks past the new end go back to the pool; nothing is
+    /// copied). The engine then pushes the token it sampled after them.
+    pub fn settle_draft(&mut self, req: ReqId, accepted: usize) -> Result<(), SchedError> {
+        self.drop_draft(req, accepted)
+    }
+
+    /// Drops a request's draft past its first `keep` tokens (from the
+    /// request's tokens and from its sequence, where the draft was
+    /// appended).
+    fn drop_draft(&mut self, req: ReqId, keep: usize) -> Result<(), SchedError> {
+        let r = self
+            .reqs
+            .get_mut(&req)
+            .ok_or(SchedError::UnknownRequest(req))?;
+        if r.draft == 0 {
+            return Ok(());
+        }
+        let n = r.tokens.len() - r.draft + keep.min(r.draft);
+        r.tokens.truncate(n);
+        r.draft = 0;
+        if let State::Running { seq, .. } = r.state {
+            if self.kv.sequence(seq)?.len() > n {
+                self.kv.truncate(seq, n)?;
+            }
+        }
+        Ok(())
+    }
+
     /// A new request continuing `req` from the same state (parallel
     /// samples): it shares every block; the next append copies the shared
     /// tail. Only between steps, with `req` running and fully computed.
@@ -915,6 +1064,7 @@ impl Scheduler {
             most_blocks,
             solo_until,
             starved: false,
+            draft: 0,
             state: State::Running {
                 seq: child_seq,
                 admitted: self.admissions + 1,
@@ -930,6 +1080,7 @@ impl Scheduler {
     /// Ends a request: what it computed goes into the prefix tree (when
     /// caching), its blocks are freed. Also cancels a waiting request.
     pub fn finish(&mut self, req: ReqId) -> Result<Vec<TokenId>, SchedError> {
+        self.drop_draft(req, 0)?;
         let released = self.release(req);
         self.running.retain(|&r| r != req);
         self.waiting.retain(|&r| r != req);

@@ -24,6 +24,26 @@ struct Sim {
     salt: HashMap<ReqId, u64>,
     done: Vec<(ReqId, Vec<u32>)>,
     log: Vec<StepPlan>,
+    /// Speculative decoding: after each sample, a draft of up to this many
+    /// tokens, some right and some wrong (see [`Sim::guess`]).
+    spec: usize,
+}
+
+/// A draft of up to `most` tokens after `ctx`: the model's own tokens,
+/// except that (by the context) it is sometimes shorter and sometimes
+/// wrong from some token on, as a real drafter is.
+fn guess(ctx: &[TokenId], salt: u64, most: usize) -> Vec<TokenId> {
+    let h = hash(ctx, salt ^ 0x5eed) as usize;
+    let (n, wrong_from) = (h % (most + 1), (h / 7) % (most + 2));
+    let mut ctx = ctx.to_vec();
+    let mut out = Vec::new();
+    for i in 0..n {
+        let t = hash(&ctx, salt);
+        let t = if i >= wrong_from { (t + 1) % 1000 } else { t };
+        out.push(TokenId(t));
+        ctx.push(TokenId(t));
+    }
+    out
 }
 
 fn hash(ctx: &[TokenId], salt: u64) -> u32 {
@@ -56,6 +76,7 @@ impl Sim {
             salt: HashMap::new(),
             done: Vec::new(),
             log: Vec::new(),
+            spec: 0,
         }
     }
 
@@ -162,14 +183,50 @@ impl Sim {
                 }
             }
             let salt = self.salt.get(&item.req).copied().unwrap_or(0);
-            let next = hash(&ctx, salt);
+            // The draft's tokens are accepted while each equals what the
+            // model gives at the position before it; the model's token
+            // after the last accepted one is sampled as usual.
+            let known = len - item.draft;
+            let mut accepted = 0;
+            while accepted < item.draft
+                && hash(&ctx[..known + accepted], salt) == ctx[known + accepted].0
+            {
+                accepted += 1;
+            }
             let (out, max) = self.out.get_mut(&item.req).unwrap();
-            out.push(next);
-            if out.len() >= *max {
+            let mut end = false;
+            for i in 0..=accepted {
+                out.push(hash(&ctx[..known + i], salt));
+                if out.len() >= *max {
+                    end = true;
+                    break;
+                }
+            }
+            if end {
                 let out = std::mem::take(out);
                 self.out.remove(&item.req);
                 self.sched.finish(item.req).unwrap();
                 self.done.push((item.req, out));
+                continue;
+            }
+            let left = *max - out.len();
+            let next = *out.last().unwrap();
+            if item.draft > 0 {
+                self.sched.settle_draft(item.req, accepted).unwrap();
+            }
+            assert_eq!(
+                self.sched.kv().sequence(item.seq).map(|s| s.len()).ok(),
+                Some(known + accepted),
+                "{}: settled",
+                item.req
+            );
+            if self.spec > 0 && left > 1 {
+                let mut ctx = ctx[..known + accepted].to_vec();
+                ctx.push(TokenId(next));
+                let draft = guess(&ctx, salt, self.spec.min(left - 1));
+                self.sched
+                    .push_draft(item.req, TokenId(next), &draft)
+                    .unwrap();
             } else {
                 self.sched.push_token(item.req, TokenId(next)).unwrap();
             }
@@ -1046,4 +1103,95 @@ fn a_request_started_over_past_a_full_context_shifts_first() {
     let (clean, _) = faulty_run(&reqs, &[], &[], true, 13);
     assert!(failed.is_empty());
     assert_eq!(outs, clean);
+}
+
+#[test]
+fn a_draft_is_computed_in_one_step_and_what_is_rejected_rolls_back() {
+    let mut sim = Sim::new(64, 4, cfg(64, 4));
+    let a = sim.add(&prompt(1, 9), 40);
+    sim.spec = 5;
+    sim.run();
+    // Drafts ran: items of a sampled token and guesses, in one step each.
+    let drafted: Vec<&StepItem> = sim
+        .log
+        .iter()
+        .flat_map(|p| &p.items)
+        .filter(|i| i.draft > 0)
+        .collect();
+    assert!(!drafted.is_empty());
+    assert!(drafted
+        .iter()
+        .all(|i| i.wants_logits && i.tokens.len() == i.draft + 1));
+    // The same output as one token a step, in fewer steps.
+    let spec = sim.outputs()[&a].clone();
+    let steps = sim.log.len();
+    let mut plain = Sim::new(64, 4, cfg(64, 4));
+    let b = plain.add(&prompt(1, 9), 40);
+    plain.run();
+    assert_eq!(spec, plain.outputs()[&b]);
+    assert!(
+        steps < plain.log.len(),
+        "{steps} steps against {}",
+        plain.log.len()
+    );
+    assert_no_leak(&sim);
+}
+
+#[test]
+fn a_draft_is_cut_to_the_budget_and_dropped_by_preemption() {
+    // A budget of 3: drafts of at most 2; two requests in a pool that
+    // fits one at a time, so the second preempts the first's drafts away.
+    let mut sim = Sim::new(12, 4, cfg(3, 2));
+    sim.spec = 6;
+    let a = sim.add(&prompt(1, 10), 30);
+    let b = sim.add(&prompt(2, 10), 30);
+    sim.run();
+    assert!(sim.log.iter().all(|p| p.num_tokens() <= 3));
+    assert!(sim.log.iter().flat_map(|p| &p.items).all(|i| i.draft <= 2));
+    let mut plain = Sim::new(64, 4, cfg(16, 2));
+    let (pa, pb) = (plain.add(&prompt(1, 10), 30), plain.add(&prompt(2, 10), 30));
+    plain.run();
+    assert_eq!(sim.outputs()[&a], plain.outputs()[&pa]);
+    assert_eq!(sim.outputs()[&b], plain.outputs()[&pb]);
+    assert_no_leak(&sim);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+
+    /// Speculative decoding (drafts partly right, partly wrong, cut by the
+    /// budget, the context and preemption) gives every request the output
+    /// of one token a step: in any pool that fits each request alone, and
+    /// with context shifts in a large one (a shift in a pool that fits
+    /// only the request may end it for want of room for the shift's
+    /// copies, with or without drafts, depending on what else ran).
+    #[test]
+    fn drafts_give_the_outputs_of_plain_decoding(
+        reqs in prop::collection::vec((0u32..4, 1usize..30, 1usize..20, any::<bool>()), 1..6),
+        budget in 1usize..24,
+        running in 1usize..5,
+        spec in 1usize..6,
+    ) {
+        let bs = 4;
+        let mut c = cfg(budget, running);
+        c.context_length = 36;
+        let need = reqs.iter().map(|&(_, p, n, _)| (p + n).min(36).div_ceil(bs)).max().unwrap();
+        let run = |blocks: usize, spec: usize, shifts: bool| {
+            let mut sim = Sim::new(blocks, bs, c.clone());
+            sim.spec = spec;
+            let ids: Vec<ReqId> = reqs
+                .iter()
+                .map(|&(seed, len, max_new, shift)| {
+                    sim.add_with(&prompt(seed + 1, len), max_new, (shift && shifts).then_some(3))
+                })
+                .collect();
+            sim.run();
+            assert_no_leak(&sim);
+            let outs = sim.outputs();
+            ids.iter().map(|i| outs[i].clone()).collect::<Vec<_>>()
+        };
+        let large = need * reqs.len() + 8;
+        prop_assert_eq!(run(need, spec, false), run(large, 0, false));
+        prop_assert_eq!(run(large, spec, true), run(large, 0, true));
+    }
 }

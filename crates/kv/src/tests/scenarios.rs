@@ -414,3 +414,52 @@ fn misuse_returns_typed_errors() {
     );
     kv.check_invariants().unwrap();
 }
+
+#[test]
+fn a_truncated_speculative_tail_frees_its_blocks_and_is_written_again() {
+    // Blocks of 4: a prompt of 6 tokens, then a speculative append of 5
+    // (positions 6..11, into block 1 and new blocks 2 and 3), of which
+    // the first two are kept.
+    let (mut kv, mut sh) = cache(8, 4);
+    let (s, _) = kv.add_sequence(NS, &[]);
+    append_compute(&mut kv, &mut sh, s, &[1, 2, 3, 4, 5, 6]);
+    append_compute(&mut kv, &mut sh, s, &[7, 8, 9, 10, 11]);
+    assert_eq!(kv.sequence(s).unwrap().block_table(), b(&[0, 1, 2]));
+    kv.truncate(s, 8).unwrap();
+    let seq = kv.sequence(s).unwrap();
+    assert_eq!((seq.len(), seq.num_computed()), (8, 8));
+    assert_eq!(seq.block_table(), b(&[0, 1]));
+    assert_eq!(counts(&kv, 3), [1, 1, 0]);
+    checked(&kv, &sh);
+    // The next tokens take the freed positions: block 2 again, position 8.
+    let plan = append_compute(&mut kv, &mut sh, s, &[20, 21]);
+    assert_eq!(plan.slots, vec![Slot(8), Slot(9)]);
+    checked(&kv, &sh);
+    // Truncating to the middle of a block keeps the block.
+    kv.truncate(s, 9).unwrap();
+    assert_eq!(kv.sequence(s).unwrap().block_table(), b(&[0, 1, 2]));
+    checked(&kv, &sh);
+    // What the sequence finally holds enters the tree as usual.
+    kv.insert_sequence(s).unwrap();
+    checked(&kv, &sh);
+}
+
+#[test]
+fn truncation_never_takes_a_shared_block() {
+    let (mut kv, mut sh) = cache(8, 4);
+    let (p, _) = kv.add_sequence(NS, &[]);
+    append_compute(&mut kv, &mut sh, p, &[1, 2, 3, 4, 5, 6]);
+    let c = kv.fork(p).unwrap();
+    // Block 1 is shared with the fork: cutting into it would take the
+    // fork's content.
+    assert!(matches!(kv.truncate(p, 2), Err(KvError::Invariant(_))));
+    assert_eq!(kv.sequence(p).unwrap().len(), 6);
+    // After its own append copied the tail, the tail is the parent's to cut.
+    append_compute(&mut kv, &mut sh, p, &[7, 8, 9]);
+    assert_eq!(kv.sequence(p).unwrap().block_table(), b(&[0, 2, 3]));
+    kv.truncate(p, 6).unwrap();
+    assert_eq!(kv.sequence(p).unwrap().block_table(), b(&[0, 2]));
+    assert_eq!(kv.sequence(c).unwrap().block_table(), b(&[0, 1]));
+    assert!(kv.truncate(p, 7).is_err());
+    checked(&kv, &sh);
+}

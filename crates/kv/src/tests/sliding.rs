@@ -426,3 +426,22 @@ fn a_restored_session_keeps_the_sliding_tail_only_and_resumes_at_its_end() {
     assert_eq!(kv.cached_prefix_len(NS, &toks(&branch)), 0);
     checked(&kv, &sh);
 }
+
+#[test]
+fn a_truncated_tail_gives_back_its_sliding_blocks() {
+    let mut kv = cache(16, 4, 8, 16);
+    let mut sh = Shadow::new(&kv);
+    let (seq, _) = kv.add_sequence(NS, &[]);
+    append_compute(&mut kv, &mut sh, seq, &run(1, 10));
+    let free = kv.pool().num_free_sliding();
+    append_compute(&mut kv, &mut sh, seq, &run(50, 7));
+    assert!(kv.pool().num_free_sliding() < free);
+    kv.truncate(seq, 11).unwrap();
+    checked(&kv, &sh);
+    // Blocks 0..3 are the sequence's again; the append after the cut
+    // writes the window from position 11 on.
+    append_compute(&mut kv, &mut sh, seq, &run(80, 9));
+    checked(&kv, &sh);
+    kv.insert_sequence(seq).unwrap();
+    checked(&kv, &sh);
+}
