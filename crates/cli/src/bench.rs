@@ -59,6 +59,10 @@ pub enum Scenario {
     /// context shifts, sessions, defragment, shrink and grow, injected
     /// faults): errors, leaked blocks, RSS.
     Soak,
+    /// Speculative decoding by prompt lookup: decode tok/s of
+    /// input-grounded prompts (edit, quote, rewrite) and of plain chat
+    /// prompts with and without it, alternating; the same greedy tokens.
+    Spec,
     /// The host's memory read bandwidth (no model): 1 GiB, far past the
     /// last-level cache, read by as many threads as the kernels use, the
     /// best of --runs passes. Decode at real sizes streams every weight
@@ -141,6 +145,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         Scenario::SlidingWindow => return crate::sliding::sliding_window(model, &args),
         Scenario::Server => return crate::serving::server(model, &args),
         Scenario::Fidelity => return crate::fidelity::fidelity(model, &args),
+        Scenario::Spec => return crate::scenarios::spec(model, &args),
         Scenario::DecodeLong | Scenario::DecodeBatch => {
             return crate::scenarios::decode_depth_and_width(model, &args)
         }

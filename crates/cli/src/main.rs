@@ -213,6 +213,44 @@ pub(crate) struct KvArgs {
     background_chunk: usize,
     #[command(flatten)]
     self_extend: SelfExtendArgs,
+    #[command(flatten)]
+    spec: SpecArgs,
+}
+
+/// Draftless speculative decoding (prompt lookup), as llama.cpp's n-gram
+/// drafts and vLLM's `ngram` method.
+#[derive(Args, Clone, Copy)]
+pub(crate) struct SpecArgs {
+    /// Speculative decoding by prompt lookup: after each token, the text so
+    /// far is searched for its last few tokens and what followed them
+    /// there is checked in the next step. The same output tokens as
+    /// without; faster where the output repeats the prompt (editing,
+    /// quoting, code).
+    #[arg(long)]
+    spec_ngram: bool,
+    /// Most tokens a draft proposes (llama.cpp's --draft-max, vLLM's
+    /// num_speculative_tokens).
+    #[arg(long, default_value_t = tessera_engine::NgramSpec::default().max_draft,
+          value_parser = parse_positive)]
+    draft_max: usize,
+    /// Longest and shortest runs of tokens looked up (vLLM's
+    /// prompt_lookup_max and prompt_lookup_min).
+    #[arg(long, default_value_t = tessera_engine::NgramSpec::default().max_ngram,
+          value_parser = parse_positive)]
+    ngram_max: usize,
+    #[arg(long, default_value_t = tessera_engine::NgramSpec::default().min_ngram,
+          value_parser = parse_positive)]
+    ngram_min: usize,
+}
+
+impl SpecArgs {
+    pub(crate) fn get(self) -> Option<tessera_engine::NgramSpec> {
+        self.spec_ngram.then_some(tessera_engine::NgramSpec {
+            max_draft: self.draft_max,
+            max_ngram: self.ngram_max.max(self.ngram_min),
+            min_ngram: self.ngram_min,
+        })
+    }
 }
 
 fn parse_positive(s: &str) -> Result<usize, String> {
@@ -274,6 +312,7 @@ impl KvArgs {
             defrag_threshold: self.defrag_threshold,
             background_chunk: self.background_chunk,
             self_extend: self.self_extend.get(),
+            speculative: self.spec.get(),
             ..EngineConfig::default()
         }
     }

@@ -710,3 +710,93 @@ pub fn session_save(model: Model, args: &BenchArgs) -> Result<()> {
     emit(args, v, &lines);
     Ok(())
 }
+
+/// Input-grounded prompts (the answer repeats spans of the prompt): an
+/// edit of code, a quote from a document, a list rewritten.
+const GROUNDED: [&str; 4] = [
+    "Rewrite the following Python function, adding a docstring and keeping every line of the body exactly as it is:\n\ndef merge_intervals(intervals):\n    intervals = sorted(intervals, key=lambda x: x[0])\n    merged = []\n    for start, end in intervals:\n        if merged and start <= merged[-1][1]:\n            merged[-1][1] = max(merged[-1][1], end)\n        else:\n            merged.append([start, end])\n    return merged",
+    "Here is a paragraph:\n\nThe river rises in the northern hills and flows south for two hundred miles. It passes three towns, each built at a bridge, and reaches the sea through a wide delta where the water is shallow and the birds are many. In spring the river floods the low fields, and the farmers plant after the water goes down.\n\nCopy the paragraph above word for word, then add one sentence about the birds.",
+    "Fix the spelling mistakes in this text and return the whole corrected text:\n\nThe comittee met on Tuesday to discus the new budjet. Every member agreed that the librery needs new books, and that the park needs more benches. The meeting ended at nine oclock, and the next meeting will be held in two weeks.",
+    "Convert this list to a numbered list, keeping each item's words unchanged:\n\n- Preheat the oven to 200 degrees.\n- Mix the flour, the sugar and the butter in a large bowl.\n- Add two eggs and stir until smooth.\n- Pour the batter into the tin and bake for forty minutes.\n- Let the cake cool before you cut it.",
+];
+
+/// Plain chat prompts (little to look up): speculation must cost little.
+const PLAIN: [&str; 3] = [
+    "Write a short poem about the sea.",
+    "Explain in a few sentences why the sky is blue.",
+    "Give three tips for learning a new language.",
+];
+
+/// Speculative decoding by prompt lookup (`--spec-ngram` settings, or the
+/// defaults): decode speed of input-grounded prompts and of plain chat
+/// prompts (greedy, 256 tokens at most), with and without it, alternating
+/// run by run, each prompt alone; the outputs must be the same tokens.
+pub fn spec(model: Model, args: &BenchArgs) -> Result<()> {
+    let other = load_model(&model.path.display().to_string())?;
+    let mut cfg = args.kv.config(false);
+    let ngram = cfg.speculative.unwrap_or_default();
+    cfg.speculative = Some(ngram);
+    let with = Engine::from_model(model, cfg)?;
+    let without = Engine::from_model(
+        other,
+        EngineConfig {
+            speculative: None,
+            ..args.kv.config(false)
+        },
+    )?;
+    let run = |engine: &Engine, prompt: &str| -> Result<(Vec<u32>, f64, usize)> {
+        let req = GenerateRequest {
+            sampling: SamplingParams::greedy(),
+            max_tokens: 256,
+            ..GenerateRequest::new(Prompt::Chat(vec![tessera_engine::Message::new(
+                "user", prompt,
+            )]))
+        };
+        let c = engine.complete(&req, &mut |_| {})?;
+        let decode_s = (c.timings.total_s - c.timings.ttft_ms / 1e3).max(1e-9);
+        Ok((c.tokens.clone(), decode_s, c.tokens.len()))
+    };
+    let mut rows = Vec::new();
+    let mut same = true;
+    for (kind, prompts) in [("grounded", &GROUNDED[..]), ("plain", &PLAIN[..])] {
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        let (before, tokens) = (with.stats(), std::cell::Cell::new(0usize));
+        for _ in 0..args.runs.max(1) {
+            let (mut ta, mut tb, mut n) = (0.0, 0.0, 0);
+            for p in prompts {
+                let (x, sa, len) = run(&with, p)?;
+                let (y, sb, _) = run(&without, p)?;
+                same &= x == y;
+                (ta, tb, n) = (ta + sa, tb + sb, n + len.saturating_sub(1));
+            }
+            tokens.set(n);
+            a.push(n as f64 / ta);
+            b.push(n as f64 / tb);
+        }
+        let after = with.stats();
+        let drafted = after.spec_draft_tokens - before.spec_draft_tokens;
+        let kept = after.spec_accepted_tokens - before.spec_accepted_tokens;
+        rows.push((kind, median(a), median(b), drafted, kept, tokens.get()));
+    }
+    if !same {
+        bail!("speculative decoding changed a greedy output");
+    }
+    let mut lines = vec![format!(
+        "spec: prompt lookup (drafts of up to {} tokens, runs of {}..{}), greedy, 256 tokens at most, {} runs (median); decode tok/s after the first token",
+        ngram.max_draft, ngram.min_ngram, ngram.max_ngram, args.runs
+    )];
+    let mut v = serde_json::json!({"scenario": "spec", "runs": args.runs, "same_tokens": same,
+        "max_draft": ngram.max_draft, "min_ngram": ngram.min_ngram, "max_ngram": ngram.max_ngram});
+    for (kind, a, b, drafted, kept, n) in rows {
+        lines.push(format!(
+            "  {kind:<9} {} prompts, {n} tokens: {a:>7.1} tok/s with, {b:>7.1} without ({:.2}x); {kept} of {drafted} draft tokens kept",
+            if kind == "grounded" { GROUNDED.len() } else { PLAIN.len() },
+            a / b
+        ));
+        v[kind] = serde_json::json!({"with": a, "without": b, "ratio": a / b,
+            "draft_tokens": drafted, "accepted_tokens": kept, "tokens": n});
+    }
+    lines.push("  the same greedy tokens with and without, every prompt and run".into());
+    emit(args, v, &lines);
+    Ok(())
+}

@@ -35,6 +35,7 @@ mod sampler;
 mod self_extend;
 mod snapshot;
 mod source;
+mod spec;
 mod stream;
 mod types;
 mod worker;
@@ -49,6 +50,7 @@ pub use snapshot::{
     clean_temporaries, Geometry, KvSnapshot, LayerBytes, CACHE_FILE, FORMAT_VERSION,
 };
 pub use source::ModelSource;
+pub use spec::NgramSpec;
 pub use stream::{Canceller, Event, EventStream, RequestStream, MAX_BACKLOG};
 pub use tessera_model::{Activations, IsaCap, Tuning};
 pub use tessera_model::{DeviceSpec, Message, Model};

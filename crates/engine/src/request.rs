@@ -57,6 +57,8 @@ pub(crate) struct Active {
     /// A sampled token not yet given to the scheduler: the reader is too
     /// far behind (see [`Group::behind`]).
     pub held: Option<u32>,
+    /// Speculative decoding's drafts for this sample, when on.
+    pub drafter: Option<crate::spec::Drafter>,
 }
 
 /// What a sampled token means for its sample.
@@ -84,9 +86,20 @@ impl Active {
             first_token: None,
             cached: None,
             held: None,
+            drafter: None,
             index,
             group,
         }
+    }
+
+    /// The prompt and the tokens generated so far.
+    pub(crate) fn history(&self) -> &[u32] {
+        &self.history
+    }
+
+    /// Tokens the sample may still generate.
+    pub(crate) fn tokens_left(&self) -> usize {
+        self.group.req.max_tokens.saturating_sub(self.out.len())
     }
 
     /// Sends the text token `id` completes; its log-probability goes with

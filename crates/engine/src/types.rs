@@ -77,6 +77,11 @@ pub struct EngineConfig {
     /// `auto`: CUDA, then Metal, then the CPU, as this build and machine
     /// allow). [`crate::Engine::from_model`] keeps the model's own device.
     pub device: DeviceSpec,
+    /// Draftless speculative decoding for every sample of a request with
+    /// `n = 1` (not with SelfExtend): prompt-lookup drafts checked in the
+    /// next step, the same output tokens as without (see
+    /// [`crate::NgramSpec`]). `None`: off.
+    pub speculative: Option<crate::NgramSpec>,
 }
 
 impl Default for EngineConfig {
@@ -100,6 +105,7 @@ impl Default for EngineConfig {
             self_extend: None,
             background_chunk: 1,
             device: DeviceSpec::Auto,
+            speculative: None,
         }
     }
 }
@@ -314,6 +320,9 @@ pub struct EngineStats {
     /// Bytes of the blocks with a holder (running sequences or the
     /// prefix cache), both pools.
     pub kv_bytes_held: usize,
+    /// Speculative decoding: draft tokens proposed, and those kept.
+    pub spec_draft_tokens: u64,
+    pub spec_accepted_tokens: u64,
 }
 
 impl EngineStats {

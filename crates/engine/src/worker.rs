@@ -561,8 +561,71 @@ impl Worker {
             backlog,
             submitted: Instant::now(),
         });
-        self.active.insert(id, Active::new(group, 0));
+        let mut a = Active::new(group, 0);
+        if a.group.req.n == 1 && self_extend.is_none() {
+            a.drafter = self.cfg.speculative.map(crate::spec::Drafter::new);
+        }
+        self.active.insert(id, a);
         Ok(())
+    }
+
+    /// Gives the scheduler a sampled token to compute: with speculative
+    /// decoding on and a draft found, the token and its draft.
+    fn push_next(&mut self, id: ReqId, t: u32) -> Result<()> {
+        let draft = self
+            .active
+            .get_mut(&id)
+            .and_then(|a| {
+                let most = a.tokens_left().saturating_sub(1);
+                let history = a.history().to_vec();
+                a.drafter.as_mut().map(|d| d.draft(&history, most))
+            })
+            .unwrap_or_default();
+        if !draft.is_empty() {
+            let draft: Vec<TokenId> = draft.into_iter().map(TokenId).collect();
+            match self.sched.push_draft(id, TokenId(t), &draft) {
+                Ok(()) => return Ok(()),
+                // Not in a state to draft (it cannot happen after a
+                // sampled step; plain decoding is always right).
+                Err(SchedError::BadState(..)) => {}
+                Err(e) => return Err(sched_error(e)),
+            }
+        }
+        self.sched.push_token(id, TokenId(t)).map_err(sched_error)
+    }
+
+    /// One row of a step item that computed `draft` after its sampled
+    /// token: row `k` is sampled as any would be; while its token equals
+    /// `draft[k]` the guess is kept and the next row is read (`true`).
+    /// Otherwise the step settles: the guesses kept stay, the rest leave
+    /// the sequence, and the token sampled here is the next to compute.
+    fn on_spec_row(&mut self, req: ReqId, logits: &[f32], draft: &[u32], k: usize) -> Result<bool> {
+        let Some(a) = self.active.get_mut(&req) else {
+            return Ok(false);
+        };
+        let next = a.advance(logits, &self.runner.model().tokenizer)?;
+        let behind = a.group.behind();
+        if let Next::Continue(t) = next {
+            if k < draft.len() && t == draft[k] && !behind {
+                return Ok(true);
+            }
+        }
+        if let Some(d) = a.drafter.as_mut() {
+            d.kept(draft.len(), k);
+        }
+        self.totals.spec_draft_tokens += draft.len() as u64;
+        self.totals.spec_accepted_tokens += k as u64;
+        self.sched.settle_draft(req, k).map_err(sched_error)?;
+        match next {
+            Next::Continue(t) if behind => {
+                if let Some(a) = self.active.get_mut(&req) {
+                    a.held = Some(t);
+                }
+            }
+            Next::Continue(t) => self.push_next(req, t)?,
+            Next::Finish(reason) => self.finish(req, reason),
+        }
+        Ok(false)
     }
 
     /// One step of the batch.
@@ -638,12 +701,17 @@ impl Worker {
             };
         self.end_scheduled(&plan);
         // The items that asked for rows, in the forward's order.
-        let wanting: Vec<(ReqId, ItemRows)> = plan
+        let wanting: Vec<(ReqId, ItemRows, Vec<u32>)> = plan
             .items
             .iter()
             .zip(&rows)
-            .filter_map(|(i, r)| Some((i.req, (*r)?)))
+            .filter_map(|(i, r)| {
+                let draft = i.tokens[i.tokens.len() - i.draft..].iter().map(|t| t.0);
+                Some((i.req, (*r)?, draft.collect()))
+            })
             .collect();
+        // Per item with a draft: its rows are read until one settles it.
+        let mut settled = vec![false; wanting.len()];
         for item in &plan.items {
             let done = self
                 .exports
@@ -659,22 +727,34 @@ impl Worker {
             while wanting.get(at).is_some_and(|w| k == w.1.given) {
                 (at, k) = (at + 1, 0);
             }
-            let Some(&(req, r)) = wanting.get(at) else {
+            let Some((req, r, draft)) = wanting.get(at) else {
                 return;
             };
+            let (req, r) = (*req, *r);
             if r.scored {
                 if let Some(s) = self.scores.get_mut(&req).filter(|_| k < r.kept) {
                     s.rows.push(row.to_vec());
                 }
-            } else if let Err(e) = self.on_logits(req, row) {
-                self.fail(req, &e);
+            } else if draft.is_empty() {
+                if let Err(e) = self.on_logits(req, row) {
+                    self.fail(req, &e);
+                }
+            } else if !settled[at] {
+                match self.on_spec_row(req, row, draft, k) {
+                    Ok(true) => {}
+                    Ok(false) => settled[at] = true,
+                    Err(e) => {
+                        settled[at] = true;
+                        self.fail(req, &e);
+                    }
+                }
             }
             k += 1;
         });
         if let Err(e) = read {
             // Reading fails before the first row, if at all.
-            for &(req, ..) in &wanting {
-                self.fail(req, &e);
+            for (req, ..) in &wanting {
+                self.fail(*req, &e);
             }
         }
         for item in &plan.items {
@@ -776,9 +856,10 @@ impl Worker {
                 kept: r.len(),
                 scored: true,
             }),
+            // A draft's rows too: each is checked against the guess after it.
             None => self.samples(item).then_some(ItemRows {
-                given: 1,
-                kept: 1,
+                given: item.draft + 1,
+                kept: item.draft + 1,
                 scored: false,
             }),
         }
@@ -941,7 +1022,7 @@ impl Worker {
             match a.advance(logits, &self.runner.model().tokenizer)? {
                 // Its reader is far behind: it waits, computing nothing.
                 Next::Continue(t) if a.group.behind() => a.held = Some(t),
-                Next::Continue(t) => self.sched.push_token(id, TokenId(t)).map_err(sched_error)?,
+                Next::Continue(t) => self.push_next(id, t)?,
                 Next::Finish(reason) => self.finish(id, reason),
             }
         }

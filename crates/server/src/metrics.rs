@@ -72,6 +72,18 @@ const STATS: &[StatLine] = &[
         |s| s.preemptions as f64,
     ),
     (
+        "spec_decode_num_draft_tokens_total",
+        Kind::Counter,
+        "Draft tokens computed by speculative decoding (--spec-ngram).",
+        |s| s.spec_draft_tokens as f64,
+    ),
+    (
+        "spec_decode_num_accepted_tokens_total",
+        Kind::Counter,
+        "Draft tokens kept: the sampler drew them.",
+        |s| s.spec_accepted_tokens as f64,
+    ),
+    (
         "prompt_tokens_total",
         Kind::Counter,
         "Prompt tokens of all requests.",

@@ -1222,3 +1222,61 @@ fn texts_are_scored_beside_running_requests() {
     assert!(engine.logits(&ids[..1], 0).unwrap().is_empty());
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// Speculative decoding by prompt lookup gives the tokens of plain decoding,
+/// greedy and sampled, for requests running together (drafts checked in
+/// batches beside other requests' decodes and prefills, settled, rolled
+/// back), with stop limits inside drafts; drafts are made and kept.
+#[test]
+fn speculative_decoding_gives_the_tokens_of_plain_decoding() {
+    // Prompts that repeat themselves, so lookups find drafts.
+    let ps: Vec<Vec<u32>> = (0..4u32)
+        .map(|i| (0..40u32).map(|t| 5 + (t % (5 + i)) * 7 % 60).collect())
+        .collect();
+    let run = |spec: Option<crate::NgramSpec>, temperature: f32| {
+        let (engine, dir) = tiny_engine(EngineConfig {
+            speculative: spec,
+            ..small_cfg()
+        });
+        let streams: Vec<_> = ps
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let mut r = greedy(p, 20 + 7 * i);
+                r.sampling.temperature = temperature;
+                r.sampling.seed = 11 + i as u64;
+                engine.generate(r).unwrap()
+            })
+            .collect();
+        let outs: Vec<Vec<u32>> = streams
+            .into_iter()
+            .map(|s| {
+                s.filter_map(|ev| match ev {
+                    Event::Done(c) => Some(c.tokens),
+                    Event::Error(e) => panic!("{e}"),
+                    Event::Token { .. } => None,
+                })
+                .next()
+                .expect("a completion")
+            })
+            .collect();
+        let stats = engine.stats();
+        assert_no_leak(&engine);
+        drop(engine);
+        let _ = std::fs::remove_dir_all(dir);
+        (outs, stats.spec_draft_tokens, stats.spec_accepted_tokens)
+    };
+    let spec = crate::NgramSpec {
+        max_draft: 6,
+        max_ngram: 3,
+        min_ngram: 1,
+    };
+    for temperature in [0.0, 0.9] {
+        let (plain, d0, _) = run(None, temperature);
+        let (fast, drafted, kept) = run(Some(spec), temperature);
+        assert_eq!(fast, plain, "temperature {temperature}");
+        assert_eq!(d0, 0);
+        assert!(drafted > 0 && kept > 0, "{drafted} drafted, {kept} kept");
+        eprintln!("temperature {temperature}: {kept} of {drafted} draft tokens kept");
+    }
+}
