@@ -711,21 +711,16 @@ pub fn session_save(model: Model, args: &BenchArgs) -> Result<()> {
     Ok(())
 }
 
-/// Input-grounded prompts (the answer repeats spans of the prompt): an
-/// edit of code, a quote from a document, a list rewritten.
-const GROUNDED: [&str; 4] = [
-    "Rewrite the following Python function, adding a docstring and keeping every line of the body exactly as it is:\n\ndef merge_intervals(intervals):\n    intervals = sorted(intervals, key=lambda x: x[0])\n    merged = []\n    for start, end in intervals:\n        if merged and start <= merged[-1][1]:\n            merged[-1][1] = max(merged[-1][1], end)\n        else:\n            merged.append([start, end])\n    return merged",
-    "Here is a paragraph:\n\nThe river rises in the northern hills and flows south for two hundred miles. It passes three towns, each built at a bridge, and reaches the sea through a wide delta where the water is shallow and the birds are many. In spring the river floods the low fields, and the farmers plant after the water goes down.\n\nCopy the paragraph above word for word, then add one sentence about the birds.",
-    "Fix the spelling mistakes in this text and return the whole corrected text:\n\nThe comittee met on Tuesday to discus the new budjet. Every member agreed that the librery needs new books, and that the park needs more benches. The meeting ended at nine oclock, and the next meeting will be held in two weeks.",
-    "Convert this list to a numbered list, keeping each item's words unchanged:\n\n- Preheat the oven to 200 degrees.\n- Mix the flour, the sugar and the butter in a large bowl.\n- Add two eggs and stir until smooth.\n- Pour the batter into the tin and bake for forty minutes.\n- Let the cake cool before you cut it.",
-];
-
-/// Plain chat prompts (little to look up): speculation must cost little.
-const PLAIN: [&str; 3] = [
-    "Write a short poem about the sea.",
-    "Explain in a few sentences why the sky is blue.",
-    "Give three tips for learning a new language.",
-];
+/// The scenario's prompts (`data/spec-prompts.json`, which
+/// `scripts/spec_vs_llamacpp.py` sends to both servers): input-grounded
+/// ones, whose answers repeat spans of the prompt (an edit of code, a
+/// quote from a document, a list rewritten), and plain chat ones, with
+/// little to look up.
+#[derive(serde::Deserialize)]
+struct SpecPrompts {
+    grounded: Vec<String>,
+    plain: Vec<String>,
+}
 
 /// Speculative decoding by prompt lookup (`--spec-ngram` settings, or the
 /// defaults): decode speed of input-grounded prompts and of plain chat
@@ -756,9 +751,10 @@ pub fn spec(model: Model, args: &BenchArgs) -> Result<()> {
         let decode_s = (c.timings.total_s - c.timings.ttft_ms / 1e3).max(1e-9);
         Ok((c.tokens.clone(), decode_s, c.tokens.len()))
     };
+    let sets: SpecPrompts = serde_json::from_str(include_str!("../../../data/spec-prompts.json"))?;
     let mut rows = Vec::new();
     let mut same = true;
-    for (kind, prompts) in [("grounded", &GROUNDED[..]), ("plain", &PLAIN[..])] {
+    for (kind, prompts) in [("grounded", &sets.grounded), ("plain", &sets.plain)] {
         let (mut a, mut b) = (Vec::new(), Vec::new());
         let (before, tokens) = (with.stats(), std::cell::Cell::new(0usize));
         for _ in 0..args.runs.max(1) {
@@ -788,9 +784,13 @@ pub fn spec(model: Model, args: &BenchArgs) -> Result<()> {
     let mut v = serde_json::json!({"scenario": "spec", "runs": args.runs, "same_tokens": same,
         "max_draft": ngram.max_draft, "min_ngram": ngram.min_ngram, "max_ngram": ngram.max_ngram});
     for (kind, a, b, drafted, kept, n) in rows {
+        let count = if kind == "grounded" {
+            sets.grounded.len()
+        } else {
+            sets.plain.len()
+        };
         lines.push(format!(
-            "  {kind:<9} {} prompts, {n} tokens: {a:>7.1} tok/s with, {b:>7.1} without ({:.2}x); {kept} of {drafted} draft tokens kept",
-            if kind == "grounded" { GROUNDED.len() } else { PLAIN.len() },
+            "  {kind:<9} {count} prompts, {n} tokens: {a:>7.1} tok/s with, {b:>7.1} without ({:.2}x); {kept} of {drafted} draft tokens kept",
             a / b
         ));
         v[kind] = serde_json::json!({"with": a, "without": b, "ratio": a / b,
