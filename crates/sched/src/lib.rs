@@ -482,17 +482,7 @@ impl Scheduler {
                 continue;
             };
             *budget -= room;
-            if !a.copies.is_empty() {
-                plan.ops.push(KvOp::Copy(a.copies));
-            }
-            if !a.sliding_copies.is_empty() {
-                plan.ops.push(KvOp::CopySliding(a.sliding_copies));
-            }
-            let sliding_table = if self.kv.window().is_some() {
-                self.kv.sliding_table(seq)?
-            } else {
-                Vec::new()
-            };
+            let sliding_table = self.copies_and_window(plan, seq, a.copies, a.sliding_copies)?;
             let item = &mut plan.items[i];
             item.tokens.extend_from_slice(&draft);
             item.slots.extend(a.slots);
@@ -655,6 +645,28 @@ impl Scheduler {
         }
     }
 
+    /// An append's copies into the plan; the sequence's sliding-window
+    /// table after it (empty without sliding layers).
+    fn copies_and_window(
+        &self,
+        plan: &mut StepPlan,
+        seq: SeqId,
+        copies: Vec<tessera_kv::CopyOp>,
+        sliding_copies: Vec<tessera_kv::CopyOp>,
+    ) -> Result<Vec<Option<BlockId>>, SchedError> {
+        if !copies.is_empty() {
+            plan.ops.push(KvOp::Copy(copies));
+        }
+        if !sliding_copies.is_empty() {
+            plan.ops.push(KvOp::CopySliding(sliding_copies));
+        }
+        Ok(if self.kv.window().is_some() {
+            self.kv.sliding_table(seq)?
+        } else {
+            Vec::new()
+        })
+    }
+
     /// Adds an admitted chunk to the plan: its copies, then its item.
     #[allow(clippy::too_many_arguments)]
     fn place(
@@ -667,17 +679,8 @@ impl Scheduler {
         admitted: AppendPlan,
         wants_logits: bool,
     ) -> Result<(), SchedError> {
-        if !admitted.copies.is_empty() {
-            plan.ops.push(KvOp::Copy(admitted.copies));
-        }
-        if !admitted.sliding_copies.is_empty() {
-            plan.ops.push(KvOp::CopySliding(admitted.sliding_copies));
-        }
-        let sliding_table = if self.kv.window().is_some() {
-            self.kv.sliding_table(seq)?
-        } else {
-            Vec::new()
-        };
+        let sliding_table =
+            self.copies_and_window(plan, seq, admitted.copies, admitted.sliding_copies)?;
         plan.items.push(StepItem {
             req,
             seq,
