@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# One call on a lent GPU, prepared here: kernel settings against each other
+# on generated models beside llama.cpp's CUDA llama-bench, the CUDA
+# forward's tests under each, memcheck of the split-row products, and ncu's
+# time of each kernel of a 135M decode step. Everything it writes comes
+# back as ONE file, $OUT/run.tgz (a call brings back at most eight files).
+#
+# Prepare a folder DIR (an ignored path, carried whole: 64 MiB a call):
+#   python3 scripts/check_gpu.py bundle            # then copy into DIR/bundle:
+#     model-tests.xz tessera.xz root.txt commit.txt cuda_device_run.sh synth_model.py
+#     (kernel-tests.xz too when the KV or attention kernels changed and it fits)
+#   DIR/synth/gguf-py  (llama.cpp's) and DIR/synth/tok.json.gz
+#     (python3 scripts/synth_model.py --dump-tokenizer DIR/synth/tok.json.gz)
+#   DIR/llama-bench.xz (scripts/build_llama_cuda.sh's, xz-compressed)
+#   cp scripts/cuda_lent_call.sh DIR/
+# then: run(command="VARIANTS='a:VAR=1;b:' bash DIR/cuda_lent_call.sh", carry=[DIR])
+# and unpack run.tgz into target/bench/gpu-variants/<call>/ for
+# `readme_tables.py gpu-variants` (and gpu-forward/ for `gpu-forward`).
+set -u
+D=$(cd "$(dirname "$0")" && pwd)
+R=$OUT/run
+mkdir -p "$R"
+start=$(date +%s)
+for lib in libcudart.so.13 libcublas.so.13 libcurand.so.10 libnvrtc.so.13; do
+    dir=$(ldconfig -p | awk -v l="$lib" '$1 == l {print $NF; exit}' | xargs -r dirname)
+    [ -n "$dir" ] || dir=$(find / -xdev -name "$lib" -not -path '/proc/*' 2>/dev/null | head -1 | xargs -r dirname)
+    [ -n "$dir" ] && export LD_LIBRARY_PATH="$dir:${LD_LIBRARY_PATH:-}"
+done
+[ -x "$D/llama-bench" ] || { xz -d -k "$D/llama-bench.xz" && chmod +x "$D/llama-bench"; }
+OUT=$R SYNTH=$D/synth LLAMA_BENCH=$D/llama-bench QUICK=1 FORWARDS="${FORWARDS:-cuda reference}" \
+    ROUNDS=${ROUNDS:-1} VARIANT_ALL=${VARIANT_ALL:-1} VARIANTS="${VARIANTS:-}" \
+    bash "$D/bundle/cuda_device_run.sh" "$D/bundle"
+echo "script rc $? after $(( $(date +%s) - start )) s" | tee -a "$R/tests.log"
+if command -v compute-sanitizer >/dev/null; then
+    for w in 1 2 4; do
+        TESSERA_REQUIRE_GPU=1 TESSERA_CUDA_ROW_WARPS=$w timeout 150 compute-sanitizer --tool memcheck \
+            --error-exitcode 1 "$D/bundle/model-tests" cuda_forward_decodes_sequences_together_as_alone \
+            2>&1 | tail -8 >"$R/memcheck-w$w.txt"
+    done
+fi
+if command -v ncu >/dev/null && [ $(( $(date +%s) - start )) -lt "${NCU_BEFORE_S:-420}" ]; then
+    mkdir -p "$D/m"
+    python3 "$D/bundle/synth_model.py" 135m --blocks Q4_1 --tokenizer-json "$D/synth/tok.json.gz" \
+        --gguf-py "$D/synth/gguf-py" --out-dir "$D/m" >/dev/null 2>&1
+    m=$(ls "$D"/m/*.gguf | head -1)
+    TESSERA_REQUIRE_GPU=1 timeout 120 ncu --clock-control none --cache-control none \
+        --metrics gpu__time_duration.sum --print-summary per-kernel --launch-skip 3000 -c 900 \
+        "$D/bundle/tessera" --device cuda bench --model "$m" --scenario decode --runs 1 --no-baseline \
+        >"$R/ncu-decode-135m.txt" 2>&1
+fi
+tar czf "$OUT/run.tgz" -C "$OUT" run && rm -rf "$R"
+echo "all done after $(( $(date +%s) - start )) s"
