@@ -3,8 +3,10 @@
 --scenario spec` (data/spec-prompts.json) sent to `tessera serve` with and
 without `--spec-ngram` and to llama.cpp's `llama-server` without and with
 each of its n-gram draft types (`--spec-type ngram-*`, each with its own
-defaults; Tessera's drafts of up to --draft-max tokens), one server at a time, each prompt alone, greedy, 256
-tokens at most. Decode tok/s from each response's own timings
+defaults; Tessera's drafts of up to --draft-max tokens): every server up at
+once on its own port, the prompts sent to one after another (so a slow
+moment of this shared host hits every setting alike), each prompt alone,
+greedy, 256 tokens at most. Decode tok/s from each response's own timings
 (`predicted_n / predicted_ms`, which both servers report), summed over a
 set's prompts, median over --runs; and whether each engine gives the same
 tokens with speculation as without (its own greedy text).
@@ -32,20 +34,20 @@ PORT = 8093
 NGRAM_TYPES = ["ngram-simple", "ngram-map-k", "ngram-mod", "ngram-cache"]
 
 
-def post(path, body):
-    req = urllib.request.Request(f"http://127.0.0.1:{PORT}{path}", data=json.dumps(body).encode(),
+def post(port, path, body):
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=600) as r:
         return json.load(r)
 
 
-def wait_up(proc):
+def wait_up(proc, port):
     for _ in range(600):
         if proc.poll() is not None:
             sys.exit(f"server exited: {proc.args}")
         try:
             # llama-server answers 503 here until its model is loaded.
-            with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/health", timeout=1) as r:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
                 if r.status == 200:
                     return
         except urllib.error.HTTPError:
@@ -55,27 +57,18 @@ def wait_up(proc):
     sys.exit("server did not come up")
 
 
-def serve(cmd, env=None):
+def serve(cmd, port, env=None):
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    wait_up(proc)
+    wait_up(proc, port)
     return proc
 
 
-def measure(prompts, runs):
-    """Per run, the set's decode tok/s; and each prompt's text (first run)."""
-    speeds, texts = [], []
-    for r in range(runs):
-        n, ms = 0, 0.0
-        for p in prompts:
-            out = post("/v1/chat/completions", {
-                "messages": [{"role": "user", "content": p}], "temperature": 0, "max_tokens": 256,
-                "seed": 0})
-            t = out["timings"]
-            n, ms = n + t["predicted_n"], ms + t["predicted_ms"]
-            if r == 0:
-                texts.append(out["choices"][0]["message"]["content"])
-        speeds.append(n / (ms / 1e3))
-    return speeds, texts
+def ask(port, prompt):
+    """(generated tokens, decode ms, text) of one greedy chat request."""
+    out = post(port, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": prompt}], "temperature": 0, "max_tokens": 256, "seed": 0})
+    t = out["timings"]
+    return t["predicted_n"], t["predicted_ms"], out["choices"][0]["message"]["content"]
 
 
 def main():
@@ -87,31 +80,44 @@ def main():
     args = ap.parse_args()
     sets = json.loads((ROOT / "data/spec-prompts.json").read_text())
     env = dict(os.environ, LD_LIBRARY_PATH=str(LLAMA))
-    configs = [("tessera", "off", [str(TESSERA), "serve", "--model", args.model, "--port", str(PORT),
-                                   "--threads", str(args.threads)]),
-               ("tessera", "--spec-ngram", [str(TESSERA), "serve", "--model", args.model, "--port", str(PORT),
-                                            "--threads", str(args.threads), "--spec-ngram",
-                                            "--draft-max", str(args.draft_max)])]
-    base = [str(LLAMA / "llama-server"), "-m", args.model, "--port", str(PORT), "-t", str(args.threads),
-            "-c", "4096", "-np", "1"]
+    configs = [("tessera", "off", [str(TESSERA), "serve", "--model", args.model, "--threads", str(args.threads)]),
+               ("tessera", "--spec-ngram", [str(TESSERA), "serve", "--model", args.model, "--threads",
+                                            str(args.threads), "--spec-ngram", "--draft-max", str(args.draft_max)])]
+    base = [str(LLAMA / "llama-server"), "-m", args.model, "-t", str(args.threads), "-c", "4096", "-np", "1"]
     configs.append(("llama.cpp", "off", base))
     # Each n-gram type with its own defaults (this tree has no one draft
     # length for all of them: --draft-max was removed).
     for t in NGRAM_TYPES:
         configs.append(("llama.cpp", f"--spec-type {t}", base + ["--spec-type", t]))
+    procs = []
+    try:
+        for i, (_, _, cmd) in enumerate(configs):
+            procs.append(serve(cmd + ["--port", str(PORT + i)], PORT + i, env))
+        # per config and set: tokens and ms per run, texts of the first run
+        got = {(i, k): ([], []) for i in range(len(configs)) for k in sets}
+        for r in range(args.runs):
+            for k, prompts in sets.items():
+                tot = {i: [0, 0.0] for i in range(len(configs))}
+                for p in prompts:
+                    for i in range(len(configs)):
+                        n, ms, text = ask(PORT + i, p)
+                        tot[i][0] += n
+                        tot[i][1] += ms
+                        if r == 0:
+                            got[(i, k)][1].append(text)
+                for i in range(len(configs)):
+                    got[(i, k)][0].append(tot[i][0] / (tot[i][1] / 1e3))
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait()
     results = []
-    for engine, setting, cmd in configs:
-        proc = serve(cmd, env)
-        try:
-            row = {"engine": engine, "setting": setting}
-            for kind, prompts in sets.items():
-                speeds, texts = measure(prompts, args.runs)
-                row[kind] = {"tok_s": statistics.median(speeds), "runs": speeds, "texts": texts}
-            results.append(row)
-            print(engine, setting, {k: round(row[k]["tok_s"], 1) for k in sets}, file=sys.stderr)
-        finally:
-            proc.terminate()
-            proc.wait()
+    for i, (engine, setting, _) in enumerate(configs):
+        row = {"engine": engine, "setting": setting}
+        for k in sets:
+            speeds, texts = got[(i, k)]
+            row[k] = {"tok_s": statistics.median(speeds), "runs": speeds, "texts": texts}
+        results.append(row)
     out = ROOT / "target/bench/spec-vs-llamacpp.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"model": Path(args.model).name, "runs": args.runs, "threads": args.threads,
