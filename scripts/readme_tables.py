@@ -619,7 +619,10 @@ def gpu_variants():
                     if l.startswith("=== variant "))
         passed = log[log.find("=== variant "):].count(
             "test tests::cuda_forward_follows_the_cpu_reference_in_every_format ... ok")
-        out += [f"{meta['date']}, one {meta['gpu']}, commit `{meta['commit']}`; variants: "
+        rounds = max((json.loads(x).get("round", 1) for x in (d / "variants.jsonl").read_text().splitlines()
+                      if x.strip() and "variant" in x), default=1)
+        out += [f"{meta['date']}, one {meta['gpu']}, commit `{meta['commit']}`, {rounds} round"
+                f"{'s' if rounds > 1 else ''} of 3 runs a figure (medians); variants: "
                 + "; ".join(f"`{v}` = {envs.get(v) or 'the defaults'}" for v in order)
                 + f". The format test passed under {passed} of {len(order)} variants.", "",
                 "| model | scenario | " + " | ".join(f"`{v}`" for v in order) + " | llama.cpp CUDA |",
