@@ -495,13 +495,20 @@ def gpu_forward_runs():
             hdr = r
             continue
         got.setdefault((hdr["model"], hdr["forward"], r["scenario"]), []).append(r)
+    return got, llama_bench_runs(BENCH / "gpu-forward" / "llama.jsonl")
+
+
+def llama_bench_runs(path):
+    """llama-bench's tok/s in a device run's llama.jsonl by (model file,
+    "pp" | "tg" | "tg_long"), the median of its repetitions as Tessera's
+    figures are medians (empty without the file)."""
     llama = {}
-    if (BENCH / "gpu-forward" / "llama.jsonl").exists():
-        for r in lines("gpu-forward/llama.jsonl"):
+    if path.exists():
+        for r in (json.loads(x) for x in path.read_text().splitlines() if x.strip()):
             what = "pp" if r["n_prompt"] else ("tg_long" if r.get("n_depth") else "tg")
             ts = statistics.median(r["samples_ts"]) if r.get("samples_ts") else r["avg_ts"]
             llama[(Path(r["model_filename"]).name, what)] = ts
-    return got, llama
+    return llama
 
 
 def gpu_forward():
@@ -600,27 +607,21 @@ def gpu_variants():
     out = []
     for d in sorted((BENCH / "gpu-variants").iterdir()):
         meta = json.loads((d / "meta.json").read_text())
-        got, order, hdr = {}, [], None
+        got, order, hdr, rounds = {}, [], None, 1
         for r in (json.loads(x) for x in (d / "variants.jsonl").read_text().splitlines() if x.strip()):
             if "variant" in r:
-                hdr = r
+                hdr, rounds = r, max(rounds, r["round"])
                 if r["variant"] not in order:
                     order.append(r["variant"])
                 continue
             v = r["batch8"] if r["scenario"] == "decode-batch" else r["tessera"]
             got.setdefault((hdr["model"], r["scenario"], hdr["variant"]), []).append(v)
-        llama = {}
-        if (d / "llama.jsonl").exists():
-            for r in (json.loads(x) for x in (d / "llama.jsonl").read_text().splitlines() if x.strip()):
-                what = "pp" if r["n_prompt"] else ("tg_long" if r.get("n_depth") else "tg")
-                llama[(Path(r["model_filename"]).name, what)] = r["avg_ts"]
+        llama = llama_bench_runs(d / "llama.jsonl")
         log = (d / "tests.log").read_text()
         envs = dict(l.removeprefix("=== variant ").split(": ", 1) for l in log.splitlines()
                     if l.startswith("=== variant "))
         passed = log[log.find("=== variant "):].count(
             "test tests::cuda_forward_follows_the_cpu_reference_in_every_format ... ok")
-        rounds = max((json.loads(x).get("round", 1) for x in (d / "variants.jsonl").read_text().splitlines()
-                      if x.strip() and "variant" in x), default=1)
         out += [f"{meta['date']}, one {meta['gpu']}, commit `{meta['commit']}`, {rounds} round"
                 f"{'s' if rounds > 1 else ''} of 3 runs a figure (medians); variants: "
                 + "; ".join(f"`{v}` = {envs.get(v) or 'the defaults'}" for v in order)

@@ -739,7 +739,7 @@ pub fn spec(model: Model, args: &BenchArgs) -> Result<()> {
             ..args.kv.config(false)
         },
     )?;
-    let run = |engine: &Engine, prompt: &str| -> Result<(Vec<u32>, f64, usize)> {
+    let run = |engine: &Engine, prompt: &str| -> Result<(Vec<u32>, f64)> {
         let req = GenerateRequest {
             sampling: SamplingParams::greedy(),
             max_tokens: 256,
@@ -749,30 +749,38 @@ pub fn spec(model: Model, args: &BenchArgs) -> Result<()> {
         };
         let c = engine.complete(&req, &mut |_| {})?;
         let decode_s = (c.timings.total_s - c.timings.ttft_ms / 1e3).max(1e-9);
-        Ok((c.tokens.clone(), decode_s, c.tokens.len()))
+        Ok((c.tokens, decode_s))
     };
     let sets: SpecPrompts = serde_json::from_str(include_str!("../../../data/spec-prompts.json"))?;
     let mut rows = Vec::new();
     let mut same = true;
     for (kind, prompts) in [("grounded", &sets.grounded), ("plain", &sets.plain)] {
         let (mut a, mut b) = (Vec::new(), Vec::new());
-        let (before, tokens) = (with.stats(), std::cell::Cell::new(0usize));
+        let (before, mut tokens) = (with.stats(), 0);
         for _ in 0..args.runs.max(1) {
             let (mut ta, mut tb, mut n) = (0.0, 0.0, 0);
             for p in prompts {
-                let (x, sa, len) = run(&with, p)?;
-                let (y, sb, _) = run(&without, p)?;
+                let (x, sa) = run(&with, p)?;
+                let (y, sb) = run(&without, p)?;
+                (ta, tb, n) = (ta + sa, tb + sb, n + x.len().saturating_sub(1));
                 same &= x == y;
-                (ta, tb, n) = (ta + sa, tb + sb, n + len.saturating_sub(1));
             }
-            tokens.set(n);
+            tokens = n;
             a.push(n as f64 / ta);
             b.push(n as f64 / tb);
         }
         let after = with.stats();
         let drafted = after.spec_draft_tokens - before.spec_draft_tokens;
         let kept = after.spec_accepted_tokens - before.spec_accepted_tokens;
-        rows.push((kind, median(a), median(b), drafted, kept, tokens.get()));
+        rows.push((
+            kind,
+            prompts.len(),
+            median(a),
+            median(b),
+            drafted,
+            kept,
+            tokens,
+        ));
     }
     if !same {
         bail!("speculative decoding changed a greedy output");
@@ -783,12 +791,7 @@ pub fn spec(model: Model, args: &BenchArgs) -> Result<()> {
     )];
     let mut v = serde_json::json!({"scenario": "spec", "runs": args.runs, "same_tokens": same,
         "max_draft": ngram.max_draft, "min_ngram": ngram.min_ngram, "max_ngram": ngram.max_ngram});
-    for (kind, a, b, drafted, kept, n) in rows {
-        let count = if kind == "grounded" {
-            sets.grounded.len()
-        } else {
-            sets.plain.len()
-        };
+    for (kind, count, a, b, drafted, kept, n) in rows {
         lines.push(format!(
             "  {kind:<9} {count} prompts, {n} tokens: {a:>7.1} tok/s with, {b:>7.1} without ({:.2}x); {kept} of {drafted} draft tokens kept",
             a / b

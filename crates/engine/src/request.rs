@@ -92,14 +92,20 @@ impl Active {
         }
     }
 
-    /// The prompt and the tokens generated so far.
-    pub(crate) fn history(&self) -> &[u32] {
-        &self.history
-    }
-
-    /// Tokens the sample may still generate.
-    pub(crate) fn tokens_left(&self) -> usize {
-        self.group.req.max_tokens.saturating_sub(self.out.len())
+    /// The draft to follow the token just sampled (the last of the
+    /// history), at most what the sample may still generate after it;
+    /// empty without speculative decoding or a match.
+    pub(crate) fn next_draft(&mut self) -> Vec<u32> {
+        let most = self
+            .group
+            .req
+            .max_tokens
+            .saturating_sub(self.out.len())
+            .saturating_sub(1);
+        match &mut self.drafter {
+            Some(d) => d.draft(&self.history, most),
+            None => Vec::new(),
+        }
     }
 
     /// Sends the text token `id` completes; its log-probability goes with

@@ -575,11 +575,7 @@ impl Worker {
         let draft = self
             .active
             .get_mut(&id)
-            .and_then(|a| {
-                let most = a.tokens_left().saturating_sub(1);
-                let history = a.history().to_vec();
-                a.drafter.as_mut().map(|d| d.draft(&history, most))
-            })
+            .map(Active::next_draft)
             .unwrap_or_default();
         if !draft.is_empty() {
             let draft: Vec<TokenId> = draft.into_iter().map(TokenId).collect();

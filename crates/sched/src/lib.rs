@@ -629,8 +629,7 @@ impl Scheduler {
         let known = req.tokens.len() - req.draft;
         let end = known.min(len.saturating_add(*budget));
         let chunk = req.tokens[len..end].to_vec();
-        let admitted = self.kv.append(seq, &chunk)?;
-        match admitted {
+        match self.kv.append(seq, &chunk)? {
             Admission::Ok(a) => {
                 *budget -= chunk.len();
                 self.place(plan, id, seq, len, chunk, a, end == known)?;
@@ -918,6 +917,7 @@ impl Scheduler {
         let alone = plan.items.len() == 1;
         let mut out = Aborted::default();
         for item in &plan.items {
+            self.drop_draft(item.req, 0)?;
             let r = self
                 .reqs
                 .get_mut(&item.req)
@@ -925,9 +925,6 @@ impl Scheduler {
             if let State::Running { seq, .. } = r.state {
                 self.kv.free_sequence(seq)?;
             }
-            let n = r.tokens.len() - r.draft;
-            r.tokens.truncate(n);
-            r.draft = 0;
             r.state = State::Waiting { since: self.step };
             self.running.retain(|&x| x != item.req);
             self.waiting.retain(|&x| x != item.req);
