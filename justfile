@@ -13,13 +13,16 @@ demo: model
     ./target/release/tessera chat --model models/SmolLM2-135M-Instruct.Q4_1.gguf --script demo/chat.jsonl --temperature 0 --max-tokens 48
 
 # Run every test of the workspace (fetches the default model and Gemma 3 first), then `tessera serve`
-# driven by the official `openai` Python package, and two replicas behind the SGLang model
+# driven by the official `openai` Python package (200 structured outputs checked with `jsonschema`
+# among its checks), and two replicas behind the SGLang model
 # gateway (`openai` and `sglang-router` installed with pip when missing).
 test: model
     python3 scripts/fetch_model.py gemma3
     cargo test --workspace
     python3 -c "import openai" 2>/dev/null || python3 -m pip install --quiet openai
     python3 scripts/openai_client.py target/debug/tessera models/SmolLM2-135M-Instruct.Q4_1.gguf
+    python3 -c "import jsonschema" 2>/dev/null || python3 -m pip install --quiet jsonschema
+    python3 scripts/structured_client.py target/debug/tessera models/SmolLM2-135M-Instruct.Q4_1.gguf 200
     python3 scripts/router.py test target/debug/tessera models/SmolLM2-135M-Instruct.Q4_1.gguf
 
 # Long fuzzing runs of the loaders and parsers (GGUF, sessions, cache files, tokenizer, templates).

@@ -15,6 +15,8 @@ mod cache;
 mod extend;
 #[path = "e2e/gemma.rs"]
 mod gemma;
+#[path = "e2e/structured.rs"]
+mod structured;
 
 /// `models/FILE`, which `just model ARGS` fetches (as `just test` does).
 pub(crate) fn models_file(file: &str, fetch: &str) -> PathBuf {

@@ -63,6 +63,10 @@ pub enum Scenario {
     /// input-grounded prompts (edit, quote, rewrite) and of plain chat
     /// prompts with and without it, alternating; the same greedy tokens.
     Spec,
+    /// Structured output: decode tok/s of answers constrained by the JSON
+    /// schemas of `data/structured-schemas.json` against the same number
+    /// of tokens unconstrained, and the masks' own time per token.
+    Structured,
     /// The host's memory read bandwidth (no model): 1 GiB, far past the
     /// last-level cache, read by as many threads as the kernels use, the
     /// best of --runs passes. Decode at real sizes streams every weight
@@ -146,6 +150,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         Scenario::Server => return crate::serving::server(model, &args),
         Scenario::Fidelity => return crate::fidelity::fidelity(model, &args),
         Scenario::Spec => return crate::scenarios::spec(model, &args),
+        Scenario::Structured => return crate::scenarios::structured(model, &args),
         Scenario::DecodeLong | Scenario::DecodeBatch => {
             return crate::scenarios::decode_depth_and_width(model, &args)
         }

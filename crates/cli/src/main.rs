@@ -355,7 +355,66 @@ struct RunArgs {
     #[arg(long, default_value_t = 1)]
     n: usize,
     #[command(flatten)]
+    constraint: ConstraintArgs,
+    #[command(flatten)]
     kv: KvArgs,
+}
+
+/// Structured output (llama.cpp's `--json-schema`, `--grammar`): at most
+/// one of these.
+#[derive(Args)]
+struct ConstraintArgs {
+    /// The output is JSON valid against this JSON schema (`{}`: any JSON
+    /// object).
+    #[arg(long, short = 'j', group = "constraint")]
+    json_schema: Option<String>,
+    /// The JSON schema from a file.
+    #[arg(long, group = "constraint")]
+    json_schema_file: Option<std::path::PathBuf>,
+    /// The output matches this grammar: GBNF (llama.cpp's) or llguidance's
+    /// Lark dialect.
+    #[arg(long, group = "constraint")]
+    grammar: Option<String>,
+    /// The grammar from a file.
+    #[arg(long, group = "constraint")]
+    grammar_file: Option<std::path::PathBuf>,
+    /// The whole output matches this regular expression.
+    #[arg(long, group = "constraint")]
+    regex: Option<String>,
+}
+
+impl ConstraintArgs {
+    fn constraint(&self) -> Result<Option<tessera_engine::Constraint>> {
+        use tessera_engine::{gbnf_to_lark, Constraint};
+        let read = |p: &std::path::PathBuf| {
+            std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))
+        };
+        let schema = match (&self.json_schema, &self.json_schema_file) {
+            (Some(s), _) => Some(s.clone()),
+            (_, Some(p)) => Some(read(p)?),
+            _ => None,
+        };
+        if let Some(s) = schema {
+            let v: serde_json::Value =
+                serde_json::from_str(&s).context("the JSON schema is not JSON")?;
+            let empty = v.as_object().is_some_and(|o| o.is_empty());
+            return Ok(Some(if empty {
+                Constraint::JsonObject
+            } else {
+                Constraint::JsonSchema(v)
+            }));
+        }
+        let grammar = match (&self.grammar, &self.grammar_file) {
+            (Some(g), _) => Some(g.clone()),
+            (_, Some(p)) => Some(read(p)?),
+            _ => None,
+        };
+        Ok(match (grammar, &self.regex) {
+            (Some(g), _) => Some(Constraint::Lark(gbnf_to_lark(&g))),
+            (_, Some(r)) => Some(Constraint::Regex(r.clone())),
+            _ => None,
+        })
+    }
 }
 
 #[derive(Args)]
@@ -455,6 +514,7 @@ fn run(args: RunArgs) -> Result<()> {
         max_tokens: args.max_tokens,
         stop: args.stop.clone(),
         n: args.n,
+        constraint: args.constraint.constraint()?,
         ..GenerateRequest::new(prompt)
     };
     if args.n == 0 {

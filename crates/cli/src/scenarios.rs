@@ -803,3 +803,100 @@ pub fn spec(model: Model, args: &BenchArgs) -> Result<()> {
     emit(args, v, &lines);
     Ok(())
 }
+
+/// One entry of `data/structured-schemas.json` (which
+/// `scripts/structured_client.py` sends through the server too).
+#[derive(serde::Deserialize)]
+struct SchemaPrompt {
+    name: String,
+    prompt: String,
+    schema: serde_json::Value,
+}
+
+/// Structured output's cost: each schema's prompt answered greedily under
+/// its JSON schema, then the same number of tokens unconstrained (a step
+/// costs the same whatever its token), alternating, each prompt alone.
+/// Reports decode tok/s both ways and what the masks took per token:
+/// computing them, and the part of that on the step's path (all of it
+/// where no core is free to compute them beside the forward).
+pub fn structured(model: Model, args: &BenchArgs) -> Result<()> {
+    let engine = Engine::from_model(model, args.kv.config(false))?;
+    let sets: Vec<SchemaPrompt> =
+        serde_json::from_str(include_str!("../../../data/structured-schemas.json"))?;
+    let request = |p: &SchemaPrompt| GenerateRequest {
+        sampling: SamplingParams::greedy(),
+        max_tokens: 400,
+        ..GenerateRequest::new(Prompt::Chat(vec![tessera_engine::Message::new(
+            "user",
+            format!("{} Answer in JSON.", p.prompt),
+        )]))
+    };
+    let decode_s =
+        |c: &tessera_engine::Completion| (c.timings.total_s - c.timings.ttft_ms / 1e3).max(1e-9);
+    let (mut with, mut without) = (Vec::new(), Vec::new());
+    let (mut masks, mut mask_ns, mut wait_ns, mut tokens, mut valid) = (0, 0, 0, 0, 0);
+    for _ in 0..args.runs.max(1) {
+        let (mut ta, mut tb, mut n) = (0.0, 0.0, 0);
+        for p in &sets {
+            let before = engine.stats();
+            let c = engine.complete(
+                &GenerateRequest {
+                    constraint: Some(tessera_engine::Constraint::JsonSchema(p.schema.clone())),
+                    ..request(p)
+                },
+                &mut |_| {},
+            )?;
+            let after = engine.stats();
+            masks += after.guide_masks - before.guide_masks;
+            mask_ns += after.guide_mask_ns - before.guide_mask_ns;
+            wait_ns += after.guide_wait_ns - before.guide_wait_ns;
+            if serde_json::from_str::<serde_json::Value>(&c.text).is_ok() {
+                valid += 1;
+            } else {
+                bail!("schema {}: the answer is not JSON: {:?}", p.name, c.text);
+            }
+            let plain = engine.complete(
+                &GenerateRequest {
+                    max_tokens: c.tokens.len().max(1),
+                    ignore_eos: true,
+                    ..request(p)
+                },
+                &mut |_| {},
+            )?;
+            (ta, tb, n) = (
+                ta + decode_s(&c),
+                tb + decode_s(&plain),
+                n + c.tokens.len().saturating_sub(1),
+            );
+        }
+        tokens = n;
+        with.push(n as f64 / ta);
+        without.push(n as f64 / tb);
+    }
+    let (a, b) = (median(with), median(without));
+    let per = |ns: u64| ns as f64 / 1e3 / masks.max(1) as f64;
+    let step_us = 1e6 / b;
+    let lines = vec![
+        format!(
+            "structured: {} JSON schemas, greedy, {} runs (median); decode tok/s after the first token, {tokens} tokens a run",
+            sets.len(),
+            args.runs
+        ),
+        format!(
+            "  constrained {a:>7.1} tok/s, unconstrained {b:>7.1} ({:.3}x; {:+.1}% per token)",
+            a / b,
+            (b / a - 1.0) * 100.0
+        ),
+        format!(
+            "  masks: {:.1} us each to compute, {:.1} us of it on the step's path ({:.1}% of a {step_us:.0} us step); {valid} answers, all JSON",
+            per(mask_ns),
+            per(wait_ns),
+            per(wait_ns) / step_us * 100.0
+        ),
+    ];
+    let v = serde_json::json!({"scenario": "structured", "runs": args.runs, "schemas": sets.len(),
+        "tokens": tokens, "constrained_tok_s": a, "unconstrained_tok_s": b, "ratio": a / b,
+        "mask_us": per(mask_ns), "mask_wait_us": per(wait_ns), "step_us": step_us, "valid": valid});
+    emit(args, v, &lines);
+    Ok(())
+}

@@ -43,6 +43,8 @@ struct Inner {
     /// once restoring from there succeeded (or found nothing), so that a
     /// file this engine could not read is never overwritten.
     persist: Mutex<Option<PathBuf>>,
+    /// Compiles requests' structured-output constraints.
+    grammars: crate::grammar::Grammars,
 }
 
 impl Drop for Inner {
@@ -122,6 +124,7 @@ impl Engine {
         let layout = KvLayout::new(mc, &cfg)?;
         let per_block = layout.block_bytes;
         let ctx = cfg.context_length.unwrap_or(mc.context_length);
+        let grammars = crate::grammar::Grammars::new(model.tokenizer.clone(), mc.vocab_size);
         let model = Arc::new(model);
         let core = Worker::new(model.clone(), &cfg, ctx, &layout)?;
         let (tx, rx) = mpsc::channel();
@@ -138,6 +141,7 @@ impl Engine {
                 tx,
                 worker: Some(worker),
                 persist: Mutex::new(None),
+                grammars,
             }),
         };
         if let Some(dir) = &engine.inner.cfg.cache_dir {
@@ -294,12 +298,17 @@ impl Engine {
         }
         check_stops(&req.stop)?;
         check_partition(&req.partition)?;
+        let guide = match &req.constraint {
+            Some(c) => Some(crate::grammar::Guide::new(self.inner.grammars.compile(c)?)),
+            None => None,
+        };
         let (events, rx) = crate::stream::channel();
         let cancel = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let backlog = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         self.call(|reply| Command::Submit {
             ids,
             req: Box::new(req.clone()),
+            guide,
             events,
             cancel: cancel.clone(),
             backlog: backlog.clone(),

@@ -29,6 +29,7 @@
 mod chat;
 mod engine;
 mod error;
+mod grammar;
 mod request;
 mod runner;
 mod sampler;
@@ -43,6 +44,7 @@ mod worker;
 pub use chat::{ChatSession, TurnOptions};
 pub use engine::{check_stops, Engine, SessionSaved};
 pub use error::{EngineError, Result};
+pub use grammar::{gbnf_to_lark, Constraint};
 pub use request::{MAX_STOP_BYTES, MAX_STOP_STRINGS};
 pub use sampler::{argmax_and_norm, Sampler, SamplingParams, SplitMix64, TokenLogprob};
 pub use self_extend::SelfExtend;

@@ -9,6 +9,7 @@ use std::time::Instant;
 
 use tessera_model::{StreamDecoder, Tokenizer};
 
+use crate::grammar::Guide;
 use crate::sampler::{Sampler, TokenLogprob};
 use crate::stream::Event;
 use crate::types::{Completion, FinishReason, GenerateRequest, Timings, Usage};
@@ -18,6 +19,9 @@ use crate::Result;
 pub(crate) struct Group {
     pub req: Box<GenerateRequest>,
     pub prompt: Vec<u32>,
+    /// The constraint's matcher before any token: each sample starts from
+    /// a copy.
+    pub guide: Option<std::sync::Mutex<Guide>>,
     pub events: crate::stream::EventSender,
     pub cancel: Arc<AtomicBool>,
     /// Token events sent and not yet read (see [`crate::MAX_BACKLOG`]).
@@ -59,6 +63,9 @@ pub(crate) struct Active {
     pub held: Option<u32>,
     /// Speculative decoding's drafts for this sample, when on.
     pub drafter: Option<crate::spec::Drafter>,
+    /// The request's constraint, at this sample's point (structured
+    /// output); taken out while its next mask is computed beside a step.
+    pub guide: Option<Guide>,
 }
 
 /// What a sampled token means for its sample.
@@ -87,6 +94,10 @@ impl Active {
             cached: None,
             held: None,
             drafter: None,
+            guide: group
+                .guide
+                .as_ref()
+                .map(|g| g.lock().expect("not poisoned").fork()),
             index,
             group,
         }
@@ -133,11 +144,24 @@ impl Active {
         if self.out.len() >= req.max_tokens {
             return Ok(Next::Finish(FinishReason::Length));
         }
-        let t = self.sampler.sample(logits, &self.history, &self.out);
+        let t = match self.guide.as_mut() {
+            Some(g) => {
+                let allowed = g.masked(logits)?;
+                self.sampler.sample(&allowed, &self.history, &self.out)
+            }
+            None => self.sampler.sample(logits, &self.history, &self.out),
+        };
         self.first_token.get_or_insert_with(Instant::now);
-        if tok.is_eog(t) && !req.ignore_eos {
+        // A constrained sample's end-of-generation token is the
+        // constraint's end: it ends the sample even with `ignore_eos`.
+        if tok.is_eog(t) && (!req.ignore_eos || self.guide.is_some()) {
             return Ok(Next::Finish(FinishReason::Stop));
         }
+        // The constraint complete, nothing more may follow.
+        let complete = match self.guide.as_mut() {
+            Some(g) => g.commit(t)?,
+            None => false,
+        };
         if let Some(top) = req.logprobs {
             self.logprobs.push(TokenLogprob::of(logits, t, top));
         }
@@ -160,6 +184,9 @@ impl Active {
             self.send_text(t, "", true);
         }
         self.emitted = safe.max(self.emitted);
+        if complete {
+            return Ok(Next::Finish(FinishReason::Stop));
+        }
         if self.out.len() >= req.max_tokens {
             return Ok(Next::Finish(FinishReason::Length));
         }

@@ -150,6 +150,9 @@ pub struct GenerateRequest {
     /// SelfExtend for this request (instead of the engine's
     /// [`EngineConfig::self_extend`]).
     pub self_extend: Option<SelfExtend>,
+    /// Structured output: every sample's text matches this (a sample ends
+    /// when the constraint is complete and allows nothing more).
+    pub constraint: Option<crate::Constraint>,
 }
 
 /// A partition of the prefix cache: requests, sessions and the cache
@@ -212,6 +215,7 @@ impl GenerateRequest {
             reuse_prefix: true,
             partition: Partition::default(),
             self_extend: None,
+            constraint: None,
         }
     }
 }
@@ -323,6 +327,12 @@ pub struct EngineStats {
     /// Speculative decoding: draft tokens proposed, and those kept.
     pub spec_draft_tokens: u64,
     pub spec_accepted_tokens: u64,
+    /// Structured output: next-token masks computed beside a forward, the
+    /// time computing them took, and the part of it the step waited for
+    /// after its forward (what masks cost a step).
+    pub guide_masks: u64,
+    pub guide_mask_ns: u64,
+    pub guide_wait_ns: u64,
 }
 
 impl EngineStats {

@@ -107,6 +107,42 @@ pub struct Common {
     /// llama-server's: generate through end-of-generation tokens.
     #[serde(default)]
     pub ignore_eos: bool,
+    /// Structured output: `{"type": "json_object"}`, or `{"type":
+    /// "json_schema", "json_schema": {"name": …, "schema": {…}}}` (the
+    /// schema is always enforced), or `{"type": "text"}`.
+    pub response_format: Option<ResponseFormat>,
+    /// llama-server's: the output is JSON valid against this schema.
+    #[schema(value_type = Option<Object>)]
+    pub json_schema: Option<Value>,
+    /// The output matches this grammar: GBNF (llama-server's) or
+    /// llguidance's Lark dialect.
+    pub grammar: Option<String>,
+    /// The whole output matches this regular expression (SGLang's).
+    pub regex: Option<String>,
+}
+
+/// OpenAI's `response_format`.
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+pub struct ResponseFormat {
+    /// `text`, `json_object` or `json_schema`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub json_schema: Option<JsonSchemaFormat>,
+}
+
+/// `name`, `description` and `strict` are part of the OpenAPI document
+/// and otherwise unused: the schema is enforced either way.
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[allow(dead_code)]
+pub struct JsonSchemaFormat {
+    #[serde(default)]
+    pub name: Option<String>,
+    #[serde(default)]
+    pub description: Option<String>,
+    #[schema(value_type = Option<Object>)]
+    pub schema: Option<Value>,
+    #[serde(default)]
+    pub strict: Option<bool>,
 }
 
 #[derive(Debug, Clone, Deserialize, ToSchema)]

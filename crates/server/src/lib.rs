@@ -43,8 +43,8 @@ use axum::{Extension, Json, Router};
 use futures_util::StreamExt;
 use serde_json::{json, Value};
 use tessera_engine::{
-    Canceller, Completion, ContextShift, Engine, EngineError, Event, FinishReason, GenerateRequest,
-    Message, Partition, Prompt, SamplingParams, TokenLogprob,
+    Canceller, Completion, Constraint, ContextShift, Engine, EngineError, Event, FinishReason,
+    GenerateRequest, Message, Partition, Prompt, SamplingParams, TokenLogprob,
 };
 use tokio::sync::mpsc;
 
@@ -657,8 +657,69 @@ fn request(
         context_shift: c.n_keep.map_or(ContextShift::Off, ContextShift::Keep),
         reuse_prefix: c.cache_prompt.unwrap_or(true),
         partition: partition(s, tenant, c.cache_salt.as_deref())?,
+        constraint: constraint(c)?,
         ..GenerateRequest::new(prompt)
     })
+}
+
+/// The structured-output constraint a body asks for (at most one of
+/// `response_format`, `json_schema`, `grammar` and `regex`).
+fn constraint(c: &Common) -> Result<Option<Constraint>, ApiError> {
+    let mut found: Vec<(&'static str, Constraint)> = Vec::new();
+    if let Some(f) = &c.response_format {
+        match f.kind.as_str() {
+            "text" => {}
+            "json_object" => found.push(("response_format", Constraint::JsonObject)),
+            "json_schema" => {
+                let schema = f
+                    .json_schema
+                    .as_ref()
+                    .and_then(|j| j.schema.clone())
+                    .ok_or_else(|| {
+                        ApiError::param(
+                            "response_format",
+                            "response_format of type json_schema needs json_schema.schema",
+                        )
+                    })?;
+                found.push(("response_format", Constraint::JsonSchema(schema)));
+            }
+            other => {
+                return Err(ApiError::param(
+                    "response_format",
+                    format!(
+                    "response_format type `{other}` is not one of text, json_object, json_schema"
+                ),
+                ))
+            }
+        }
+    }
+    if let Some(s) = &c.json_schema {
+        let empty = s.as_object().is_some_and(|o| o.is_empty());
+        found.push((
+            "json_schema",
+            if empty {
+                Constraint::JsonObject
+            } else {
+                Constraint::JsonSchema(s.clone())
+            },
+        ));
+    }
+    if let Some(g) = &c.grammar {
+        found.push(("grammar", Constraint::Lark(tessera_engine::gbnf_to_lark(g))));
+    }
+    if let Some(r) = &c.regex {
+        found.push(("regex", Constraint::Regex(r.clone())));
+    }
+    if found.len() > 1 {
+        return Err(ApiError::param(
+            found[1].0,
+            format!(
+                "give one constraint: {} and {} were both given",
+                found[0].0, found[1].0
+            ),
+        ));
+    }
+    Ok(found.pop().map(|(_, c)| c))
 }
 
 /// How many top log-probabilities a request wants per token, if any:

@@ -1059,6 +1059,7 @@ fn an_export_read_across_a_defragmentation_reads_its_own_rows() {
     w.submit(
         vec![3, 4, 5],
         Box::new(req),
+        None,
         events,
         Arc::new(AtomicBool::new(false)),
         backlog,

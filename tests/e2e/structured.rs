@@ -1,0 +1,192 @@
+//! Structured output on the real model: JSON objects, JSON schemas, Lark
+//! and GBNF grammars and regular expressions hold for every sample, greedy
+//! and sampled, with and without speculative decoding; bad constraints are
+//! refused before anything runs.
+
+use serde_json::{json, Value};
+use tessera_engine::{
+    gbnf_to_lark, Constraint, Engine, EngineConfig, EngineError, FinishReason, GenerateRequest,
+    Message, NgramSpec, Prompt, SamplingParams,
+};
+
+use super::engine;
+
+fn chat(text: &str) -> Prompt {
+    Prompt::Chat(vec![Message::new("user", text)])
+}
+
+fn constrained(prompt: Prompt, c: Constraint, sampling: SamplingParams) -> GenerateRequest {
+    GenerateRequest {
+        sampling,
+        max_tokens: 200,
+        constraint: Some(c),
+        ..GenerateRequest::new(prompt)
+    }
+}
+
+fn person_schema() -> Value {
+    json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 24},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "city": {"enum": ["Paris", "Lyon", "Nice"]},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3}
+        },
+        "required": ["name", "age", "city", "tags"],
+        "additionalProperties": false
+    })
+}
+
+/// The schema's own checks, by hand (the Python suite validates with
+/// `jsonschema`).
+fn check_person(v: &Value) {
+    let o = v.as_object().expect("an object");
+    assert_eq!(o.len(), 4, "{v}");
+    assert!(
+        o["name"].as_str().is_some_and(|s| s.chars().count() <= 24),
+        "{v}"
+    );
+    assert!(
+        o["age"].as_i64().is_some_and(|a| (0..=120).contains(&a)),
+        "{v}"
+    );
+    assert!(
+        ["Paris", "Lyon", "Nice"].contains(&o["city"].as_str().unwrap()),
+        "{v}"
+    );
+    let tags = o["tags"].as_array().unwrap();
+    assert!(
+        tags.len() <= 3
+            && tags
+                .iter()
+                .all(|t| t.as_str().is_some_and(|s| s.chars().count() <= 12))
+    );
+}
+
+fn run(e: &Engine, req: &GenerateRequest) -> Vec<tessera_engine::Completion> {
+    e.complete_n(req, &mut |_| {}).expect("the request runs")
+}
+
+#[test]
+fn schemas_grammars_and_regexes_hold_for_every_sample() {
+    for spec in [None, Some(NgramSpec::default())] {
+        let e = engine(EngineConfig {
+            speculative: spec,
+            ..EngineConfig::default()
+        });
+        let prompt = chat("Describe a person who lives in France as JSON.");
+        let greedy = constrained(
+            prompt.clone(),
+            Constraint::JsonSchema(person_schema()),
+            SamplingParams::greedy(),
+        );
+        let first = run(&e, &greedy).remove(0);
+        assert_eq!(first.finish_reason, FinishReason::Stop, "{}", first.text);
+        check_person(&serde_json::from_str(&first.text).expect("valid JSON"));
+        // Greedy is reproducible, constrained or not.
+        assert_eq!(run(&e, &greedy)[0].tokens, first.tokens);
+
+        let sampled = GenerateRequest {
+            n: 3,
+            ..constrained(
+                prompt,
+                Constraint::JsonSchema(person_schema()),
+                SamplingParams {
+                    temperature: 1.0,
+                    seed: 7,
+                    ..SamplingParams::default()
+                },
+            )
+        };
+        for c in run(&e, &sampled) {
+            assert_eq!(c.finish_reason, FinishReason::Stop, "{}", c.text);
+            check_person(&serde_json::from_str(&c.text).expect("valid JSON"));
+        }
+
+        let obj = run(
+            &e,
+            &constrained(
+                chat("Give me a JSON object about cats."),
+                Constraint::JsonObject,
+                SamplingParams::greedy(),
+            ),
+        )
+        .remove(0);
+        if obj.finish_reason == FinishReason::Stop {
+            assert!(
+                serde_json::from_str::<Value>(&obj.text)
+                    .unwrap()
+                    .is_object(),
+                "{}",
+                obj.text
+            );
+        }
+
+        let date = run(
+            &e,
+            &constrained(
+                chat("When did the Berlin wall fall?"),
+                Constraint::Regex(r"[0-9]{4}-[0-9]{2}-[0-9]{2}".into()),
+                SamplingParams::greedy(),
+            ),
+        )
+        .remove(0);
+        assert_eq!(date.finish_reason, FinishReason::Stop);
+        assert_eq!(date.text.len(), 10, "{}", date.text);
+        assert!(date
+            .text
+            .chars()
+            .enumerate()
+            .all(|(i, c)| if i == 4 || i == 7 {
+                c == '-'
+            } else {
+                c.is_ascii_digit()
+            }));
+
+        let gbnf = "root ::= answer \".\"\nanswer ::= \"yes\" | \"no\" | \"maybe\"\n";
+        let yes_no = run(
+            &e,
+            &constrained(
+                chat("Is the sea salty?"),
+                Constraint::Lark(gbnf_to_lark(gbnf)),
+                SamplingParams::greedy(),
+            ),
+        )
+        .remove(0);
+        assert!(
+            ["yes.", "no.", "maybe."].contains(&yes_no.text.as_str()),
+            "{}",
+            yes_no.text
+        );
+    }
+}
+
+#[test]
+fn bad_constraints_are_refused_with_the_reason() {
+    let e = engine(EngineConfig::default());
+    for (c, needle) in [
+        (Constraint::JsonSchema(json!({"type": "strnig"})), "strnig"),
+        (Constraint::Lark("start: foo".into()), "foo"),
+        (Constraint::Regex("[a-".into()), "regex"),
+    ] {
+        let req = constrained(chat("Hi"), c, SamplingParams::greedy());
+        match e.generate(req) {
+            Err(EngineError::Invalid(why)) => {
+                assert!(why.to_lowercase().contains(needle), "{why}")
+            }
+            Err(other) => panic!("refused with {other}"),
+            Ok(_) => panic!("a bad constraint ran"),
+        }
+    }
+    // The engine goes on serving.
+    let ok = run(
+        &e,
+        &constrained(
+            chat("Hi"),
+            Constraint::Regex("hello|hi".into()),
+            SamplingParams::greedy(),
+        ),
+    );
+    assert!(["hello", "hi"].contains(&ok[0].text.as_str()));
+}
