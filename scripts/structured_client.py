@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Structured output through `tessera serve`, driven by the official `openai`
+"""Structured output and tool calls through `tessera serve`, driven by the official `openai`
 package and checked with the `jsonschema` package.
 
 Starts the server on a free loopback port, then sends N (default 200)
@@ -8,7 +8,10 @@ chat requests with `response_format: json_schema`, over the ten schemas of
 every response to parse and validate against its schema. Then: a streamed
 `json_object` request, llama-server's `json_schema` and `grammar` fields, a
 regex, and a bad schema, which must come back as a 400 naming the problem.
-Exits non-zero on the first failure; prints the count and the server's
+Then OpenAI's tool-calling flow (call, execute, answer), streamed and not;
+`tool_choice: required` and a named function at several temperatures and
+seeds, every call parsing and validating against its function's schema;
+and bad `tools`/`tool_choice` refused. Exits non-zero on the first failure; prints the count and the server's
 per-token figures.
 
 Usage: structured_client.py TESSERA_BINARY MODEL.gguf [N]
@@ -49,6 +52,113 @@ def ask(client, i):
         return (True, name, reason, text)
     except (json.JSONDecodeError, jsonschema.ValidationError) as e:
         return (False, name, reason, f"{text!r}: {e}")
+
+
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "The current weather in a city", "strict": True,
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string", "maxLength": 32},
+            "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city", "unit"]}}},
+    {"type": "function", "function": {
+        "name": "get_time", "description": "The current time in a time zone", "strict": True,
+        "parameters": {"type": "object", "properties": {
+            "timezone": {"type": "string", "maxLength": 40}}, "required": ["timezone"]}}},
+]
+SCHEMA_OF = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+def checked_calls(calls):
+    """Every call names a tool and its arguments validate; returns them."""
+    assert calls, "no tool call"
+    for call in calls:
+        assert call.type == "function" and call.id, call
+        schema = dict(SCHEMA_OF[call.function.name], additionalProperties=False)
+        jsonschema.validate(json.loads(call.function.arguments), schema)
+    return calls
+
+
+def run_tool(call):
+    args = json.loads(call.function.arguments)
+    if call.function.name == "get_weather":
+        return json.dumps({"city": args["city"], "temperature": 18, "unit": args["unit"], "sky": "clear"})
+    return json.dumps({"timezone": args["timezone"], "time": "14:05"})
+
+
+def tool_calls(client):
+    question = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+    # Call, execute, answer: the official client's flow, not streamed.
+    r = client.chat.completions.create(model="smollm2", messages=question, tools=TOOLS,
+                                       tool_choice="required", max_tokens=200, temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    calls = checked_calls(choice.message.tool_calls)
+    history = question + [choice.message.model_dump(exclude_none=True)]
+    for call in calls:
+        history.append({"role": "tool", "tool_call_id": call.id, "content": run_tool(call)})
+    answer = client.chat.completions.create(model="smollm2", messages=history, tools=TOOLS,
+                                            tool_choice="none", max_tokens=60, temperature=0)
+    assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls, answer
+
+    # The same, streamed: tool-call deltas assemble into calls.
+    parts, reason = {}, None
+    for chunk in client.chat.completions.create(model="smollm2", messages=question, tools=TOOLS,
+                                                tool_choice="required", max_tokens=200, temperature=0,
+                                                stream=True):
+        if not chunk.choices:
+            continue
+        d = chunk.choices[0].delta
+        for tc in d.tool_calls or []:
+            p = parts.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
+            p["id"] = tc.id or p["id"]
+            p["name"] += tc.function.name or ""
+            p["arguments"] += tc.function.arguments or ""
+        reason = chunk.choices[0].finish_reason or reason
+    assert reason == "tool_calls", reason
+    streamed = [parts[i] for i in sorted(parts)]
+    assert [(p["name"], json.loads(p["arguments"])) for p in streamed] == \
+        [(c.function.name, json.loads(c.function.arguments)) for c in calls], (streamed, calls)
+    history = question + [{"role": "assistant", "tool_calls": [
+        {"id": p["id"], "type": "function", "function": {"name": p["name"], "arguments": p["arguments"]}}
+        for p in streamed]}]
+    for p in streamed:
+        history.append({"role": "tool", "tool_call_id": p["id"], "content": run_tool(
+            type("Call", (), {"function": type("F", (), p)})())})
+    text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="smollm2", messages=history, tools=TOOLS, max_tokens=60, temperature=0, stream=True)
+        if c.choices)
+    assert text, "no streamed answer after the tool results"
+
+    # `required` and a named function always give calls that parse and
+    # validate, greedy and sampled.
+    prompts = ["What time is it in Tokyo?", "Is it raining in London?", "Tell me a joke.",
+               "Weather and time in Berlin, please."]
+    for i in range(24):
+        named = i % 3 == 2
+        choice_ = {"type": "function", "function": {"name": "get_time"}} if named else "required"
+        r = client.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": prompts[i % len(prompts)]}],
+            tools=TOOLS, tool_choice=choice_, max_tokens=200, temperature=0 if i % 4 == 0 else 1.0,
+            seed=i, parallel_tool_calls=i % 2 == 0)
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls", c
+        calls = checked_calls(c.message.tool_calls)
+        if named:
+            assert all(x.function.name == "get_time" for x in calls), calls
+        if i % 2 == 1:
+            assert len(calls) == 1, calls
+
+    # Bad tools and choices: 400s naming the field.
+    for kwargs, needle in [
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "nope"),
+        ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "name"),
+        ({"tool_choice": "required"}, "tools"),
+    ]:
+        try:
+            client.chat.completions.create(model="smollm2", messages=question, max_tokens=8, **kwargs)
+            raise AssertionError(f"{kwargs} was served")
+        except openai.BadRequestError as e:
+            assert needle in str(e), e
 
 
 def main():
@@ -111,6 +221,8 @@ def main():
         except openai.BadRequestError as e:
             assert "one constraint" in str(e), e
         print("structured output: every check passed")
+        tool_calls(client)
+        print("tool calls: every check passed")
     finally:
         server.terminate()
         server.wait(timeout=30)

@@ -190,3 +190,87 @@ fn bad_constraints_are_refused_with_the_reason() {
     );
     assert!(["hello", "hi"].contains(&ok[0].text.as_str()));
 }
+
+fn weather_tools() -> Vec<tessera_engine::ToolSpec> {
+    [
+        json!({"type": "function", "function": {"name": "get_weather", "strict": true,
+            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 32},
+                "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city", "unit"]}}}),
+        json!({"type": "function", "function": {"name": "get_time",
+            "parameters": {"type": "object", "properties": {"timezone": {"type": "string", "maxLength": 40}},
+                "required": ["timezone"]}}}),
+    ]
+    .iter()
+    .map(|t| tessera_engine::ToolSpec::from_openai(t).unwrap())
+    .collect()
+}
+
+/// `required` and a named function always give calls that parse, on both
+/// real models (neither template renders tools: the tools go into a
+/// system message, the calls are Hermes-style), greedy and sampled.
+#[test]
+fn forced_tool_calls_always_parse_on_both_models() {
+    use tessera_engine::{ToolChoice, ToolSyntax};
+    let tools = weather_tools();
+    let gemma = tessera_model::Model::load(
+        &super::models_file("gemma-3-270m-q4_k_m.gguf", " gemma3"),
+        &mut |_, _| {},
+    )
+    .unwrap();
+    for e in [
+        engine(EngineConfig::default()),
+        Engine::from_model(gemma, EngineConfig::default()).unwrap(),
+    ] {
+        let syntax = ToolSyntax::of(&e.model().template, &e.model().tokenizer);
+        assert!(!syntax.native);
+        for (choice, parallel) in [
+            (ToolChoice::Required, true),
+            (ToolChoice::Required, false),
+            (ToolChoice::Named("get_time".into()), false),
+        ] {
+            let prompt = syntax.prompt(
+                vec![Message::new(
+                    "user",
+                    "What is the weather in Oslo, and the time there?",
+                )],
+                &tools,
+            );
+            let c = syntax.constraint(&tools, &choice, parallel).unwrap();
+            // Room for four calls of the longest arguments the schemas allow.
+            let req = GenerateRequest {
+                n: 2,
+                max_tokens: 800,
+                ..constrained(
+                    prompt,
+                    c.unwrap(),
+                    SamplingParams {
+                        temperature: 1.0,
+                        ..SamplingParams::default()
+                    },
+                )
+            };
+            for out in run(&e, &req) {
+                assert_eq!(out.finish_reason, FinishReason::Stop, "{}", out.text);
+                let (_, calls) = syntax.parse(&out.text).expect("the calls parse");
+                assert!(!calls.is_empty() && calls.len() <= tessera_engine::MAX_PARALLEL_CALLS);
+                if !parallel {
+                    assert_eq!(calls.len(), 1, "{}", out.text);
+                }
+                for call in calls {
+                    let a = call.arguments.as_object().unwrap();
+                    match call.name.as_str() {
+                        "get_weather" => {
+                            assert!(matches!(choice, ToolChoice::Required));
+                            assert_eq!(a.len(), 2, "strict: no other properties");
+                            assert!(
+                                ["celsius", "fahrenheit"].contains(&a["unit"].as_str().unwrap())
+                            );
+                        }
+                        "get_time" => assert!(a["timezone"].is_string()),
+                        other => panic!("called {other}"),
+                    }
+                }
+            }
+        }
+    }
+}

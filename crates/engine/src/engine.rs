@@ -283,6 +283,11 @@ impl Engine {
             Prompt::Text(t) => tok.encode(t, Special::Parse, true)?,
             Prompt::Tokens(ids) => ids.clone(),
             Prompt::Chat(msgs) => model.template.encode(tok, msgs, true)?,
+            Prompt::ChatTools { messages, tools } => {
+                model
+                    .template
+                    .encode_tools(tok, messages, Some(tools), true)?
+            }
         })
     }
 

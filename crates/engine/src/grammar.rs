@@ -33,7 +33,7 @@ pub enum Constraint {
 /// a model cannot loop on it forever (llguidance's default allows any
 /// run: a base model answered `{` and 400 newlines). A schema's own
 /// `x-guidance` options replace this.
-const JSON_WHITESPACE: &str = r"[\x20\x0A\x0D\x09]{1,24}";
+pub(crate) const JSON_WHITESPACE: &str = r"[\x20\x0A\x0D\x09]{1,24}";
 
 fn json_grammar(schema: &Value) -> TopLevelGrammar {
     let mut schema = schema.clone();

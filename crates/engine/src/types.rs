@@ -118,6 +118,12 @@ pub enum Prompt {
     Tokens(Vec<u32>),
     /// Messages rendered with the model's chat template.
     Chat(Vec<Message>),
+    /// Messages and tool definitions (OpenAI's `tools` list), rendered
+    /// with the model's chat template (see [`crate::ToolSyntax::prompt`]).
+    ChatTools {
+        messages: Vec<Message>,
+        tools: serde_json::Value,
+    },
 }
 
 #[derive(Debug, Clone)]

@@ -38,6 +38,6 @@ pub use llama::{
 pub use loader::{GgufFile, HfDir};
 pub use model::{Model, ModelFormat};
 pub use qlinear::{Proj, QLinear};
-pub use template::{ChatTemplate, Message};
+pub use template::{ChatTemplate, Message, CHATML};
 pub use tessera_kernels::{tuning, Activations, IsaCap, Tuning};
 pub use tokenizer::{Special, StreamDecoder, Tokenizer};

@@ -26,6 +26,17 @@ pub const CHATML: &str = "{% for message in messages %}{{ '<|im_start|>' + messa
 pub struct Message {
     pub role: String,
     pub content: String,
+    /// An assistant turn's tool calls, as templates read them: OpenAI's
+    /// `[{"id", "type": "function", "function": {"name", "arguments"}}]`
+    /// with `arguments` an object.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<serde_json::Value>,
+    /// A `tool` turn's answer to this call.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// A `tool` turn's function name.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 impl Message {
@@ -33,7 +44,47 @@ impl Message {
         Message {
             role: role.into(),
             content: content.into(),
+            tool_calls: None,
+            tool_call_id: None,
+            name: None,
         }
+    }
+
+    /// This message with `content` and `role` replaced.
+    fn with(&self, role: String, content: String) -> Message {
+        Message {
+            role,
+            content,
+            ..self.clone()
+        }
+    }
+}
+
+/// Every string in `v` neutralized (see [`neutralize`]).
+fn neutralize_value(
+    v: &serde_json::Value,
+    controls: &[String],
+    literals: &mut Vec<String>,
+) -> serde_json::Value {
+    use serde_json::Value;
+    match v {
+        Value::String(s) => Value::String(neutralize(s, controls, literals)),
+        Value::Array(a) => Value::Array(
+            a.iter()
+                .map(|x| neutralize_value(x, controls, literals))
+                .collect(),
+        ),
+        Value::Object(o) => Value::Object(
+            o.iter()
+                .map(|(k, x)| {
+                    (
+                        neutralize(k, controls, literals),
+                        neutralize_value(x, controls, literals),
+                    )
+                })
+                .collect(),
+        ),
+        other => other.clone(),
     }
 }
 
@@ -120,6 +171,64 @@ fn encode_with_literals(tok: &Tokenizer, text: &str, literals: &[String]) -> Res
         ids.extend(tok.encode(rest, Special::Parse, false)?);
     }
     Ok(ids)
+}
+
+/// Python's `json.dumps(value, ensure_ascii=False, indent=indent)` as
+/// Hugging Face's `tojson` filter calls it: keys in their order, `", "`
+/// and `": "` between items (`","` before a newline when indented), no
+/// HTML escaping. `sort_keys`, `separators` and `ensure_ascii` are
+/// accepted and only their defaults are supported.
+fn tojson(
+    value: minijinja::Value,
+    kwargs: minijinja::value::Kwargs,
+) -> std::result::Result<minijinja::Value, Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    for k in ["sort_keys", "separators", "ensure_ascii"] {
+        let _: Option<minijinja::Value> = kwargs.get(k)?;
+    }
+    kwargs.assert_all_used()?;
+    let v = serde_json::to_value(&value)
+        .map_err(|e| Error::new(ErrorKind::InvalidOperation, e.to_string()))?;
+    let mut out = String::new();
+    python_json(&v, indent, 0, &mut out);
+    Ok(minijinja::Value::from_safe_string(out))
+}
+
+fn python_json(v: &serde_json::Value, indent: Option<usize>, depth: usize, out: &mut String) {
+    use serde_json::Value;
+    let (open, close, items): (char, char, Vec<(Option<&String>, &Value)>) = match v {
+        Value::Array(a) => ('[', ']', a.iter().map(|x| (None, x)).collect()),
+        Value::Object(o) => ('{', '}', o.iter().map(|(k, x)| (Some(k), x)).collect()),
+        other => {
+            out.push_str(&other.to_string());
+            return;
+        }
+    };
+    out.push(open);
+    if items.is_empty() {
+        out.push(close);
+        return;
+    }
+    for (i, (k, x)) in items.iter().enumerate() {
+        match indent {
+            Some(n) => {
+                out.push_str(if i > 0 { ",\n" } else { "\n" });
+                out.push_str(&" ".repeat(n * (depth + 1)));
+            }
+            None if i > 0 => out.push_str(", "),
+            None => {}
+        }
+        if let Some(k) = k {
+            out.push_str(&serde_json::Value::String((*k).clone()).to_string());
+            out.push_str(": ");
+        }
+        python_json(x, indent, depth + 1, out);
+    }
+    if let Some(n) = indent {
+        out.push('\n');
+        out.push_str(&" ".repeat(n * depth));
+    }
+    out.push(close);
 }
 
 /// Today's date (UTC) in the C `strftime` codes templates use: `%Y %y %m
@@ -225,6 +334,10 @@ impl ChatTemplate {
         // Granite's and Llama 3's templates put today's date in their
         // default system message.
         env.add_function("strftime_now", |fmt: String| strftime_now(&fmt));
+        // Hugging Face's `tojson` (Python's `json.dumps`), not minijinja's
+        // HTML-safe one: tool definitions reach the model as they do
+        // under transformers.
+        env.add_filter("tojson", tojson);
         env.add_template_owned("chat", source.to_string())
             .map_err(|e| ModelError::Template(e.to_string()))?;
         Ok(ChatTemplate {
@@ -239,8 +352,24 @@ impl ChatTemplate {
         &self.source
     }
 
+    /// Whether the template renders a `tools` list of its own.
+    pub fn renders_tools(&self) -> bool {
+        self.source.contains("tools")
+    }
+
     /// The prompt text for `messages`.
     pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
+        self.render_tools(messages, None, add_generation_prompt)
+    }
+
+    /// The prompt text for `messages` with the `tools` (OpenAI's list of
+    /// function definitions) that the template renders.
+    pub fn render_tools(
+        &self,
+        messages: &[Message],
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         let t = self
             .env
             .get_template("chat")
@@ -248,6 +377,7 @@ impl ChatTemplate {
         let out = t
             .render(context! {
                 messages => messages,
+                tools => tools,
                 add_generation_prompt => add_generation_prompt,
                 bos_token => self.bos,
                 eos_token => self.eos,
@@ -270,26 +400,55 @@ impl ChatTemplate {
         messages: &[Message],
         add_generation_prompt: bool,
     ) -> Result<Vec<u32>> {
+        self.encode_tools(tok, messages, None, add_generation_prompt)
+    }
+
+    /// [`ChatTemplate::encode`] with the `tools` the template renders.
+    /// Like roles, tool definitions and a message's tool calls, call id
+    /// and name are the caller's text: control-token text in them is
+    /// encoded as plain text.
+    pub fn encode_tools(
+        &self,
+        tok: &Tokenizer,
+        messages: &[Message],
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<Vec<u32>> {
         // Roles are the caller's text too: control-token text in them is
         // marked, and encoded as plain text wherever the template puts it.
         let controls = tok.control_texts();
         let mut literals = Vec::new();
-        let roles: Vec<String> = messages
-            .iter()
-            .map(|m| neutralize(&m.role, &controls, &mut literals))
-            .collect();
+        let tools = tools.map(|t| neutralize_value(t, &controls, &mut literals));
+        let tools = tools.as_ref();
         let with_roles: Vec<Message> = messages
             .iter()
-            .zip(&roles)
-            .map(|(m, r)| Message::new(r.clone(), m.content.clone()))
+            .map(|m| {
+                let mut n = m.with(
+                    neutralize(&m.role, &controls, &mut literals),
+                    m.content.clone(),
+                );
+                n.tool_calls = m
+                    .tool_calls
+                    .as_ref()
+                    .map(|v| neutralize_value(v, &controls, &mut literals));
+                n.tool_call_id = m
+                    .tool_call_id
+                    .as_ref()
+                    .map(|s| neutralize(s, &controls, &mut literals));
+                n.name = m
+                    .name
+                    .as_ref()
+                    .map(|s| neutralize(s, &controls, &mut literals));
+                n
+            })
             .collect();
-        let real = self.render(&with_roles, add_generation_prompt)?;
-        let marked: Vec<Message> = roles
+        let real = self.render_tools(&with_roles, tools, add_generation_prompt)?;
+        let marked: Vec<Message> = with_roles
             .iter()
             .enumerate()
-            .map(|(i, r)| Message::new(r.clone(), sentinel(i)))
+            .map(|(i, m)| m.with(m.role.clone(), sentinel(i)))
             .collect();
-        let probe = self.render(&marked, add_generation_prompt)?;
+        let probe = self.render_tools(&marked, tools, add_generation_prompt)?;
         // Split the probe into template text and message slots.
         let mut parts: Vec<(bool, &str)> = Vec::new();
         let mut rest = probe.as_str();
@@ -317,13 +476,13 @@ impl ChatTemplate {
             let neutral: Vec<Message> = with_roles
                 .iter()
                 .map(|m| {
-                    Message::new(
+                    m.with(
                         m.role.clone(),
                         neutralize(&m.content, &controls, &mut literals),
                     )
                 })
                 .collect();
-            let text = self.render(&neutral, add_generation_prompt)?;
+            let text = self.render_tools(&neutral, tools, add_generation_prompt)?;
             return encode_with_literals(tok, &text, &literals);
         }
         let mut ids = Vec::new();

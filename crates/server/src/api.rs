@@ -45,6 +45,16 @@ pub struct ChatMessage {
     pub role: String,
     #[serde(default)]
     pub content: Option<Content>,
+    /// An assistant turn's calls: `[{"id", "type": "function",
+    /// "function": {"name", "arguments"}}]`.
+    #[serde(default)]
+    #[schema(value_type = Option<Vec<Object>>)]
+    pub tool_calls: Option<Vec<Value>>,
+    /// A `tool` turn: the call it answers.
+    #[serde(default)]
+    pub tool_call_id: Option<String>,
+    #[serde(default)]
+    pub name: Option<String>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize, ToSchema)]
@@ -148,6 +158,19 @@ pub struct JsonSchemaFormat {
 #[derive(Debug, Clone, Deserialize, ToSchema)]
 pub struct ChatRequest {
     pub messages: Vec<ChatMessage>,
+    /// Functions the model may call: `[{"type": "function", "function":
+    /// {"name", "description", "parameters"}}]`.
+    #[serde(default)]
+    #[schema(value_type = Option<Vec<Object>>)]
+    pub tools: Option<Vec<Value>>,
+    /// `"auto"` (default with tools), `"none"`, `"required"`, or
+    /// `{"type": "function", "function": {"name"}}`.
+    #[serde(default)]
+    #[schema(value_type = Option<Object>)]
+    pub tool_choice: Option<Value>,
+    /// With `required`: several calls in one answer (default true).
+    #[serde(default)]
+    pub parallel_tool_calls: Option<bool>,
     #[serde(flatten)]
     pub common: Common,
 }

@@ -44,7 +44,8 @@ use futures_util::StreamExt;
 use serde_json::{json, Value};
 use tessera_engine::{
     Canceller, Completion, Constraint, ContextShift, Engine, EngineError, Event, FinishReason,
-    GenerateRequest, Message, Partition, Prompt, SamplingParams, TokenLogprob,
+    GenerateRequest, Message, Partition, Prompt, SamplingParams, TokenLogprob, ToolCall,
+    ToolChoice, ToolSpec, ToolSyntax,
 };
 use tokio::sync::mpsc;
 
@@ -476,9 +477,79 @@ async fn chat(
     }
     let mut msgs = Vec::with_capacity(req.messages.len());
     for m in req.messages {
-        msgs.push(Message::new(m.role, message_text(m.content)?));
+        let mut msg = Message::new(m.role, message_text(m.content)?);
+        msg.tool_calls = m.tool_calls.map(Value::Array);
+        msg.tool_call_id = m.tool_call_id;
+        msg.name = m.name;
+        msgs.push(msg);
     }
-    generate(s, Prompt::Chat(msgs), req.common, Endpoint::Chat, tenant).await
+    let specs = req
+        .tools
+        .iter()
+        .flatten()
+        .map(ToolSpec::from_openai)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| ApiError::param("tools", e))?;
+    let choice = tool_choice(req.tool_choice.as_ref(), !specs.is_empty())?;
+    if specs.is_empty() || choice == ToolChoice::None {
+        return generate(
+            s,
+            Prompt::Chat(msgs),
+            req.common,
+            Endpoint::Chat,
+            tenant,
+            None,
+        )
+        .await;
+    }
+    let engine = s.engine()?;
+    let model = engine.model();
+    let syntax = ToolSyntax::of(&model.template, &model.tokenizer);
+    let forced = syntax
+        .constraint(&specs, &choice, req.parallel_tool_calls.unwrap_or(true))
+        .map_err(|e| ApiError::param("tool_choice", e))?;
+    let prompt = syntax.prompt(msgs, &specs);
+    let tools = Tools { syntax, forced };
+    generate(s, prompt, req.common, Endpoint::Chat, tenant, Some(tools)).await
+}
+
+/// A chat request's tools: how the model writes calls, and the grammar
+/// that forces one (`tool_choice` `required` or a named function).
+struct Tools {
+    syntax: ToolSyntax,
+    forced: Option<Constraint>,
+}
+
+/// OpenAI's `tool_choice` (default `auto` with tools, `none` without).
+fn tool_choice(v: Option<&Value>, any: bool) -> Result<ToolChoice, ApiError> {
+    let bad = || {
+        ApiError::param(
+            "tool_choice",
+            "tool_choice must be `none`, `auto`, `required` or {\"type\": \"function\", \"function\": {\"name\": …}}",
+        )
+    };
+    let choice = match v {
+        None | Some(Value::Null) => ToolChoice::Auto,
+        Some(Value::String(s)) => match s.as_str() {
+            "auto" => ToolChoice::Auto,
+            "none" => ToolChoice::None,
+            "required" => ToolChoice::Required,
+            _ => return Err(bad()),
+        },
+        Some(o) => o
+            .get("function")
+            .and_then(|f| f.get("name"))
+            .and_then(Value::as_str)
+            .map(|n| ToolChoice::Named(n.to_string()))
+            .ok_or_else(bad)?,
+    };
+    if !any && matches!(choice, ToolChoice::Required | ToolChoice::Named(_)) {
+        return Err(ApiError::param(
+            "tool_choice",
+            "tool_choice asks for a call, and no `tools` were given",
+        ));
+    }
+    Ok(choice)
 }
 
 /// A message's text: its string, or its text parts joined (other parts
@@ -531,7 +602,7 @@ async fn completions(
             ))
         }
     };
-    generate(s, prompt, req.common, Endpoint::Completions, tenant).await
+    generate(s, prompt, req.common, Endpoint::Completions, tenant, None).await
 }
 
 /// The engine request a body asks for, or why it cannot be served.
@@ -542,6 +613,7 @@ fn request(
     c: &Common,
     endpoint: Endpoint,
     tenant: &Tenant,
+    forced: Option<Constraint>,
 ) -> Result<GenerateRequest, ApiError> {
     if let Some(m) = c.model.as_deref() {
         if !m.is_empty() && m != s.cfg.model_name {
@@ -657,7 +729,15 @@ fn request(
         context_shift: c.n_keep.map_or(ContextShift::Off, ContextShift::Keep),
         reuse_prefix: c.cache_prompt.unwrap_or(true),
         partition: partition(s, tenant, c.cache_salt.as_deref())?,
-        constraint: constraint(c)?,
+        constraint: match (constraint(c)?, forced) {
+            (Some(_), Some(_)) => {
+                return Err(ApiError::param(
+                    "tool_choice",
+                    "a tool_choice that forces a call cannot be combined with response_format, json_schema, grammar or regex",
+                ))
+            }
+            (a, b) => a.or(b),
+        },
         ..GenerateRequest::new(prompt)
     })
 }
@@ -804,6 +884,50 @@ fn finish(r: FinishReason) -> &'static str {
     }
 }
 
+/// A chat choice's message and finish reason: with tools offered, the
+/// calls the model made, if its answer holds any that parse (then
+/// `finish_reason: tool_calls`, and `content` is the text before them or
+/// null).
+fn chat_message(c: &Completion, syntax: Option<&ToolSyntax>, id: &str) -> (Value, &'static str) {
+    match syntax.and_then(|t| t.parse(&c.text)) {
+        Some((content, calls)) => {
+            let calls: Vec<Value> = tool_calls(&calls, id, c.index)
+                .into_iter()
+                .map(|mut v| {
+                    v.as_object_mut().map(|o| o.remove("index"));
+                    v
+                })
+                .collect();
+            let content = (!content.is_empty()).then_some(content);
+            (
+                json!({"role": "assistant", "content": content, "tool_calls": calls}),
+                "tool_calls",
+            )
+        }
+        None => (
+            json!({"role": "assistant", "content": c.text}),
+            finish(c.finish_reason),
+        ),
+    }
+}
+
+/// OpenAI's `tool_calls` entries (with the `index` stream deltas carry),
+/// `arguments` as a JSON string.
+fn tool_calls(calls: &[ToolCall], id: &str, choice: usize) -> Vec<Value> {
+    calls
+        .iter()
+        .enumerate()
+        .map(|(i, call)| {
+            json!({
+                "index": i,
+                "id": format!("call_{}_{choice}_{i}", id.replace('-', "_")),
+                "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments.to_string()},
+            })
+        })
+        .collect()
+}
+
 fn usage(done: &[Completion]) -> (UsageOut, TimingsOut) {
     let Some(first) = done.first() else {
         return Default::default();
@@ -835,9 +959,14 @@ async fn generate(
     c: Common,
     endpoint: Endpoint,
     tenant: Tenant,
+    tools: Option<Tools>,
 ) -> Result<Response, ApiError> {
     let engine = s.engine()?;
-    let req = request(&s, &engine, prompt, &c, endpoint, &tenant)?;
+    let (syntax, forced) = match tools {
+        Some(t) => (Some(t.syntax), t.forced),
+        None => (None, None),
+    };
+    let req = request(&s, &engine, prompt, &c, endpoint, &tenant, forced)?;
     let slot = s.admit()?;
     let n = req.n;
     let want_logprobs = req.logprobs.is_some();
@@ -907,12 +1036,15 @@ async fn generate(
         let choices: Vec<Value> = done
             .iter()
             .map(|c| match endpoint {
-                Endpoint::Chat => json!({
-                    "index": c.index,
-                    "message": {"role": "assistant", "content": c.text},
-                    "finish_reason": finish(c.finish_reason),
-                    "logprobs": want_logprobs.then(|| logprobs::chat(tok, &c.logprobs)),
-                }),
+                Endpoint::Chat => {
+                    let (message, reason) = chat_message(c, syntax.as_ref(), &id);
+                    json!({
+                        "index": c.index,
+                        "message": message,
+                        "finish_reason": reason,
+                        "logprobs": want_logprobs.then(|| logprobs::chat(tok, &c.logprobs)),
+                    })
+                }
                 Endpoint::Completions => json!({
                     "index": c.index,
                     "text": c.text,
@@ -941,6 +1073,7 @@ async fn generate(
         Endpoint::Chat => "chat.completion.chunk",
         Endpoint::Completions => "text_completion",
     };
+    let call_id = id.clone();
     // One chunk; the last, with `stream_options.include_usage`, has no
     // choices and the usage.
     let chunk = move |choices: Value, usage: Option<(UsageOut, TimingsOut)>| {
@@ -967,6 +1100,12 @@ async fn generate(
         // back), and where each choice's next text starts (completions).
         let mut pending: Vec<Vec<TokenLogprob>> = vec![Vec::new(); n];
         let mut offsets = vec![0usize; n];
+        // With tools: each choice's text held back (it may open a call),
+        // whether a call has begun (the rest is parsed at the end), and
+        // whether any text was sent.
+        let mut held = vec![String::new(); n];
+        let mut in_call = vec![false; n];
+        let mut sent_any = vec![false; n];
         let mut choice = |index: usize,
                           text: Option<&str>,
                           reason: Option<&str>,
@@ -1026,9 +1165,21 @@ async fn generate(
                     ..
                 } => {
                     pending[index].extend(logprob.map(|l| *l));
+                    let text = match &syntax {
+                        Some(t) if !in_call[index] => {
+                            held[index].push_str(&text);
+                            let (safe, call) = t.stream_split(&held[index], !sent_any[index]);
+                            in_call[index] = call;
+                            let rest = held[index].split_off(safe);
+                            std::mem::replace(&mut held[index], rest)
+                        }
+                        Some(_) => String::new(),
+                        None => text,
+                    };
                     if text.is_empty() {
                         Ok(())
                     } else {
+                        sent_any[index] = true;
                         let lps = std::mem::take(&mut pending[index]);
                         out.send(chunk(choice(index, Some(&text), None, lps), None))
                             .await
@@ -1036,12 +1187,31 @@ async fn generate(
                 }
                 Event::Done(c) => {
                     let lps = std::mem::take(&mut pending[c.index]);
-                    let r = out
-                        .send(chunk(
-                            choice(c.index, None, Some(finish(c.finish_reason)), lps),
-                            None,
-                        ))
-                        .await;
+                    let i = c.index;
+                    let calls = syntax.as_ref().and_then(|t| t.parse(&c.text));
+                    let mut r = Ok(());
+                    let reason = match calls {
+                        Some((_, calls)) if in_call[i] => {
+                            let delta = json!([{"index": i, "delta": {"tool_calls": tool_calls(&calls, &call_id, i)},
+                                "finish_reason": null, "logprobs": null}]);
+                            r = out.send(chunk(delta, None)).await;
+                            "tool_calls"
+                        }
+                        _ => {
+                            let rest = std::mem::take(&mut held[i]);
+                            if !rest.is_empty() {
+                                r = out
+                                    .send(chunk(choice(i, Some(&rest), None, Vec::new()), None))
+                                    .await;
+                            }
+                            finish(c.finish_reason)
+                        }
+                    };
+                    if r.is_ok() {
+                        r = out
+                            .send(chunk(choice(i, None, Some(reason), lps), None))
+                            .await;
+                    }
                     done.push(*c);
                     r
                 }
