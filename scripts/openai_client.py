@@ -6,7 +6,8 @@ Starts the server on a free loopback port with the default model, waits for
 last), non-streamed chat against the streamed text, completions with text
 and token-id prompts, exact cached tokens on a second turn, log-probabilities
 (chat and completions, streamed or not), penalties, logit bias and
-cache_prompt=false, and the client's own error type for a bad model name. Exits non-zero on the first failure.
+cache_prompt=false, speculative decoding asked for per request (the same
+text, its kept drafts in the usage), and the client's own error type for a bad model name. Exits non-zero on the first failure.
 
 Usage: openai_client.py TESSERA_BINARY MODEL.gguf
 """
@@ -99,6 +100,18 @@ def main():
         fresh = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=4,
                                                temperature=0, extra_body={"cache_prompt": False})
         assert fresh.usage.prompt_tokens_details.cached_tokens == 0, fresh.usage
+
+        # Speculative decoding asked for by one request (llama-server's
+        # field): the same greedy text, its drafts counted in the usage.
+        quote = [{"role": "user", "content": "Repeat exactly: the quick brown fox jumps over the "
+                                             "lazy dog, and the quick brown fox jumps again."}]
+        plain = client.chat.completions.create(model="smollm2", messages=quote, max_tokens=40, temperature=0)
+        spec = client.chat.completions.create(model="smollm2", messages=quote, max_tokens=40, temperature=0,
+                                              extra_body={"speculative.n_max": 8})
+        assert spec.choices[0].message.content == plain.choices[0].message.content
+        d = spec.usage.completion_tokens_details
+        assert d.accepted_prediction_tokens > 0, spec.usage
+        assert plain.usage.completion_tokens_details.accepted_prediction_tokens == 0, plain.usage
 
         try:
             client.chat.completions.create(model="gpt-9", messages=messages, max_tokens=4)

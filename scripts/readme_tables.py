@@ -941,7 +941,9 @@ def soak():
         "four cache partitions (two tenants, a salt, the default): "
         f"{r['requests']:,} requests, up to four at a time ({r['seconds']:,.0f} s of wall "
         "time: this scenario counts failures and leaks, it is no speed measure), "
-        "with about one step in 150 failing with an error and one in 300 panicking.",
+        "with about one step in 150 failing with an error and one in 300 panicking"
+        + (", speculative decoding on and one request in five constrained (a JSON schema, a regex or "
+           "a forced tool call)." if "constrained" in r else "."),
         "",
         "| what | count |",
         "|---|---|",
@@ -953,6 +955,9 @@ def soak():
         f"| sessions saved in a tenant's partition beside a stream, restored and used there | {r['background_saves']} |",
         f"| **prompts served across partitions** (of {r['probes']} probes over 4 partitions; sent again in their own, "
         f"{r['own_partition_hits']} came whole from the cache) | **{r['cross_partition_hits']}** |",
+        *([f"| speculative decoding: draft tokens kept / proposed | {r['spec_accepted_tokens']:,} / {r['spec_draft_tokens']:,} |",
+            f"| **constrained answers that ended with `stop` and do not match their constraint** (of {r['constrained']}) | **{r['unmatched']}** |"]
+          if "constrained" in r else []),
         f"| **blocks leaked** (held once every request is over) | **{r['leaked_blocks']}** (sequences left: {r['sequences_left']}; KV invariants hold) |",
         f"| resident memory after warm-up (10% of the requests) / peak / end | {mib(r['rss_warm_bytes'])} / {mib(r['rss_peak_bytes'])} / {mib(r['rss_end_bytes'])} |",
         f"| **RSS growth after warm-up** | **{r['rss_growth'] * 100:+.1f}%** |",

@@ -11,8 +11,10 @@
 //! one partition and then another (a cached token in the second is a
 //! cross-partition hit, which fails the soak). Requests are spread over four
 //! partitions (two tenants, a salt, the default), and one in ten is dropped
-//! as soon as it is submitted (a client that hung up). One step in about
-//! 150 fails with an error
+//! as soon as it is submitted (a client that hung up). Speculative decoding
+//! is on, and one request in five is constrained (a JSON schema, a regex,
+//! or a forced tool call): each such answer that ends with `stop` must
+//! match its constraint. One step in about 150 fails with an error
 //! and one in about 300 panics. At the end: requests done and failed, the
 //! blocks still held (leaked) once every request is over, the KV invariants,
 //! and the process's resident memory after warm-up, at its peak and at the
@@ -85,6 +87,54 @@ struct Tally {
     /// The same prompts sent again in their first partition, whole from
     /// the cache.
     own_hits: usize,
+    /// Constrained answers that ended with `stop`, checked against their
+    /// constraint, and those that did not match it.
+    constrained: usize,
+    unmatched: usize,
+}
+
+/// A soak request's constraint, and whether a finished answer matches it.
+#[derive(Clone, Copy)]
+enum Shape {
+    Json,
+    Regex,
+    Tool,
+}
+
+fn shape_constraint(
+    shape: Shape,
+    tools: &[tessera_engine::ToolSpec],
+    syntax: &tessera_engine::ToolSyntax,
+) -> Result<tessera_engine::Constraint> {
+    use tessera_engine::Constraint;
+    Ok(match shape {
+        Shape::Json => Constraint::JsonSchema(serde_json::json!({"type": "object",
+            "properties": {"word": {"type": "string", "maxLength": 12}, "n": {"type": "integer"}},
+            "required": ["word", "n"], "additionalProperties": false})),
+        Shape::Regex => Constraint::Regex("[a-z]{1,8}( [a-z]{1,8}){0,4}\\.".into()),
+        Shape::Tool => syntax
+            .constraint(tools, &tessera_engine::ToolChoice::Required, true)
+            .map_err(anyhow::Error::msg)?
+            .expect("required gives a grammar"),
+    })
+}
+
+fn shape_matches(shape: Shape, text: &str, syntax: &tessera_engine::ToolSyntax) -> bool {
+    match shape {
+        Shape::Json => serde_json::from_str::<serde_json::Value>(text)
+            .ok()
+            .and_then(|v| Some(v.get("word")?.is_string() && v.get("n")?.is_i64()))
+            .unwrap_or(false),
+        Shape::Regex => {
+            text.ends_with('.')
+                && text[..text.len() - 1].split(' ').all(|w| {
+                    (1..=8).contains(&w.len()) && w.bytes().all(|b| b.is_ascii_lowercase())
+                })
+        }
+        Shape::Tool => syntax
+            .parse(text)
+            .is_some_and(|(_, calls)| !calls.is_empty()),
+    }
 }
 
 /// The partitions the soak's requests are spread over: the default one,
@@ -128,9 +178,19 @@ pub fn soak(model: Model, args: &BenchArgs) -> Result<()> {
         faults: Some(fault_hook(150, 300)),
         max_running: 8,
         prefill_chunk: 128,
+        speculative: Some(tessera_engine::NgramSpec::default()),
         ..args.kv.config(true)
     };
     let engine = Engine::from_model(model, cfg)?;
+    let syntax =
+        tessera_engine::ToolSyntax::of(&engine.model().template, &engine.model().tokenizer);
+    let tools =
+        vec![
+            tessera_engine::ToolSpec::from_openai(&serde_json::json!({"type": "function",
+        "function": {"name": "lookup", "parameters": {"type": "object",
+            "properties": {"q": {"type": "string", "maxLength": 16}}, "required": ["q"]}}}))
+            .map_err(anyhow::Error::msg)?,
+        ];
     let full_bytes = engine.stats().kv.num_blocks * engine.block_bytes();
     let session = std::env::temp_dir().join(format!("tessera-soak-{}.tkv", std::process::id()));
     let bg_session =
@@ -159,12 +219,20 @@ pub fn soak(model: Model, args: &BenchArgs) -> Result<()> {
             } else {
                 1
             };
+            let shape = (!shift && rng.below(5) == 0)
+                .then(|| [Shape::Json, Shape::Regex, Shape::Tool][rng.below(3)]);
             let req = GenerateRequest {
                 max_tokens: if shift {
                     CONTEXT + 16 - prompt.len().min(CONTEXT)
+                } else if shape.is_some() {
+                    // Room to finish most constrained answers.
+                    40 + rng.below(40)
                 } else {
                     1 + rng.below(32)
                 },
+                constraint: shape
+                    .map(|s| shape_constraint(s, &tools, &syntax))
+                    .transpose()?,
                 sampling: SamplingParams {
                     seed: rng.next_u64(),
                     ..SamplingParams::default()
@@ -188,9 +256,9 @@ pub fn soak(model: Model, args: &BenchArgs) -> Result<()> {
                 t.hung_up += 1;
                 continue;
             }
-            streams.push((stream, cancel_after, n, shift));
+            streams.push((stream, cancel_after, n, shift, shape));
         }
-        for (stream, cancel_after, n, shift) in streams {
+        for (stream, cancel_after, n, shift, shape) in streams {
             let mut tokens = 0;
             let (mut done, mut failed) = (0, false);
             for ev in stream {
@@ -202,7 +270,21 @@ pub fn soak(model: Model, args: &BenchArgs) -> Result<()> {
                             break;
                         }
                     }
-                    Event::Done(_) => done += 1,
+                    Event::Done(c) => {
+                        done += 1;
+                        if let Some(s) =
+                            shape.filter(|_| c.finish_reason == tessera_engine::FinishReason::Stop)
+                        {
+                            t.constrained += 1;
+                            if !shape_matches(s, &c.text, &syntax) {
+                                t.unmatched += 1;
+                                eprintln!(
+                                    "soak: a constrained answer does not match: {:?}",
+                                    c.text
+                                );
+                            }
+                        }
+                    }
                     Event::Error(_) => failed = true,
                 }
             }
@@ -363,6 +445,7 @@ pub fn soak(model: Model, args: &BenchArgs) -> Result<()> {
         format!("  done {} ({} samples, {} with a context shift) | cancelled {} | failed {} | steps failed {}", t.done, t.samples, t.shifted, t.cancelled, t.failed, stats.failed_steps),
         format!("  sessions saved and loaded {} | defragmentations {} | shrink and grow {}", t.sessions, t.defrags, t.resizes),
         format!("  partitions {} | hung up before an answer {} | sessions saved beside a stream {} | cross-partition probes {} with {} hits (again in their own partition: {} whole from the cache)", parts.len(), t.hung_up, t.background_saves, t.probes, t.cross_hits, t.own_hits),
+        format!("  speculative decoding: {} of {} draft tokens kept | constrained answers finished {} ({} not matching)", stats.spec_accepted_tokens, stats.spec_draft_tokens, t.constrained, t.unmatched),
         format!("  blocks leaked {leaked} | sequences left {} | KV invariants hold", stats.kv.sequences),
         format!("  RSS after warm-up {:.1} MiB, peak {:.1} MiB, end {:.1} MiB: growth {:+.1}%", mib(rss_warm), mib(rss_peak), mib(rss_end), growth * 100.0),
     ];
@@ -384,6 +467,10 @@ pub fn soak(model: Model, args: &BenchArgs) -> Result<()> {
         "probes": t.probes,
         "cross_partition_hits": t.cross_hits,
         "own_partition_hits": t.own_hits,
+        "spec_draft_tokens": stats.spec_draft_tokens,
+        "spec_accepted_tokens": stats.spec_accepted_tokens,
+        "constrained": t.constrained,
+        "unmatched": t.unmatched,
         "leaked_blocks": leaked,
         "sequences_left": stats.kv.sequences,
         "rss_warm_bytes": rss_warm,
@@ -392,6 +479,12 @@ pub fn soak(model: Model, args: &BenchArgs) -> Result<()> {
         "rss_growth": growth,
     });
     crate::scenarios::emit(args, v, &lines);
+    if t.unmatched != 0 {
+        bail!(
+            "{} constrained answers do not match their constraint",
+            t.unmatched
+        );
+    }
     if t.cross_hits != 0 {
         bail!("{} prompts were served across partitions", t.cross_hits);
     }

@@ -66,6 +66,9 @@ pub(crate) struct Active {
     /// The request's constraint, at this sample's point (structured
     /// output); taken out while its next mask is computed beside a step.
     pub guide: Option<Guide>,
+    /// Draft tokens computed for this sample, and those kept.
+    pub drafted: usize,
+    pub accepted: usize,
 }
 
 /// What a sampled token means for its sample.
@@ -94,6 +97,8 @@ impl Active {
             cached: None,
             held: None,
             drafter: None,
+            drafted: 0,
+            accepted: 0,
             guide: group
                 .guide
                 .as_ref()
@@ -219,6 +224,8 @@ impl Active {
                 prompt_tokens: g.prompt.len(),
                 cached_tokens: cached,
                 completion_tokens: self.out.len(),
+                draft_tokens: self.drafted,
+                accepted_draft_tokens: self.accepted,
             },
             timings: Timings {
                 ttft_ms: first.duration_since(g.submitted).as_secs_f64() * 1e3,

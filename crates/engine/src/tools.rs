@@ -566,7 +566,11 @@ mod tests {
         assert_eq!(t.parameters["type"], "object");
         let h = syntax(ToolFormat::Hermes);
         assert!(h
-            .constraint(std::slice::from_ref(&t), &ToolChoice::Named("y".into()), true)
+            .constraint(
+                std::slice::from_ref(&t),
+                &ToolChoice::Named("y".into()),
+                true
+            )
             .is_err());
         assert!(h.constraint(&[], &ToolChoice::Required, true).is_err());
         assert!(h

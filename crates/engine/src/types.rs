@@ -159,6 +159,10 @@ pub struct GenerateRequest {
     /// Structured output: every sample's text matches this (a sample ends
     /// when the constraint is complete and allows nothing more).
     pub constraint: Option<crate::Constraint>,
+    /// Speculative decoding for this request: `None` follows the engine's
+    /// [`EngineConfig::speculative`]; `Some` sets it (`max_draft: 0`
+    /// turns it off).
+    pub speculative: Option<crate::NgramSpec>,
 }
 
 /// A partition of the prefix cache: requests, sessions and the cache
@@ -222,6 +226,7 @@ impl GenerateRequest {
             partition: Partition::default(),
             self_extend: None,
             constraint: None,
+            speculative: None,
         }
     }
 }
@@ -266,6 +271,10 @@ pub struct Usage {
     /// Prompt tokens whose K/V came from the prefix cache.
     pub cached_tokens: usize,
     pub completion_tokens: usize,
+    /// Speculative decoding: draft tokens this sample computed, and those
+    /// kept (each kept one is a completion token that cost no step).
+    pub draft_tokens: usize,
+    pub accepted_draft_tokens: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Default)]

@@ -576,8 +576,11 @@ impl Worker {
             submitted: Instant::now(),
         });
         let mut a = Active::new(group, 0);
+        let spec = a.group.req.speculative.or(self.cfg.speculative);
         if a.group.req.n == 1 && self_extend.is_none() {
-            a.drafter = self.cfg.speculative.map(crate::spec::Drafter::new);
+            a.drafter = spec
+                .filter(|s| s.max_draft > 0)
+                .map(crate::spec::Drafter::new);
         }
         self.active.insert(id, a);
         Ok(())
@@ -623,6 +626,8 @@ impl Worker {
         if let Some(d) = a.drafter.as_mut() {
             d.kept(draft.len(), k);
         }
+        a.drafted += draft.len();
+        a.accepted += k;
         self.totals.spec_draft_tokens += draft.len() as u64;
         self.totals.spec_accepted_tokens += k as u64;
         self.sched.settle_draft(req, k).map_err(sched_error)?;

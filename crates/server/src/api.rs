@@ -117,6 +117,11 @@ pub struct Common {
     /// llama-server's: generate through end-of-generation tokens.
     #[serde(default)]
     pub ignore_eos: bool,
+    /// llama-server's: most draft tokens per step for this request
+    /// (speculative decoding by prompt lookup; 0 turns it off; unset: the
+    /// server's `--spec-ngram` setting).
+    #[serde(rename = "speculative.n_max")]
+    pub speculative_n_max: Option<usize>,
     /// Structured output: `{"type": "json_object"}`, or `{"type":
     /// "json_schema", "json_schema": {"name": …, "schema": {…}}}` (the
     /// schema is always enforced), or `{"type": "text"}`.
@@ -240,11 +245,20 @@ pub struct UsageOut {
     pub completion_tokens: usize,
     pub total_tokens: usize,
     pub prompt_tokens_details: CachedOut,
+    /// With speculative decoding: draft tokens kept and rejected (OpenAI's
+    /// names for predicted outputs, which work the same way).
+    pub completion_tokens_details: PredictionOut,
 }
 
 #[derive(Debug, Clone, Copy, Default, Serialize)]
 pub struct CachedOut {
     pub cached_tokens: usize,
+}
+
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct PredictionOut {
+    pub accepted_prediction_tokens: usize,
+    pub rejected_prediction_tokens: usize,
 }
 
 /// llama-server's `timings`, for users coming from it.
@@ -255,6 +269,9 @@ pub struct TimingsOut {
     pub prompt_ms: f64,
     pub predicted_n: usize,
     pub predicted_ms: f64,
+    /// Speculative decoding's draft tokens and those kept.
+    pub draft_n: usize,
+    pub draft_n_accepted: usize,
 }
 
 /// The body of every error response.

@@ -51,8 +51,8 @@ use tokio::sync::mpsc;
 
 pub use api::ApiError;
 use api::{
-    CachedOut, ChatRequest, Common, CompletionRequest, Content, DetokenizeRequest, PromptField,
-    RequestErrors, TimingsOut, TokenizeRequest, UsageOut,
+    CachedOut, ChatRequest, Common, CompletionRequest, Content, DetokenizeRequest, PredictionOut,
+    PromptField, RequestErrors, TimingsOut, TokenizeRequest, UsageOut,
 };
 
 /// How the server is set up.
@@ -738,6 +738,10 @@ fn request(
             }
             (a, b) => a.or(b),
         },
+        speculative: c.speculative_n_max.map(|n| tessera_engine::NgramSpec {
+            max_draft: n,
+            ..engine.config().speculative.unwrap_or_default()
+        }),
         ..GenerateRequest::new(prompt)
     })
 }
@@ -933,6 +937,8 @@ fn usage(done: &[Completion]) -> (UsageOut, TimingsOut) {
         return Default::default();
     };
     let completion: usize = done.iter().map(|c| c.usage.completion_tokens).sum();
+    let drafted: usize = done.iter().map(|c| c.usage.draft_tokens).sum();
+    let accepted: usize = done.iter().map(|c| c.usage.accepted_draft_tokens).sum();
     let u = first.usage;
     let usage = UsageOut {
         prompt_tokens: u.prompt_tokens,
@@ -940,6 +946,10 @@ fn usage(done: &[Completion]) -> (UsageOut, TimingsOut) {
         total_tokens: u.prompt_tokens + completion,
         prompt_tokens_details: CachedOut {
             cached_tokens: u.cached_tokens,
+        },
+        completion_tokens_details: PredictionOut {
+            accepted_prediction_tokens: accepted,
+            rejected_prediction_tokens: drafted - accepted,
         },
     };
     let t = first.timings;
@@ -949,6 +959,8 @@ fn usage(done: &[Completion]) -> (UsageOut, TimingsOut) {
         prompt_ms: t.ttft_ms,
         predicted_n: completion,
         predicted_ms: (t.total_s * 1e3 - t.ttft_ms).max(0.0),
+        draft_n: drafted,
+        draft_n_accepted: accepted,
     };
     (usage, timings)
 }
