@@ -1,7 +1,9 @@
 """Servers on loopback for the scripts that drive them: a free port, and
 waiting until a started server answers 200."""
 
+import contextlib
 import socket
+import subprocess
 import sys
 import time
 import urllib.request
@@ -29,3 +31,23 @@ def wait_ready(url, proc, what, timeout=180, hint=lambda: ""):
         time.sleep(0.3)
     proc.kill()
     sys.exit(f"{what} did not become ready{hint()}")
+
+
+@contextlib.contextmanager
+def tessera_serve(binary, model, *args):
+    """`tessera serve` of `model` on a free loopback port, with `args`;
+    yields its base URL once it answers, and stops it at the end."""
+    port = free_port()
+    server = subprocess.Popen([binary, "serve", "--model", model, "--port", str(port), *args],
+                              stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(f"{base}/health", server, "the server", timeout=120,
+                   hint=lambda: f": {server.stderr.read()}")
+        yield base
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()

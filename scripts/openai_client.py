@@ -13,7 +13,6 @@ Usage: openai_client.py TESSERA_BINARY MODEL.gguf
 """
 
 import json
-import subprocess
 import sys
 import urllib.request
 from pathlib import Path
@@ -21,21 +20,12 @@ from pathlib import Path
 import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loopback import free_port, wait_ready  # noqa: E402
+from loopback import tessera_serve  # noqa: E402
 
 
 def main():
     binary, model = sys.argv[1], sys.argv[2]
-    port = free_port()
-    server = subprocess.Popen(
-        [binary, "serve", "--model", model, "--port", str(port), "--api-key", "sk-test",
-         "--alias", "smollm2"],
-        stderr=subprocess.PIPE, text=True,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(f"{base}/health", server, "the server", timeout=120,
-                   hint=lambda: f": {server.stderr.read()}")
+    with tessera_serve(binary, model, "--api-key", "sk-test", "--alias", "smollm2") as base:
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="sk-test", max_retries=0)
         assert [m.id for m in client.models.list()] == ["smollm2"]
 
@@ -125,12 +115,6 @@ def main():
             pass
         print(f"openai client: streamed and non-streamed chat, completions, logprobs, usage and errors OK "
               f"(reply: {streamed!r})")
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ Usage: structured_client.py TESSERA_BINARY MODEL.gguf [N]
 """
 
 import json
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,7 +26,7 @@ import jsonschema
 import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loopback import free_port, wait_ready  # noqa: E402
+from loopback import tessera_serve  # noqa: E402
 
 # Ten schemas (nested objects, enums, bounded numbers, arrays, booleans,
 # nulls, anyOf, patterns) with a prompt each; `tessera bench --scenario
@@ -164,15 +163,7 @@ def tool_calls(client):
 def main():
     binary, model = sys.argv[1], sys.argv[2]
     count = int(sys.argv[3]) if len(sys.argv) > 3 else 200
-    port = free_port()
-    server = subprocess.Popen(
-        [binary, "serve", "--model", model, "--port", str(port), "--alias", "smollm2"],
-        stderr=subprocess.PIPE, text=True,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(f"{base}/health", server, "the server", timeout=120,
-                   hint=lambda: f": {server.stderr.read()}")
+    with tessera_serve(binary, model, "--alias", "smollm2") as base:
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
 
         with ThreadPoolExecutor(8) as pool:
@@ -223,9 +214,6 @@ def main():
         print("structured output: every check passed")
         tool_calls(client)
         print("tool calls: every check passed")
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
 
 
 if __name__ == "__main__":

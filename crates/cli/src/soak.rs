@@ -123,7 +123,8 @@ fn shape_matches(shape: Shape, text: &str, syntax: &tessera_engine::ToolSyntax) 
     match shape {
         Shape::Json => serde_json::from_str::<serde_json::Value>(text)
             .ok()
-            .and_then(|v| Some(v.get("word")?.is_string() && v.get("n")?.is_i64()))
+            // An integer as JSON Schema counts them (`-0` and `1.0` too).
+            .and_then(|v| Some(v.get("word")?.is_string() && v.get("n")?.as_f64()?.fract() == 0.0))
             .unwrap_or(false),
         Shape::Regex => {
             text.ends_with('.')

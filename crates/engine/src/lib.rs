@@ -57,7 +57,9 @@ pub use spec::NgramSpec;
 pub use stream::{Canceller, Event, EventStream, RequestStream, MAX_BACKLOG};
 pub use tessera_model::{Activations, IsaCap, Tuning};
 pub use tessera_model::{DeviceSpec, Message, Model};
-pub use tools::{ToolCall, ToolChoice, ToolFormat, ToolSpec, ToolSyntax, MAX_PARALLEL_CALLS};
+pub use tools::{
+    ToolCall, ToolChoice, ToolFormat, ToolSpec, ToolStream, ToolSyntax, MAX_PARALLEL_CALLS,
+};
 pub use types::{
     CacheDType, Completion, ContextShift, EngineConfig, EngineStats, Fault, FaultHook, FaultSite,
     FinishReason, GenerateRequest, Partition, Prompt, Timings, TokenEvent, Usage,

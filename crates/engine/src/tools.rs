@@ -403,6 +403,51 @@ impl ToolSyntax {
     }
 }
 
+/// One streamed answer with tools offered: text that may open a call is
+/// held back, and once a call opens, the rest is held to the end, where
+/// it is parsed.
+#[derive(Debug, Clone)]
+pub struct ToolStream {
+    syntax: ToolSyntax,
+    held: String,
+    in_call: bool,
+    sent_any: bool,
+}
+
+impl ToolStream {
+    pub fn new(syntax: ToolSyntax) -> ToolStream {
+        ToolStream {
+            syntax,
+            held: String::new(),
+            in_call: false,
+            sent_any: false,
+        }
+    }
+
+    /// Takes a token's text; returns the content that may be sent now.
+    pub fn push(&mut self, text: &str) -> String {
+        self.held.push_str(text);
+        if self.in_call {
+            return String::new();
+        }
+        let (safe, call) = self.syntax.stream_split(&self.held, !self.sent_any);
+        self.in_call = call;
+        let rest = self.held.split_off(safe);
+        let out = std::mem::replace(&mut self.held, rest);
+        self.sent_any |= !out.is_empty();
+        out
+    }
+
+    /// At the end, given the whole answer: its calls, when a call opened
+    /// and they parse; else the content still held.
+    pub fn finish(&mut self, answer: &str) -> Result<Vec<ToolCall>, String> {
+        match self.syntax.parse(answer) {
+            Some((_, calls)) if self.in_call => Ok(calls),
+            _ => Err(std::mem::take(&mut self.held)),
+        }
+    }
+}
+
 /// `additionalProperties: false` on every object schema in `v` that does
 /// not set it.
 fn close_objects(v: &mut Value) {
@@ -552,6 +597,33 @@ mod tests {
         assert_eq!(l.stream_split("<|python", true), (0, false));
         assert_eq!(l.stream_split("Sure", true), (4, false));
         assert_eq!(l.stream_split("{", false), (1, false));
+    }
+
+    /// A stream sends what cannot open a call, holds a call to the end,
+    /// and gives back everything held when the call does not parse.
+    #[test]
+    fn a_stream_holds_calls_and_loses_no_text() {
+        let answer = [
+            "Sure. <tool",
+            "_call>\n{\"name\": \"f\", ",
+            "\"arguments\": {}}",
+            "\n</tool_call>",
+        ];
+        let mut s = ToolStream::new(syntax(ToolFormat::Hermes));
+        let sent: Vec<String> = answer.iter().map(|t| s.push(t)).collect();
+        assert_eq!(sent, ["Sure. ", "", "", ""]);
+        assert_eq!(s.finish(&answer.concat()).unwrap()[0].name, "f");
+        let broken = ["Hi <tool_call>{\"na", "me\": oops", "} done"];
+        let mut s = ToolStream::new(syntax(ToolFormat::Hermes));
+        let sent: String = broken.iter().map(|t| s.push(t)).collect();
+        assert_eq!(
+            sent + &s.finish(&broken.concat()).unwrap_err(),
+            broken.concat()
+        );
+        let mut s = ToolStream::new(syntax(ToolFormat::Hermes));
+        assert_eq!(s.push("plain <to"), "plain ");
+        assert_eq!(s.push("y>"), "<toy>");
+        assert_eq!(s.finish("plain <toy>").unwrap_err(), "");
     }
 
     #[test]

@@ -45,7 +45,7 @@ use serde_json::{json, Value};
 use tessera_engine::{
     Canceller, Completion, Constraint, ContextShift, Engine, EngineError, Event, FinishReason,
     GenerateRequest, Message, Partition, Prompt, SamplingParams, TokenLogprob, ToolCall,
-    ToolChoice, ToolSpec, ToolSyntax,
+    ToolChoice, ToolSpec, ToolStream, ToolSyntax,
 };
 use tokio::sync::mpsc;
 
@@ -1112,12 +1112,11 @@ async fn generate(
         // back), and where each choice's next text starts (completions).
         let mut pending: Vec<Vec<TokenLogprob>> = vec![Vec::new(); n];
         let mut offsets = vec![0usize; n];
-        // With tools: each choice's text held back (it may open a call),
-        // whether a call has begun (the rest is parsed at the end), and
-        // whether any text was sent.
-        let mut held = vec![String::new(); n];
-        let mut in_call = vec![false; n];
-        let mut sent_any = vec![false; n];
+        // With tools: each choice's text that may open a call, or is one.
+        let mut holds: Vec<ToolStream> = match &syntax {
+            Some(t) => vec![ToolStream::new(t.clone()); n],
+            None => Vec::new(),
+        };
         let mut choice = |index: usize,
                           text: Option<&str>,
                           reason: Option<&str>,
@@ -1177,21 +1176,13 @@ async fn generate(
                     ..
                 } => {
                     pending[index].extend(logprob.map(|l| *l));
-                    let text = match &syntax {
-                        Some(t) if !in_call[index] => {
-                            held[index].push_str(&text);
-                            let (safe, call) = t.stream_split(&held[index], !sent_any[index]);
-                            in_call[index] = call;
-                            let rest = held[index].split_off(safe);
-                            std::mem::replace(&mut held[index], rest)
-                        }
-                        Some(_) => String::new(),
+                    let text = match holds.get_mut(index) {
+                        Some(h) => h.push(&text),
                         None => text,
                     };
                     if text.is_empty() {
                         Ok(())
                     } else {
-                        sent_any[index] = true;
                         let lps = std::mem::take(&mut pending[index]);
                         out.send(chunk(choice(index, Some(&text), None, lps), None))
                             .await
@@ -1200,17 +1191,17 @@ async fn generate(
                 Event::Done(c) => {
                     let lps = std::mem::take(&mut pending[c.index]);
                     let i = c.index;
-                    let calls = syntax.as_ref().and_then(|t| t.parse(&c.text));
                     let mut r = Ok(());
-                    let reason = match calls {
-                        Some((_, calls)) if in_call[i] => {
+                    let end = holds.get_mut(i).map(|h| h.finish(&c.text));
+                    let reason = match end {
+                        Some(Ok(calls)) => {
                             let delta = json!([{"index": i, "delta": {"tool_calls": tool_calls(&calls, &call_id, i)},
                                 "finish_reason": null, "logprobs": null}]);
                             r = out.send(chunk(delta, None)).await;
                             "tool_calls"
                         }
-                        _ => {
-                            let rest = std::mem::take(&mut held[i]);
+                        rest => {
+                            let rest = rest.and_then(Result::err).unwrap_or_default();
                             if !rest.is_empty() {
                                 r = out
                                     .send(chunk(choice(i, Some(&rest), None, Vec::new()), None))
