@@ -19,6 +19,7 @@ Usage: structured_client.py TESSERA_BINARY MODEL.gguf [N]
 
 import json
 import sys
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -211,6 +212,10 @@ def main():
             raise AssertionError("two constraints were served")
         except openai.BadRequestError as e:
             assert "one constraint" in str(e), e
+        metrics = urllib.request.urlopen(f"{base}/metrics").read().decode()
+        masks = [float(line.split()[-1]) for line in metrics.splitlines()
+                 if line.startswith("tessera:structured_output_masks_total")]
+        assert masks and masks[0] > 0, "no structured-output masks counted in /metrics"
         print("structured output: every check passed")
         tool_calls(client)
         print("tool calls: every check passed")

@@ -106,7 +106,7 @@ impl Grammars {
 
     fn factory(&self) -> Result<&Arc<ParserFactory>> {
         self.factory
-            .get_or_init(|| build_factory(&self.tokenizer, self.vocab))
+            .get_or_init(|| guarded(|| build_factory(&self.tokenizer, self.vocab)))
             .as_ref()
             .map_err(|e| EngineError::Invalid(format!("structured output: {e}")))
     }
@@ -114,8 +114,7 @@ impl Grammars {
     /// A fresh matcher for `c`, or why `c` cannot be used.
     pub(crate) fn compile(&self, c: &Constraint) -> Result<Matcher> {
         let factory = self.factory()?;
-        let parser = factory
-            .create_parser(c.grammar())
+        let parser = guarded(|| factory.create_parser(c.grammar()))
             .map_err(|e| EngineError::Invalid(format!("bad constraint: {e}")))?;
         let m = Matcher::new(Ok(parser));
         match m.get_error() {
@@ -164,7 +163,19 @@ fn build_factory(tok: &Tokenizer, vocab: usize) -> std::result::Result<Arc<Parse
 pub(crate) struct Guide {
     /// Boxed: a matcher is over a kilobyte, and guides move with requests.
     matcher: Box<Matcher>,
-    mask: Option<SimpleVob>,
+    /// The next token's mask, or why it could not be computed.
+    mask: Option<std::result::Result<SimpleVob, String>>,
+}
+
+/// Runs a matcher call, a panic in it becoming an error (the sample then
+/// fails; it never goes on unconstrained).
+fn guarded<T, E: std::fmt::Display>(
+    f: impl FnOnce() -> std::result::Result<T, E>,
+) -> std::result::Result<T, String> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(r) => r.map_err(|e| e.to_string()),
+        Err(_) => Err("the grammar engine failed".into()),
+    }
 }
 
 impl Guide {
@@ -186,17 +197,20 @@ impl Guide {
     /// Computes the next token's mask now, unless it is ready.
     pub(crate) fn prepare(&mut self) {
         if self.mask.is_none() && !self.matcher.is_stopped() {
-            self.mask = self.matcher.compute_mask().ok();
+            let m = &mut self.matcher;
+            self.mask = Some(guarded(|| m.compute_mask()));
         }
     }
 
     /// `logits` with every token the constraint forbids at this point set
     /// to −∞.
     pub(crate) fn masked(&mut self, logits: &[f32]) -> Result<Vec<f32>> {
+        let m = &mut self.matcher;
         let mask = match self.mask.take() {
-            Some(m) => m,
-            None => self.matcher.compute_mask().map_err(|e| guide_err(&e))?,
-        };
+            Some(r) => r,
+            None => guarded(|| m.compute_mask()),
+        }
+        .map_err(|e| guide_err(&e))?;
         if mask.is_zero() {
             return Err(EngineError::Invalid(
                 "structured output: no token can continue the constrained output".into(),
@@ -227,7 +241,8 @@ impl Guide {
     /// and allows nothing more (the sample ends there).
     pub(crate) fn commit(&mut self, t: u32) -> Result<bool> {
         self.mask = None;
-        self.matcher.consume_token(t).map_err(|e| guide_err(&e))?;
+        let m = &mut self.matcher;
+        guarded(|| m.consume_token(t)).map_err(|e| guide_err(&e))?;
         Ok(self.matcher.is_stopped())
     }
 }

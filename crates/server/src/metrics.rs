@@ -84,6 +84,26 @@ const STATS: &[StatLine] = &[
         |s| s.spec_accepted_tokens as f64,
     ),
     (
+        "structured_output_masks_total",
+        Kind::Counter,
+        "Next-token masks computed for constrained samples (structured output, forced tool calls).",
+        |s| s.guide_masks as f64,
+    ),
+    (
+        "structured_output_mask_seconds_total",
+        // A gauge: the recorder's counters are whole numbers.
+        Kind::Gauge,
+        "Time computing those masks.",
+        |s| s.guide_mask_ns as f64 / 1e9,
+    ),
+    (
+        "structured_output_mask_wait_seconds_total",
+        // A gauge: the recorder's counters are whole numbers.
+        Kind::Gauge,
+        "The part of that time on the steps' path (all of it where no core is free beside the forward).",
+        |s| s.guide_wait_ns as f64 / 1e9,
+    ),
+    (
         "prompt_tokens_total",
         Kind::Counter,
         "Prompt tokens of all requests.",
