@@ -5,8 +5,8 @@
 
 use serde_json::{json, Value};
 use tessera_engine::{
-    gbnf_to_lark, Constraint, Engine, EngineConfig, EngineError, FinishReason, GenerateRequest,
-    Message, NgramSpec, Prompt, SamplingParams,
+    Constraint, Engine, EngineConfig, EngineError, FinishReason, GenerateRequest, Message,
+    NgramSpec, Prompt, SamplingParams,
 };
 
 use super::engine;
@@ -149,7 +149,7 @@ fn schemas_grammars_and_regexes_hold_for_every_sample() {
             &e,
             &constrained(
                 chat("Is the sea salty?"),
-                Constraint::Lark(gbnf_to_lark(gbnf)),
+                Constraint::grammar_text(gbnf),
                 SamplingParams::greedy(),
             ),
         )

@@ -385,7 +385,7 @@ struct ConstraintArgs {
 
 impl ConstraintArgs {
     fn constraint(&self) -> Result<Option<tessera_engine::Constraint>> {
-        use tessera_engine::{gbnf_to_lark, Constraint};
+        use tessera_engine::Constraint;
         let read = |p: &std::path::PathBuf| {
             std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))
         };
@@ -395,14 +395,8 @@ impl ConstraintArgs {
             _ => None,
         };
         if let Some(s) = schema {
-            let v: serde_json::Value =
-                serde_json::from_str(&s).context("the JSON schema is not JSON")?;
-            let empty = v.as_object().is_some_and(|o| o.is_empty());
-            return Ok(Some(if empty {
-                Constraint::JsonObject
-            } else {
-                Constraint::JsonSchema(v)
-            }));
+            let v = serde_json::from_str(&s).context("the JSON schema is not JSON")?;
+            return Ok(Some(Constraint::json_schema(v)));
         }
         let grammar = match (&self.grammar, &self.grammar_file) {
             (Some(g), _) => Some(g.clone()),
@@ -410,7 +404,7 @@ impl ConstraintArgs {
             _ => None,
         };
         Ok(match (grammar, &self.regex) {
-            (Some(g), _) => Some(Constraint::Lark(gbnf_to_lark(&g))),
+            (Some(g), _) => Some(Constraint::grammar_text(&g)),
             (_, Some(r)) => Some(Constraint::Regex(r.clone())),
             _ => None,
         })

@@ -124,7 +124,6 @@ impl Engine {
         let layout = KvLayout::new(mc, &cfg)?;
         let per_block = layout.block_bytes;
         let ctx = cfg.context_length.unwrap_or(mc.context_length);
-        let grammars = crate::grammar::Grammars::new(model.tokenizer.clone(), mc.vocab_size);
         let model = Arc::new(model);
         let core = Worker::new(model.clone(), &cfg, ctx, &layout)?;
         let (tx, rx) = mpsc::channel();
@@ -141,7 +140,7 @@ impl Engine {
                 tx,
                 worker: Some(worker),
                 persist: Mutex::new(None),
-                grammars,
+                grammars: Default::default(),
             }),
         };
         if let Some(dir) = &engine.inner.cfg.cache_dir {
@@ -304,7 +303,9 @@ impl Engine {
         check_stops(&req.stop)?;
         check_partition(&req.partition)?;
         let guide = match &req.constraint {
-            Some(c) => Some(crate::grammar::Guide::new(self.inner.grammars.compile(c)?)),
+            Some(c) => Some(crate::grammar::Guide::new(
+                self.inner.grammars.compile(&self.inner.model, c)?,
+            )),
             None => None,
         };
         let (events, rx) = crate::stream::channel();

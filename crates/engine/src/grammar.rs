@@ -9,7 +9,7 @@ use std::sync::{Arc, OnceLock};
 use llguidance::api::TopLevelGrammar;
 use llguidance::{Matcher, ParserFactory};
 use serde_json::Value;
-use tessera_model::{Special, Tokenizer};
+use tessera_model::{Model, Special, Tokenizer};
 use toktrie::{SimpleVob, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
 
 use crate::error::{EngineError, Result};
@@ -33,18 +33,39 @@ pub enum Constraint {
 /// a model cannot loop on it forever (llguidance's default allows any
 /// run: a base model answered `{` and 400 newlines). A schema's own
 /// `x-guidance` options replace this.
-pub(crate) const JSON_WHITESPACE: &str = r"[\x20\x0A\x0D\x09]{1,24}";
+const JSON_WHITESPACE: &str = r"[\x20\x0A\x0D\x09]{1,24}";
 
-fn json_grammar(schema: &Value) -> TopLevelGrammar {
-    let mut schema = schema.clone();
+/// `schema` with [`JSON_WHITESPACE`] between its tokens, unless it sets its
+/// own `x-guidance` options (also for JSON inside grammars: `%json`).
+pub(crate) fn bound_json_whitespace(schema: &mut Value) {
     if let Some(o) = schema.as_object_mut() {
         o.entry("x-guidance")
             .or_insert_with(|| serde_json::json!({"whitespace_pattern": JSON_WHITESPACE}));
     }
+}
+
+fn json_grammar(schema: &Value) -> TopLevelGrammar {
+    let mut schema = schema.clone();
+    bound_json_whitespace(&mut schema);
     TopLevelGrammar::from_json_schema(schema)
 }
 
 impl Constraint {
+    /// A JSON schema's constraint (`{}`: any JSON object, as llama.cpp's
+    /// `--json-schema '{}'`).
+    pub fn json_schema(schema: Value) -> Constraint {
+        if schema.as_object().is_some_and(|o| o.is_empty()) {
+            Constraint::JsonObject
+        } else {
+            Constraint::JsonSchema(schema)
+        }
+    }
+
+    /// A grammar's constraint: GBNF (converted) or llguidance's Lark.
+    pub fn grammar_text(grammar: &str) -> Constraint {
+        Constraint::Lark(gbnf_to_lark(grammar))
+    }
+
     fn grammar(&self) -> TopLevelGrammar {
         match self {
             Constraint::JsonObject => json_grammar(&serde_json::json!({"type": "object"})),
@@ -60,7 +81,7 @@ impl Constraint {
 /// produces one by spelling it), and the ids that end generation.
 struct TokEnv {
     trie: TokTrie,
-    tokenizer: Tokenizer,
+    model: Arc<Model>,
 }
 
 impl TokenizerEnv for TokEnv {
@@ -69,51 +90,43 @@ impl TokenizerEnv for TokEnv {
     }
 
     fn tokenize_bytes(&self, s: &[u8]) -> Vec<TokenId> {
-        self.trie.tokenize_with_greedy_fallback(s, |s| {
-            self.tokenizer
-                .encode(s, Special::AsText, false)
-                .unwrap_or_default()
-        })
+        self.tokenize(s, Special::AsText)
     }
 
     fn tokenize_bytes_special(&self, s: &[u8]) -> Vec<TokenId> {
-        self.trie.tokenize_with_greedy_fallback(s, |s| {
-            self.tokenizer
-                .encode(s, Special::Parse, false)
-                .unwrap_or_default()
-        })
+        self.tokenize(s, Special::Parse)
+    }
+}
+
+impl TokEnv {
+    fn tokenize(&self, s: &[u8], special: Special) -> Vec<TokenId> {
+        let tok = &self.model.tokenizer;
+        self.trie
+            .tokenize_with_greedy_fallback(s, |s| tok.encode(s, special, false).unwrap_or_default())
     }
 }
 
 /// Compiles constraints for one model; the vocabulary's trie is built the
 /// first time a request asks for one (tens of milliseconds on a large
-/// vocabulary) and shared by every later one.
+/// vocabulary) and shared by every later one. Nothing is built or copied
+/// for an engine that never sees a constraint.
+#[derive(Default)]
 pub(crate) struct Grammars {
-    tokenizer: Tokenizer,
-    /// Logit rows cover this many ids (at least the tokenizer's).
-    vocab: usize,
     factory: OnceLock<std::result::Result<Arc<ParserFactory>, String>>,
 }
 
 impl Grammars {
-    pub(crate) fn new(tokenizer: Tokenizer, vocab: usize) -> Grammars {
-        Grammars {
-            tokenizer,
-            vocab,
-            factory: OnceLock::new(),
-        }
-    }
-
-    fn factory(&self) -> Result<&Arc<ParserFactory>> {
+    fn factory(&self, model: &Arc<Model>) -> Result<&Arc<ParserFactory>> {
         self.factory
-            .get_or_init(|| guarded(|| build_factory(&self.tokenizer, self.vocab)))
+            .get_or_init(|| guarded(|| build_factory(model)))
             .as_ref()
             .map_err(|e| EngineError::Invalid(format!("structured output: {e}")))
     }
 
-    /// A fresh matcher for `c`, or why `c` cannot be used.
-    pub(crate) fn compile(&self, c: &Constraint) -> Result<Matcher> {
-        let factory = self.factory()?;
+    /// A fresh matcher for `c` over `model`'s vocabulary (always the same
+    /// model: the engine's), or why `c` cannot be used.
+    pub(crate) fn compile(&self, model: &Arc<Model>, c: &Constraint) -> Result<Matcher> {
+        let factory = self.factory(model)?;
         let parser = guarded(|| factory.create_parser(c.grammar()))
             .map_err(|e| EngineError::Invalid(format!("bad constraint: {e}")))?;
         let m = Matcher::new(Ok(parser));
@@ -124,7 +137,10 @@ impl Grammars {
     }
 }
 
-fn build_factory(tok: &Tokenizer, vocab: usize) -> std::result::Result<Arc<ParserFactory>, String> {
+fn build_factory(model: &Arc<Model>) -> std::result::Result<Arc<ParserFactory>, String> {
+    let tok: &Tokenizer = &model.tokenizer;
+    // Logit rows cover this many ids (at least the tokenizer's).
+    let vocab = model.config().vocab_size;
     let eog = tok.eog_ids().to_vec();
     let Some(&eos) = eog.first() else {
         return Err("the model has no end-of-generation token".into());
@@ -150,7 +166,7 @@ fn build_factory(tok: &Tokenizer, vocab: usize) -> std::result::Result<Arc<Parse
     let trie = TokTrie::from(&info, &words).with_eos_tokens(&eog);
     let env = TokEnv {
         trie,
-        tokenizer: tok.clone(),
+        model: model.clone(),
     };
     let mut factory = ParserFactory::new_simple(&(Arc::new(env) as toktrie::TokEnv))
         .map_err(|e| e.to_string())?;

@@ -23,7 +23,7 @@
 use serde_json::{json, Value};
 use tessera_model::{Message, Tokenizer};
 
-use crate::grammar::Constraint;
+use crate::grammar::{bound_json_whitespace, Constraint};
 use crate::types::Prompt;
 
 /// One function the model may call.
@@ -110,6 +110,18 @@ pub enum ToolFormat {
     Granite,
 }
 
+impl ToolFormat {
+    /// The text a call starts with (Llama 3's is its JSON object's `{`).
+    pub fn opener(self) -> &'static str {
+        match self {
+            ToolFormat::Hermes => HERMES_OPEN,
+            ToolFormat::Mistral => MISTRAL_OPEN,
+            ToolFormat::Granite => GRANITE_OPEN,
+            ToolFormat::Llama3 => "{",
+        }
+    }
+}
+
 /// How one model writes tool calls, and whether its template renders the
 /// tools itself.
 #[derive(Debug, Clone)]
@@ -138,12 +150,7 @@ impl ToolSyntax {
     pub fn of(template: &tessera_model::ChatTemplate, tok: &Tokenizer) -> ToolSyntax {
         let (format, native) = ToolSyntax::detect(template);
         let controls = tok.control_texts();
-        let opener = ToolSyntax {
-            format,
-            native,
-            opener_token: None,
-        }
-        .opener();
+        let opener = format.opener();
         let opener_token = (format != ToolFormat::Llama3 && controls.iter().any(|c| c == opener))
             .then(|| tok.token_to_id(opener))
             .flatten();
@@ -175,12 +182,7 @@ impl ToolSyntax {
 
     /// The text a call starts with (Llama 3's is its JSON object's `{`).
     pub fn opener(&self) -> &'static str {
-        match self.format {
-            ToolFormat::Hermes => HERMES_OPEN,
-            ToolFormat::Mistral => MISTRAL_OPEN,
-            ToolFormat::Granite => GRANITE_OPEN,
-            ToolFormat::Llama3 => "{",
-        }
+        self.format.opener()
     }
 
     /// The prompt for `messages` with `tools` offered: OpenAI-shaped
@@ -287,7 +289,6 @@ impl ToolSyntax {
         } else {
             json!({"anyOf": calls})
         };
-        let ws = json!({"whitespace_pattern": crate::grammar::JSON_WHITESPACE});
         let opener = match self.opener_token {
             Some(id) => format!("<[{id}]>"),
             None => serde_json::to_string(self.opener()).expect("a string"),
@@ -296,7 +297,7 @@ impl ToolSyntax {
         let lark = match self.format {
             ToolFormat::Hermes => {
                 let mut schema = one;
-                schema["x-guidance"] = ws;
+                bound_json_whitespace(&mut schema);
                 let repeat = if many {
                     format!(" (\"\\n\" call){{0,{}}}", MAX_PARALLEL_CALLS - 1)
                 } else {
@@ -310,12 +311,12 @@ impl ToolSyntax {
                 let most = if many { MAX_PARALLEL_CALLS } else { 1 };
                 let mut schema =
                     json!({"type": "array", "items": one, "minItems": 1, "maxItems": most});
-                schema["x-guidance"] = ws;
+                bound_json_whitespace(&mut schema);
                 format!("start: {opener} %json {schema}\n")
             }
             ToolFormat::Llama3 => {
                 let mut schema = one;
-                schema["x-guidance"] = ws;
+                bound_json_whitespace(&mut schema);
                 format!("start: %json {schema}\n")
             }
         };

@@ -709,32 +709,27 @@ impl Worker {
             .filter(|(_, r)| r.is_some_and(|r| !r.scored))
             .filter_map(|(i, _)| Some((i.req, self.active.get_mut(&i.req)?.guide.take()?)))
             .collect();
-        let overlap = self.masks_beside;
-        let (ran, masked) = std::thread::scope(|s| {
-            if !overlap && !guides.is_empty() {
-                let t = Instant::now();
-                for (_, g) in guides.iter_mut() {
-                    g.prepare();
-                }
-                let took = t.elapsed();
-                let ran = catch_unwind(AssertUnwindSafe(|| self.execute(&plan, &rows)));
-                return (ran, Some((took, took)));
+        let prepare = |guides: &mut Vec<(ReqId, crate::grammar::Guide)>| {
+            let t = Instant::now();
+            for (_, g) in guides.iter_mut() {
+                g.prepare();
             }
-            let masks = (!guides.is_empty()).then(|| {
-                s.spawn(|| {
-                    let t = Instant::now();
-                    for (_, g) in guides.iter_mut() {
-                        g.prepare();
-                    }
-                    t.elapsed()
-                })
-            });
+            t.elapsed()
+        };
+        let (overlap, any) = (self.masks_beside, !guides.is_empty());
+        let (ran, masked) = std::thread::scope(|s| {
+            let inline = (any && !overlap).then(|| prepare(&mut guides));
+            let beside = (any && overlap).then(|| s.spawn(|| prepare(&mut guides)));
             let ran = catch_unwind(AssertUnwindSafe(|| self.execute(&plan, &rows)));
-            // A panic while computing a mask leaves it to be computed
-            // when it is needed (and to fail there, for that sample alone).
+            // (Time, time on the step's path.) A mask computation never
+            // panics (`Guide::prepare` turns panics into errors).
             let waited = Instant::now();
-            let took = masks.and_then(|h| h.join().ok());
-            (ran, took.map(|t| (t, waited.elapsed())))
+            let masked = match (inline, beside) {
+                (Some(t), _) => Some((t, t)),
+                (_, Some(h)) => h.join().ok().map(|t| (t, waited.elapsed())),
+                _ => None,
+            };
+            (ran, masked)
         });
         if let Some((took, waited)) = masked {
             self.totals.guide_masks += guides.len() as u64;

@@ -219,7 +219,7 @@ fn python_json(v: &serde_json::Value, indent: Option<usize>, depth: usize, out: 
             None => {}
         }
         if let Some(k) = k {
-            out.push_str(&serde_json::Value::String((*k).clone()).to_string());
+            out.push_str(&serde_json::to_string(k).expect("a string serializes"));
             out.push_str(": ");
         }
         python_json(x, indent, depth + 1, out);

@@ -778,18 +778,10 @@ fn constraint(c: &Common) -> Result<Option<Constraint>, ApiError> {
         }
     }
     if let Some(s) = &c.json_schema {
-        let empty = s.as_object().is_some_and(|o| o.is_empty());
-        found.push((
-            "json_schema",
-            if empty {
-                Constraint::JsonObject
-            } else {
-                Constraint::JsonSchema(s.clone())
-            },
-        ));
+        found.push(("json_schema", Constraint::json_schema(s.clone())));
     }
     if let Some(g) = &c.grammar {
-        found.push(("grammar", Constraint::Lark(tessera_engine::gbnf_to_lark(g))));
+        found.push(("grammar", Constraint::grammar_text(g)));
     }
     if let Some(r) = &c.regex {
         found.push(("regex", Constraint::Regex(r.clone())));
@@ -895,13 +887,7 @@ fn finish(r: FinishReason) -> &'static str {
 fn chat_message(c: &Completion, syntax: Option<&ToolSyntax>, id: &str) -> (Value, &'static str) {
     match syntax.and_then(|t| t.parse(&c.text)) {
         Some((content, calls)) => {
-            let calls: Vec<Value> = tool_calls(&calls, id, c.index)
-                .into_iter()
-                .map(|mut v| {
-                    v.as_object_mut().map(|o| o.remove("index"));
-                    v
-                })
-                .collect();
+            let calls = tool_calls(&calls, id, c.index);
             let content = (!content.is_empty()).then_some(content);
             (
                 json!({"role": "assistant", "content": content, "tool_calls": calls}),
@@ -915,15 +901,14 @@ fn chat_message(c: &Completion, syntax: Option<&ToolSyntax>, id: &str) -> (Value
     }
 }
 
-/// OpenAI's `tool_calls` entries (with the `index` stream deltas carry),
-/// `arguments` as a JSON string.
+/// OpenAI's `tool_calls` entries, `arguments` as a JSON string (stream
+/// deltas add each one's `index`).
 fn tool_calls(calls: &[ToolCall], id: &str, choice: usize) -> Vec<Value> {
     calls
         .iter()
         .enumerate()
         .map(|(i, call)| {
             json!({
-                "index": i,
                 "id": format!("call_{}_{choice}_{i}", id.replace('-', "_")),
                 "type": "function",
                 "function": {"name": call.name, "arguments": call.arguments.to_string()},
@@ -1195,7 +1180,11 @@ async fn generate(
                     let end = holds.get_mut(i).map(|h| h.finish(&c.text));
                     let reason = match end {
                         Some(Ok(calls)) => {
-                            let delta = json!([{"index": i, "delta": {"tool_calls": tool_calls(&calls, &call_id, i)},
+                            let mut calls = tool_calls(&calls, &call_id, i);
+                            for (k, c) in calls.iter_mut().enumerate() {
+                                c["index"] = json!(k);
+                            }
+                            let delta = json!([{"index": i, "delta": {"tool_calls": calls},
                                 "finish_reason": null, "logprobs": null}]);
                             r = out.send(chunk(delta, None)).await;
                             "tool_calls"
