@@ -11,6 +11,8 @@ use tessera_model::{Model, Special};
 
 #[path = "e2e/cache.rs"]
 mod cache;
+#[path = "e2e/draft.rs"]
+mod draft;
 #[path = "e2e/extend.rs"]
 mod extend;
 #[path = "e2e/gemma.rs"]

@@ -217,9 +217,10 @@ pub(crate) struct KvArgs {
     spec: SpecArgs,
 }
 
-/// Draftless speculative decoding (prompt lookup), as llama.cpp's n-gram
-/// drafts and vLLM's `ngram` method.
-#[derive(Args, Clone, Copy)]
+/// Speculative decoding: draftless (prompt lookup), as llama.cpp's n-gram
+/// drafts and vLLM's `ngram` method, or with a draft model (llama.cpp's
+/// `--model-draft`).
+#[derive(Args, Clone)]
 pub(crate) struct SpecArgs {
     /// Speculative decoding by prompt lookup: after each token, the text so
     /// far is searched for its last few tokens and what followed them
@@ -241,16 +242,48 @@ pub(crate) struct SpecArgs {
     #[arg(long, default_value_t = tessera_engine::NgramSpec::default().min_ngram,
           value_parser = parse_positive)]
     ngram_min: usize,
+    /// Speculative decoding with a draft model: a smaller model of the
+    /// same tokenizer (a GGUF file, a model directory or hf:OWNER/REPO/FILE)
+    /// drafts greedily on its own K/V cache, cut from --kv-memory; the
+    /// model checks the drafts. The same output tokens as without; faster
+    /// where the draft model often guesses the model's next tokens.
+    #[arg(long = "model-draft", visible_alias = "md", value_name = "MODEL",
+          value_parser = parse_source)]
+    model_draft: Option<tessera_engine::ModelSource>,
+    /// A draft stops before a guess the draft model gives less than this
+    /// probability (llama.cpp's --draft-p-min).
+    #[arg(long, default_value_t = tessera_engine::DraftModelConfig::P_MIN,
+          value_parser = parse_share_f32)]
+    draft_p_min: f32,
 }
 
 impl SpecArgs {
-    pub(crate) fn get(self) -> Option<tessera_engine::NgramSpec> {
-        self.spec_ngram.then_some(tessera_engine::NgramSpec {
+    /// Prompt lookup's settings: with --spec-ngram, or the draft model's
+    /// (its most guesses) with --model-draft.
+    pub(crate) fn get(&self) -> Option<tessera_engine::NgramSpec> {
+        (self.spec_ngram || self.model_draft.is_some()).then_some(tessera_engine::NgramSpec {
             max_draft: self.draft_max,
             max_ngram: self.ngram_max.max(self.ngram_min),
             min_ngram: self.ngram_min,
         })
     }
+
+    pub(crate) fn draft(&self) -> Option<tessera_engine::DraftModelConfig> {
+        self.model_draft
+            .clone()
+            .map(|source| tessera_engine::DraftModelConfig {
+                source,
+                p_min: self.draft_p_min,
+            })
+    }
+}
+
+fn parse_source(s: &str) -> Result<tessera_engine::ModelSource, String> {
+    tessera_engine::ModelSource::parse(s).map_err(|e| e.to_string())
+}
+
+fn parse_share_f32(s: &str) -> Result<f32, String> {
+    parse_share(s).map(|v| v as f32)
 }
 
 fn parse_positive(s: &str) -> Result<usize, String> {
@@ -313,6 +346,7 @@ impl KvArgs {
             background_chunk: self.background_chunk,
             self_extend: self.self_extend.get(),
             speculative: self.spec.get(),
+            draft: self.spec.draft(),
             ..EngineConfig::default()
         }
     }
@@ -575,6 +609,12 @@ pub(crate) fn print_stats(c: &Completion) {
         "output: {} tokens | {:.1} tok/s | total: {:.1} s",
         u.completion_tokens, t.decode_tok_s, t.total_s
     );
+    if u.draft_tokens > 0 {
+        eprintln!(
+            "speculative: {} of {} draft tokens kept",
+            u.accepted_draft_tokens, u.draft_tokens
+        );
+    }
 }
 
 fn tokenize(args: TokenizeArgs) -> Result<()> {

@@ -120,12 +120,51 @@ impl Engine {
             model.llama.set_context_length(ctx)?;
         }
         model.llama.prepare()?;
+        let draft = match &cfg.draft {
+            Some(d) => Some(load_draft(d, &model, &cfg)?),
+            None => None,
+        };
         let mc = model.config();
-        let layout = KvLayout::new(mc, &cfg)?;
+        // With a draft model, each pool holds as many tokens.
+        let share = draft.as_ref().map_or(cfg.kv_memory, |d| {
+            let (a, b) = (
+                mc.kv_bytes_per_token(cfg.cache_dtype) as u128,
+                d.config().kv_bytes_per_token(cfg.cache_dtype) as u128,
+            );
+            (cfg.kv_memory as u128 * a / (a + b).max(1)) as usize
+        });
+        let layout = KvLayout::new(
+            mc,
+            &EngineConfig {
+                kv_memory: share,
+                ..cfg.clone()
+            },
+        )?;
         let per_block = layout.block_bytes;
         let ctx = cfg.context_length.unwrap_or(mc.context_length);
+        let drafts = match draft {
+            Some(d) => {
+                let dcfg = EngineConfig {
+                    kv_memory: cfg.kv_memory - share,
+                    self_extend: None,
+                    swa_blocks: None,
+                    ..cfg.clone()
+                };
+                let layout = KvLayout::new(d.config(), &dcfg)?;
+                Some(crate::draft::Drafts::new(crate::draft::DraftSetup {
+                    ctx: ctx.min(d.config().context_length),
+                    model: Arc::new(d),
+                    kv: layout.kv_config(cfg.block_size),
+                    dtype: cfg.cache_dtype,
+                    chunk: cfg.prefill_chunk.max(1),
+                    p_min: cfg.draft.as_ref().map_or(0.0, |d| d.p_min),
+                    prefix_cache: cfg.prefix_cache,
+                })?)
+            }
+            None => None,
+        };
         let model = Arc::new(model);
-        let core = Worker::new(model.clone(), &cfg, ctx, &layout)?;
+        let core = Worker::new(model.clone(), &cfg, ctx, &layout, drafts)?;
         let (tx, rx) = mpsc::channel();
         let worker = std::thread::Builder::new()
             .name("tessera-engine".into())
@@ -592,4 +631,24 @@ fn apply_tuning(cfg: &EngineConfig) {
             "kernel tuning {want:?} not applied: this process already runs with {now:?}"
         );
     }
+}
+
+/// Loads the draft model of `cfg` onto `model`'s device, with the
+/// engine's activation mode, after checking that it shares the model's
+/// tokenizer.
+fn load_draft(d: &crate::DraftModelConfig, model: &Model, cfg: &EngineConfig) -> Result<Model> {
+    if !(0.0..=1.0).contains(&d.p_min) {
+        return Err(EngineError::Invalid(format!(
+            "draft p_min {} is not a probability (0 to 1)",
+            d.p_min
+        )));
+    }
+    let path = d.source.resolve()?;
+    let draft = Model::load_on(&path, model.llama.device(), &mut |_, _| {})?;
+    crate::draft::check_vocab(model, &draft)?;
+    if let Some(a) = cfg.activations {
+        draft.llama.set_activations(a);
+    }
+    draft.llama.prepare()?;
+    Ok(draft)
 }

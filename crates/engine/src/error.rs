@@ -79,3 +79,11 @@ impl From<candle_core::Error> for EngineError {
         EngineError::Candle(tessera_model::without_backtrace(e))
     }
 }
+
+/// The text of a caught panic.
+pub(crate) fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic".into())
+}

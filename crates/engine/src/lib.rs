@@ -27,6 +27,7 @@
 //! ```
 
 mod chat;
+mod draft;
 mod engine;
 mod error;
 mod grammar;
@@ -61,8 +62,9 @@ pub use tools::{
     ToolCall, ToolChoice, ToolFormat, ToolSpec, ToolStream, ToolSyntax, MAX_PARALLEL_CALLS,
 };
 pub use types::{
-    CacheDType, Completion, ContextShift, EngineConfig, EngineStats, Fault, FaultHook, FaultSite,
-    FinishReason, GenerateRequest, Partition, Prompt, Timings, TokenEvent, Usage,
+    CacheDType, Completion, ContextShift, DraftModelConfig, EngineConfig, EngineStats, Fault,
+    FaultHook, FaultSite, FinishReason, GenerateRequest, Partition, Prompt, Timings, TokenEvent,
+    Usage,
 };
 pub use worker::INJECTED_PANIC;
 

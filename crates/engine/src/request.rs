@@ -111,13 +111,30 @@ impl Active {
     /// The draft to follow the token just sampled (the last of the
     /// history), at most what the sample may still generate after it;
     /// empty without speculative decoding or a match.
-    pub(crate) fn next_draft(&mut self) -> Vec<u32> {
-        let most = self
-            .group
+    /// The text so far: the prompt and the tokens sampled.
+    pub(crate) fn history(&self) -> &[u32] {
+        &self.history
+    }
+
+    /// How many guesses may follow the token just sampled (a draft
+    /// model's): what the drafter allows now and the sample may still
+    /// generate after it; 0 without speculative decoding.
+    pub(crate) fn draft_room(&mut self) -> usize {
+        let most = self.room();
+        self.drafter.as_mut().map_or(0, |d| d.allowance(most))
+    }
+
+    /// Tokens the sample may still generate after the one just sampled.
+    fn room(&self) -> usize {
+        self.group
             .req
             .max_tokens
             .saturating_sub(self.out.len())
-            .saturating_sub(1);
+            .saturating_sub(1)
+    }
+
+    pub(crate) fn next_draft(&mut self) -> Vec<u32> {
+        let most = self.room();
         match &mut self.drafter {
             Some(d) => d.draft(&self.history, most),
             None => Vec::new(),

@@ -471,3 +471,18 @@ fn tensor_bytes(t: &Tensor) -> Result<Vec<u8>> {
         }
     })
 }
+
+/// A sequence's slots and table in the sliding-window layers' pool, as
+/// the runner takes them (entries before the window: no block).
+pub(crate) fn sliding_part(
+    slots: &[tessera_kv::Slot],
+    table: &[Option<tessera_kv::BlockId>],
+) -> (Vec<u32>, Vec<u32>) {
+    (
+        slots.iter().map(|s| s.0).collect(),
+        table
+            .iter()
+            .map(|b| b.map_or(tessera_model::NO_BLOCK, |b| b.0))
+            .collect(),
+    )
+}

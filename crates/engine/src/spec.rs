@@ -69,15 +69,21 @@ impl Drafter {
     /// sampled), at most `most` tokens; empty while paused or without a
     /// match.
     pub(crate) fn draft(&mut self, history: &[u32], most: usize) -> Vec<u32> {
-        if self.pause > 0 {
-            self.pause -= 1;
-            return Vec::new();
-        }
-        let most = most.min(self.len).min(self.spec.max_draft);
+        let most = self.allowance(most);
         if most == 0 {
             return Vec::new();
         }
         lookup(history, self.spec.min_ngram, self.spec.max_ngram, most)
+    }
+
+    /// How long the next draft may be, at most `most` (0 while paused; a
+    /// draft model's drafts follow it as prompt lookup's do).
+    pub(crate) fn allowance(&mut self, most: usize) -> usize {
+        if self.pause > 0 {
+            self.pause -= 1;
+            return 0;
+        }
+        most.min(self.len).min(self.spec.max_draft)
     }
 
     /// What the step kept of a draft of `proposed` tokens.

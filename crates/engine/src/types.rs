@@ -82,6 +82,35 @@ pub struct EngineConfig {
     /// next step, the same output tokens as without (see
     /// [`crate::NgramSpec`]). `None`: off.
     pub speculative: Option<crate::NgramSpec>,
+    /// Speculative decoding with a draft model (llama.cpp's
+    /// `--model-draft`): a smaller model of the same tokenizer drafts
+    /// instead of prompt lookup, on the model's device, with a K/V cache
+    /// of its own cut from `kv_memory` (each pool holding as many tokens).
+    /// Drafting is then on for every request with `n = 1` unless
+    /// `speculative` or the request says otherwise; its `max_draft` is the
+    /// most guesses a draft makes.
+    pub draft: Option<DraftModelConfig>,
+}
+
+/// A draft model for speculative decoding ([`EngineConfig::draft`]).
+#[derive(Debug, Clone)]
+pub struct DraftModelConfig {
+    pub source: crate::ModelSource,
+    /// A draft stops before a guess the draft model gives less than this
+    /// probability (llama.cpp's `--draft-p-min`).
+    pub p_min: f32,
+}
+
+impl DraftModelConfig {
+    /// llama.cpp's default `--draft-p-min`.
+    pub const P_MIN: f32 = 0.75;
+
+    pub fn new(source: crate::ModelSource) -> DraftModelConfig {
+        DraftModelConfig {
+            source,
+            p_min: Self::P_MIN,
+        }
+    }
 }
 
 impl Default for EngineConfig {
@@ -106,6 +135,7 @@ impl Default for EngineConfig {
             background_chunk: 1,
             device: DeviceSpec::Auto,
             speculative: None,
+            draft: None,
         }
     }
 }
@@ -342,6 +372,10 @@ pub struct EngineStats {
     /// Speculative decoding: draft tokens proposed, and those kept.
     pub spec_draft_tokens: u64,
     pub spec_accepted_tokens: u64,
+    /// With a draft model: its cache, and the time its drafts took (the
+    /// steps wait for them).
+    pub draft_kv: Option<KvStats>,
+    pub spec_draft_ns: u64,
     /// Structured output: next-token masks computed beside a forward, the
     /// time computing them took, and the part of it the step waited for
     /// after its forward (what masks cost a step).

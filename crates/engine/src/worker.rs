@@ -30,8 +30,9 @@ use tessera_sched::{
 };
 use tracing::{debug, debug_span, error, warn};
 
+use crate::error::panic_text;
 use crate::request::{Active, Group, Next};
-use crate::runner::{Logits, Part, Rows, Runner};
+use crate::runner::{sliding_part, Logits, Part, Rows, Runner};
 use crate::self_extend::PositionMap;
 use crate::snapshot::KvSnapshot;
 use crate::stream::Event;
@@ -117,6 +118,12 @@ pub(crate) struct Worker {
     /// team stalls every worker at the next barrier (measured: 10% of a
     /// decode step on two cores, against 5% for the masks in line).
     masks_beside: bool,
+    /// The draft model, when speculative decoding has one.
+    drafts: Option<crate::draft::Drafts>,
+    /// Samples whose next token waits for its draft (computed for all of
+    /// them together at the end of the step): the token, and the most
+    /// guesses.
+    to_draft: Vec<(ReqId, u32, usize)>,
 }
 
 /// The background share's memory: the largest share not found too slow,
@@ -228,14 +235,6 @@ fn partition_namespace(secret: &[u8; 32], ns: Namespace, p: &Partition) -> Names
 /// What an injected [`Fault::Panic`] panics with.
 pub const INJECTED_PANIC: &str = "injected panic";
 
-/// The text of a caught panic.
-fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
-    p.downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| p.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "a panic".into())
-}
-
 /// How the KV memory budget is split: the pool of every layer, or, for a
 /// model with sliding-window layers, the global layers' pool and a smaller
 /// one for the sliding layers (see [`EngineConfig::swa_full`]).
@@ -312,7 +311,7 @@ impl KvLayout {
         })
     }
 
-    fn kv_config(&self, block_size: usize) -> KvConfig {
+    pub(crate) fn kv_config(&self, block_size: usize) -> KvConfig {
         KvConfig {
             num_blocks: self.num_blocks,
             block_size,
@@ -327,6 +326,7 @@ impl Worker {
         cfg: &EngineConfig,
         ctx: usize,
         layout: &KvLayout,
+        drafts: Option<crate::draft::Drafts>,
     ) -> Result<Worker> {
         let kv = KvCache::new(layout.kv_config(cfg.block_size))?;
         let runner = Runner::new(
@@ -372,6 +372,8 @@ impl Worker {
                 ceiling: cfg.prefill_chunk.max(1),
                 good: 0,
             },
+            drafts,
+            to_draft: Vec::new(),
         })
     }
 
@@ -492,7 +494,13 @@ impl Worker {
                 let _ = reply.send(());
             }
             Command::Check(reply) => {
-                let _ = reply.send(self.sched.kv().check_invariants().map_err(Into::into));
+                let draft = self.drafts.as_ref().map(|d| d.kv().check_invariants());
+                let checked = self
+                    .sched
+                    .kv()
+                    .check_invariants()
+                    .and(draft.unwrap_or(Ok(())));
+                let _ = reply.send(checked.map_err(Into::into));
             }
             Command::Logits(ids, first, reply) => self.start_scoring(ids, first, reply),
             Command::Shutdown => unreachable!("handled by run"),
@@ -513,6 +521,7 @@ impl Worker {
             running: self.sched.num_running(),
             waiting: self.sched.num_waiting(),
             paused_samples: self.active.values().filter(|a| a.held.is_some()).count(),
+            draft_kv: self.drafts.as_ref().map(|d| d.kv().stats()),
             ..self.totals
         }
     }
@@ -576,7 +585,12 @@ impl Worker {
             submitted: Instant::now(),
         });
         let mut a = Active::new(group, 0);
-        let spec = a.group.req.speculative.or(self.cfg.speculative);
+        let spec = a
+            .group
+            .req
+            .speculative
+            .or(self.cfg.speculative)
+            .or(self.drafts.is_some().then(crate::NgramSpec::default));
         if a.group.req.n == 1 && self_extend.is_none() {
             a.drafter = spec
                 .filter(|s| s.max_draft > 0)
@@ -589,6 +603,15 @@ impl Worker {
     /// Gives the scheduler a sampled token to compute: with speculative
     /// decoding on and a draft found, the token and its draft.
     fn push_next(&mut self, id: ReqId, t: u32) -> Result<()> {
+        if self.drafts.is_some() {
+            // The draft model's drafts are computed together after the step.
+            let most = self.active.get_mut(&id).map_or(0, Active::draft_room);
+            if most > 0 {
+                self.to_draft.push((id, t, most));
+                return Ok(());
+            }
+            return self.sched.push_token(id, TokenId(t)).map_err(sched_error);
+        }
         let draft = self
             .active
             .get_mut(&id)
@@ -821,7 +844,66 @@ impl Worker {
                 self.end_scoring(item.req);
             }
         }
+        self.draft_model_drafts();
         self.pace_background(now.elapsed().as_secs_f64(), plain, background, beside);
+    }
+
+    /// The draft model's drafts for the samples that sampled a token in
+    /// this step, in one batch; each token goes to the scheduler with its
+    /// draft (or alone, without one).
+    fn draft_model_drafts(&mut self) {
+        let waiting = std::mem::take(&mut self.to_draft);
+        let Some(drafts) = self.drafts.as_mut() else {
+            return;
+        };
+        let active = &self.active;
+        drafts.retain(|r| active.contains_key(&r));
+        if waiting.is_empty() {
+            return;
+        }
+        let _span = debug_span!("draft", samples = waiting.len()).entered();
+        let began = Instant::now();
+        let wants: Vec<crate::draft::Want> = waiting
+            .iter()
+            .filter_map(|&(req, _, most)| {
+                let a = active.get(&req)?;
+                Some(crate::draft::Want {
+                    req,
+                    ns: partition_namespace(&self.secret, self.ns, &a.group.req.partition),
+                    history: a.history(),
+                    most,
+                    reuse: a.group.req.reuse_prefix,
+                })
+            })
+            .collect();
+        let mut made: HashMap<ReqId, Vec<u32>> = wants
+            .iter()
+            .map(|w| w.req)
+            .zip(drafts.draft(&wants))
+            .collect();
+        self.totals.spec_draft_ns += began.elapsed().as_nanos() as u64;
+        for (id, t, _) in waiting {
+            if !self.active.contains_key(&id) {
+                continue;
+            }
+            let draft: Vec<TokenId> = made
+                .remove(&id)
+                .unwrap_or_default()
+                .into_iter()
+                .map(TokenId)
+                .collect();
+            let pushed = if draft.is_empty() {
+                self.sched.push_token(id, TokenId(t))
+            } else {
+                match self.sched.push_draft(id, TokenId(t), &draft) {
+                    Err(SchedError::BadState(..)) => self.sched.push_token(id, TokenId(t)),
+                    r => r,
+                }
+            };
+            if let Err(e) = pushed {
+                self.fail(id, &sched_error(e));
+            }
+        }
     }
 
     /// Adapts the background share of a step (additive increase,
@@ -1091,6 +1173,9 @@ impl Worker {
         let Some(mut a) = self.active.remove(&id) else {
             return;
         };
+        if let Some(d) = self.drafts.as_mut() {
+            d.release(id, Some(a.history()));
+        }
         a.cached = a.cached.or(cached);
         if let Err(e) = self.sched.finish(id) {
             warn!("finishing {id}: {e}");
@@ -1109,6 +1194,9 @@ impl Worker {
     /// Ends a sample (or an export) with an error; what it computed stays
     /// cached.
     fn fail(&mut self, id: ReqId, e: &EngineError) {
+        if let Some(d) = self.drafts.as_mut() {
+            d.release(id, None);
+        }
         if let Some(a) = self.active.remove(&id) {
             self.totals.failed_requests += 1;
             let _ = a.group.events.send(Event::Error(e.again()));
@@ -1229,21 +1317,6 @@ impl Worker {
     fn shutdown(mut self) {
         self.cancel_all();
     }
-}
-
-/// A sequence's slots and table in the sliding-window layers' pool, as
-/// the runner takes them (entries before the window: no block).
-fn sliding_part(
-    slots: &[tessera_kv::Slot],
-    table: &[Option<tessera_kv::BlockId>],
-) -> (Vec<u32>, Vec<u32>) {
-    (
-        slots.iter().map(|s| s.0).collect(),
-        table
-            .iter()
-            .map(|b| b.map_or(tessera_model::NO_BLOCK, |b| b.0))
-            .collect(),
-    )
 }
 
 #[cfg(test)]

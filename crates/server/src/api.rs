@@ -118,8 +118,8 @@ pub struct Common {
     #[serde(default)]
     pub ignore_eos: bool,
     /// llama-server's: most draft tokens per step for this request
-    /// (speculative decoding by prompt lookup; 0 turns it off; unset: the
-    /// server's `--spec-ngram` setting).
+    /// (speculative decoding by prompt lookup, or by the server's
+    /// `--model-draft`; 0 turns it off; unset: the server's setting).
     #[serde(rename = "speculative.n_max")]
     pub speculative_n_max: Option<usize>,
     /// Structured output: `{"type": "json_object"}`, or `{"type":

@@ -74,7 +74,7 @@ const STATS: &[StatLine] = &[
     (
         "spec_decode_num_draft_tokens_total",
         Kind::Counter,
-        "Draft tokens computed by speculative decoding (--spec-ngram).",
+        "Draft tokens computed by speculative decoding (--spec-ngram, --model-draft).",
         |s| s.spec_draft_tokens as f64,
     ),
     (
@@ -82,6 +82,13 @@ const STATS: &[StatLine] = &[
         Kind::Counter,
         "Draft tokens kept: the sampler drew them.",
         |s| s.spec_accepted_tokens as f64,
+    ),
+    (
+        "spec_decode_draft_model_seconds_total",
+        // A gauge: the recorder's counters are whole numbers.
+        Kind::Gauge,
+        "Time the draft model took to draft (--model-draft); the steps wait for it.",
+        |s| s.spec_draft_ns as f64 / 1e9,
     ),
     (
         "structured_output_masks_total",

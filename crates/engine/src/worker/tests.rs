@@ -28,7 +28,7 @@ fn tiny_worker(dtype: CacheDType) -> (Worker, std::path::PathBuf) {
         ..EngineConfig::default()
     };
     let layout = KvLayout::new(model.config(), &cfg).unwrap();
-    (Worker::new(model, &cfg, 512, &layout).unwrap(), dir)
+    (Worker::new(model, &cfg, 512, &layout, None).unwrap(), dir)
 }
 
 fn computed(core: &mut Worker, ids: &[u32]) -> SeqId {
@@ -1232,28 +1232,7 @@ fn speculative_decoding_gives_the_tokens_of_plain_decoding() {
             speculative: spec,
             ..small_cfg()
         });
-        let streams: Vec<_> = ps
-            .iter()
-            .enumerate()
-            .map(|(i, p)| {
-                let mut r = greedy(p, 20 + 7 * i);
-                r.sampling.temperature = temperature;
-                r.sampling.seed = 11 + i as u64;
-                engine.generate(r).unwrap()
-            })
-            .collect();
-        let outs: Vec<Vec<u32>> = streams
-            .into_iter()
-            .map(|s| {
-                s.filter_map(|ev| match ev {
-                    Event::Done(c) => Some(c.tokens),
-                    Event::Error(e) => panic!("{e}"),
-                    Event::Token { .. } => None,
-                })
-                .next()
-                .expect("a completion")
-            })
-            .collect();
+        let outs = run_together(&engine, &ps, temperature);
         let stats = engine.stats();
         assert_no_leak(&engine);
         drop(engine);
@@ -1273,4 +1252,104 @@ fn speculative_decoding_gives_the_tokens_of_plain_decoding() {
         assert!(drafted > 0 && kept > 0, "{drafted} drafted, {kept} kept");
         eprintln!("temperature {temperature}: {kept} of {drafted} draft tokens kept");
     }
+}
+
+/// A draft model (the model itself, and another of the same vocabulary)
+/// gives the tokens of plain decoding, greedy and sampled, for requests
+/// running together; its drafts are made and kept, and its cache holds
+/// nothing once they end (what they computed stays in its prefix tree).
+#[test]
+fn a_draft_model_gives_the_tokens_of_plain_decoding() {
+    let ps = prompts();
+    let other = std::env::temp_dir().join(format!("tessera-draft-{}", std::process::id()));
+    write_tiny_model(
+        &other,
+        TinySpec {
+            seed: 7,
+            layers: 1,
+            ..TinySpec::default()
+        },
+    )
+    .unwrap();
+    let run = |draft: Option<&std::path::Path>, temperature: f32| {
+        static N: AtomicUsize = AtomicUsize::new(0);
+        let n = N.fetch_add(1, Ordering::SeqCst);
+        let dir = std::env::temp_dir().join(format!("tessera-drafted-{}-{n}", std::process::id()));
+        write_tiny_model(&dir, TinySpec::default()).unwrap();
+        // The draft: the engine's own model when none is named.
+        let draft = draft.map_or_else(|| dir.clone(), |d| d.to_path_buf());
+        let model = Model::load(&dir, &mut |_, _| {}).unwrap();
+        let engine = Engine::from_model(
+            model,
+            EngineConfig {
+                draft: Some(crate::DraftModelConfig {
+                    source: crate::ModelSource::Path(draft),
+                    p_min: 0.0,
+                }),
+                ..small_cfg()
+            },
+        )
+        .unwrap();
+        let outs = run_together(&engine, &ps, temperature);
+        engine.check_kv().unwrap();
+        let stats = engine.stats();
+        assert_no_leak(&engine);
+        let d = stats.draft_kv.expect("a draft cache");
+        assert_eq!(d.sequences, 0, "{d:?}");
+        assert_eq!(d.used_blocks, 0, "{d:?}");
+        assert!(
+            d.cached_tokens > 0,
+            "the draft's prefix tree keeps the texts"
+        );
+        drop(engine);
+        let _ = std::fs::remove_dir_all(dir);
+        (outs, stats.spec_draft_tokens, stats.spec_accepted_tokens)
+    };
+    let plain = |temperature: f32| {
+        let (engine, dir) = tiny_engine(small_cfg());
+        let outs = run_together(&engine, &ps, temperature);
+        drop(engine);
+        let _ = std::fs::remove_dir_all(dir);
+        outs
+    };
+    for temperature in [0.0, 0.9] {
+        let want = plain(temperature);
+        for draft in [None, Some(other.as_path())] {
+            let (got, drafted, kept) = run(draft, temperature);
+            assert_eq!(got, want, "temperature {temperature}, draft {draft:?}");
+            assert!(drafted > 0, "no drafts");
+            if draft.is_none() && temperature == 0.0 {
+                // The model drafting for itself greedily: every guess kept.
+                assert_eq!(kept, drafted);
+            }
+            eprintln!("temperature {temperature}, draft {draft:?}: {kept} of {drafted} kept");
+        }
+    }
+    let _ = std::fs::remove_dir_all(other);
+}
+
+/// Each prompt's tokens, run together.
+fn run_together(engine: &Engine, ps: &[Vec<u32>], temperature: f32) -> Vec<Vec<u32>> {
+    let streams: Vec<_> = ps
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let mut r = greedy(p, 20 + 7 * i);
+            r.sampling.temperature = temperature;
+            r.sampling.seed = 11 + i as u64;
+            engine.generate(r).unwrap()
+        })
+        .collect();
+    streams
+        .into_iter()
+        .map(|s| {
+            s.filter_map(|ev| match ev {
+                Event::Done(c) => Some(c.tokens),
+                Event::Error(e) => panic!("{e}"),
+                Event::Token { .. } => None,
+            })
+            .next()
+            .expect("a completion")
+        })
+        .collect()
 }
