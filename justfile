@@ -148,6 +148,19 @@ synth-model models="1b" formats="Q4_0,Q4_K_M,Q5_K_M,Q6_K,Q8_0": model bench-deps
     python3 -c "import numpy" 2>/dev/null || python3 -m pip install --quiet numpy
     python3 scripts/synth_model.py {{models}} --formats {{formats}}
 
+# Speculative decoding with a draft model, where no real pair of one tokenizer is reachable: SmolLM2-135M
+# drafting for a 240-layer model grown from it (scripts/grow_model.py: its 30 layers, each followed by 7
+# generated ones whose output projections have std STD; the larger STD, the less the two agree), with and
+# without (`tessera bench --scenario spec`), then beside llama-server -md on the same pair.
+bench-spec-draft std="0.006" runs="3": model bench-deps
+    sh scripts/build_llama_tools.sh
+    python3 -c "import gguf" 2>/dev/null || python3 -m pip install --quiet gguf numpy
+    test -f models/grown-smollm2-x8-std{{std}}.Q4_1.gguf || python3 scripts/grow_model.py models/SmolLM2-135M-Instruct.Q4_1.gguf models/grown-smollm2-x8-std{{std}}.Q4_1.gguf --extra 7 --std {{std}}
+    cargo build --release -p tessera
+    mkdir -p target/bench
+    ./target/release/tessera bench --model models/grown-smollm2-x8-std{{std}}.Q4_1.gguf --model-draft models/SmolLM2-135M-Instruct.Q4_1.gguf --scenario spec --runs {{runs}} --json | tee target/bench/spec-draft-std{{std}}.json
+    python3 scripts/spec_vs_llamacpp.py --model models/grown-smollm2-x8-std{{std}}.Q4_1.gguf --model-draft models/SmolLM2-135M-Instruct.Q4_1.gguf --runs {{runs}}
+
 # Tessera beside llama.cpp's own llama-bench (standalone; native, and built for AVX2 and AVX-VNNI alone) at real
 # sizes on each instruction set this host has, TESSERA_ISA forced to match, alternating, with the
 # host's read bandwidth in the same run; then the table in docs/benchmarks.md (target/bench/cpu.json).

@@ -13,6 +13,11 @@ tokens with speculation as without (its own greedy text).
 
     python3 scripts/spec_vs_llamacpp.py [--model models/SmolLM2-135M-Instruct.Q4_1.gguf] [--runs 3]
 
+With `--model-draft DRAFT`, the settings compared are a draft model's
+instead: `tessera serve --model-draft DRAFT` (its defaults) against
+`llama-server -md DRAFT --spec-type draft-simple`, with llama.cpp's own
+defaults and with Tessera's draft length and p_min.
+
 Writes target/bench/spec-vs-llamacpp.json and prints a Markdown table.
 """
 
@@ -77,18 +82,31 @@ def main():
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--draft-max", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model-draft", help="compare draft-model speculation instead of n-gram")
+    ap.add_argument("--draft-p-min", type=float, default=0.5, help="with --model-draft: Tessera's default")
     args = ap.parse_args()
     sets = json.loads((ROOT / "data/spec-prompts.json").read_text())
     env = dict(os.environ, LD_LIBRARY_PATH=str(LLAMA))
-    configs = [("tessera", "off", [str(TESSERA), "serve", "--model", args.model, "--threads", str(args.threads)]),
-               ("tessera", "--spec-ngram", [str(TESSERA), "serve", "--model", args.model, "--threads",
-                                            str(args.threads), "--spec-ngram", "--draft-max", str(args.draft_max)])]
+    tessera = [str(TESSERA), "serve", "--model", args.model, "--threads", str(args.threads)]
     base = [str(LLAMA / "llama-server"), "-m", args.model, "-t", str(args.threads), "-c", "4096", "-np", "1"]
-    configs.append(("llama.cpp", "off", base))
-    # Each n-gram type with its own defaults (this tree has no one draft
-    # length for all of them: --draft-max was removed).
-    for t in NGRAM_TYPES:
-        configs.append(("llama.cpp", f"--spec-type {t}", base + ["--spec-type", t]))
+    if args.model_draft:
+        d = args.model_draft
+        md = ["-md", d, "--spec-type", "draft-simple"]
+        configs = [("tessera", "off", tessera),
+                   ("tessera", "--model-draft", tessera + ["--model-draft", d, "--draft-max", str(args.draft_max),
+                                                           "--draft-p-min", str(args.draft_p_min)]),
+                   ("llama.cpp", "off", base),
+                   ("llama.cpp", "-md (its defaults)", base + md),
+                   ("llama.cpp", f"-md, n-max {args.draft_max}, p-min {args.draft_p_min}",
+                    base + md + ["--spec-draft-n-max", str(args.draft_max), "--draft-p-min", str(args.draft_p_min)])]
+    else:
+        configs = [("tessera", "off", tessera),
+                   ("tessera", "--spec-ngram", tessera + ["--spec-ngram", "--draft-max", str(args.draft_max)])]
+        configs.append(("llama.cpp", "off", base))
+        # Each n-gram type with its own defaults (this tree has no one draft
+        # length for all of them: --draft-max was removed).
+        for t in NGRAM_TYPES:
+            configs.append(("llama.cpp", f"--spec-type {t}", base + ["--spec-type", t]))
     procs = []
     try:
         for i, (_, _, cmd) in enumerate(configs):
@@ -118,9 +136,11 @@ def main():
             speeds, texts = got[(i, k)]
             row[k] = {"tok_s": statistics.median(speeds), "runs": speeds, "texts": texts}
         results.append(row)
-    out = ROOT / "target/bench/spec-vs-llamacpp.json"
+    out = ROOT / ("target/bench/spec-draft-vs-llamacpp.json" if args.model_draft
+                  else "target/bench/spec-vs-llamacpp.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"model": Path(args.model).name, "runs": args.runs, "threads": args.threads,
+    out.write_text(json.dumps({"model": Path(args.model).name, "runs": args.runs,
+                               "model_draft": args.model_draft and Path(args.model_draft).name, "threads": args.threads,
                                "draft_max": args.draft_max, "date": time.strftime("%Y-%m-%d"),
                                "results": results}, indent=1))
     off = {r["engine"]: r for r in results if r["setting"] == "off"}

@@ -274,3 +274,85 @@ fn forced_tool_calls_always_parse_on_both_models() {
         }
     }
 }
+
+/// Gemma's own template (Gemma 2's, from llama.cpp's
+/// `models/templates/google-gemma-2-2b-it.jinja`, which Gemma 3's follows
+/// turn for turn) on the Gemma 3 weights: the calls are Python calls in a
+/// `tool_code` block, the tools head the first user turn (the template
+/// refuses a system turn), and forced calls always parse, with earlier
+/// calls and results in the history.
+#[test]
+fn gemma_template_gets_python_tool_calls() {
+    use tessera_engine::{ToolChoice, ToolFormat, ToolSyntax};
+    const GEMMA: &str = "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}{% endif %}{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}";
+    let mut gemma = tessera_model::Model::load(
+        &super::models_file("gemma-3-270m-q4_k_m.gguf", " gemma3"),
+        &mut |_, _| {},
+    )
+    .unwrap();
+    gemma.template = tessera_model::ChatTemplate::new(GEMMA, "<bos>", "<eos>").unwrap();
+    let e = Engine::from_model(gemma, EngineConfig::default()).unwrap();
+    let syntax = ToolSyntax::of(&e.model().template, &e.model().tokenizer);
+    assert_eq!(
+        (syntax.format, syntax.native),
+        (ToolFormat::Pythonic, false)
+    );
+    let tools = weather_tools();
+    let mut call = Message::new("assistant", "");
+    call.tool_calls = Some(json!([{"id": "c1", "type": "function",
+        "function": {"name": "get_time", "arguments": "{\"timezone\": \"CET\"}"}}]));
+    let mut result = Message::new("tool", "12:00");
+    result.tool_call_id = Some("c1".into());
+    for (choice, parallel) in [
+        (ToolChoice::Required, true),
+        (ToolChoice::Named("get_weather".into()), false),
+    ] {
+        let prompt = syntax.prompt(
+            vec![
+                Message::new("user", "What time is it in Oslo, and the weather?"),
+                call.clone(),
+                result.clone(),
+            ],
+            &tools,
+        );
+        let text = e
+            .tokenize_prompt(&prompt)
+            .map(|ids| e.model().tokenizer.decode(&ids).unwrap());
+        let text = text.expect("the template renders the conversation");
+        assert!(
+            text.contains("```tool_code\n[get_time(timezone=\"CET\")]\n```"),
+            "{text}"
+        );
+        assert!(text.contains("```tool_output\n12:00\n```"), "{text}");
+        let c = syntax
+            .constraint(&tools, &choice, parallel)
+            .unwrap()
+            .unwrap();
+        let req = GenerateRequest {
+            n: 2,
+            max_tokens: 400,
+            ..constrained(
+                prompt,
+                c,
+                SamplingParams {
+                    temperature: 1.0,
+                    ..SamplingParams::default()
+                },
+            )
+        };
+        for out in run(&e, &req) {
+            assert_eq!(out.finish_reason, FinishReason::Stop, "{}", out.text);
+            assert!(out.text.starts_with("```tool_code\n["), "{}", out.text);
+            let (_, calls) = syntax.parse(&out.text).expect("the calls parse");
+            assert!(!calls.is_empty() && calls.len() <= tessera_engine::MAX_PARALLEL_CALLS);
+            for c in calls {
+                let a = c.arguments.as_object().unwrap();
+                match c.name.as_str() {
+                    "get_weather" => assert_eq!(a.len(), 2, "{}", out.text),
+                    "get_time" => assert!(matches!(choice, ToolChoice::Required)),
+                    other => panic!("called {other}"),
+                }
+            }
+        }
+    }
+}

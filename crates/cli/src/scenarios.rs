@@ -736,6 +736,7 @@ pub fn spec(model: Model, args: &BenchArgs) -> Result<()> {
         other,
         EngineConfig {
             speculative: None,
+            draft: None,
             ..args.kv.config(false)
         },
     )?;
@@ -785,12 +786,24 @@ pub fn spec(model: Model, args: &BenchArgs) -> Result<()> {
     if !same {
         bail!("speculative decoding changed a greedy output");
     }
+    let how = match &with.config().draft {
+        Some(d) => format!(
+            "a draft model ({}, drafts of up to {} tokens, p_min {})",
+            d.source, ngram.max_draft, d.p_min
+        ),
+        _ => format!(
+            "prompt lookup (drafts of up to {} tokens, runs of {}..{})",
+            ngram.max_draft, ngram.min_ngram, ngram.max_ngram
+        ),
+    };
     let mut lines = vec![format!(
-        "spec: prompt lookup (drafts of up to {} tokens, runs of {}..{}), greedy, 256 tokens at most, {} runs (median); decode tok/s after the first token",
-        ngram.max_draft, ngram.min_ngram, ngram.max_ngram, args.runs
+        "spec: {how}, greedy, 256 tokens at most, {} runs (median); decode tok/s after the first token",
+        args.runs
     )];
     let mut v = serde_json::json!({"scenario": "spec", "runs": args.runs, "same_tokens": same,
-        "max_draft": ngram.max_draft, "min_ngram": ngram.min_ngram, "max_ngram": ngram.max_ngram});
+        "max_draft": ngram.max_draft, "min_ngram": ngram.min_ngram, "max_ngram": ngram.max_ngram,
+        "draft_model": with.config().draft.as_ref().map(|d| d.source.to_string()),
+        "draft_p_min": with.config().draft.as_ref().map(|d| d.p_min)});
     for (kind, count, a, b, drafted, kept, n) in rows {
         lines.push(format!(
             "  {kind:<9} {count} prompts, {n} tokens: {a:>7.1} tok/s with, {b:>7.1} without ({:.2}x); {kept} of {drafted} draft tokens kept",

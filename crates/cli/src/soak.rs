@@ -437,7 +437,10 @@ pub fn soak(model: Model, args: &BenchArgs) -> Result<()> {
     let elapsed = started.elapsed().as_secs_f64();
     let stats = engine.stats();
     engine.check_kv()?;
-    let leaked = stats.kv.used_blocks;
+    // With --model-draft, its cache's blocks and sequences count too.
+    let draft = stats.draft_kv.unwrap_or_default();
+    let leaked = stats.kv.used_blocks + draft.used_blocks;
+    let sequences_left = stats.kv.sequences + draft.sequences;
     let (rss_end, rss_peak) = rss();
     let growth = rss_end as f64 / rss_warm.max(1) as f64 - 1.0;
     let mib = |b: u64| b as f64 / (1 << 20) as f64;
@@ -447,7 +450,7 @@ pub fn soak(model: Model, args: &BenchArgs) -> Result<()> {
         format!("  sessions saved and loaded {} | defragmentations {} | shrink and grow {}", t.sessions, t.defrags, t.resizes),
         format!("  partitions {} | hung up before an answer {} | sessions saved beside a stream {} | cross-partition probes {} with {} hits (again in their own partition: {} whole from the cache)", parts.len(), t.hung_up, t.background_saves, t.probes, t.cross_hits, t.own_hits),
         format!("  speculative decoding: {} of {} draft tokens kept | constrained answers finished {} ({} not matching)", stats.spec_accepted_tokens, stats.spec_draft_tokens, t.constrained, t.unmatched),
-        format!("  blocks leaked {leaked} | sequences left {} | KV invariants hold", stats.kv.sequences),
+        format!("  blocks leaked {leaked} | sequences left {sequences_left} | KV invariants hold{}", if stats.draft_kv.is_some() { " (the draft model's cache included)" } else { "" }),
         format!("  RSS after warm-up {:.1} MiB, peak {:.1} MiB, end {:.1} MiB: growth {:+.1}%", mib(rss_warm), mib(rss_peak), mib(rss_end), growth * 100.0),
     ];
     let v = serde_json::json!({
@@ -473,7 +476,8 @@ pub fn soak(model: Model, args: &BenchArgs) -> Result<()> {
         "constrained": t.constrained,
         "unmatched": t.unmatched,
         "leaked_blocks": leaked,
-        "sequences_left": stats.kv.sequences,
+        "sequences_left": sequences_left,
+        "draft_model": stats.draft_kv.is_some(),
         "rss_warm_bytes": rss_warm,
         "rss_peak_bytes": rss_peak,
         "rss_end_bytes": rss_end,
@@ -489,11 +493,8 @@ pub fn soak(model: Model, args: &BenchArgs) -> Result<()> {
     if t.cross_hits != 0 {
         bail!("{} prompts were served across partitions", t.cross_hits);
     }
-    if leaked != 0 || stats.kv.sequences != 0 {
-        bail!(
-            "{leaked} blocks and {} sequences leaked",
-            stats.kv.sequences
-        );
+    if leaked != 0 || sequences_left != 0 {
+        bail!("{leaked} blocks and {sequences_left} sequences leaked");
     }
     Ok(())
 }

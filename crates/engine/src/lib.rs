@@ -31,6 +31,7 @@ mod draft;
 mod engine;
 mod error;
 mod grammar;
+mod pythonic;
 mod request;
 mod runner;
 mod sampler;

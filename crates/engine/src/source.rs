@@ -48,6 +48,16 @@ impl ModelSource {
     }
 }
 
+/// What [`ModelSource::parse`] reads back.
+impl std::fmt::Display for ModelSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ModelSource::Path(p) => write!(f, "{}", p.display()),
+            ModelSource::Hub { repo, file } => write!(f, "hf:{repo}/{file}"),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -66,5 +76,8 @@ mod tests {
             ModelSource::Path("models/x.gguf".into())
         );
         assert!(ModelSource::parse("hf:only-owner").is_err());
+        for s in ["hf:a/b/c.gguf", "models/x.gguf"] {
+            assert_eq!(ModelSource::parse(s).unwrap().to_string(), s);
+        }
     }
 }

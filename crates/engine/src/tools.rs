@@ -13,12 +13,18 @@
 //!   JSON array of `{"name": …, "arguments": {…}}`.
 //! - **Granite** (`available_tools` in the template): `<|tool_call|>` then
 //!   the same JSON array.
+//! - **Pythonic** (Gemma's templates, `<start_of_turn>`): Python calls in a
+//!   `tool_code` block, as Google's function-calling guide for Gemma 3
+//!   has them, `` ```tool_code\n[get_weather(city="Oslo")]\n``` ``, with
+//!   results given back in a `tool_output` block; a bare `[f(a=1), …]`
+//!   answer (Llama 3.2's and 4's pythonic style) parses too
+//!   ([`crate::pythonic`]).
 //!
-//! A template that renders no tools (SmolLM2, Gemma 3, ChatML) gets the
-//! Hermes syntax through a system message that describes the tools, the
-//! way llama.cpp's generic handling and Qwen's own template do it; earlier
-//! calls and tool results are written into the history in the same
-//! syntax.
+//! A template that renders no tools (SmolLM2, Gemma 3, ChatML) gets its
+//! syntax through a system message that describes the tools (Hermes, the
+//! way llama.cpp's generic handling and Qwen's own template do it, or the
+//! Python calls for Gemma); earlier calls and tool results are written
+//! into the history in the same syntax.
 
 use serde_json::{json, Value};
 use tessera_model::{Message, Tokenizer};
@@ -108,6 +114,7 @@ pub enum ToolFormat {
     Llama3,
     Mistral,
     Granite,
+    Pythonic,
 }
 
 impl ToolFormat {
@@ -117,6 +124,7 @@ impl ToolFormat {
             ToolFormat::Hermes => HERMES_OPEN,
             ToolFormat::Mistral => MISTRAL_OPEN,
             ToolFormat::Granite => GRANITE_OPEN,
+            ToolFormat::Pythonic => TOOL_CODE_OPEN,
             ToolFormat::Llama3 => "{",
         }
     }
@@ -144,6 +152,8 @@ const HERMES_CLOSE: &str = "</tool_call>";
 const MISTRAL_OPEN: &str = "[TOOL_CALLS]";
 const GRANITE_OPEN: &str = "<|tool_call|>";
 const PYTHON_TAG: &str = "<|python_tag|>";
+const TOOL_CODE_OPEN: &str = "```tool_code";
+const FENCE: &str = "```";
 
 impl ToolSyntax {
     /// The syntax of a model, from its chat template and vocabulary.
@@ -174,6 +184,8 @@ impl ToolSyntax {
             && (src.contains(PYTHON_TAG) || src.contains("ipython"))
         {
             ToolFormat::Llama3
+        } else if !native && src.contains("<start_of_turn>") {
+            ToolFormat::Pythonic
         } else {
             ToolFormat::Hermes
         };
@@ -200,7 +212,12 @@ impl ToolSyntax {
             };
         }
         let mut out: Vec<Message> = Vec::with_capacity(messages.len() + 1);
-        let system = tools_system_text(&listed);
+        let pythonic = self.format == ToolFormat::Pythonic;
+        let system = if pythonic {
+            pythonic_system_text(&listed)
+        } else {
+            tools_system_text(&listed)
+        };
         match messages.first_mut() {
             Some(m) if m.role == "system" => {
                 m.content = format!("{}\n\n{system}", m.content);
@@ -211,20 +228,38 @@ impl ToolSyntax {
             let m = match m.role.as_str() {
                 "assistant" if m.tool_calls.is_some() => {
                     let mut text = m.content.clone();
+                    let mut python = Vec::new();
                     for call in m
                         .tool_calls
                         .iter()
                         .flat_map(|c| c.as_array().into_iter().flatten())
                     {
                         let f = call.get("function").unwrap_or(call);
+                        if pythonic {
+                            let name = f.get("name").and_then(Value::as_str).unwrap_or_default();
+                            let args = f.get("arguments").cloned().unwrap_or(json!({}));
+                            python.push(crate::pythonic::call_text(name, &args));
+                            continue;
+                        }
                         let body = json!({"name": f.get("name"), "arguments": f.get("arguments")});
                         if !text.is_empty() {
                             text.push('\n');
                         }
                         text.push_str(&format!("{HERMES_OPEN}\n{body}\n{HERMES_CLOSE}"));
                     }
+                    if !python.is_empty() {
+                        if !text.is_empty() {
+                            text.push('\n');
+                        }
+                        let calls = python.join(", ");
+                        text.push_str(&format!("{TOOL_CODE_OPEN}\n[{calls}]\n{FENCE}"));
+                    }
                     Message::new("assistant", text)
                 }
+                "tool" if pythonic => Message::new(
+                    "user",
+                    format!("{FENCE}tool_output\n{}\n{FENCE}", m.content),
+                ),
                 "tool" => Message::new(
                     "user",
                     format!("<tool_response>\n{}\n</tool_response>", m.content),
@@ -239,6 +274,12 @@ impl ToolSyntax {
                 }
                 _ => out.push(m),
             }
+        }
+        if pythonic && out.len() > 1 && out[0].role == "system" && out[1].role == "user" {
+            // Gemma has no system turn (Gemma 2's template refuses one;
+            // Gemma 3's puts it at the head of the first user turn).
+            let system = out.remove(0);
+            out[0].content = format!("{}\n\n{}", system.content, out[0].content);
         }
         Prompt::Chat(out)
     }
@@ -270,6 +311,26 @@ impl ToolSyntax {
         if chosen.is_empty() {
             return Err("tool_choice `required` needs at least one tool".into());
         }
+        let many = parallel && matches!(choice, ToolChoice::Required);
+        if self.format == ToolFormat::Pythonic {
+            let mut rules = String::new();
+            let mut names = Vec::new();
+            for (i, t) in chosen.iter().enumerate() {
+                rules.push_str(&crate::pythonic::call_rules(i, &t.name, &t.parameters));
+                names.push(format!("call{i}"));
+            }
+            let repeat = if many {
+                format!(" (\", \" call){{0,{}}}", MAX_PARALLEL_CALLS - 1)
+            } else {
+                String::new()
+            };
+            let open = Value::String(format!("{TOOL_CODE_OPEN}\n["));
+            let close = Value::String(format!("]\n{FENCE}"));
+            return Ok(Some(Constraint::Lark(format!(
+                "start: {open} call{repeat} {close}\ncall: {}\n{rules}",
+                names.join(" | ")
+            ))));
+        }
         let key = match self.format {
             ToolFormat::Llama3 => "parameters",
             _ => "arguments",
@@ -293,7 +354,6 @@ impl ToolSyntax {
             Some(id) => format!("<[{id}]>"),
             None => serde_json::to_string(self.opener()).expect("a string"),
         };
-        let many = parallel && matches!(choice, ToolChoice::Required);
         let lark = match self.format {
             ToolFormat::Hermes => {
                 let mut schema = one;
@@ -319,6 +379,7 @@ impl ToolSyntax {
                 bound_json_whitespace(&mut schema);
                 format!("start: %json {schema}\n")
             }
+            ToolFormat::Pythonic => unreachable!("written above"),
         };
         Ok(Some(Constraint::Lark(lark)))
     }
@@ -340,6 +401,16 @@ impl ToolSyntax {
             }
             let undecided = t.is_empty() || PYTHON_TAG.starts_with(t);
             return (if undecided { 0 } else { text.len() }, false);
+        }
+        if self.format == ToolFormat::Pythonic && at_start {
+            // A bare call list is the whole answer.
+            let t = text.trim_start();
+            if t.starts_with('[') {
+                return (0, true);
+            }
+            if t.is_empty() {
+                return (0, false);
+            }
         }
         let open = self.opener();
         if let Some(at) = text.find(open) {
@@ -386,6 +457,33 @@ impl ToolSyntax {
                     .map(|c| call_of(c, "arguments"))
                     .collect::<Option<Vec<_>>>()?;
                 Some((text[..start].trim_end().to_string(), calls))
+            }
+            ToolFormat::Pythonic => {
+                let calls = |body: &str| -> Option<Vec<ToolCall>> {
+                    let calls = crate::pythonic::parse_calls(body)?;
+                    Some(
+                        calls
+                            .into_iter()
+                            .map(|(name, arguments)| ToolCall { name, arguments })
+                            .collect(),
+                    )
+                };
+                let Some(start) = text.find(TOOL_CODE_OPEN) else {
+                    let t = text.trim();
+                    return t
+                        .starts_with('[')
+                        .then(|| calls(t))
+                        .flatten()
+                        .map(|c| (String::new(), c));
+                };
+                let body = &text[start + TOOL_CODE_OPEN.len()..];
+                let body = match body.find(FENCE) {
+                    Some(end) if body[end + FENCE.len()..].trim().is_empty() => &body[..end],
+                    Some(_) => return None,
+                    // The answer ended before the closing fence.
+                    None => body,
+                };
+                Some((text[..start].trim_end().to_string(), calls(body)?))
             }
             ToolFormat::Llama3 => {
                 let body = text.trim();
@@ -517,6 +615,24 @@ fn tools_system_text(tools: &[Value]) -> String {
     s
 }
 
+/// The system text that offers tools to a Gemma model: Python calls in a
+/// `tool_code` block (the wording of Google's function-calling guide for
+/// Gemma 3).
+fn pythonic_system_text(tools: &[Value]) -> String {
+    let mut s = String::from(
+        "You have access to functions. If you decide to invoke any of the function(s), \
+         you MUST put it in the format of\n```tool_code\n[func_name1(params_name1=params_value1, \
+         params_name2=params_value2...), func_name2(params)]\n```\n\
+         You SHOULD NOT include any other text in the response if you call a function. \
+         The results come back in a ```tool_output``` block.\n",
+    );
+    for t in tools {
+        s.push('\n');
+        s.push_str(&t.to_string());
+    }
+    s
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -585,6 +701,13 @@ mod tests {
         assert_eq!(found, want.map(|(n, f, b)| (n.to_string(), f, b)));
         let chatml = tessera_model::ChatTemplate::new(tessera_model::CHATML, "", "").unwrap();
         assert_eq!(ToolSyntax::detect(&chatml), (ToolFormat::Hermes, false));
+        let gemma = tessera_model::ChatTemplate::new(
+            "{% for m in messages %}<start_of_turn>{{ m.role }}\n{{ m.content }}<end_of_turn>\n{% endfor %}",
+            "",
+            "",
+        )
+        .unwrap();
+        assert_eq!(ToolSyntax::detect(&gemma), (ToolFormat::Pythonic, false));
     }
 
     #[test]
@@ -625,6 +748,62 @@ mod tests {
         assert_eq!(s.push("plain <to"), "plain ");
         assert_eq!(s.push("y>"), "<toy>");
         assert_eq!(s.finish("plain <toy>").unwrap_err(), "");
+    }
+
+    #[test]
+    fn gemma_writes_python_calls() {
+        let p = ToolSyntax {
+            native: false,
+            ..syntax(ToolFormat::Pythonic)
+        };
+        let (content, calls) = p
+            .parse("Checking.\n```tool_code\n[get_weather(city=\"Oslo\", unit='celsius'), get_time(timezone=\"CET\")]\n```\n")
+            .unwrap();
+        assert_eq!(content, "Checking.");
+        assert_eq!(
+            calls[0].arguments,
+            json!({"city": "Oslo", "unit": "celsius"})
+        );
+        assert_eq!(calls[1].name, "get_time");
+        // Llama 3.2's bare list, and a block cut off before its fence.
+        assert_eq!(p.parse("[f(a=1)]").unwrap().1[0].arguments, json!({"a": 1}));
+        assert_eq!(p.parse("```tool_code\nf(a=1)").unwrap().1.len(), 1);
+        assert!(p.parse("[a link](http://x)").is_none());
+        assert!(p
+            .parse("```tool_code\nf(a=1)\n```\nand then more")
+            .is_none());
+        assert_eq!(p.stream_split("[f(", true), (0, true));
+        assert_eq!(p.stream_split("Sure ``", true), (5, false));
+        assert_eq!(p.stream_split("Sure ```tool_code\n", false), (5, true));
+        // The history: calls as a block, results as a tool_output block.
+        let tools =
+            [
+                ToolSpec::from_openai(&json!({"type": "function", "function": {"name": "f"}}))
+                    .unwrap(),
+            ];
+        let mut call = Message::new("assistant", "");
+        call.tool_calls = Some(json!([{"id": "1", "type": "function",
+            "function": {"name": "f", "arguments": "{\"a\": true}"}}]));
+        let mut result = Message::new("tool", "42");
+        result.tool_call_id = Some("1".into());
+        let Prompt::Chat(m) = p.prompt(vec![Message::new("user", "hi"), call, result], &tools)
+        else {
+            panic!("not a chat");
+        };
+        // No system turn: the tools head the first user turn.
+        assert_eq!(m[0].role, "user");
+        assert!(m[0].content.contains("tool_code") && m[0].content.contains("\"name\":\"f\""));
+        assert!(m[0].content.ends_with("\n\nhi"));
+        assert_eq!(m[1].content, "```tool_code\n[f(a=True)]\n```");
+        assert_eq!(m[2].content, "```tool_output\n42\n```");
+        let forced = p.constraint(&tools, &ToolChoice::Required, true).unwrap();
+        let Some(Constraint::Lark(lark)) = forced else {
+            panic!("{forced:?}");
+        };
+        assert!(
+            lark.starts_with("start: \"```tool_code\\n[\" call (\", \" call){0,3} \"]\\n```\""),
+            "{lark}"
+        );
     }
 
     #[test]
