@@ -83,7 +83,7 @@ def main():
     ap.add_argument("--draft-max", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model-draft", help="compare draft-model speculation instead of n-gram")
-    ap.add_argument("--draft-p-min", type=float, default=0.5, help="with --model-draft: Tessera's default")
+    ap.add_argument("--draft-p-min", type=float, default=0.0, help="with --model-draft: Tessera's default")
     args = ap.parse_args()
     sets = json.loads((ROOT / "data/spec-prompts.json").read_text())
     env = dict(os.environ, LD_LIBRARY_PATH=str(LLAMA))
