@@ -758,13 +758,31 @@ pub fn spec(model: Model, args: &BenchArgs) -> Result<()> {
     for (kind, prompts) in [("grounded", &sets.grounded), ("plain", &sets.plain)] {
         let (mut a, mut b) = (Vec::new(), Vec::new());
         let (before, mut tokens) = (with.stats(), 0);
-        for _ in 0..args.runs.max(1) {
+        // Steps of the answers with free checks (this drafter at full
+        // length, and the best earlier occurrence of the last token).
+        let mut bound = (0, 0, 0, 0);
+        for run_no in 0..args.runs.max(1) {
             let (mut ta, mut tb, mut n) = (0.0, 0.0, 0);
             for p in prompts {
                 let (x, sa) = run(&with, p)?;
                 let (y, sb) = run(&without, p)?;
                 (ta, tb, n) = (ta + sa, tb + sb, n + x.len().saturating_sub(1));
                 same &= x == y;
+                if run_no == 0 {
+                    let ids =
+                        with.tokenize_prompt(&Prompt::Chat(vec![tessera_engine::Message::new(
+                            "user", p,
+                        )]))?;
+                    bound.0 += lookup_steps(&ids, &y, |h| ngram.lookup(h, ngram.max_draft));
+                    let best = |most| {
+                        lookup_steps(&ids, &y, |h| {
+                            best_lookup(h, &y[h.len() - ids.len()..], most)
+                        })
+                    };
+                    bound.1 += best(ngram.max_draft);
+                    bound.2 += best(usize::MAX);
+                    bound.3 += y.len().saturating_sub(1);
+                }
             }
             tokens = n;
             a.push(n as f64 / ta);
@@ -781,6 +799,7 @@ pub fn spec(model: Model, args: &BenchArgs) -> Result<()> {
             drafted,
             kept,
             tokens,
+            bound,
         ));
     }
     if !same {
@@ -804,17 +823,72 @@ pub fn spec(model: Model, args: &BenchArgs) -> Result<()> {
         "max_draft": ngram.max_draft, "min_ngram": ngram.min_ngram, "max_ngram": ngram.max_ngram,
         "draft_model": with.config().draft.as_ref().map(|d| d.source.to_string()),
         "draft_p_min": with.config().draft.as_ref().map(|d| d.p_min)});
-    for (kind, count, a, b, drafted, kept, n) in rows {
+    for (kind, count, a, b, drafted, kept, n, (steps, best, unlimited, decoded)) in rows {
         lines.push(format!(
             "  {kind:<9} {count} prompts, {n} tokens: {a:>7.1} tok/s with, {b:>7.1} without ({:.2}x); {kept} of {drafted} draft tokens kept",
             a / b
         ));
+        let per = |s: usize| decoded as f64 / s.max(1) as f64;
+        if with.config().draft.is_none() {
+            lines.push(format!(
+                "            with checks costing nothing: {:.2} tokens a step (these lookups at full length), {:.2} (the best earlier occurrence of the last token, {} at most), {:.2} (no limit)",
+                per(steps), per(best), ngram.max_draft, per(unlimited)
+            ));
+        }
         v[kind] = serde_json::json!({"with": a, "without": b, "ratio": a / b,
-            "draft_tokens": drafted, "accepted_tokens": kept, "tokens": n});
+            "draft_tokens": drafted, "accepted_tokens": kept, "tokens": n,
+            "free_check_tokens_per_step": per(steps), "best_lookup_tokens_per_step": per(best),
+            "best_unlimited_lookup_tokens_per_step": per(unlimited)});
     }
     lines.push("  the same greedy tokens with and without, every prompt and run".into());
     emit(args, v, &lines);
     Ok(())
+}
+
+/// Decode steps of `answer` (after its first token, which the prompt's
+/// step gives) when every step checks the draft `draft(history)` and the
+/// checks cost nothing: each step gives one token and the draft's tokens
+/// that the answer continues with.
+fn lookup_steps(prompt: &[u32], answer: &[u32], draft: impl Fn(&[u32]) -> Vec<u32>) -> usize {
+    let mut history = prompt.to_vec();
+    let (mut at, mut steps) = (0, 0);
+    while at + 1 < answer.len() {
+        history.extend_from_slice(&answer[history.len() - prompt.len()..=at]);
+        let d = draft(&history);
+        let kept = d
+            .iter()
+            .zip(&answer[at + 1..])
+            .take_while(|(a, b)| a == b)
+            .count();
+        at += 1 + kept;
+        steps += 1;
+    }
+    steps
+}
+
+/// The longest run of `future` (at most `most` tokens) that follows any
+/// earlier occurrence of `history`'s last token: what the best lookup of
+/// a tail of one token or more could draft.
+fn best_lookup(history: &[u32], future: &[u32], most: usize) -> Vec<u32> {
+    let Some(&last) = history.last() else {
+        return Vec::new();
+    };
+    let mut best: &[u32] = &[];
+    for s in 0..history.len() - 1 {
+        if history[s] == last {
+            let after = &history[s + 1..];
+            let k = after
+                .iter()
+                .zip(future)
+                .take(most)
+                .take_while(|(a, b)| a == b)
+                .count();
+            if k > best.len() {
+                best = &after[..k];
+            }
+        }
+    }
+    best.to_vec()
 }
 
 /// One entry of `data/structured-schemas.json` (which

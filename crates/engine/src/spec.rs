@@ -41,6 +41,14 @@ impl Default for NgramSpec {
     }
 }
 
+impl NgramSpec {
+    /// The draft prompt lookup proposes after `history` (whose last token
+    /// is the one just sampled), at most `most` tokens.
+    pub fn lookup(&self, history: &[u32], most: usize) -> Vec<u32> {
+        lookup(history, self.min_ngram, self.max_ngram, most)
+    }
+}
+
 /// Drafts in a row with nothing kept before a sample pauses drafting.
 pub const MISSES: u32 = 3;
 /// Tokens a sample decodes without drafts after [`MISSES`].
