@@ -43,6 +43,12 @@ struct Cli {
     /// build and machine allow), cpu, cuda, cuda:N or metal.
     #[arg(long, global = true, default_value = "auto")]
     device: DeviceSpec,
+    /// A Jinja chat template to use instead of the model file's (as
+    /// llama.cpp's --chat-template-file): for a file without one (a base
+    /// model falls back to ChatML) or with a wrong one. Tool calls follow
+    /// the syntax this template writes.
+    #[arg(long, global = true, value_name = "FILE")]
+    chat_template_file: Option<std::path::PathBuf>,
     #[command(flatten)]
     tuning: TuningArgs,
     #[command(subcommand)]
@@ -113,6 +119,10 @@ fn parse_isa(s: &str) -> Result<IsaCap, String> {
 
 /// The `--device` of this invocation, for every model it loads.
 static DEVICE: std::sync::OnceLock<DeviceSpec> = std::sync::OnceLock::new();
+
+/// The `--chat-template-file` of this invocation (its text), for the
+/// models it loads (a draft model's template is never read).
+static TEMPLATE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
 
 /// Opens the `--device` device (once per process; later calls reuse it),
 /// saying which one `auto` chose when this build had a choice to make.
@@ -510,6 +520,13 @@ pub(crate) fn load_model(spec: &str) -> Result<Model> {
     if let Some(b) = bar {
         b.finish_and_clear();
     }
+    let mut model = model;
+    if let Some(src) = TEMPLATE.get() {
+        model.template = model
+            .template
+            .with_source(src)
+            .context("--chat-template-file")?;
+    }
     Ok(model)
 }
 
@@ -811,15 +828,18 @@ fn main() -> ExitCode {
     let _ = tessera_model::tuning::set(cli.tuning.tuning());
     let verbose = cli.verbose;
     let _ = DEVICE.set(cli.device);
-    let result = match cli.cmd {
-        Cmd::Run(a) => run(a),
-        Cmd::Chat(a) => chat::chat(a),
-        Cmd::Serve(a) => serve::serve(a),
-        Cmd::Tokenize(a) => tokenize(a),
-        Cmd::Detokenize(a) => detokenize(a),
-        Cmd::Inspect(a) => inspect(a),
-        Cmd::Perplexity(a) => perplexity::perplexity(a),
-        Cmd::Bench(a) => bench::bench(a),
+    let template = cli.chat_template_file.as_ref().map(|p| {
+        std::fs::read_to_string(p)
+            .with_context(|| format!("reading --chat-template-file {}", p.display()))
+    });
+    let result = match template {
+        Some(Err(e)) => Err(e),
+        t => {
+            if let Some(Ok(src)) = t {
+                let _ = TEMPLATE.set(src);
+            }
+            dispatch(cli.cmd)
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -846,5 +866,18 @@ fn main() -> ExitCode {
             eprintln!("error: {}{hint}", line.join(" "));
             ExitCode::FAILURE
         }
+    }
+}
+
+fn dispatch(cmd: Cmd) -> Result<()> {
+    match cmd {
+        Cmd::Run(a) => run(a),
+        Cmd::Chat(a) => chat::chat(a),
+        Cmd::Serve(a) => serve::serve(a),
+        Cmd::Tokenize(a) => tokenize(a),
+        Cmd::Detokenize(a) => detokenize(a),
+        Cmd::Inspect(a) => inspect(a),
+        Cmd::Perplexity(a) => perplexity::perplexity(a),
+        Cmd::Bench(a) => bench::bench(a),
     }
 }

@@ -843,3 +843,55 @@ fn serve_stops_after_its_shutdown_timeout_and_keeps_every_tenants_cache() {
     let _ = child.wait();
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// `--chat-template-file` replaces the file's template for `--chat`
+/// prompts (here one that renders the user's text alone); a missing file
+/// is a clear error.
+#[test]
+fn chat_template_file_replaces_the_files_template() {
+    let m = model();
+    let dir = scratch("template");
+    let t = dir.join("plain.jinja");
+    std::fs::write(&t, "{% for m in messages %}{{ m.content }}{% endfor %}").unwrap();
+    let prompt_tokens = |extra: &[&str]| {
+        let mut args = vec![
+            "run",
+            "--model",
+            &m,
+            "--prompt",
+            "Hello there",
+            "--chat",
+            "--max-tokens",
+            "1",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        let out = tessera(&args, None);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        json_lines(&out)[0]["usage"]["prompt_tokens"]
+            .as_u64()
+            .unwrap()
+    };
+    let own = prompt_tokens(&[]);
+    let plain = prompt_tokens(&["--chat-template-file", t.to_str().unwrap()]);
+    // "Hello there" alone, against SmolLM2's system and turn markers.
+    assert_eq!(plain, 2, "{own} {plain}");
+    assert!(own > 10);
+    let missing = dir.join("missing.jinja");
+    fails_with(
+        &tessera(
+            &[
+                "run",
+                "--model",
+                &m,
+                "--prompt",
+                "hi",
+                "--chat-template-file",
+                missing.to_str().unwrap(),
+            ],
+            None,
+        ),
+        "--chat-template-file",
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}

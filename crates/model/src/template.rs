@@ -352,6 +352,13 @@ impl ChatTemplate {
         &self.source
     }
 
+    /// Another template for the same model (its BOS and EOS texts): what
+    /// llama.cpp's `--chat-template-file` gives a model whose file has no
+    /// template, or a wrong one.
+    pub fn with_source(&self, source: &str) -> Result<ChatTemplate> {
+        ChatTemplate::new(source, &self.bos, &self.eos)
+    }
+
     /// Whether the template renders a `tools` list of its own.
     pub fn renders_tools(&self) -> bool {
         self.source.contains("tools")
