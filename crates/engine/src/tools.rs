@@ -316,7 +316,9 @@ impl ToolSyntax {
             let mut rules = String::new();
             let mut names = Vec::new();
             for (i, t) in chosen.iter().enumerate() {
-                rules.push_str(&crate::pythonic::call_rules(i, &t.name, &t.parameters));
+                let mut params = t.parameters.clone();
+                close_objects(&mut params);
+                rules.push_str(&crate::pythonic::call_rules(i, &t.name, &params));
                 names.push(format!("call{i}"));
             }
             let repeat = if many {
@@ -548,7 +550,7 @@ impl ToolStream {
 }
 
 /// `additionalProperties: false` on every object schema in `v` that does
-/// not set it.
+/// not set it, and bounds on every integer schema that has none.
 fn close_objects(v: &mut Value) {
     match v {
         Value::Object(o) => {
@@ -557,6 +559,18 @@ fn close_objects(v: &mut Value) {
             {
                 o.entry("additionalProperties")
                     .or_insert(Value::Bool(false));
+            }
+            // Integers within JSON's exact range (2^53 - 1) unless the
+            // schema bounds them: a model may otherwise write digits
+            // until its token limit.
+            if o.get("type").and_then(Value::as_str) == Some("integer") {
+                const SAFE: i64 = (1 << 53) - 1;
+                if !o.contains_key("minimum") && !o.contains_key("exclusiveMinimum") {
+                    o.insert("minimum".into(), (-SAFE).into());
+                }
+                if !o.contains_key("maximum") && !o.contains_key("exclusiveMaximum") {
+                    o.insert("maximum".into(), SAFE.into());
+                }
             }
             for (_, x) in o.iter_mut() {
                 close_objects(x);
@@ -804,6 +818,28 @@ mod tests {
             lark.starts_with("start: \"```tool_code\\n[\" call (\", \" call){0,3} \"]\\n```\""),
             "{lark}"
         );
+        // Integers are bounded (else digits could run to the token limit),
+        // nested objects closed, in every syntax.
+        let counted = ToolSpec::from_openai(&json!({"type": "function", "function": {"name": "g",
+            "parameters": {"type": "object", "properties": {"n": {"type": "integer"},
+                "o": {"type": "object", "properties": {"k": {"type": "integer", "maximum": 9}}}}}}}))
+        .unwrap();
+        for syntax in [p.clone(), syntax(ToolFormat::Hermes)] {
+            let Some(Constraint::Lark(lark)) = syntax
+                .constraint(std::slice::from_ref(&counted), &ToolChoice::Required, false)
+                .unwrap()
+            else {
+                panic!("no grammar");
+            };
+            assert!(lark.contains("\"maximum\":9007199254740991"), "{lark}");
+            assert!(lark.contains("\"maximum\":9,"), "{lark}");
+            assert_eq!(
+                lark.matches("\"minimum\":-9007199254740991").count(),
+                2,
+                "{lark}"
+            );
+            assert!(lark.contains("\"additionalProperties\":false"), "{lark}");
+        }
     }
 
     #[test]
