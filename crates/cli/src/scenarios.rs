@@ -740,13 +740,14 @@ pub fn spec(model: Model, args: &BenchArgs) -> Result<()> {
             ..args.kv.config(false)
         },
     )?;
+    // Prompt lookup's bounds are computed without a draft model only.
+    let lookup = with.config().draft.is_none();
+    let chat = |prompt: &str| Prompt::Chat(vec![tessera_engine::Message::new("user", prompt)]);
     let run = |engine: &Engine, prompt: &str| -> Result<(Vec<u32>, f64)> {
         let req = GenerateRequest {
             sampling: SamplingParams::greedy(),
             max_tokens: 256,
-            ..GenerateRequest::new(Prompt::Chat(vec![tessera_engine::Message::new(
-                "user", prompt,
-            )]))
+            ..GenerateRequest::new(chat(prompt))
         };
         let c = engine.complete(&req, &mut |_| {})?;
         let decode_s = (c.timings.total_s - c.timings.ttft_ms / 1e3).max(1e-9);
@@ -768,11 +769,8 @@ pub fn spec(model: Model, args: &BenchArgs) -> Result<()> {
                 let (y, sb) = run(&without, p)?;
                 (ta, tb, n) = (ta + sa, tb + sb, n + x.len().saturating_sub(1));
                 same &= x == y;
-                if run_no == 0 {
-                    let ids =
-                        with.tokenize_prompt(&Prompt::Chat(vec![tessera_engine::Message::new(
-                            "user", p,
-                        )]))?;
+                if run_no == 0 && lookup {
+                    let ids = with.tokenize_prompt(&chat(p))?;
                     bound.0 += lookup_steps(&ids, &y, |h| ngram.lookup(h, ngram.max_draft));
                     let best = |most| {
                         lookup_steps(&ids, &y, |h| {
@@ -828,17 +826,18 @@ pub fn spec(model: Model, args: &BenchArgs) -> Result<()> {
             "  {kind:<9} {count} prompts, {n} tokens: {a:>7.1} tok/s with, {b:>7.1} without ({:.2}x); {kept} of {drafted} draft tokens kept",
             a / b
         ));
-        let per = |s: usize| decoded as f64 / s.max(1) as f64;
-        if with.config().draft.is_none() {
+        v[kind] = serde_json::json!({"with": a, "without": b, "ratio": a / b,
+            "draft_tokens": drafted, "accepted_tokens": kept, "tokens": n});
+        if lookup {
+            let per = |s: usize| decoded as f64 / s.max(1) as f64;
             lines.push(format!(
                 "            with checks costing nothing: {:.2} tokens a step (these lookups at full length), {:.2} (the best earlier occurrence of the last token, {} at most), {:.2} (no limit)",
                 per(steps), per(best), ngram.max_draft, per(unlimited)
             ));
+            v[kind]["free_check_tokens_per_step"] = per(steps).into();
+            v[kind]["best_lookup_tokens_per_step"] = per(best).into();
+            v[kind]["best_unlimited_lookup_tokens_per_step"] = per(unlimited).into();
         }
-        v[kind] = serde_json::json!({"with": a, "without": b, "ratio": a / b,
-            "draft_tokens": drafted, "accepted_tokens": kept, "tokens": n,
-            "free_check_tokens_per_step": per(steps), "best_lookup_tokens_per_step": per(best),
-            "best_unlimited_lookup_tokens_per_step": per(unlimited)});
     }
     lines.push("  the same greedy tokens with and without, every prompt and run".into());
     emit(args, v, &lines);

@@ -81,25 +81,22 @@ struct Live {
 pub(crate) struct Drafts {
     runner: Runner,
     kv: KvCache,
-    config: KvConfig,
     setup: DraftSetup,
     seqs: HashMap<ReqId, SeqId>,
 }
 
 impl Drafts {
     pub(crate) fn new(setup: DraftSetup) -> Result<Drafts> {
-        let config = setup.kv;
         let runner = Runner::new(
             setup.model.clone(),
-            config.num_blocks,
-            config.sliding.map(|s| s.num_blocks),
-            config.block_size,
+            setup.kv.num_blocks,
+            setup.kv.sliding.map(|s| s.num_blocks),
+            setup.kv.block_size,
             setup.dtype,
         )?;
         Ok(Drafts {
             runner,
-            kv: KvCache::new(config)?,
-            config,
+            kv: KvCache::new(setup.kv)?,
             setup,
             seqs: HashMap::new(),
         })
@@ -119,7 +116,7 @@ impl Drafts {
             Err(p) => panic_text(&*p),
         };
         warn!("the draft model failed ({why}); its cache starts over");
-        self.reset();
+        self.clear();
         vec![Vec::new(); wants.len()]
     }
 
@@ -139,22 +136,15 @@ impl Drafts {
         }
         if let Err(e) = self.kv.free_sequence(seq) {
             warn!("draft cache: freeing {req}: {e}");
-            self.reset();
+            self.clear();
         }
     }
 
-    /// Drops the sequences of samples `live` no longer lists.
-    pub(crate) fn retain(&mut self, live: impl Fn(ReqId) -> bool) {
-        let gone: Vec<ReqId> = self.seqs.keys().copied().filter(|&r| !live(r)).collect();
-        for r in gone {
-            self.release(r, None);
-        }
-    }
-
-    /// An empty cache (its tensors' contents no longer matter).
-    fn reset(&mut self) {
+    /// An empty cache (its tensors' contents no longer matter): after a
+    /// failed draft, or when the engine's own bookkeeping starts over.
+    pub(crate) fn clear(&mut self) {
         self.seqs.clear();
-        match KvCache::new(self.config) {
+        match KvCache::new(self.setup.kv) {
             Ok(kv) => self.kv = kv,
             Err(e) => warn!("draft cache: starting over: {e}"),
         }
@@ -174,12 +164,12 @@ impl Drafts {
     /// `want`'s sequence, cut back to what it has in common with the text
     /// (at most all but its last token, whose logits the draft starts
     /// from), and that length.
-    fn place(&mut self, want: &Want) -> Result<(SeqId, usize)> {
+    fn place(&mut self, want: &Want) -> (SeqId, usize) {
         let keep = want.history.len() - 1;
         if let Some(&seq) = self.seqs.get(&want.req) {
             let common = self.common(seq, want.history).min(keep);
             if self.kv.truncate(seq, common).is_ok() {
-                return Ok((seq, common));
+                return (seq, common);
             }
             self.release(want.req, None);
         }
@@ -190,7 +180,7 @@ impl Drafts {
         };
         let (seq, reused) = self.kv.add_sequence(want.ns, &reusable);
         self.seqs.insert(want.req, seq);
-        Ok((seq, reused))
+        (seq, reused)
     }
 
     /// Reserves slots for `tokens` after `seq`'s, carrying out the copies
@@ -215,7 +205,7 @@ impl Drafts {
                 self.release(w.req, None);
                 continue;
             }
-            let (seq, start) = self.place(w)?;
+            let (seq, start) = self.place(w);
             let pending = token_ids(&w.history[start..]);
             let Some((slots, sliding)) = self.append(seq, &pending)? else {
                 // No room in the draft's pool: no draft this time.
@@ -306,7 +296,7 @@ impl Drafts {
         for (j, _) in batch {
             let seq = live[*j].seq;
             let sliding = if split {
-                Some(sliding_part(&[], &self.kv.sliding_table(seq)?).1)
+                Some(self.kv.sliding_table(seq)?)
             } else {
                 None
             };
@@ -324,12 +314,9 @@ impl Drafts {
                     slots: &l.slots[r.clone()],
                     table,
                     logits_from: last.then_some(r.len() - 1),
-                    sliding: sliding.as_ref().map(|t| {
-                        (
-                            l.sliding[r.clone()].iter().map(|s| s.0).collect(),
-                            t.clone(),
-                        )
-                    }),
+                    sliding: sliding
+                        .as_ref()
+                        .map(|t| sliding_part(&l.sliding[r.clone()], t)),
                     rope: Vec::new(),
                 }
             })

@@ -121,12 +121,12 @@ impl Engine {
         }
         model.llama.prepare()?;
         let draft = match &cfg.draft {
-            Some(d) => Some(load_draft(d, &model, &cfg)?),
+            Some(d) => Some((load_draft(d, &model, &cfg)?, d.p_min)),
             None => None,
         };
         let mc = model.config();
         // With a draft model, each pool holds as many tokens.
-        let share = draft.as_ref().map_or(cfg.kv_memory, |d| {
+        let share = draft.as_ref().map_or(cfg.kv_memory, |(d, _)| {
             let (a, b) = (
                 mc.kv_bytes_per_token(cfg.cache_dtype) as u128,
                 d.config().kv_bytes_per_token(cfg.cache_dtype) as u128,
@@ -143,7 +143,7 @@ impl Engine {
         let per_block = layout.block_bytes;
         let ctx = cfg.context_length.unwrap_or(mc.context_length);
         let drafts = match draft {
-            Some(d) => {
+            Some((d, p_min)) => {
                 let dcfg = EngineConfig {
                     kv_memory: cfg.kv_memory - share,
                     self_extend: None,
@@ -157,7 +157,7 @@ impl Engine {
                     kv: layout.kv_config(cfg.block_size),
                     dtype: cfg.cache_dtype,
                     chunk: cfg.prefill_chunk.max(1),
-                    p_min: cfg.draft.as_ref().map_or(0.0, |d| d.p_min),
+                    p_min,
                     prefix_cache: cfg.prefix_cache,
                 })?)
             }

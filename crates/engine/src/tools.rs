@@ -227,32 +227,40 @@ impl ToolSyntax {
         for m in messages {
             let m = match m.role.as_str() {
                 "assistant" if m.tool_calls.is_some() => {
-                    let mut text = m.content.clone();
-                    let mut python = Vec::new();
-                    for call in m
+                    let calls = m
                         .tool_calls
                         .iter()
                         .flat_map(|c| c.as_array().into_iter().flatten())
-                    {
-                        let f = call.get("function").unwrap_or(call);
-                        if pythonic {
-                            let name = f.get("name").and_then(Value::as_str).unwrap_or_default();
-                            let args = f.get("arguments").cloned().unwrap_or(json!({}));
-                            python.push(crate::pythonic::call_text(name, &args));
-                            continue;
-                        }
-                        let body = json!({"name": f.get("name"), "arguments": f.get("arguments")});
+                        .map(|call| call.get("function").unwrap_or(call));
+                    // Hermes: a block per call; Gemma: one block of calls.
+                    let blocks: Vec<String> = if pythonic {
+                        let python: Vec<String> = calls
+                            .map(|f| {
+                                let name =
+                                    f.get("name").and_then(Value::as_str).unwrap_or_default();
+                                let args = f.get("arguments").cloned().unwrap_or(json!({}));
+                                crate::pythonic::call_text(name, &args)
+                            })
+                            .collect();
+                        (!python.is_empty())
+                            .then(|| format!("{TOOL_CODE_OPEN}\n[{}]\n{FENCE}", python.join(", ")))
+                            .into_iter()
+                            .collect()
+                    } else {
+                        calls
+                            .map(|f| {
+                                let body =
+                                    json!({"name": f.get("name"), "arguments": f.get("arguments")});
+                                format!("{HERMES_OPEN}\n{body}\n{HERMES_CLOSE}")
+                            })
+                            .collect()
+                    };
+                    let mut text = m.content.clone();
+                    for b in blocks {
                         if !text.is_empty() {
                             text.push('\n');
                         }
-                        text.push_str(&format!("{HERMES_OPEN}\n{body}\n{HERMES_CLOSE}"));
-                    }
-                    if !python.is_empty() {
-                        if !text.is_empty() {
-                            text.push('\n');
-                        }
-                        let calls = python.join(", ");
-                        text.push_str(&format!("{TOOL_CODE_OPEN}\n[{calls}]\n{FENCE}"));
+                        text.push_str(&b);
                     }
                     Message::new("assistant", text)
                 }
@@ -312,45 +320,27 @@ impl ToolSyntax {
             return Err("tool_choice `required` needs at least one tool".into());
         }
         let many = parallel && matches!(choice, ToolChoice::Required);
-        if self.format == ToolFormat::Pythonic {
-            let mut rules = String::new();
-            let mut names = Vec::new();
-            for (i, t) in chosen.iter().enumerate() {
-                let mut params = t.parameters.clone();
-                close_objects(&mut params);
-                rules.push_str(&crate::pythonic::call_rules(i, &t.name, &params));
-                names.push(format!("call{i}"));
-            }
-            let repeat = if many {
-                format!(" (\", \" call){{0,{}}}", MAX_PARALLEL_CALLS - 1)
-            } else {
-                String::new()
+        // The JSON syntaxes' schema of one call.
+        let one = || {
+            let key = match self.format {
+                ToolFormat::Llama3 => "parameters",
+                _ => "arguments",
             };
-            let open = Value::String(format!("{TOOL_CODE_OPEN}\n["));
-            let close = Value::String(format!("]\n{FENCE}"));
-            return Ok(Some(Constraint::Lark(format!(
-                "start: {open} call{repeat} {close}\ncall: {}\n{rules}",
-                names.join(" | ")
-            ))));
-        }
-        let key = match self.format {
-            ToolFormat::Llama3 => "parameters",
-            _ => "arguments",
-        };
-        let calls: Vec<Value> = chosen
-            .iter()
-            .map(|t| {
-                let mut params = t.parameters.clone();
-                close_objects(&mut params);
-                json!({"type": "object",
-                    "properties": {"name": {"const": t.name}, key: params},
-                    "required": ["name", key], "additionalProperties": false})
-            })
-            .collect();
-        let one = if calls.len() == 1 {
-            calls[0].clone()
-        } else {
-            json!({"anyOf": calls})
+            let mut calls: Vec<Value> = chosen
+                .iter()
+                .map(|t| {
+                    let mut params = t.parameters.clone();
+                    close_objects(&mut params);
+                    json!({"type": "object",
+                        "properties": {"name": {"const": t.name}, key: params},
+                        "required": ["name", key], "additionalProperties": false})
+                })
+                .collect();
+            if calls.len() == 1 {
+                calls.remove(0)
+            } else {
+                json!({"anyOf": calls})
+            }
         };
         let opener = match self.opener_token {
             Some(id) => format!("<[{id}]>"),
@@ -358,7 +348,7 @@ impl ToolSyntax {
         };
         let lark = match self.format {
             ToolFormat::Hermes => {
-                let mut schema = one;
+                let mut schema = one();
                 bound_json_whitespace(&mut schema);
                 let repeat = if many {
                     format!(" (\"\\n\" call){{0,{}}}", MAX_PARALLEL_CALLS - 1)
@@ -372,16 +362,16 @@ impl ToolSyntax {
             ToolFormat::Mistral | ToolFormat::Granite => {
                 let most = if many { MAX_PARALLEL_CALLS } else { 1 };
                 let mut schema =
-                    json!({"type": "array", "items": one, "minItems": 1, "maxItems": most});
+                    json!({"type": "array", "items": one(), "minItems": 1, "maxItems": most});
                 bound_json_whitespace(&mut schema);
                 format!("start: {opener} %json {schema}\n")
             }
             ToolFormat::Llama3 => {
-                let mut schema = one;
+                let mut schema = one();
                 bound_json_whitespace(&mut schema);
                 format!("start: %json {schema}\n")
             }
-            ToolFormat::Pythonic => unreachable!("written above"),
+            ToolFormat::Pythonic => pythonic_grammar(&chosen, many),
         };
         Ok(Some(Constraint::Lark(lark)))
     }
@@ -547,6 +537,32 @@ impl ToolStream {
             _ => Err(std::mem::take(&mut self.held)),
         }
     }
+}
+
+/// Gemma's forced calls: a `tool_code` block of one call of the chosen
+/// functions (up to [`MAX_PARALLEL_CALLS`] with `many`), each one's
+/// keyword arguments following its parameters' schema, closed as the JSON
+/// syntaxes' are.
+fn pythonic_grammar(chosen: &[&ToolSpec], many: bool) -> String {
+    let mut rules = String::new();
+    let mut names = Vec::new();
+    for (i, t) in chosen.iter().enumerate() {
+        let mut params = t.parameters.clone();
+        close_objects(&mut params);
+        rules.push_str(&crate::pythonic::call_rules(i, &t.name, &params));
+        names.push(format!("call{i}"));
+    }
+    let repeat = if many {
+        format!(" (\", \" call){{0,{}}}", MAX_PARALLEL_CALLS - 1)
+    } else {
+        String::new()
+    };
+    let open = Value::String(format!("{TOOL_CODE_OPEN}\n["));
+    let close = Value::String(format!("]\n{FENCE}"));
+    format!(
+        "start: {open} call{repeat} {close}\ncall: {}\n{rules}",
+        names.join(" | ")
+    )
 }
 
 /// `additionalProperties: false` on every object schema in `v` that does

@@ -447,6 +447,10 @@ impl Worker {
             })
             .expect("the same configuration was valid");
             self.sched = Scheduler::new(kv, self.sched.config().clone());
+            // The draft model's sequences were the cleared samples'.
+            if let Some(d) = self.drafts.as_mut() {
+                d.clear();
+            }
             self.active.clear();
             self.exports.clear();
             self.scores.clear();
@@ -856,11 +860,10 @@ impl Worker {
         let Some(drafts) = self.drafts.as_mut() else {
             return;
         };
-        let active = &self.active;
-        drafts.retain(|r| active.contains_key(&r));
         if waiting.is_empty() {
             return;
         }
+        let active = &self.active;
         let _span = debug_span!("draft", samples = waiting.len()).entered();
         let began = Instant::now();
         let wants: Vec<crate::draft::Want> = waiting
