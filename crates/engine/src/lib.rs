@@ -40,6 +40,7 @@ mod snapshot;
 mod source;
 mod spec;
 mod stream;
+mod tier;
 mod tools;
 mod types;
 mod worker;
@@ -64,8 +65,8 @@ pub use tools::{
 };
 pub use types::{
     CacheDType, Completion, ContextShift, DraftModelConfig, EngineConfig, EngineStats, Fault,
-    FaultHook, FaultSite, FinishReason, GenerateRequest, Partition, Prompt, Timings, TokenEvent,
-    Usage,
+    FaultHook, FaultSite, FinishReason, GenerateRequest, Partition, Prompt, TierStats, Timings,
+    TokenEvent, Usage, DEFAULT_CACHE_DIR_BYTES,
 };
 pub use worker::INJECTED_PANIC;
 

@@ -58,6 +58,8 @@ pub(crate) struct Active {
     first_token: Option<Instant>,
     /// Prompt tokens served from the cache.
     pub cached: Option<usize>,
+    /// Of those, the tokens read back from the disk tier for it.
+    pub disk_cached: usize,
     /// A sampled token not yet given to the scheduler: the reader is too
     /// far behind (see [`Group::behind`]).
     pub held: Option<u32>,
@@ -95,6 +97,7 @@ impl Active {
             started: None,
             first_token: None,
             cached: None,
+            disk_cached: 0,
             held: None,
             drafter: None,
             drafted: 0,
@@ -240,6 +243,7 @@ impl Active {
             usage: Usage {
                 prompt_tokens: g.prompt.len(),
                 cached_tokens: cached,
+                disk_cached_tokens: self.disk_cached.min(cached),
                 completion_tokens: self.out.len(),
                 draft_tokens: self.drafted,
                 accepted_draft_tokens: self.accepted,

@@ -31,8 +31,14 @@ pub struct EngineConfig {
     pub prefill_chunk: usize,
     /// Most requests decoding together.
     pub max_running: usize,
-    /// Where the prefix cache is written on shutdown and read at start.
+    /// Where the prefix cache is written on shutdown and read at start,
+    /// and the disk tier below the pool: full blocks of cached prefixes
+    /// that eviction frees are written there as they go and read back
+    /// when a prompt continues past what the pool holds.
     pub cache_dir: Option<PathBuf>,
+    /// The disk tier's size limit in bytes (its oldest blocks go first);
+    /// 0 turns the tier off (the cache file is still written at shutdown).
+    pub cache_dir_bytes: u64,
     /// Defragment automatically when idle and more than this share of the
     /// pool's span is holes.
     pub defrag_threshold: f64,
@@ -115,6 +121,9 @@ impl DraftModelConfig {
     }
 }
 
+/// The disk tier's default size limit: 4 GiB.
+pub const DEFAULT_CACHE_DIR_BYTES: u64 = 4 << 30;
+
 impl Default for EngineConfig {
     fn default() -> Self {
         EngineConfig {
@@ -126,6 +135,7 @@ impl Default for EngineConfig {
             prefill_chunk: 512,
             max_running: 16,
             cache_dir: None,
+            cache_dir_bytes: DEFAULT_CACHE_DIR_BYTES,
             defrag_threshold: 0.25,
             threads: None,
             activations: None,
@@ -302,6 +312,9 @@ pub struct Usage {
     pub prompt_tokens: usize,
     /// Prompt tokens whose K/V came from the prefix cache.
     pub cached_tokens: usize,
+    /// Of those, the tokens read back from the disk tier below the pool
+    /// (`EngineConfig::cache_dir`) rather than found in the pool.
+    pub disk_cached_tokens: usize,
     pub completion_tokens: usize,
     /// Speculative decoding: draft tokens this sample computed, and those
     /// kept (each kept one is a completion token that cost no step).
@@ -333,6 +346,21 @@ pub struct Completion {
     pub finish_reason: FinishReason,
     pub usage: Usage,
     pub timings: Timings,
+}
+
+/// Counters of the disk tier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct TierStats {
+    /// Blocks held now, and their bytes on disk.
+    pub blocks: usize,
+    pub bytes: u64,
+    /// Blocks written (demoted) and read back (promoted) since start.
+    pub written: u64,
+    pub read: u64,
+    /// Blocks dropped for the size limit.
+    pub dropped: u64,
+    /// Records found bad at start (torn or corrupted), cut off.
+    pub bad_at_start: u64,
 }
 
 /// Engine-wide counters.
@@ -384,6 +412,10 @@ pub struct EngineStats {
     pub guide_masks: u64,
     pub guide_mask_ns: u64,
     pub guide_wait_ns: u64,
+    /// Prompt tokens read back from the disk tier (counted in
+    /// `cached_tokens` too), and the tier itself when it is on.
+    pub disk_cached_tokens: u64,
+    pub disk_tier: Option<TierStats>,
 }
 
 impl EngineStats {

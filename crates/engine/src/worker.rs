@@ -43,6 +43,7 @@ use crate::types::{
 use crate::{EngineError, Result};
 
 mod side;
+mod tiers;
 use side::{Export, Scoring};
 
 /// What the handles ask of the worker.
@@ -124,6 +125,8 @@ pub(crate) struct Worker {
     /// them together at the end of the step): the token, and the most
     /// guesses.
     to_draft: Vec<(ReqId, u32, usize)>,
+    /// The disk tier below the pool (`cache_dir`), when it is on.
+    tier: Option<tiers::Tier>,
 }
 
 /// The background share's memory: the largest share not found too slow,
@@ -328,7 +331,7 @@ impl Worker {
         layout: &KvLayout,
         drafts: Option<crate::draft::Drafts>,
     ) -> Result<Worker> {
-        let kv = KvCache::new(layout.kv_config(cfg.block_size))?;
+        let mut kv = KvCache::new(layout.kv_config(cfg.block_size))?;
         let runner = Runner::new(
             model.clone(),
             layout.num_blocks,
@@ -336,6 +339,9 @@ impl Worker {
             cfg.block_size,
             cfg.cache_dtype,
         )?;
+        let geometry = crate::snapshot::Geometry::of(&model, cfg.cache_dtype);
+        let tier = tiers::Tier::open(cfg, &geometry, runner.row_bytes())?;
+        kv.set_demote(tier.is_some());
         let sched = Scheduler::new(
             kv,
             SchedConfig {
@@ -374,6 +380,7 @@ impl Worker {
             },
             drafts,
             to_draft: Vec::new(),
+            tier,
         })
     }
 
@@ -446,6 +453,8 @@ impl Worker {
                 ..self.layout.kv_config(self.cfg.block_size)
             })
             .expect("the same configuration was valid");
+            let mut kv = kv;
+            kv.set_demote(self.tier.is_some());
             self.sched = Scheduler::new(kv, self.sched.config().clone());
             // The draft model's sequences were the cleared samples'.
             if let Some(d) = self.drafts.as_mut() {
@@ -474,7 +483,10 @@ impl Worker {
                 let _ = reply.send(self.stats());
             }
             Command::ClearCache(reply) => {
-                let _ = reply.send(self.sched.kv_mut().clear_cache().map_err(Into::into));
+                let cleared = self.sched.kv_mut().clear_cache();
+                // Cleared, not demoted: the tier keeps what it had.
+                self.sched.kv_mut().take_demoted();
+                let _ = reply.send(cleared.map_err(Into::into));
             }
             Command::Defragment(reply) => {
                 let _ = reply.send(self.defragment());
@@ -526,6 +538,7 @@ impl Worker {
             waiting: self.sched.num_waiting(),
             paused_samples: self.active.values().filter(|a| a.held.is_some()).count(),
             draft_kv: self.drafts.as_ref().map(|d| d.kv().stats()),
+            disk_tier: self.tier.as_ref().map(|t| t.stats()),
             ..self.totals
         }
     }
@@ -686,7 +699,11 @@ impl Worker {
         if !self.sched.has_work() {
             return;
         }
-        let plan = match debug_span!("schedule").in_scope(|| self.sched.schedule()) {
+        self.promote();
+        let scheduled = debug_span!("schedule").in_scope(|| self.sched.schedule());
+        // What admission evicted, before the step writes the pool.
+        self.demote();
+        let plan = match scheduled {
             Ok(p) => p,
             Err(e) => {
                 let e = sched_error(e);
@@ -1288,6 +1305,8 @@ impl Worker {
             if live > blocks {
                 kv.evict(live - blocks)?;
             }
+            self.demote();
+            let kv = self.sched.kv_mut();
             let live = kv.pool().num_live();
             if live > blocks {
                 return Err(oom(live));

@@ -208,6 +208,19 @@ impl KvCache {
         &self.tree
     }
 
+    /// Whether eviction records the full blocks it frees
+    /// ([`PrefixTree::set_demote`]).
+    pub fn set_demote(&mut self, on: bool) {
+        self.tree.set_demote(on);
+    }
+
+    /// The full blocks eviction freed since the last call, with their
+    /// paths: their K/V stays valid until the next forward writes the
+    /// pool, so a lower tier reads them before it.
+    pub fn take_demoted(&mut self) -> Vec<crate::Demoted> {
+        self.tree.take_demoted()
+    }
+
     /// Blocks needed to hold `tokens` tokens.
     pub fn blocks_for(&self, tokens: usize) -> usize {
         tokens.div_ceil(self.block_size())

@@ -51,6 +51,18 @@ pub struct InsertOutcome {
     pub node: Option<NodeId>,
 }
 
+/// Full blocks that eviction freed, with the path they held: what a lower
+/// tier keeps (see [`PrefixTree::set_demote`]). Block `first + i` of the
+/// path (positions `(first + i)·bs ..`) was `blocks[i]`; `tokens` runs from
+/// the namespace's root to the end of the last of them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Demoted {
+    pub namespace: Namespace,
+    pub tokens: Vec<TokenId>,
+    pub first: usize,
+    pub blocks: Vec<BlockId>,
+}
+
 /// One root-to-leaf path, as [`PrefixTree::paths`] lists them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CachedPath {
@@ -106,6 +118,9 @@ pub struct PrefixTree {
     evictable: BTreeSet<(u64, NodeId)>,
     clock: u64,
     cached_tokens: usize,
+    /// Whether eviction records what it frees in `demoted`.
+    demote: bool,
+    demoted: Vec<Demoted>,
 }
 
 fn common_prefix(a: &[TokenId], b: &[TokenId]) -> usize {
@@ -123,6 +138,71 @@ impl PrefixTree {
             evictable: BTreeSet::new(),
             clock: 0,
             cached_tokens: 0,
+            demote: false,
+            demoted: Vec::new(),
+        }
+    }
+
+    /// Whether eviction records the full blocks it frees, with their
+    /// paths, for [`take_demoted`](Self::take_demoted): their K/V is valid
+    /// until the pool hands the blocks out again and something writes them.
+    pub fn set_demote(&mut self, on: bool) {
+        self.demote = on;
+        if !on {
+            self.demoted.clear();
+        }
+    }
+
+    /// What eviction freed since the last call (empty unless
+    /// [`set_demote`](Self::set_demote) is on).
+    pub fn take_demoted(&mut self) -> Vec<Demoted> {
+        std::mem::take(&mut self.demoted)
+    }
+
+    /// Records the blocks of `node` (blocks `first_index..` of its path,
+    /// `blocks[i]` freed where `freed[i]`) that are full up to `end`.
+    fn record_demoted(
+        &mut self,
+        id: NodeId,
+        first_index: usize,
+        blocks: &[BlockId],
+        freed: &[bool],
+    ) {
+        let bs = self.block_size;
+        let end = self.n(id).end();
+        let full: Vec<(usize, BlockId)> = blocks
+            .iter()
+            .zip(freed)
+            .enumerate()
+            .filter(|&(i, (_, &f))| f && (first_index + i + 1) * bs <= end)
+            .map(|(i, (&b, _))| (first_index + i, b))
+            .collect();
+        if full.is_empty() {
+            return;
+        }
+        // Runs of consecutive indices (a block kept by another node breaks one).
+        let mut path: Vec<TokenId> = Vec::new();
+        let mut cur = Some(id);
+        while let Some(c) = cur {
+            let node = self.n(c);
+            path.splice(0..0, node.tokens.iter().copied());
+            cur = node.parent;
+        }
+        let ns = self.n(id).namespace;
+        let mut i = 0;
+        while i < full.len() {
+            let mut k = i + 1;
+            while k < full.len() && full[k].0 == full[k - 1].0 + 1 {
+                k += 1;
+            }
+            let (first, last) = (full[i].0, full[k - 1].0);
+            self.demoted.push(Demoted {
+                namespace: ns,
+                tokens: path[..(last + 1) * bs].to_vec(),
+                first,
+                blocks: full[i..k].iter().map(|&(_, b)| b).collect(),
+            });
+            i = k;
         }
     }
 
@@ -752,18 +832,27 @@ impl PrefixTree {
         freed: &mut Vec<BlockId>,
     ) -> Result<(), KvError> {
         let bs = self.block_size;
-        let node = self.nm(id);
+        let node = self.n(id);
         let keep = node.blocks.len() - k;
         let new_end = (node.start / bs + keep) * bs;
         let dropped_tokens = node.end() - new_end;
-        node.tokens.truncate(new_end - node.start);
-        let dropped = node.blocks.split_off(keep);
-        self.cached_tokens -= dropped_tokens;
-        for b in dropped {
-            if pool.release(b)? {
+        let first = node.start / bs + keep;
+        let dropped = node.blocks[keep..].to_vec();
+        let mut released = Vec::with_capacity(dropped.len());
+        for &b in &dropped {
+            let f = pool.release(b)?;
+            if f {
                 freed.push(b);
             }
+            released.push(f);
         }
+        if self.demote {
+            self.record_demoted(id, first, &dropped, &released);
+        }
+        let node = self.nm(id);
+        node.tokens.truncate(new_end - node.start);
+        node.blocks.truncate(keep);
+        self.cached_tokens -= dropped_tokens;
         Ok(())
     }
 
@@ -774,13 +863,21 @@ impl PrefixTree {
         freed: &mut Vec<BlockId>,
     ) -> Result<(), KvError> {
         self.unlist(id);
-        let node = self.nodes[id.index()].take().expect("leaf is live");
-        self.free_ids.push(id);
-        for &b in &node.blocks {
-            if pool.release(b)? {
+        let mut released = Vec::with_capacity(self.n(id).blocks.len());
+        for &b in &self.n(id).blocks {
+            let f = pool.release(b)?;
+            if f {
                 freed.push(b);
             }
+            released.push(f);
         }
+        if self.demote {
+            let node = self.n(id);
+            let (first, blocks) = (node.start / self.block_size, node.blocks.clone());
+            self.record_demoted(id, first, &blocks, &released);
+        }
+        let node = self.nodes[id.index()].take().expect("leaf is live");
+        self.free_ids.push(id);
         self.cached_tokens -= node.tokens.len();
         let parent = node.parent.expect("leaves are not roots");
         let p = self.nm(parent);

@@ -334,6 +334,20 @@ impl Scheduler {
         self.waiting.len()
     }
 
+    /// The waiting requests, in queue order.
+    pub fn waiting_ids(&self) -> Vec<ReqId> {
+        self.waiting.iter().copied().collect()
+    }
+
+    /// What a prefix match of `req` may cover at its admission: its
+    /// namespace and all its tokens but the last (`None` for a request that
+    /// does not read the prefix cache).
+    pub fn reusable(&self, req: ReqId) -> Option<(Namespace, &[TokenId])> {
+        let r = self.reqs.get(&req)?;
+        (self.cfg.prefix_cache && r.reuse && !r.private && !r.tokens.is_empty())
+            .then(|| (r.ns, &r.tokens[..r.tokens.len() - 1]))
+    }
+
     pub fn num_running(&self) -> usize {
         self.running.len()
     }

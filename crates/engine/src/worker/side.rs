@@ -354,7 +354,10 @@ impl Worker {
             let from = snap.sliding_from.min(n);
             self.runner.check_rows(&snap.layers, n, n - from)?;
             let toks = token_ids(&snap.tokens);
-            let placed = self.sched.place_kv(ns, &toks, from).map_err(sched_error)?;
+            let placed = self.sched.place_kv(ns, &toks, from);
+            // Room made for it: demoted before its rows are written.
+            self.demote();
+            let placed = placed.map_err(sched_error)?;
             let cached = placed.cached;
             let plan = &placed.plan;
             let result = self.apply_append(plan).and_then(|()| {

@@ -409,8 +409,8 @@ fn a_failed_restore_never_overwrites_the_cache_file() {
         before,
         "the file is untouched"
     );
-    // No temporary files are left beside it.
-    assert_eq!(std::fs::read_dir(&cache).unwrap().count(), 1);
+    // No temporary files are left beside it (and the disk tier's folder).
+    assert_eq!(std::fs::read_dir(&cache).unwrap().count(), 2);
 
     // The engine that wrote it still reads it back.
     let (engine, d3) = tiny_engine(with(CacheDType::F32));
@@ -1352,4 +1352,80 @@ fn run_together(engine: &Engine, ps: &[Vec<u32>], temperature: f32) -> Vec<Vec<u
             .expect("a completion")
         })
         .collect()
+}
+
+/// With a cache directory, full blocks that eviction frees go to the disk
+/// tier and come back for a prompt that continues past the pool's match:
+/// the same tokens as an engine without the tier, counted as cached and
+/// as read from disk, per partition, and still there after a restart
+/// (the shutdown's cache file removed, so only the tier holds them).
+#[test]
+fn evicted_prefixes_come_back_from_the_disk_tier() {
+    let cache = std::env::temp_dir().join(format!("tessera-tier-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&cache);
+    // A pool of 16 blocks of 4 tokens: one 40-token prompt and its answer.
+    let (probe, d0) = tiny_engine(small_cfg());
+    let s = probe.stats();
+    let per_block = s.kv_bytes / s.kv.num_blocks;
+    drop(probe);
+    let cfg = |dir: Option<&std::path::Path>| EngineConfig {
+        kv_memory: 16 * per_block,
+        cache_dir: dir.map(Into::into),
+        ..small_cfg()
+    };
+    let texts: Vec<Vec<u32>> = (0..3u32)
+        .map(|i| (0..40u32).map(|t| 3 + (i * 17 + t * 7) % 60).collect())
+        .collect();
+    let order = [0, 1, 2, 0, 1];
+    let run = |engine: &Engine, p: &[u32], tenant: Option<&str>| {
+        let mut req = greedy(p, 6);
+        req.partition.tenant = tenant.map(Into::into);
+        let d = engine.complete(&req, &mut |_| {}).unwrap();
+        (d.tokens, d.usage)
+    };
+    let (plain, d1) = tiny_engine(cfg(None));
+    assert_eq!(plain.stats().kv.num_blocks, 16);
+    let want: Vec<Vec<u32>> = order
+        .iter()
+        .map(|&i| run(&plain, &texts[i], None).0)
+        .collect();
+    assert!(plain.stats().disk_tier.is_none());
+
+    let (tiered, d2) = tiny_engine(cfg(Some(&cache)));
+    for (k, &i) in order.iter().enumerate() {
+        let (toks, usage) = run(&tiered, &texts[i], None);
+        assert_eq!(toks, want[k], "request {k}");
+        if k >= 3 {
+            // Evicted by the two between: back from disk, whole blocks of
+            // the 39 tokens a match may cover.
+            assert_eq!(usage.disk_cached_tokens, 36, "request {k}: {usage:?}");
+            assert_eq!(usage.cached_tokens, 36, "request {k}: {usage:?}");
+        } else {
+            assert_eq!(usage.cached_tokens, 0);
+        }
+    }
+    let st = tiered.stats();
+    let t = st.disk_tier.unwrap();
+    assert!(t.written >= 18 && t.read == 18, "{t:?}");
+    assert_eq!(st.disk_cached_tokens, 72);
+    // Another tenant never reads the default partition's blocks.
+    let (toks, usage) = run(&tiered, &texts[2], Some("other"));
+    assert_eq!((usage.cached_tokens, usage.disk_cached_tokens), (0, 0));
+    assert_eq!(toks, want[2]);
+    assert_no_leak(&tiered);
+    tiered.check_kv().unwrap();
+    drop(tiered);
+
+    // Restarted on the tier alone.
+    std::fs::remove_file(cache.join(crate::snapshot::CACHE_FILE)).unwrap();
+    let (again, d3) = tiny_engine(cfg(Some(&cache)));
+    assert_eq!(again.stats().kv.cached_tokens, 0);
+    let (toks, usage) = run(&again, &texts[2], None);
+    assert_eq!(toks, want[2]);
+    assert_eq!(usage.disk_cached_tokens, 36, "{usage:?}");
+    assert_no_leak(&again);
+    drop(again);
+    for d in [d0, d1, d2, d3, cache] {
+        std::fs::remove_dir_all(d).unwrap();
+    }
 }

@@ -463,3 +463,38 @@ fn truncation_never_takes_a_shared_block() {
     assert!(kv.truncate(p, 7).is_err());
     checked(&kv, &sh);
 }
+
+#[test]
+fn eviction_reports_the_full_blocks_it_frees_with_their_paths() {
+    let (mut kv, mut sh) = cache(8, 4);
+    kv.set_demote(true);
+    // Two cached texts sharing their first 6 tokens: "a" of 14, "b" of 9.
+    let a: Vec<u32> = (1..=14).collect();
+    let mut bt: Vec<u32> = (1..=6).collect();
+    bt.extend([50, 51, 52]);
+    for text in [&a, &bt] {
+        let (s, _) = kv.add_sequence(NS, &toks(text));
+        let at = kv.sequence(s).unwrap().len();
+        append_compute(&mut kv, &mut sh, s, &text[at..]);
+        kv.insert_sequence(s).unwrap();
+        kv.free_sequence(s).unwrap();
+    }
+    assert!(kv.take_demoted().is_empty());
+    // "a" is the older leaf: its blocks past the shared split go first.
+    // Its node holds positions 6..14 in blocks 1, 2, 3; block 1 is also
+    // "b"'s parent's (not freed), block 3 (positions 12..14) is not full.
+    let freed = kv.evict(2).unwrap();
+    assert_eq!(freed.len(), 2);
+    let d = kv.take_demoted();
+    assert_eq!(d.len(), 1, "{d:?}");
+    assert_eq!(d[0].namespace, NS);
+    assert_eq!(d[0].first, 2);
+    assert_eq!(d[0].tokens, toks(&a[..12]));
+    assert_eq!(d[0].blocks.len(), 1);
+    assert!(freed.contains(&d[0].blocks[0]));
+    checked(&kv, &sh);
+    // Off: nothing is recorded.
+    kv.set_demote(false);
+    kv.clear_cache().unwrap();
+    assert!(kv.take_demoted().is_empty());
+}

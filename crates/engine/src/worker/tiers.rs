@@ -1,0 +1,260 @@
+//! The worker's side of the disk tier ([`crate::tier`]): full blocks that
+//! eviction frees are read out of the pool before anything writes it
+//! again and appended to the tier; before each schedule, the waiting
+//! requests at the head of the queue get the blocks of their prompt that
+//! the tier holds past what the pool holds placed back into the prefix
+//! tree, so that their admission finds them cached.
+
+use std::collections::HashMap;
+
+use tessera_kv::{Namespace, TokenId};
+use tessera_sched::ReqId;
+use tracing::warn;
+
+use super::Worker;
+use crate::runner::Rows;
+use crate::snapshot::{Geometry, LayerBytes};
+use crate::tier::{chain, tier_key, DiskTier, TierKey, TIER_DIR};
+use crate::Result;
+
+pub(super) struct Tier {
+    disk: DiskTier,
+    /// Each namespace's key, once computed.
+    keys: HashMap<Namespace, TierKey>,
+    /// Waiting requests already looked up (until they leave the queue).
+    checked: HashMap<ReqId, usize>,
+    /// A write failed (a full disk): said once.
+    warned: bool,
+}
+
+impl Tier {
+    /// Opens the tier of `cfg.cache_dir`, if it has one (a model with
+    /// sliding-window layers has none yet: its sliding layers' K/V is not
+    /// kept per block).
+    pub(super) fn open(
+        cfg: &crate::EngineConfig,
+        geometry: &Geometry,
+        row_bytes: usize,
+    ) -> Result<Option<Tier>> {
+        let Some(dir) = cfg.cache_dir.as_ref() else {
+            return Ok(None);
+        };
+        if cfg.cache_dir_bytes == 0 || !cfg.prefix_cache {
+            return Ok(None);
+        }
+        if !geometry.windows.is_empty() {
+            warn!(
+                "the disk tier is not kept for models with sliding-window layers; \
+                 {} holds the prefix cache written at shutdown only",
+                dir.display()
+            );
+            return Ok(None);
+        }
+        let disk = DiskTier::open(
+            &dir.join(TIER_DIR),
+            geometry,
+            cfg.block_size,
+            row_bytes,
+            cfg.cache_dir_bytes,
+        )?;
+        Ok(Some(Tier {
+            disk,
+            keys: HashMap::new(),
+            checked: HashMap::new(),
+            warned: false,
+        }))
+    }
+
+    pub(super) fn stats(&self) -> crate::types::TierStats {
+        self.disk.stats()
+    }
+}
+
+impl Worker {
+    /// The tier key of namespace `ns` (`None` for a namespace no partition
+    /// of this engine maps to).
+    fn tier_key_of(&mut self, ns: Namespace) -> Option<TierKey> {
+        if let Some(k) = self.tier.as_ref()?.keys.get(&ns) {
+            return Some(*k);
+        }
+        let p = self.partition_of(ns)?;
+        let g = self.geometry_of_tier();
+        let key = tier_key(g.0, &g.1, p.tenant.as_deref(), p.salt.as_deref());
+        self.tier.as_mut()?.keys.insert(ns, key);
+        Some(key)
+    }
+
+    fn geometry_of_tier(&self) -> (u64, String) {
+        (
+            self.runner.model().fingerprint,
+            self.cfg.cache_dtype.name().to_string(),
+        )
+    }
+
+    /// Appends what eviction freed since the last call to the disk tier.
+    /// Called after every pool operation that may evict and before the
+    /// next write into the pool (the freed blocks still hold their K/V).
+    pub(super) fn demote(&mut self) {
+        let demoted = self.sched.kv_mut().take_demoted();
+        if self.tier.is_none() || demoted.is_empty() {
+            return;
+        }
+        let bs = self.sched.kv().block_size();
+        let row = self.runner.row_bytes() * bs;
+        for d in demoted {
+            let Some(key) = self.tier_key_of(d.namespace) else {
+                continue;
+            };
+            let raw: Vec<u32> = d.tokens.iter().map(|t| t.0).collect();
+            let hashes = chain(&key, &raw, bs);
+            let tier = self.tier.as_mut().expect("checked above");
+            let want: Vec<(usize, u32)> = d
+                .blocks
+                .iter()
+                .enumerate()
+                .map(|(i, b)| (d.first + i, b.0))
+                .filter(|&(j, _)| !tier.disk.contains(hashes[j]))
+                .collect();
+            if want.is_empty() {
+                continue;
+            }
+            let slots = want
+                .iter()
+                .flat_map(|&(_, b)| (0..bs as u32).map(move |o| b * bs as u32 + o))
+                .collect();
+            let layers = match self.runner.read_rows(&Rows {
+                slots,
+                sliding: Vec::new(),
+            }) {
+                Ok(l) => l,
+                Err(e) => {
+                    warn!("reading evicted blocks for the disk tier: {e}");
+                    continue;
+                }
+            };
+            let tier = self.tier.as_mut().expect("checked above");
+            for (i, &(j, _)) in want.iter().enumerate() {
+                let block: Vec<LayerBytes> = layers
+                    .iter()
+                    .map(|l| LayerBytes {
+                        k: l.k[i * row..(i + 1) * row].to_vec(),
+                        v: l.v[i * row..(i + 1) * row].to_vec(),
+                    })
+                    .collect();
+                let parent = if j == 0 { 0 } else { hashes[j - 1] };
+                let toks = &raw[j * bs..(j + 1) * bs];
+                if let Err(e) = tier.disk.put(hashes[j], parent, &key, toks, &block) {
+                    if !tier.warned {
+                        warn!("the disk tier stops taking blocks for now: {e}");
+                        tier.warned = true;
+                    }
+                    break;
+                }
+            }
+        }
+    }
+
+    /// Places back into the prefix tree the blocks the disk tier holds of
+    /// the prompts of the requests at the head of the queue (as many as
+    /// may be admitted now), past what the pool holds of them.
+    pub(super) fn promote(&mut self) {
+        let Some(tier) = self.tier.as_mut() else {
+            return;
+        };
+        let waiting = self.sched.waiting_ids();
+        tier.checked.retain(|id, _| waiting.contains(id));
+        let room = self
+            .sched
+            .config()
+            .max_running
+            .saturating_sub(self.sched.num_running())
+            .max(1);
+        for id in waiting.into_iter().take(room) {
+            let tier = self.tier.as_mut().expect("checked above");
+            let Some((ns, toks)) = self.sched.reusable(id) else {
+                continue;
+            };
+            if tier.checked.get(&id) == Some(&toks.len()) {
+                continue;
+            }
+            tier.checked.insert(id, toks.len());
+            let toks = toks.to_vec();
+            match self.promote_one(ns, &toks) {
+                Ok(0) => {}
+                Ok(n) => {
+                    if let Some(a) = self.active.get_mut(&id) {
+                        a.disk_cached = n;
+                    }
+                    self.totals.disk_cached_tokens += n as u64;
+                }
+                Err(e) => warn!("reading blocks back from the disk tier: {e}"),
+            }
+        }
+    }
+
+    /// Places the tier's blocks of `toks` past the pool's match; returns
+    /// the tokens gained.
+    fn promote_one(&mut self, ns: Namespace, toks: &[TokenId]) -> Result<usize> {
+        let bs = self.sched.kv().block_size();
+        let cached = self.sched.kv().cached_prefix_len(ns, toks);
+        let (j0, full) = (cached / bs, toks.len() / bs);
+        if j0 >= full {
+            return Ok(0);
+        }
+        let Some(key) = self.tier_key_of(ns) else {
+            return Ok(0);
+        };
+        let raw: Vec<u32> = toks[..full * bs].iter().map(|t| t.0).collect();
+        let hashes = chain(&key, &raw, bs);
+        let tier = self.tier.as_mut().expect("a key means a tier");
+        let mut blocks = Vec::new();
+        for j in j0..full {
+            if !tier.disk.contains(hashes[j]) {
+                break;
+            }
+            match tier.disk.get(hashes[j], &key, &raw[j * bs..(j + 1) * bs]) {
+                Some(b) => blocks.push(b),
+                None => break,
+            }
+        }
+        let end = (j0 + blocks.len()) * bs;
+        if end <= cached {
+            return Ok(0);
+        }
+        let n_layers = blocks[0].layers.len();
+        let layers: Vec<LayerBytes> = (0..n_layers)
+            .map(|l| LayerBytes {
+                k: blocks
+                    .iter()
+                    .flat_map(|b| b.layers[l].k.iter().copied())
+                    .collect(),
+                v: blocks
+                    .iter()
+                    .flat_map(|b| b.layers[l].v.iter().copied())
+                    .collect(),
+            })
+            .collect();
+        // Room for them may evict others (demoted before anything is
+        // written); no room at all is no promotion, not an error.
+        let Ok(placed) = self.sched.place_kv(ns, &toks[..end], end) else {
+            self.demote();
+            return Ok(0);
+        };
+        self.demote();
+        let skip = placed.cached - j0 * bs;
+        let result = self.apply_append(&placed.plan).and_then(|()| {
+            let rows = Rows {
+                slots: placed.plan.slots.iter().map(|s| s.0).collect(),
+                sliding: Vec::new(),
+            };
+            self.runner.write_rows(&rows, &layers, skip, 0)
+        });
+        let ok = result.is_ok();
+        let gained = end - placed.cached;
+        self.sched
+            .end_placement(placed, ok)
+            .map_err(super::sched_error)?;
+        result?;
+        Ok(gained)
+    }
+}
