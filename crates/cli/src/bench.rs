@@ -67,6 +67,11 @@ pub enum Scenario {
     /// schemas of `data/structured-schemas.json` against the same number
     /// of tokens unconstrained, and the masks' own time per token.
     Structured,
+    /// The disk tier below the KV pool: conversations taking turns on a
+    /// pool a third of their working set, the pool alone beside the pool
+    /// with its disk tier (`--cache-dir`): the history served from cache,
+    /// TTFT p50/p99, the same greedy replies.
+    Tiers,
     /// The host's memory read bandwidth (no model): 1 GiB, far past the
     /// last-level cache, read by as many threads as the kernels use, the
     /// best of --runs passes. Decode at real sizes streams every weight
@@ -142,6 +147,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         Scenario::Chat => return crate::scenarios::chat(model, &args),
         Scenario::SharedPrefix => return crate::scenarios::shared_prefix(model, &args),
         Scenario::Interleaved => return crate::scenarios::interleaved(model, &args),
+        Scenario::Tiers => return crate::scenarios::tiers(model, &args),
         Scenario::Shift => return crate::scenarios::shift(model, &args),
         Scenario::Soak => return crate::soak::soak(model, &args),
         Scenario::KvTypes => return crate::scenarios::kv_types(model, &args),

@@ -27,9 +27,15 @@ pub struct ChatArgs {
     /// Recompute the whole history every turn (for comparison).
     #[arg(long)]
     no_prefix_cache: bool,
-    /// Keep the prefix cache here: restored at start, written at exit.
+    /// Keep the prefix cache here: restored at start, written at exit;
+    /// between, full blocks evicted from the pool go to its disk tier
+    /// (`blocks/`) and come back when a prompt continues past the pool.
     #[arg(long)]
     cache_dir: Option<PathBuf>,
+    /// The disk tier's size limit (its oldest blocks go first); 0 keeps
+    /// only the file written at exit.
+    #[arg(long, default_value = "4GiB", value_parser = crate::parse_size)]
+    cache_dir_size: usize,
     /// JSON Lines: {"system": TEXT}, {"user": TEXT} or {"cmd": "/stats"}.
     #[arg(long)]
     script: Option<PathBuf>,
@@ -138,6 +144,16 @@ impl Chat {
                     k.cow_copies,
                     k.shifts
                 );
+                if let Some(t) = s.disk_tier {
+                    eprintln!(
+                        "disk tier: {} blocks ({:.1} MiB) | written: {} | read back: {} | prompt tokens from disk: {}",
+                        t.blocks,
+                        t.bytes as f64 / (1 << 20) as f64,
+                        t.written,
+                        t.read,
+                        s.disk_cached_tokens
+                    );
+                }
             }
             other => bail!(
                 "unknown command {other:?} (try /clear, /system TEXT, /save FILE, /load FILE, /stats, /exit)"
@@ -216,6 +232,7 @@ pub fn chat(args: ChatArgs) -> Result<()> {
     let model = load_model(&args.model.model)?;
     let cfg = EngineConfig {
         cache_dir: args.cache_dir.clone(),
+        cache_dir_bytes: args.cache_dir_size as u64,
         ..args.kv.config(!args.no_prefix_cache)
     };
     let engine = Engine::from_model(model, cfg).with_context(|| match &args.cache_dir {

@@ -614,8 +614,13 @@ pub(crate) fn completion_json(c: &Completion) -> serde_json::Value {
 pub(crate) fn print_stats(c: &Completion) {
     let u = c.usage;
     let t = c.timings;
+    let disk = if u.disk_cached_tokens > 0 {
+        format!(" ({} from disk)", u.disk_cached_tokens)
+    } else {
+        String::new()
+    };
     eprintln!(
-        "prompt: {} tokens | cached: {} | new: {} | {:.0} tok/s | TTFT: {:.0} ms",
+        "prompt: {} tokens | cached: {}{disk} | new: {} | {:.0} tok/s | TTFT: {:.0} ms",
         u.prompt_tokens,
         u.cached_tokens,
         u.prompt_tokens - u.cached_tokens,

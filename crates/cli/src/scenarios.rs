@@ -986,3 +986,132 @@ pub fn structured(model: Model, args: &BenchArgs) -> Result<()> {
     emit(args, v, &lines);
     Ok(())
 }
+
+/// The disk tier: `CONVS` conversations (a distinct ~600-token system
+/// prompt each, ~40-token user turns, replies ≤ 32 greedy) taking turns
+/// round-robin, on a pool sized to a third of their final working set, so
+/// every history is evicted before its next turn. The pool alone beside the
+/// same pool with its disk tier (a fresh `--cache-dir`), turn by turn
+/// alternating: the share of each history served from cache from round 2
+/// on, TTFT p50/p99 of those turns, the same greedy replies.
+pub fn tiers(model: Model, args: &BenchArgs) -> Result<()> {
+    const CONVS: u64 = 8;
+    const ROUNDS: u64 = 5;
+    const SYSTEM: usize = 600;
+    let convs: Vec<(String, Vec<String>)> = (0..CONVS)
+        .map(|c| {
+            let users = (0..ROUNDS)
+                .map(|r| text(&model, 500 + 10 * c + r, 40))
+                .collect::<Result<_>>()?;
+            Ok((text(&model, 300 + c, SYSTEM)?, users))
+        })
+        .collect::<Result<_>>()?;
+    // The working set: every conversation's last prompt and reply, about
+    // the system prompt and each round's turn (user ~40 tokens, reply ≤ 32,
+    // the template's few).
+    let working = CONVS as usize * (SYSTEM + ROUNDS as usize * 80);
+    let probe = Engine::from_model(
+        load_model(&model.path.display().to_string())?,
+        args.kv.config(true),
+    )?;
+    let s = probe.stats();
+    let (per_block, bs) = (
+        s.kv_bytes / s.kv.num_blocks.max(1),
+        probe.config().block_size,
+    );
+    drop(probe);
+    let blocks = (working / 3).div_ceil(bs);
+    let dir = std::env::temp_dir().join(format!("tessera-bench-tiers-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let cfg = |tier: bool| EngineConfig {
+        kv_memory: blocks * per_block,
+        cache_dir: tier.then(|| dir.clone()),
+        ..args.kv.config(true)
+    };
+    let other = load_model(&model.path.display().to_string())?;
+    let pool = Engine::from_model(model, cfg(false))?;
+    let tiered = Engine::from_model(other, cfg(true))?;
+    let opts = greedy_turn(REPLY_TOKENS);
+    let mut a: Vec<_> = convs.iter().map(|c| pool.chat(Some(&c.0))).collect();
+    let mut b: Vec<_> = convs.iter().map(|c| tiered.chat(Some(&c.0))).collect();
+    let (mut hist, mut cached_a, mut cached_b, mut disk_b) = (0usize, 0usize, 0usize, 0usize);
+    let (mut ttft_a, mut ttft_b) = (Vec::new(), Vec::new());
+    let mut same = true;
+    let mut last_len = 0;
+    for round in 0..ROUNDS as usize {
+        for c in 0..CONVS as usize {
+            let u = &convs[c].1[round];
+            let before = b[c].token_ids().len();
+            let (x, y) = if (round + c) % 2 == 0 {
+                let x = a[c].send(u, &opts, &mut |_| {})?;
+                (x, b[c].send(u, &opts, &mut |_| {})?)
+            } else {
+                let y = b[c].send(u, &opts, &mut |_| {})?;
+                (a[c].send(u, &opts, &mut |_| {})?, y)
+            };
+            same &= x.tokens == y.tokens;
+            if round > 0 {
+                hist += before;
+                cached_a += x.usage.cached_tokens.min(before);
+                cached_b += y.usage.cached_tokens.min(before);
+                disk_b += y.usage.disk_cached_tokens;
+                ttft_a.push(x.timings.ttft_ms);
+                ttft_b.push(y.timings.ttft_ms);
+            }
+            last_len += usize::from(round + 1 == ROUNDS as usize) * b[c].token_ids().len();
+        }
+    }
+    let q = tessera_bench::serving::quantile;
+    let (p50a, p50b) = (q(&ttft_a, 0.5), q(&ttft_b, 0.5));
+    let (p99a, p99b) = (q(&ttft_a, 0.99), q(&ttft_b, 0.99));
+    let (sa, sb) = (
+        cached_a as f64 / hist.max(1) as f64,
+        cached_b as f64 / hist.max(1) as f64,
+    );
+    let t = tiered.stats().disk_tier.unwrap_or_default();
+    let pool_tokens = blocks * bs;
+    let lines = vec![
+        format!(
+            "tiers: {CONVS} conversations × {ROUNDS} rounds (system ~{SYSTEM} tokens, user ~40, replies ≤{REPLY_TOKENS}) on a pool of {pool_tokens} tokens; final working set {last_len} tokens ({:.1}× the pool)",
+            last_len as f64 / pool_tokens as f64
+        ),
+        format!(
+            "  history served from cache from round 2: pool alone {:.1}%, pool + disk tier {:.1}% ({:.1}% of it from disk)",
+            100.0 * sa,
+            100.0 * sb,
+            100.0 * disk_b as f64 / cached_b.max(1) as f64
+        ),
+        format!(
+            "  TTFT p50: {p50a:.0} ms pool alone, {p50b:.0} ms with the disk tier ({:.2}×); p99: {p99a:.0} vs {p99b:.0} ms",
+            p50a / p50b.max(1e-9)
+        ),
+        format!(
+            "  disk tier: {} blocks written, {} read back, {:.1} MiB on disk; same greedy replies: {same}",
+            t.written,
+            t.read,
+            t.bytes as f64 / (1 << 20) as f64
+        ),
+    ];
+    let v = serde_json::json!({
+        "scenario": "tiers",
+        "conversations": CONVS,
+        "rounds": ROUNDS,
+        "pool_tokens": pool_tokens,
+        "working_set_tokens": last_len,
+        "history_cached_share_pool": sa,
+        "history_cached_share_tiered": sb,
+        "disk_share_of_cached": disk_b as f64 / cached_b.max(1) as f64,
+        "ttft_p50_ms_pool": p50a,
+        "ttft_p50_ms_tiered": p50b,
+        "ttft_p99_ms_pool": p99a,
+        "ttft_p99_ms_tiered": p99b,
+        "tier_blocks_written": t.written,
+        "tier_blocks_read": t.read,
+        "tier_bytes": t.bytes,
+        "same_replies": same,
+    });
+    drop((a, b, pool, tiered));
+    let _ = std::fs::remove_dir_all(&dir);
+    emit(args, v, &lines);
+    Ok(())
+}

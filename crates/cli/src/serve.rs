@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use tessera_engine::Engine;
+use tessera_engine::{Engine, EngineConfig};
 use tessera_server::{Server, ServerConfig};
 
 use crate::{load_model, parse_size, KvArgs, ModelArg};
@@ -42,9 +42,15 @@ pub(crate) struct ServeArgs {
     #[arg(long)]
     alias: Option<String>,
     /// Restore the prefix cache from this directory at start and write it
-    /// back at shutdown.
+    /// back at shutdown; between, full blocks evicted from the pool are
+    /// written to its disk tier (`blocks/`) as they go and read back when
+    /// a prompt continues past what the pool holds.
     #[arg(long)]
     cache_dir: Option<PathBuf>,
+    /// The disk tier's size limit (its oldest blocks go first), e.g. 4GiB;
+    /// 0 keeps only the file written at shutdown.
+    #[arg(long, default_value = "4GiB", value_parser = parse_size)]
+    cache_dir_size: usize,
     /// Prefix of the /metrics names: `tessera`, or `vllm` for routers and
     /// dashboards that read vLLM's exact names.
     #[arg(long, default_value = "tessera", value_parser = parse_prefix)]
@@ -120,23 +126,34 @@ pub(crate) fn serve(args: ServeArgs) -> Result<()> {
             shutdown().await;
             let _ = stopping.send(true);
         }));
-        let (spec, cfg, dir) = (
-            args.model.model.clone(),
-            args.kv.config(true),
-            args.cache_dir.clone(),
-        );
+        let spec = args.model.model.clone();
+        let cfg = EngineConfig {
+            cache_dir: args.cache_dir.clone(),
+            cache_dir_bytes: args.cache_dir_size as u64,
+            ..args.kv.config(true)
+        };
         let engine = tokio::task::spawn_blocking(move || -> Result<Arc<Engine>> {
-            let engine = Engine::from_model(load_model(&spec)?, cfg)?;
+            let dir = cfg.cache_dir.clone();
+            let engine =
+                Engine::from_model(load_model(&spec)?, cfg).with_context(|| match &dir {
+                    Some(d) => format!(
+                        "starting the engine (if {} is damaged, remove it)",
+                        d.join(tessera_engine::CACHE_FILE).display()
+                    ),
+                    None => "starting the engine".into(),
+                })?;
             if let Some(dir) = &dir {
-                if dir.exists() {
-                    let n = engine.restore_cache_dir(dir).with_context(|| {
-                        format!("restoring the prefix cache from {}", dir.display())
-                    })?;
-                    eprintln!(
-                        "tessera serve: {n} cached tokens restored from {}",
-                        dir.display()
-                    );
-                }
+                let s = engine.stats();
+                eprintln!(
+                    "tessera serve: {} cached tokens restored from {}{}",
+                    s.kv.cached_tokens,
+                    dir.display(),
+                    s.disk_tier.map_or_else(String::new, |t| format!(
+                        "; its disk tier holds {} blocks ({:.1} MiB)",
+                        t.blocks,
+                        t.bytes as f64 / (1 << 20) as f64
+                    ))
+                );
             }
             Ok(Arc::new(engine))
         })
@@ -162,12 +179,13 @@ pub(crate) fn serve(args: ServeArgs) -> Result<()> {
             .await;
         });
         serving.await??;
-        if let Some(dir) = args.cache_dir {
-            let shown = dir.display().to_string();
-            tokio::task::spawn_blocking(move || engine.save_cache_dir(&dir))
+        if args.cache_dir.is_some() {
+            let written = tokio::task::spawn_blocking(move || engine.persist_now())
                 .await?
                 .context("writing the prefix cache")?;
-            eprintln!("tessera serve: prefix cache written to {shown}");
+            if let Some(dir) = written {
+                eprintln!("tessera serve: prefix cache written to {}", dir.display());
+            }
         }
         Ok(())
     })

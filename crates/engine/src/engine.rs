@@ -524,6 +524,19 @@ impl Engine {
         write_cache_dir(dir, &self.geometry(), snaps)
     }
 
+    /// Writes the prefix cache to the configured `cache_dir` now, in place
+    /// of the write when the engine stops (a server's shutdown, which
+    /// decides when that is); returns where it went, `None` without a
+    /// cache directory (or when an earlier call already wrote it).
+    pub fn persist_now(&self) -> Result<Option<PathBuf>> {
+        let dir = self.inner.persist.lock().ok().and_then(|mut d| d.take());
+        let Some(dir) = dir else {
+            return Ok(None);
+        };
+        self.save_cache_dir(&dir)?;
+        Ok(Some(dir))
+    }
+
     /// Fills the prefix cache from `dir`, if it holds a cache file, each
     /// entry into the partition it was saved from; returns the tokens
     /// restored.

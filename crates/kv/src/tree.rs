@@ -51,8 +51,8 @@ pub struct InsertOutcome {
     pub node: Option<NodeId>,
 }
 
-/// Full blocks that eviction freed, with the path they held: what a lower
-/// tier keeps (see [`PrefixTree::set_demote`]). Block `first + i` of the
+/// Full blocks of the cached paths that eviction cut, with the path they
+/// held: what a lower tier keeps (see [`PrefixTree::set_demote`]). Block `first + i` of the
 /// path (positions `(first + i)·bs ..`) was `blocks[i]`; `tokens` runs from
 /// the namespace's root to the end of the last of them.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -143,9 +143,10 @@ impl PrefixTree {
         }
     }
 
-    /// Whether eviction records the full blocks it frees, with their
-    /// paths, for [`take_demoted`](Self::take_demoted): their K/V is valid
-    /// until the pool hands the blocks out again and something writes them.
+    /// Whether eviction records the full blocks of the paths it cuts, with
+    /// the paths, for [`take_demoted`](Self::take_demoted): their K/V is
+    /// valid until the pool hands a freed block out again and something
+    /// writes it (a block still shared is copied before any write).
     pub fn set_demote(&mut self, on: bool) {
         self.demote = on;
         if !on {
@@ -153,57 +154,50 @@ impl PrefixTree {
         }
     }
 
-    /// What eviction freed since the last call (empty unless
+    /// What eviction cut since the last call (empty unless
     /// [`set_demote`](Self::set_demote) is on).
     pub fn take_demoted(&mut self) -> Vec<Demoted> {
         std::mem::take(&mut self.demoted)
     }
 
-    /// Records the blocks of `node` (blocks `first_index..` of its path,
-    /// `blocks[i]` freed where `freed[i]`) that are full up to `end`.
-    fn record_demoted(
-        &mut self,
-        id: NodeId,
-        first_index: usize,
-        blocks: &[BlockId],
-        freed: &[bool],
-    ) {
+    /// Records the blocks of `node` (blocks `first_index..` of its path)
+    /// that are full up to its end. A block another node or a sequence
+    /// still holds counts too: it is not written while shared (a writer
+    /// copies it first), so it still holds this path's K/V, which goes
+    /// with the node.
+    fn record_demoted(&mut self, id: NodeId, first_index: usize, blocks: &[BlockId]) {
         let bs = self.block_size;
         let end = self.n(id).end();
         let full: Vec<(usize, BlockId)> = blocks
             .iter()
-            .zip(freed)
             .enumerate()
-            .filter(|&(i, (_, &f))| f && (first_index + i + 1) * bs <= end)
-            .map(|(i, (&b, _))| (first_index + i, b))
+            .filter(|&(i, _)| (first_index + i + 1) * bs <= end)
+            .map(|(i, &b)| (first_index + i, b))
             .collect();
         if full.is_empty() {
             return;
         }
-        // Runs of consecutive indices (a block kept by another node breaks one).
-        let mut path: Vec<TokenId> = Vec::new();
+        // The full blocks are the first ones (only a node's last block
+        // may end past it), so they form one run.
+        let mut nodes = Vec::new();
         let mut cur = Some(id);
         while let Some(c) = cur {
-            let node = self.n(c);
-            path.splice(0..0, node.tokens.iter().copied());
-            cur = node.parent;
+            nodes.push(c);
+            cur = self.n(c).parent;
         }
-        let ns = self.n(id).namespace;
-        let mut i = 0;
-        while i < full.len() {
-            let mut k = i + 1;
-            while k < full.len() && full[k].0 == full[k - 1].0 + 1 {
-                k += 1;
-            }
-            let (first, last) = (full[i].0, full[k - 1].0);
-            self.demoted.push(Demoted {
-                namespace: ns,
-                tokens: path[..(last + 1) * bs].to_vec(),
-                first,
-                blocks: full[i..k].iter().map(|&(_, b)| b).collect(),
-            });
-            i = k;
-        }
+        let last = full.last().expect("not empty").0;
+        let path: Vec<TokenId> = nodes
+            .iter()
+            .rev()
+            .flat_map(|&c| self.n(c).tokens.iter().copied())
+            .take((last + 1) * bs)
+            .collect();
+        self.demoted.push(Demoted {
+            namespace: self.n(id).namespace,
+            tokens: path,
+            first: full[0].0,
+            blocks: full.into_iter().map(|(_, b)| b).collect(),
+        });
     }
 
     /// Total tokens held by all edges.
@@ -838,16 +832,13 @@ impl PrefixTree {
         let dropped_tokens = node.end() - new_end;
         let first = node.start / bs + keep;
         let dropped = node.blocks[keep..].to_vec();
-        let mut released = Vec::with_capacity(dropped.len());
+        if self.demote {
+            self.record_demoted(id, first, &dropped);
+        }
         for &b in &dropped {
-            let f = pool.release(b)?;
-            if f {
+            if pool.release(b)? {
                 freed.push(b);
             }
-            released.push(f);
-        }
-        if self.demote {
-            self.record_demoted(id, first, &dropped, &released);
         }
         let node = self.nm(id);
         node.tokens.truncate(new_end - node.start);
@@ -863,21 +854,18 @@ impl PrefixTree {
         freed: &mut Vec<BlockId>,
     ) -> Result<(), KvError> {
         self.unlist(id);
-        let mut released = Vec::with_capacity(self.n(id).blocks.len());
-        for &b in &self.n(id).blocks {
-            let f = pool.release(b)?;
-            if f {
-                freed.push(b);
-            }
-            released.push(f);
-        }
         if self.demote {
             let node = self.n(id);
             let (first, blocks) = (node.start / self.block_size, node.blocks.clone());
-            self.record_demoted(id, first, &blocks, &released);
+            self.record_demoted(id, first, &blocks);
         }
         let node = self.nodes[id.index()].take().expect("leaf is live");
         self.free_ids.push(id);
+        for &b in &node.blocks {
+            if pool.release(b)? {
+                freed.push(b);
+            }
+        }
         self.cached_tokens -= node.tokens.len();
         let parent = node.parent.expect("leaves are not roots");
         let p = self.nm(parent);

@@ -265,6 +265,9 @@ pub struct PredictionOut {
 #[derive(Debug, Clone, Copy, Default, Serialize)]
 pub struct TimingsOut {
     pub cache_n: usize,
+    /// Of `cache_n`, the tokens read back from the disk tier below the
+    /// pool (`--cache-dir`).
+    pub cache_disk_n: usize,
     pub prompt_n: usize,
     pub prompt_ms: f64,
     pub predicted_n: usize,

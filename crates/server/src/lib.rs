@@ -940,6 +940,7 @@ fn usage(done: &[Completion]) -> (UsageOut, TimingsOut) {
     let t = first.timings;
     let timings = TimingsOut {
         cache_n: u.cached_tokens,
+        cache_disk_n: u.disk_cached_tokens,
         prompt_n: u.prompt_tokens - u.cached_tokens,
         prompt_ms: t.ttft_ms,
         predicted_n: completion,

@@ -66,6 +66,36 @@ const STATS: &[StatLine] = &[
         |s| s.cached_tokens as f64,
     ),
     (
+        "prefix_cache_disk_hits_total",
+        Kind::Counter,
+        "Prompt tokens served from the disk tier below the pool (--cache-dir), counted in prefix_cache_hits_total too.",
+        |s| s.disk_cached_tokens as f64,
+    ),
+    (
+        "disk_tier_blocks",
+        Kind::Gauge,
+        "KV blocks the disk tier holds.",
+        |s| s.disk_tier.map_or(0.0, |t| t.blocks as f64),
+    ),
+    (
+        "disk_tier_bytes",
+        Kind::Gauge,
+        "Bytes of the disk tier's files.",
+        |s| s.disk_tier.map_or(0.0, |t| t.bytes as f64),
+    ),
+    (
+        "disk_tier_blocks_written_total",
+        Kind::Counter,
+        "KV blocks written to the disk tier as eviction freed them.",
+        |s| s.disk_tier.map_or(0.0, |t| t.written as f64),
+    ),
+    (
+        "disk_tier_blocks_read_total",
+        Kind::Counter,
+        "KV blocks read back from the disk tier instead of computed.",
+        |s| s.disk_tier.map_or(0.0, |t| t.read as f64),
+    ),
+    (
         "num_preemptions_total",
         Kind::Counter,
         "Running sequences sent back to the queue for lack of blocks.",

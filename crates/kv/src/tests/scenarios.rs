@@ -481,8 +481,8 @@ fn eviction_reports_the_full_blocks_it_frees_with_their_paths() {
     }
     assert!(kv.take_demoted().is_empty());
     // "a" is the older leaf: its blocks past the shared split go first.
-    // Its node holds positions 6..14 in blocks 1, 2, 3; block 1 is also
-    // "b"'s parent's (not freed), block 3 (positions 12..14) is not full.
+    // Its node holds positions 6..14 in blocks 1, 2, 3: the last two go,
+    // and block 3 (positions 12..14) is not full.
     let freed = kv.evict(2).unwrap();
     assert_eq!(freed.len(), 2);
     let d = kv.take_demoted();
@@ -492,6 +492,16 @@ fn eviction_reports_the_full_blocks_it_frees_with_their_paths() {
     assert_eq!(d[0].tokens, toks(&a[..12]));
     assert_eq!(d[0].blocks.len(), 1);
     assert!(freed.contains(&d[0].blocks[0]));
+    checked(&kv, &sh);
+    // The rest of "a" goes: block 1, full along its path (positions 4..8)
+    // though "b"'s side of the split still holds it.
+    let freed = kv.evict(1).unwrap();
+    let d = kv.take_demoted();
+    assert_eq!(d.len(), 1, "{d:?}");
+    assert_eq!((d[0].first, d[0].tokens.clone()), (1, toks(&a[..8])));
+    assert!(!freed.contains(&d[0].blocks[0]), "still the split's");
+    // (What freed a block was "b"'s partial last block: not demoted.)
+    assert_eq!(freed.len(), 1);
     checked(&kv, &sh);
     // Off: nothing is recorded.
     kv.set_demote(false);
