@@ -895,3 +895,85 @@ fn chat_template_file_replaces_the_files_template() {
     );
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// `tessera serve --cache-dir` on a pool too small for its prompts: the
+/// blocks eviction frees go to the disk tier as they go, so a server
+/// killed outright (SIGKILL: no shutdown, no cache file) restarts with
+/// them, and a prompt the pool lost comes back from disk (`cache_disk_n`,
+/// the same greedy text), for its own tenant only.
+#[test]
+fn a_killed_server_restarts_with_its_disk_tier() {
+    use std::io::{BufRead, BufReader};
+    let dir = scratch("tier-kill");
+    write_tiny_model(&dir.join("m"), TinySpec::default()).unwrap();
+    let m = dir.join("m").to_string_lossy().into_owned();
+    let cache = dir.join("cache").to_string_lossy().into_owned();
+    let start = || {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_tessera"))
+            .args(["serve", "--model", &m, "--port", "0", "--api-key", "k1"])
+            .args(["--api-key", "k2", "--cache-dir", &cache])
+            // 16 blocks of 16 tokens (4 KiB each for this model in f16).
+            .args(["--kv-memory", "64KiB"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut err = BufReader::new(child.stderr.take().unwrap());
+        let mut addr = String::new();
+        loop {
+            let mut line = String::new();
+            assert!(err.read_line(&mut line).unwrap() > 0, "serve exited");
+            if let Some(rest) = line.split("http://").nth(1) {
+                addr = rest.split_whitespace().next().unwrap().to_string();
+            }
+            if line.contains("ready") {
+                break;
+            }
+        }
+        (child, addr)
+    };
+    let ask = |addr: &str, key: &str, prompt: &str| -> serde_json::Value {
+        let body = format!(
+            r#"{{"prompt": "{prompt}", "max_tokens": 4, "temperature": 0, "ignore_eos": true}}"#
+        );
+        let out = http_post(addr, "/v1/completions", key, &body);
+        serde_json::from_str(&out[out.find("\r\n\r\n").unwrap() + 4..])
+            .unwrap_or_else(|_| panic!("{out}"))
+    };
+    let prompts: Vec<String> = ["cat", "dog", "owl"]
+        .iter()
+        .map(|w| format!("the {w} sat on the mat and looked at the park ").repeat(4))
+        .collect();
+    let (mut child, addr) = start();
+    let first = ask(&addr, "k1", &prompts[0]);
+    for p in &prompts[1..] {
+        ask(&addr, "k1", p);
+    }
+    // The pool lost the first prompt; the tier has it.
+    let again = ask(&addr, "k1", &prompts[0]);
+    assert!(
+        again["timings"]["cache_disk_n"].as_u64().unwrap() > 0,
+        "{again}"
+    );
+    assert_eq!(again["choices"][0]["text"], first["choices"][0]["text"]);
+    for p in &prompts[1..] {
+        ask(&addr, "k1", p);
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(
+        !dir.join("cache").join("prefix-cache.tkv").exists(),
+        "killed: no cache file was written"
+    );
+    let (mut child, addr) = start();
+    let other = ask(&addr, "k2", &prompts[0]);
+    assert_eq!(other["timings"]["cache_n"].as_u64(), Some(0), "{other}");
+    let back = ask(&addr, "k1", &prompts[0]);
+    let t = &back["timings"];
+    assert!(t["cache_disk_n"].as_u64().unwrap() > 0, "{back}");
+    assert_eq!(t["cache_disk_n"], t["cache_n"], "{back}");
+    assert_eq!(back["choices"][0]["text"], first["choices"][0]["text"]);
+    let _ = child.kill();
+    let _ = child.wait();
+    let _ = std::fs::remove_dir_all(dir);
+}
