@@ -36,6 +36,9 @@ pub struct EngineConfig {
     /// that eviction frees are written there as they go and read back
     /// when a prompt continues past what the pool holds.
     pub cache_dir: Option<PathBuf>,
+    /// Where each step's KV events go (the prefix cache's full blocks
+    /// stored and removed), when anyone listens.
+    pub kv_events: Option<crate::KvEventSink>,
     /// The disk tier's size limit in bytes (its oldest blocks go first);
     /// 0 turns the tier off (the cache file is still written at shutdown).
     pub cache_dir_bytes: u64,
@@ -136,6 +139,7 @@ impl Default for EngineConfig {
             max_running: 16,
             cache_dir: None,
             cache_dir_bytes: DEFAULT_CACHE_DIR_BYTES,
+            kv_events: None,
             defrag_threshold: 0.25,
             threads: None,
             activations: None,

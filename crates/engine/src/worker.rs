@@ -127,6 +127,10 @@ pub(crate) struct Worker {
     to_draft: Vec<(ReqId, u32, usize)>,
     /// The disk tier below the pool (`cache_dir`), when it is on.
     tier: Option<tiers::Tier>,
+    /// Each namespace's block-name key (the tier's and the KV events').
+    block_keys: HashMap<Namespace, crate::tier::TierKey>,
+    /// KV events not yet sent (`cfg.kv_events`).
+    kv_events: Vec<crate::KvEvent>,
 }
 
 /// The background share's memory: the largest share not found too slow,
@@ -341,7 +345,7 @@ impl Worker {
         )?;
         let geometry = crate::snapshot::Geometry::of(&model, cfg.cache_dtype);
         let tier = tiers::Tier::open(cfg, &geometry, runner.row_bytes())?;
-        kv.set_demote(tier.is_some());
+        kv.set_log(tier.is_some() || cfg.kv_events.is_some());
         let sched = Scheduler::new(
             kv,
             SchedConfig {
@@ -381,6 +385,8 @@ impl Worker {
             drafts,
             to_draft: Vec::new(),
             tier,
+            block_keys: HashMap::new(),
+            kv_events: Vec::new(),
         })
     }
 
@@ -428,6 +434,12 @@ impl Worker {
                 Some(c) => self.guarded(|w| w.handle(c)),
                 None => self.guarded(|w| w.step()),
             }
+            // What the step or command added to the prefix tree (and any
+            // eviction not yet carried out), sent as one batch.
+            self.guarded(|w| {
+                w.drain_tree_log(true);
+                w.flush_kv_events();
+            });
         }
     }
 
@@ -454,7 +466,12 @@ impl Worker {
             })
             .expect("the same configuration was valid");
             let mut kv = kv;
-            kv.set_demote(self.tier.is_some());
+            kv.set_log(self.logs_tree());
+            // What the old bookkeeping held is gone for the routers too.
+            self.kv_events.clear();
+            if self.cfg.kv_events.is_some() {
+                self.kv_events.push(crate::KvEvent::AllBlocksCleared);
+            }
             self.sched = Scheduler::new(kv, self.sched.config().clone());
             // The draft model's sequences were the cleared samples'.
             if let Some(d) = self.drafts.as_mut() {
@@ -485,7 +502,7 @@ impl Worker {
             Command::ClearCache(reply) => {
                 let cleared = self.sched.kv_mut().clear_cache();
                 // Cleared, not demoted: the tier keeps what it had.
-                self.sched.kv_mut().take_demoted();
+                self.drain_tree_log(false);
                 let _ = reply.send(cleared.map_err(Into::into));
             }
             Command::Defragment(reply) => {
@@ -702,7 +719,7 @@ impl Worker {
         self.promote();
         let scheduled = debug_span!("schedule").in_scope(|| self.sched.schedule());
         // What admission evicted, before the step writes the pool.
-        self.demote();
+        self.drain_tree_log(true);
         let plan = match scheduled {
             Ok(p) => p,
             Err(e) => {
@@ -1305,7 +1322,7 @@ impl Worker {
             if live > blocks {
                 kv.evict(live - blocks)?;
             }
-            self.demote();
+            self.drain_tree_log(true);
             let kv = self.sched.kv_mut();
             let live = kv.pool().num_live();
             if live > blocks {

@@ -208,17 +208,17 @@ impl KvCache {
         &self.tree
     }
 
-    /// Whether eviction records the full blocks it frees
-    /// ([`PrefixTree::set_demote`]).
-    pub fn set_demote(&mut self, on: bool) {
-        self.tree.set_demote(on);
+    /// Whether the prefix tree logs the full blocks its paths gain and
+    /// lose ([`PrefixTree::set_log`]).
+    pub fn set_log(&mut self, on: bool) {
+        self.tree.set_log(on);
     }
 
-    /// The full blocks eviction freed since the last call, with their
-    /// paths: their K/V stays valid until the next forward writes the
-    /// pool, so a lower tier reads them before it.
-    pub fn take_demoted(&mut self) -> Vec<crate::Demoted> {
-        self.tree.take_demoted()
+    /// What the prefix tree logged since the last call: an evicted block's
+    /// K/V stays valid until the next forward writes the pool, so a lower
+    /// tier reads it before that.
+    pub fn take_log(&mut self) -> Vec<crate::TreeEvent> {
+        self.tree.take_log()
     }
 
     /// Blocks needed to hold `tokens` tokens.

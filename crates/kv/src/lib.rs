@@ -26,7 +26,7 @@ pub use error::KvError;
 pub use ids::{token_ids, BlockId, Namespace, NodeId, SeqId, Slot, TokenId};
 pub use plan::{Admission, AppendPlan, CopyOp, DefragPlan, ShiftPlan, SlotMove};
 pub use pool::BlockPool;
-pub use tree::{CachedPath, Demoted, InsertOutcome, PrefixMatch, PrefixTree};
+pub use tree::{CachedPath, Demoted, InsertOutcome, PrefixMatch, PrefixTree, TreeEvent};
 
 #[cfg(test)]
 mod tests;

@@ -63,6 +63,23 @@ pub struct Demoted {
     pub blocks: Vec<BlockId>,
 }
 
+/// What the cached paths gained or lost, in the order it happened (see
+/// [`PrefixTree::set_log`]): what a router following the cache and a lower
+/// tier keeping its evicted blocks need. Only full blocks count: block `j`
+/// of a path holds its positions `j·bs .. (j + 1)·bs`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TreeEvent {
+    /// Full blocks `first ..` of a path entered the tree: `tokens` runs from
+    /// the namespace's root to the end of the last of them.
+    Stored {
+        namespace: Namespace,
+        tokens: Vec<TokenId>,
+        first: usize,
+    },
+    /// Full blocks left it (eviction).
+    Removed(Demoted),
+}
+
 /// One root-to-leaf path, as [`PrefixTree::paths`] lists them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CachedPath {
@@ -118,9 +135,9 @@ pub struct PrefixTree {
     evictable: BTreeSet<(u64, NodeId)>,
     clock: u64,
     cached_tokens: usize,
-    /// Whether eviction records what it frees in `demoted`.
-    demote: bool,
-    demoted: Vec<Demoted>,
+    /// Whether inserts and evictions are logged in `log`.
+    logging: bool,
+    log: Vec<TreeEvent>,
 }
 
 fn common_prefix(a: &[TokenId], b: &[TokenId]) -> usize {
@@ -138,26 +155,42 @@ impl PrefixTree {
             evictable: BTreeSet::new(),
             clock: 0,
             cached_tokens: 0,
-            demote: false,
-            demoted: Vec::new(),
+            logging: false,
+            log: Vec::new(),
         }
     }
 
-    /// Whether eviction records the full blocks of the paths it cuts, with
-    /// the paths, for [`take_demoted`](Self::take_demoted): their K/V is
-    /// valid until the pool hands a freed block out again and something
-    /// writes it (a block still shared is copied before any write).
-    pub fn set_demote(&mut self, on: bool) {
-        self.demote = on;
+    /// Whether the tree logs the full blocks its paths gain (inserts) and
+    /// lose (evictions), for [`take_log`](Self::take_log). An evicted
+    /// block's K/V stays valid until the pool hands a freed block out again
+    /// and something writes it (a block still shared is copied before any
+    /// write), so a lower tier reads it before the next write.
+    pub fn set_log(&mut self, on: bool) {
+        self.logging = on;
         if !on {
-            self.demoted.clear();
+            self.log.clear();
         }
     }
 
-    /// What eviction cut since the last call (empty unless
-    /// [`set_demote`](Self::set_demote) is on).
-    pub fn take_demoted(&mut self) -> Vec<Demoted> {
-        std::mem::take(&mut self.demoted)
+    /// What the tree logged since the last call (empty unless
+    /// [`set_log`](Self::set_log) is on).
+    pub fn take_log(&mut self) -> Vec<TreeEvent> {
+        std::mem::take(&mut self.log)
+    }
+
+    /// The tokens from the root of `id`'s namespace to `id`'s end.
+    fn path_of(&self, id: NodeId) -> Vec<TokenId> {
+        let mut nodes = Vec::new();
+        let mut cur = Some(id);
+        while let Some(c) = cur {
+            nodes.push(c);
+            cur = self.n(c).parent;
+        }
+        nodes
+            .iter()
+            .rev()
+            .flat_map(|&c| self.n(c).tokens.iter().copied())
+            .collect()
     }
 
     /// Records the blocks of `node` (blocks `first_index..` of its path)
@@ -179,25 +212,15 @@ impl PrefixTree {
         }
         // The full blocks are the first ones (only a node's last block
         // may end past it), so they form one run.
-        let mut nodes = Vec::new();
-        let mut cur = Some(id);
-        while let Some(c) = cur {
-            nodes.push(c);
-            cur = self.n(c).parent;
-        }
         let last = full.last().expect("not empty").0;
-        let path: Vec<TokenId> = nodes
-            .iter()
-            .rev()
-            .flat_map(|&c| self.n(c).tokens.iter().copied())
-            .take((last + 1) * bs)
-            .collect();
-        self.demoted.push(Demoted {
+        let mut tokens = self.path_of(id);
+        tokens.truncate((last + 1) * bs);
+        self.log.push(TreeEvent::Removed(Demoted {
             namespace: self.n(id).namespace,
-            tokens: path,
+            tokens,
             first: full[0].0,
             blocks: full.into_iter().map(|(_, b)| b).collect(),
-        });
+        }));
     }
 
     /// Total tokens held by all edges.
@@ -777,6 +800,18 @@ impl PrefixTree {
         self.nm(parent).children.insert(tokens[0], id);
         self.cached_tokens += tokens.len();
         self.relist(id);
+        let (bs, end) = (self.block_size, start + tokens.len());
+        // Full blocks from the one holding `start` on: new along this path
+        // (an equal path would have been walked, not added).
+        if self.logging && end / bs > start / bs {
+            let mut path = self.path_of(id);
+            path.truncate(end / bs * bs);
+            self.log.push(TreeEvent::Stored {
+                namespace: ns,
+                tokens: path,
+                first: start / bs,
+            });
+        }
         Ok(id)
     }
 
@@ -832,7 +867,7 @@ impl PrefixTree {
         let dropped_tokens = node.end() - new_end;
         let first = node.start / bs + keep;
         let dropped = node.blocks[keep..].to_vec();
-        if self.demote {
+        if self.logging {
             self.record_demoted(id, first, &dropped);
         }
         for &b in &dropped {
@@ -854,7 +889,7 @@ impl PrefixTree {
         freed: &mut Vec<BlockId>,
     ) -> Result<(), KvError> {
         self.unlist(id);
-        if self.demote {
+        if self.logging {
             let node = self.n(id);
             let (first, blocks) = (node.start / self.block_size, node.blocks.clone());
             self.record_demoted(id, first, &blocks);

@@ -356,7 +356,7 @@ impl Worker {
             let toks = token_ids(&snap.tokens);
             let placed = self.sched.place_kv(ns, &toks, from);
             // Room made for it: demoted before its rows are written.
-            self.demote();
+            self.drain_tree_log(true);
             let placed = placed.map_err(sched_error)?;
             let cached = placed.cached;
             let plan = &placed.plan;

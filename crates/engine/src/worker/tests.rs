@@ -1429,3 +1429,106 @@ fn evicted_prefixes_come_back_from_the_disk_tier() {
         std::fs::remove_dir_all(d).unwrap();
     }
 }
+
+/// KV events follow the prefix cache exactly: replayed in order by a
+/// router's index (stored blocks new and after their parent, removed
+/// blocks known), they leave the full blocks of the cached paths, named by
+/// the chain of their partition and tokens, with concurrent requests,
+/// eviction, a tenant and a cleared cache.
+#[test]
+fn kv_events_replay_to_the_cached_full_blocks() {
+    use crate::{KvEvent, KvEventBatch, KvEventSink};
+    use std::collections::HashSet;
+    let batches: Arc<std::sync::Mutex<Vec<KvEventBatch>>> = Default::default();
+    let got = batches.clone();
+    let (probe, d0) = tiny_engine(small_cfg());
+    let s = probe.stats();
+    let per_block = s.kv_bytes / s.kv.num_blocks;
+    drop(probe);
+    let (engine, dir) = tiny_engine(EngineConfig {
+        kv_memory: 24 * per_block,
+        kv_events: Some(KvEventSink::new(move |b| got.lock().unwrap().push(b))),
+        ..small_cfg()
+    });
+    let mut index: HashSet<u64> = HashSet::new();
+    let mut replay = |index: &mut HashSet<u64>| {
+        for b in batches.lock().unwrap().drain(..) {
+            assert!(b.ts > 1.7e9, "{}", b.ts);
+            for e in b.events {
+                match e {
+                    KvEvent::BlockStored {
+                        block_hashes,
+                        parent_block_hash,
+                        token_ids,
+                        block_size,
+                        medium,
+                    } => {
+                        assert_eq!((block_size, medium), (4, "CPU"));
+                        assert_eq!(token_ids.len(), 4 * block_hashes.len());
+                        if let Some(p) = parent_block_hash {
+                            assert!(index.contains(&p), "a parent the index knows");
+                        }
+                        for h in block_hashes {
+                            assert!(index.insert(h), "stored twice");
+                        }
+                    }
+                    KvEvent::BlockRemoved { block_hashes, .. } => {
+                        for h in block_hashes {
+                            assert!(index.remove(&h), "removed unknown");
+                        }
+                    }
+                    KvEvent::AllBlocksCleared => index.clear(),
+                }
+            }
+        }
+    };
+    let texts = prompts();
+    std::thread::scope(|s| {
+        for p in &texts {
+            let e = &engine;
+            s.spawn(move || e.complete(&greedy(p, 8), &mut |_| {}).unwrap());
+        }
+    });
+    for (i, p) in texts.iter().enumerate() {
+        let mut req = greedy(&[p.as_slice(), p.as_slice()].concat(), 6);
+        if i % 2 == 1 {
+            req.partition.tenant = Some("t".into());
+        }
+        engine.complete(&req, &mut |_| {}).unwrap();
+    }
+    replay(&mut index);
+    assert!(engine.stats().kv.evicted_blocks > 0, "the pool evicted");
+    // What the index holds: every full block of every cached path.
+    let save = std::env::temp_dir().join(format!("tessera-events-{}", std::process::id()));
+    engine.save_cache_dir(&save).unwrap();
+    let geometry = crate::snapshot::Geometry::of(engine.model(), CacheDType::F32);
+    let (snaps, meta) = crate::snapshot::read_file(
+        &save.join(crate::snapshot::CACHE_FILE),
+        "prefix cache",
+        &geometry,
+    )
+    .unwrap();
+    let parts: Vec<Partition> = serde_json::from_value(meta["partitions"].clone()).unwrap();
+    let fp = engine.model().fingerprint;
+    let want: HashSet<u64> = snaps
+        .iter()
+        .zip(&parts)
+        .flat_map(|(s, p)| {
+            let key = crate::tier::tier_key(fp, "f32", p.tenant.as_deref(), p.salt.as_deref());
+            crate::tier::chain(&key, &s.tokens, 4)
+        })
+        .collect();
+    assert!(want.len() > 10);
+    assert_eq!(index, want);
+    // A cleared cache removes what it held.
+    engine.clear_cache().unwrap();
+    engine
+        .complete(&greedy(&[9, 9, 9], 1), &mut |_| {})
+        .unwrap();
+    replay(&mut index);
+    assert!(index.is_empty(), "{index:?}");
+    drop(engine);
+    for d in [d0, dir, save] {
+        std::fs::remove_dir_all(d).unwrap();
+    }
+}

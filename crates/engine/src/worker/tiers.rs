@@ -1,17 +1,19 @@
-//! The worker's side of the disk tier ([`crate::tier`]): full blocks that
-//! eviction frees are read out of the pool before anything writes it
-//! again and appended to the tier; before each schedule, the waiting
+//! The worker's side of the prefix tree's log: KV events ([`crate::events`])
+//! and the disk tier ([`crate::tier`]). Full blocks that eviction cuts are
+//! read out of the pool before anything writes it again and appended to
+//! the tier; before each schedule, the waiting
 //! requests at the head of the queue get the blocks of their prompt that
 //! the tier holds past what the pool holds placed back into the prefix
 //! tree, so that their admission finds them cached.
 
 use std::collections::HashMap;
 
-use tessera_kv::{Namespace, TokenId};
+use tessera_kv::{Demoted, Namespace, TokenId, TreeEvent};
 use tessera_sched::ReqId;
 use tracing::warn;
 
 use super::Worker;
+use crate::events::{KvEvent, KvEventBatch};
 use crate::runner::Rows;
 use crate::snapshot::{Geometry, LayerBytes};
 use crate::tier::{chain, tier_key, DiskTier, TierKey, TIER_DIR};
@@ -19,8 +21,6 @@ use crate::Result;
 
 pub(super) struct Tier {
     disk: DiskTier,
-    /// Each namespace's key, once computed.
-    keys: HashMap<Namespace, TierKey>,
     /// Waiting requests already looked up (until they leave the queue).
     checked: HashMap<ReqId, usize>,
     /// A write failed (a full disk): said once.
@@ -59,7 +59,6 @@ impl Tier {
         )?;
         Ok(Some(Tier {
             disk,
-            keys: HashMap::new(),
             checked: HashMap::new(),
             warned: false,
         }))
@@ -71,85 +70,146 @@ impl Tier {
 }
 
 impl Worker {
-    /// The tier key of namespace `ns` (`None` for a namespace no partition
-    /// of this engine maps to).
-    fn tier_key_of(&mut self, ns: Namespace) -> Option<TierKey> {
-        if let Some(k) = self.tier.as_ref()?.keys.get(&ns) {
+    /// The block-name key of namespace `ns` (`None` for a namespace no
+    /// partition of this engine maps to).
+    fn block_key(&mut self, ns: Namespace) -> Option<TierKey> {
+        if let Some(k) = self.block_keys.get(&ns) {
             return Some(*k);
         }
         let p = self.partition_of(ns)?;
-        let g = self.geometry_of_tier();
-        let key = tier_key(g.0, &g.1, p.tenant.as_deref(), p.salt.as_deref());
-        self.tier.as_mut()?.keys.insert(ns, key);
+        let key = tier_key(
+            self.runner.model().fingerprint,
+            self.cfg.cache_dtype.name(),
+            p.tenant.as_deref(),
+            p.salt.as_deref(),
+        );
+        self.block_keys.insert(ns, key);
         Some(key)
     }
 
-    fn geometry_of_tier(&self) -> (u64, String) {
-        (
-            self.runner.model().fingerprint,
-            self.cfg.cache_dtype.name().to_string(),
-        )
+    /// Whether the prefix tree's log has a reader: the disk tier or KV
+    /// events.
+    pub(super) fn logs_tree(&self) -> bool {
+        self.tier.is_some() || self.cfg.kv_events.is_some()
     }
 
-    /// Appends what eviction freed since the last call to the disk tier.
-    /// Called after every pool operation that may evict and before the
-    /// next write into the pool (the freed blocks still hold their K/V).
-    pub(super) fn demote(&mut self) {
-        let demoted = self.sched.kv_mut().take_demoted();
-        if self.tier.is_none() || demoted.is_empty() {
+    /// Carries out what the prefix tree logged since the last call: KV
+    /// events for the full blocks stored and removed, and the removed
+    /// ones appended to the disk tier (unless `demote` is off: a cache
+    /// cleared on request). Called after every pool operation that may
+    /// evict and before the next write into the pool (the freed blocks
+    /// still hold their K/V).
+    pub(super) fn drain_tree_log(&mut self, demote: bool) {
+        let log = self.sched.kv_mut().take_log();
+        if log.is_empty() {
             return;
         }
         let bs = self.sched.kv().block_size();
-        let row = self.runner.row_bytes() * bs;
-        for d in demoted {
-            let Some(key) = self.tier_key_of(d.namespace) else {
+        let medium = if self.runner.model().llama.device().is_cpu() {
+            "CPU"
+        } else {
+            "GPU"
+        };
+        let events = self.cfg.kv_events.is_some();
+        for e in log {
+            let (ns, tokens, first) = match &e {
+                TreeEvent::Stored {
+                    namespace,
+                    tokens,
+                    first,
+                } => (*namespace, tokens, *first),
+                TreeEvent::Removed(d) => (d.namespace, &d.tokens, d.first),
+            };
+            let Some(key) = self.block_key(ns) else {
                 continue;
             };
-            let raw: Vec<u32> = d.tokens.iter().map(|t| t.0).collect();
+            let raw: Vec<u32> = tokens.iter().map(|t| t.0).collect();
             let hashes = chain(&key, &raw, bs);
-            let tier = self.tier.as_mut().expect("checked above");
-            let want: Vec<(usize, u32)> = d
-                .blocks
-                .iter()
-                .enumerate()
-                .map(|(i, b)| (d.first + i, b.0))
-                .filter(|&(j, _)| !tier.disk.contains(hashes[j]))
-                .collect();
-            if want.is_empty() {
-                continue;
-            }
-            let slots = want
-                .iter()
-                .flat_map(|&(_, b)| (0..bs as u32).map(move |o| b * bs as u32 + o))
-                .collect();
-            let layers = match self.runner.read_rows(&Rows {
-                slots,
-                sliding: Vec::new(),
-            }) {
-                Ok(l) => l,
-                Err(e) => {
-                    warn!("reading evicted blocks for the disk tier: {e}");
-                    continue;
-                }
-            };
-            let tier = self.tier.as_mut().expect("checked above");
-            for (i, &(j, _)) in want.iter().enumerate() {
-                let block: Vec<LayerBytes> = layers
-                    .iter()
-                    .map(|l| LayerBytes {
-                        k: l.k[i * row..(i + 1) * row].to_vec(),
-                        v: l.v[i * row..(i + 1) * row].to_vec(),
-                    })
-                    .collect();
-                let parent = if j == 0 { 0 } else { hashes[j - 1] };
-                let toks = &raw[j * bs..(j + 1) * bs];
-                if let Err(e) = tier.disk.put(hashes[j], parent, &key, toks, &block) {
-                    if !tier.warned {
-                        warn!("the disk tier stops taking blocks for now: {e}");
-                        tier.warned = true;
+            match e {
+                TreeEvent::Stored { .. } if events => self.kv_events.push(KvEvent::BlockStored {
+                    block_hashes: hashes[first..].to_vec(),
+                    parent_block_hash: first.checked_sub(1).map(|j| hashes[j]),
+                    token_ids: raw[first * bs..].to_vec(),
+                    block_size: bs,
+                    medium,
+                }),
+                TreeEvent::Stored { .. } => {}
+                TreeEvent::Removed(d) => {
+                    if events {
+                        self.kv_events.push(KvEvent::BlockRemoved {
+                            block_hashes: hashes[first..].to_vec(),
+                            medium,
+                        });
                     }
-                    break;
+                    if demote && self.tier.is_some() {
+                        self.demote(&d, &key, &raw, &hashes);
+                    }
                 }
+            }
+        }
+    }
+
+    /// Sends the events gathered since the last call as one batch.
+    pub(super) fn flush_kv_events(&mut self) {
+        if self.kv_events.is_empty() {
+            return;
+        }
+        let events = std::mem::take(&mut self.kv_events);
+        if let Some(sink) = &self.cfg.kv_events {
+            let ts = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64());
+            sink.send(KvEventBatch { ts, events });
+        }
+    }
+
+    /// Appends the evicted blocks of `d` (path `raw`, named by `hashes`)
+    /// that the disk tier lacks.
+    fn demote(&mut self, d: &Demoted, key: &TierKey, raw: &[u32], hashes: &[u64]) {
+        let bs = self.sched.kv().block_size();
+        let row = self.runner.row_bytes() * bs;
+        let tier = self.tier.as_mut().expect("checked by the caller");
+        let want: Vec<(usize, u32)> = d
+            .blocks
+            .iter()
+            .enumerate()
+            .map(|(i, b)| (d.first + i, b.0))
+            .filter(|&(j, _)| !tier.disk.contains(hashes[j]))
+            .collect();
+        if want.is_empty() {
+            return;
+        }
+        let slots = want
+            .iter()
+            .flat_map(|&(_, b)| (0..bs as u32).map(move |o| b * bs as u32 + o))
+            .collect();
+        let layers = match self.runner.read_rows(&Rows {
+            slots,
+            sliding: Vec::new(),
+        }) {
+            Ok(l) => l,
+            Err(e) => {
+                warn!("reading evicted blocks for the disk tier: {e}");
+                return;
+            }
+        };
+        let tier = self.tier.as_mut().expect("checked by the caller");
+        for (i, &(j, _)) in want.iter().enumerate() {
+            let block: Vec<LayerBytes> = layers
+                .iter()
+                .map(|l| LayerBytes {
+                    k: l.k[i * row..(i + 1) * row].to_vec(),
+                    v: l.v[i * row..(i + 1) * row].to_vec(),
+                })
+                .collect();
+            let parent = if j == 0 { 0 } else { hashes[j - 1] };
+            let toks = &raw[j * bs..(j + 1) * bs];
+            if let Err(e) = tier.disk.put(hashes[j], parent, key, toks, &block) {
+                if !tier.warned {
+                    warn!("the disk tier stops taking blocks for now: {e}");
+                    tier.warned = true;
+                }
+                break;
             }
         }
     }
@@ -201,7 +261,7 @@ impl Worker {
         if j0 >= full {
             return Ok(0);
         }
-        let Some(key) = self.tier_key_of(ns) else {
+        let Some(key) = self.block_key(ns) else {
             return Ok(0);
         };
         let raw: Vec<u32> = toks[..full * bs].iter().map(|t| t.0).collect();
@@ -237,10 +297,10 @@ impl Worker {
         // Room for them may evict others (demoted before anything is
         // written); no room at all is no promotion, not an error.
         let Ok(placed) = self.sched.place_kv(ns, &toks[..end], end) else {
-            self.demote();
+            self.drain_tree_log(true);
             return Ok(0);
         };
-        self.demote();
+        self.drain_tree_log(true);
         let skip = placed.cached - j0 * bs;
         let result = self.apply_append(&placed.plan).and_then(|()| {
             let rows = Rows {

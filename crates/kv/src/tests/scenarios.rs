@@ -465,9 +465,18 @@ fn truncation_never_takes_a_shared_block() {
 }
 
 #[test]
-fn eviction_reports_the_full_blocks_it_frees_with_their_paths() {
+fn the_tree_logs_full_blocks_stored_and_removed_in_order() {
+    use crate::TreeEvent;
     let (mut kv, mut sh) = cache(8, 4);
-    kv.set_demote(true);
+    kv.set_log(true);
+    let removed = |log: Vec<TreeEvent>| -> Vec<crate::Demoted> {
+        log.into_iter()
+            .map(|e| match e {
+                TreeEvent::Removed(d) => d,
+                other => panic!("{other:?}"),
+            })
+            .collect()
+    };
     // Two cached texts sharing their first 6 tokens: "a" of 14, "b" of 9.
     let a: Vec<u32> = (1..=14).collect();
     let mut bt: Vec<u32> = (1..=6).collect();
@@ -479,13 +488,21 @@ fn eviction_reports_the_full_blocks_it_frees_with_their_paths() {
         kv.insert_sequence(s).unwrap();
         kv.free_sequence(s).unwrap();
     }
-    assert!(kv.take_demoted().is_empty());
+    // "a" stores its three full blocks; "b" branches inside block 1 and
+    // stores its own block 1 (positions 4..8 of its path), not its
+    // partial block 2.
+    let stored = |t: &[u32], first| TreeEvent::Stored {
+        namespace: NS,
+        tokens: toks(t),
+        first,
+    };
+    assert_eq!(kv.take_log(), [stored(&a[..12], 0), stored(&bt[..8], 1)]);
     // "a" is the older leaf: its blocks past the shared split go first.
     // Its node holds positions 6..14 in blocks 1, 2, 3: the last two go,
     // and block 3 (positions 12..14) is not full.
     let freed = kv.evict(2).unwrap();
     assert_eq!(freed.len(), 2);
-    let d = kv.take_demoted();
+    let d = removed(kv.take_log());
     assert_eq!(d.len(), 1, "{d:?}");
     assert_eq!(d[0].namespace, NS);
     assert_eq!(d[0].first, 2);
@@ -496,15 +513,15 @@ fn eviction_reports_the_full_blocks_it_frees_with_their_paths() {
     // The rest of "a" goes: block 1, full along its path (positions 4..8)
     // though "b"'s side of the split still holds it.
     let freed = kv.evict(1).unwrap();
-    let d = kv.take_demoted();
+    let d = removed(kv.take_log());
     assert_eq!(d.len(), 1, "{d:?}");
     assert_eq!((d[0].first, d[0].tokens.clone()), (1, toks(&a[..8])));
     assert!(!freed.contains(&d[0].blocks[0]), "still the split's");
-    // (What freed a block was "b"'s partial last block: not demoted.)
+    // (What freed a block was "b"'s partial last block: not logged.)
     assert_eq!(freed.len(), 1);
     checked(&kv, &sh);
-    // Off: nothing is recorded.
-    kv.set_demote(false);
+    // Off: nothing is logged.
+    kv.set_log(false);
     kv.clear_cache().unwrap();
-    assert!(kv.take_demoted().is_empty());
+    assert!(kv.take_log().is_empty());
 }
