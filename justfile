@@ -14,7 +14,7 @@ demo: model
 
 # Run every test of the workspace (fetches the default model and Gemma 3 first), then `tessera serve`
 # driven by the official `openai` Python package (200 structured outputs checked with `jsonschema`
-# among its checks), and two replicas behind the SGLang model
+# among its checks), a KV events subscriber decoding vLLM's event types (`pyzmq`, `msgspec`), and two replicas behind the SGLang model
 # gateway (`openai` and `sglang-router` installed with pip when missing).
 test: model
     python3 scripts/fetch_model.py gemma3
@@ -23,6 +23,8 @@ test: model
     python3 scripts/openai_client.py target/debug/tessera models/SmolLM2-135M-Instruct.Q4_1.gguf
     python3 -c "import jsonschema" 2>/dev/null || python3 -m pip install --quiet jsonschema
     python3 scripts/structured_client.py target/debug/tessera models/SmolLM2-135M-Instruct.Q4_1.gguf 200
+    python3 -c "import zmq, msgspec" 2>/dev/null || python3 -m pip install --quiet pyzmq msgspec
+    python3 scripts/kv_events_client.py target/debug/tessera models/SmolLM2-135M-Instruct.Q4_1.gguf
     python3 scripts/router.py test target/debug/tessera models/SmolLM2-135M-Instruct.Q4_1.gguf
 
 # Long fuzzing runs of the loaders and parsers (GGUF, sessions, cache files, tokenizer, templates).

@@ -47,6 +47,18 @@ pub(crate) struct ServeArgs {
     /// a prompt continues past what the pool holds.
     #[arg(long)]
     cache_dir: Option<PathBuf>,
+    /// Publish KV events (the prefix cache's full blocks stored and
+    /// removed) on this ZeroMQ PUB endpoint in vLLM's format, e.g.
+    /// tcp://*:5557, for KV-aware routers (Dynamo, llm-d, vllm-router).
+    #[arg(long)]
+    kv_events_endpoint: Option<String>,
+    /// A ZeroMQ ROUTER endpoint answering replay requests for missed
+    /// batches (vLLM's), e.g. tcp://*:5558.
+    #[arg(long, requires = "kv_events_endpoint")]
+    kv_events_replay_endpoint: Option<String>,
+    /// The topic frame of every KV events message.
+    #[arg(long, default_value = "")]
+    kv_events_topic: String,
     /// The disk tier's size limit (its oldest blocks go first), e.g. 4GiB;
     /// 0 keeps only the file written at shutdown.
     #[arg(long, default_value = "4GiB", value_parser = parse_size)]
@@ -127,9 +139,26 @@ pub(crate) fn serve(args: ServeArgs) -> Result<()> {
             let _ = stopping.send(true);
         }));
         let spec = args.model.model.clone();
+        let kv_events = match &args.kv_events_endpoint {
+            Some(endpoint) => {
+                let sink =
+                    tessera_server::kv_events::start(tessera_server::kv_events::KvEventsConfig {
+                        endpoint: endpoint.clone(),
+                        replay_endpoint: args.kv_events_replay_endpoint.clone(),
+                        topic: args.kv_events_topic.clone(),
+                        buffer: 10_000,
+                    })
+                    .await
+                    .map_err(anyhow::Error::msg)?;
+                eprintln!("tessera serve: KV events on {endpoint}");
+                Some(sink)
+            }
+            None => None,
+        };
         let cfg = EngineConfig {
             cache_dir: args.cache_dir.clone(),
             cache_dir_bytes: args.cache_dir_size as u64,
+            kv_events,
             ..args.kv.config(true)
         };
         let engine = tokio::task::spawn_blocking(move || -> Result<Arc<Engine>> {

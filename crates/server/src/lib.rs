@@ -22,6 +22,7 @@
 //! times another's cached K/V or sessions.
 
 mod api;
+pub mod kv_events;
 mod logprobs;
 mod metrics;
 mod openapi;
