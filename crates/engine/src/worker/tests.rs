@@ -1451,7 +1451,7 @@ fn kv_events_replay_to_the_cached_full_blocks() {
         ..small_cfg()
     });
     let mut index: HashSet<u64> = HashSet::new();
-    let mut replay = |index: &mut HashSet<u64>| {
+    let replay = |index: &mut HashSet<u64>| {
         for b in batches.lock().unwrap().drain(..) {
             assert!(b.ts > 1.7e9, "{}", b.ts);
             for e in b.events {
