@@ -204,6 +204,7 @@ bench-server: model bench-deps
 # gateway with cache_aware and with round_robin routing; then its table in docs/.
 bench-router: model
     cargo build --release -p tessera
+    python3 -c "import zmq, msgspec" 2>/dev/null || python3 -m pip install --quiet pyzmq msgspec
     python3 scripts/router.py bench target/release/tessera models/SmolLM2-135M-Instruct.Q4_1.gguf
 
 # Perplexity of Tessera beside llama.cpp's llama-perplexity (built from source once) on the

@@ -17,7 +17,11 @@ where its history is cached.
       replicas behind the gateway with `cache_aware` and with
       `round_robin`: the cached share of each turn's history, TTFT and
       throughput; target/bench/router.json and the README's
-      `bench-router` section.
+      `bench-router` section. Then the same with pools a third of the
+      working set (eviction): one replica with and without its disk tier,
+      and two replicas behind `cache_aware`, `round_robin` and the
+      KV-event gateway (scripts/kv_router.py). A fifth argument keeps only
+      the setups whose names contain one of its comma-separated words.
 
 Each replica gets half the cores (RAYON_NUM_THREADS), one replica alone
 all of them. Clients name the model (`smollm2`, the replicas' alias): the
@@ -27,6 +31,7 @@ names from SGLang-specific endpoints. Installs sglang-router with pip when it is
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -44,22 +49,42 @@ ROUTER_ARGS = {"cache_aware": ["--balance-abs-threshold", "2"]}
 
 
 class Cluster:
-    """`replicas` tessera servers, and a gateway in front when `policy`."""
+    """`replicas` tessera servers, and a gateway in front when `policy`
+    (`kv_events`: scripts/kv_router.py on the replicas' KV events, else an
+    sglang-router policy); `extra`: more `tessera serve` arguments, where
+    `{port}` becomes the replica's port."""
 
-    def __init__(self, binary, model, replicas, policy, threads):
+    def __init__(self, binary, model, replicas, policy, threads, extra=()):
         self.procs = []
         self.logs = []
         ports = [free_port() for _ in range(replicas)]
         env = dict(os.environ, RAYON_NUM_THREADS=str(threads))
+        events = {}
         for p in ports:
             log = open(ROOT / "target" / f"replica-{p}.log", "w")
             self.logs.append(log)
+            args = [a.replace("{port}", str(p)) for a in extra]
+            if policy == "kv_events":
+                events[p] = (f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
+                args += ["--kv-events-endpoint", events[p][0],
+                         "--kv-events-replay-endpoint", events[p][1]]
             proc = subprocess.Popen([binary, "serve", "--model", model, "--port", str(p),
-                                     "--alias", "smollm2"], stdout=log, stderr=log, env=env)
+                                     "--alias", "smollm2", *args], stdout=log, stderr=log, env=env)
             self.procs.append(proc)
             wait_ready(f"http://127.0.0.1:{p}/health", proc, f"replica on {p}")
         self.url = f"http://127.0.0.1:{ports[0]}"
-        if policy:
+        if policy == "kv_events":
+            port = free_port()
+            log = open(ROOT / "target" / "router-kv_events.log", "w")
+            self.logs.append(log)
+            proc = subprocess.Popen(
+                [sys.executable, str(ROOT / "scripts" / "kv_router.py"), str(port),
+                 *[f"http://127.0.0.1:{p}={events[p][0]}={events[p][1]}" for p in ports]],
+                stdout=log, stderr=log)
+            self.procs.append(proc)
+            self.url = f"http://127.0.0.1:{port}"
+            wait_ready(f"{self.url}/v1/models", proc, "the KV-event gateway")
+        elif policy:
             port = free_port()
             log = open(ROOT / "target" / f"router-{policy}.log", "w")
             self.logs.append(log)
@@ -121,12 +146,29 @@ def bench(binary, model):
     from readme_tables import BENCH, splice  # noqa: E402
 
     cores = os.cpu_count() or 2
-    setups = [("one replica", 1, None, cores),
-              ("2 replicas, cache_aware", 2, "cache_aware", max(1, cores // 2)),
-              ("2 replicas, round_robin", 2, "round_robin", max(1, cores // 2))]
+    half = max(1, cores // 2)
+    # With eviction: each replica's pool about a third of the workload's
+    # working set (8 conversations of up to ~1,000 tokens sharing a
+    # 200-token system prompt: ~6,700 tokens; this model's f16 K/V is
+    # 22.5 KiB a token, so 48 MiB holds ~2,180).
+    small = ["--kv-memory", "48MiB"]
+    tier = small + ["--cache-dir", str(ROOT / "target" / "router-tier-{port}")]
+    setups = [("one replica", 1, None, cores, ()),
+              ("2 replicas, cache_aware", 2, "cache_aware", half, ()),
+              ("2 replicas, round_robin", 2, "round_robin", half, ()),
+              ("2 replicas, kv_events", 2, "kv_events", half, ()),
+              ("one replica, small pool", 1, None, cores, small),
+              ("one replica, small pool + disk tier", 1, None, cores, tier),
+              ("2 replicas, small pools, cache_aware", 2, "cache_aware", half, small),
+              ("2 replicas, small pools, round_robin", 2, "round_robin", half, small),
+              ("2 replicas, small pools, kv_events", 2, "kv_events", half, small)]
+    if len(sys.argv) > 4:
+        setups = [s for s in setups if any(k in s[0] for k in sys.argv[4].split(","))]
     results = {}
-    for name, n, policy, threads in setups:
-        c = Cluster(binary, model, n, policy, threads)
+    for name, n, policy, threads, extra in setups:
+        for d in (ROOT / "target").glob("router-tier-*"):
+            shutil.rmtree(d)
+        c = Cluster(binary, model, n, policy, threads, extra)
         try:
             out = subprocess.run(
                 [binary, "bench", "--model", model, "--scenario", "server", "--runs", "1",
@@ -148,7 +190,10 @@ def bench(binary, model):
     lines = [
         f"8 users × 8 turns at once over HTTP (`tessera bench --scenario server --url`), at "
         f"`{commit}` on {time.strftime('%Y-%m-%d', time.gmtime())}, sglang-router "
-        f"{sglang_version()}; each of two replicas has half of the {cores} cores.",
+        f"{sglang_version()}; each of two replicas has half of the {cores} cores. "
+        "`kv_events`: scripts/kv_router.py routing on the replicas' KV events. "
+        "Small pools: `--kv-memory 48MiB`, about a third of the workload's working set "
+        "(~6,700 tokens), so histories are evicted; the disk tier is `--cache-dir`.",
         "",
         "| setup | history cached, turns 2–8 | prompt tokens cached | TTFT p50 | TTFT p99 | throughput |",
         "|---|---:|---:|---:|---:|---:|",
@@ -170,7 +215,7 @@ def sglang_version():
 
 
 def main():
-    if len(sys.argv) != 4 or sys.argv[1] not in ("test", "bench"):
+    if len(sys.argv) not in (4, 5) or sys.argv[1] not in ("test", "bench"):
         sys.exit(__doc__)
     try:
         import sglang_router  # noqa: F401

@@ -198,7 +198,13 @@ pub struct CompletionRequest {
 
 #[derive(Debug, Clone, Deserialize, ToSchema)]
 pub struct TokenizeRequest {
+    #[serde(default)]
     pub content: String,
+    /// Instead of `content`: chat messages, tokenized exactly as
+    /// `/v1/chat/completions` tokenizes its prompt (the model's chat
+    /// template, then its tokens): what a router computes block hashes of.
+    #[serde(default)]
+    pub messages: Option<Vec<ChatMessage>>,
     /// Add the model's BOS token (as llama-server's `add_special`).
     #[serde(default)]
     pub add_special: bool,

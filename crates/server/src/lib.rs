@@ -398,6 +398,21 @@ async fn tokenize(
 ) -> Result<Json<Value>, ApiError> {
     let Json(req) = body.map_err(rejected)?;
     let engine = s.engine()?;
+    if let Some(messages) = req.messages {
+        let mut msgs = Vec::with_capacity(messages.len());
+        for m in messages {
+            let mut msg = Message::new(m.role, message_text(m.content)?);
+            msg.tool_calls = m.tool_calls.map(Value::Array);
+            msg.tool_call_id = m.tool_call_id;
+            msg.name = m.name;
+            msgs.push(msg);
+        }
+        let ids: Vec<u32> = blocking("tokenize", move || {
+            Ok(engine.tokenize_prompt(&Prompt::Chat(msgs))?)
+        })
+        .await?;
+        return Ok(Json(json!({"tokens": ids})));
+    }
     let special = if req.parse_special {
         tessera_model::Special::Parse
     } else {

@@ -216,7 +216,8 @@ impl Worker {
 
     /// Places back into the prefix tree the blocks the disk tier holds of
     /// the prompts of the requests at the head of the queue (as many as
-    /// may be admitted now), past what the pool holds of them.
+    /// may be admitted now), past what the pool holds of them. A request
+    /// is looked up again only when the pool had no room for its blocks.
     pub(super) fn promote(&mut self) {
         let Some(tier) = self.tier.as_mut() else {
             return;
@@ -229,6 +230,7 @@ impl Worker {
             .max_running
             .saturating_sub(self.sched.num_running())
             .max(1);
+        let mut free = None;
         for id in waiting.into_iter().take(room) {
             let tier = self.tier.as_mut().expect("checked above");
             let Some((ns, toks)) = self.sched.reusable(id) else {
@@ -237,11 +239,16 @@ impl Worker {
             if tier.checked.get(&id) == Some(&toks.len()) {
                 continue;
             }
-            tier.checked.insert(id, toks.len());
-            let toks = toks.to_vec();
-            match self.promote_one(ns, &toks) {
-                Ok(0) => {}
-                Ok(n) => {
+            let (n, toks) = (toks.len(), toks.to_vec());
+            // Blocks no sequence holds: free, or cached and evictable.
+            let free = free.get_or_insert_with(|| {
+                let k = self.sched.kv().stats();
+                k.num_blocks - k.used_blocks
+            });
+            match self.promote_one(ns, &toks, free) {
+                Ok(Promoted::NoRoom) => continue,
+                Ok(Promoted::Nothing) => {}
+                Ok(Promoted::Tokens(n)) => {
                     if let Some(a) = self.active.get_mut(&id) {
                         a.disk_cached = n;
                     }
@@ -249,37 +256,70 @@ impl Worker {
                 }
                 Err(e) => warn!("reading blocks back from the disk tier: {e}"),
             }
+            if let Some(t) = self.tier.as_mut() {
+                t.checked.insert(id, n);
+            }
         }
     }
 
-    /// Places the tier's blocks of `toks` past the pool's match; returns
-    /// the tokens gained.
-    fn promote_one(&mut self, ns: Namespace, toks: &[TokenId]) -> Result<usize> {
-        let bs = self.sched.kv().block_size();
-        let cached = self.sched.kv().cached_prefix_len(ns, toks);
+    /// Places the tier's blocks of `toks` past the pool's match, if the
+    /// `free` blocks no sequence holds leave room for them and for the rest
+    /// of the prompt (placing them must not starve the request itself, nor
+    /// evict everything cached only to fail); takes what it used from
+    /// `free`.
+    fn promote_one(
+        &mut self,
+        ns: Namespace,
+        toks: &[TokenId],
+        free: &mut usize,
+    ) -> Result<Promoted> {
+        let kv = self.sched.kv();
+        let bs = kv.block_size();
+        let cached = kv.cached_prefix_len(ns, toks);
         let (j0, full) = (cached / bs, toks.len() / bs);
         if j0 >= full {
-            return Ok(0);
+            return Ok(Promoted::Nothing);
         }
         let Some(key) = self.block_key(ns) else {
-            return Ok(0);
+            return Ok(Promoted::Nothing);
         };
         let raw: Vec<u32> = toks[..full * bs].iter().map(|t| t.0).collect();
         let hashes = chain(&key, &raw, bs);
+        let tier = self.tier.as_ref().expect("a key means a tier");
+        let run = (j0..full)
+            .take_while(|&j| tier.disk.contains(hashes[j]))
+            .count();
+        let end = (j0 + run) * bs;
+        if end <= cached {
+            return Ok(Promoted::Nothing);
+        }
+        let kv = self.sched.kv();
+        let need = kv.blocks_for(toks.len() + 1) - j0;
+        if need > *free {
+            return Ok(Promoted::NoRoom);
+        }
+        // Room for them may evict others (demoted before anything is
+        // written).
+        let placed = self.sched.place_kv(ns, &toks[..end], end);
+        self.drain_tree_log(true);
+        let Ok(placed) = placed else {
+            return Ok(Promoted::NoRoom);
+        };
+        *free -= need;
         let tier = self.tier.as_mut().expect("a key means a tier");
-        let mut blocks = Vec::new();
-        for j in j0..full {
-            if !tier.disk.contains(hashes[j]) {
-                break;
-            }
+        let mut blocks = Vec::with_capacity(run);
+        for j in j0..j0 + run {
             match tier.disk.get(hashes[j], &key, &raw[j * bs..(j + 1) * bs]) {
                 Some(b) => blocks.push(b),
                 None => break,
             }
         }
-        let end = (j0 + blocks.len()) * bs;
-        if end <= cached {
-            return Ok(0);
+        if blocks.len() < run {
+            // A record went bad since it was listed: nothing is placed.
+            self.sched
+                .end_placement(placed, false)
+                .map_err(super::sched_error)?;
+            return Ok(Promoted::Nothing);
         }
         let n_layers = blocks[0].layers.len();
         let layers: Vec<LayerBytes> = (0..n_layers)
@@ -294,13 +334,6 @@ impl Worker {
                     .collect(),
             })
             .collect();
-        // Room for them may evict others (demoted before anything is
-        // written); no room at all is no promotion, not an error.
-        let Ok(placed) = self.sched.place_kv(ns, &toks[..end], end) else {
-            self.drain_tree_log(true);
-            return Ok(0);
-        };
-        self.drain_tree_log(true);
         let skip = placed.cached - j0 * bs;
         let result = self.apply_append(&placed.plan).and_then(|()| {
             let rows = Rows {
@@ -315,6 +348,16 @@ impl Worker {
             .end_placement(placed, ok)
             .map_err(super::sched_error)?;
         result?;
-        Ok(gained)
+        Ok(Promoted::Tokens(gained))
     }
+}
+
+/// What a promotion did.
+enum Promoted {
+    /// Tokens placed back into the prefix tree.
+    Tokens(usize),
+    /// The tier has nothing past the pool's match.
+    Nothing,
+    /// The pool has no room now: tried again at a later step.
+    NoRoom,
 }

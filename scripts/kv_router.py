@@ -1,0 +1,209 @@
+#!/usr/bin/env python3
+"""A KV-event-routed gateway: OpenAI chat completions sent to the replica
+whose prefix cache holds most of the request's prompt, as each replica
+reports it in its KV events (`tessera serve --kv-events-endpoint`, vLLM's
+format), the way NVIDIA Dynamo's KV router and llm-d's indexer place
+requests.
+
+For each replica a subscriber thread keeps an index of the full blocks
+its cache holds, replayed from its events in order (a gap in the sequence
+numbers is filled from the replica's replay socket). A block is indexed
+by a hash the gateway chains from its token ids (the engine's own hashes
+name blocks only for parent links and removals, as in Dynamo). A request's
+prompt is tokenized as the replica tokenizes it (`POST /tokenize` with the
+messages), cut into blocks of the size the events carry, and chained the
+same way. Each replica's cost is the blocks it would compute (the prompt's
+past its longest run of leading blocks held) plus LOAD blocks for each
+request it has in flight, as Dynamo weighs overlap against load; the
+cheapest wins (the one with fewer in flight on a tie). Responses (streamed
+or not) are relayed as they come.
+
+    kv_router.py PORT REPLICA_URL=EVENTS_ENDPOINT=REPLAY_ENDPOINT ...
+
+Used by `scripts/router.py` (the `kv_events` policy of `just bench-router`).
+"""
+
+import http.client
+import json
+import os
+import sys
+import threading
+import urllib.parse
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import msgspec
+import zmq
+
+# What a request in flight weighs against a block to compute: about an
+# eighth of a turn's prompt in this workload (KV_ROUTER_LOAD; 2 and 32 gave
+# the same hit ratio within this host's noise).
+LOAD = int(os.environ.get("KV_ROUTER_LOAD", "8"))
+
+
+def chain(parent, tokens):
+    return hash((parent, tuple(tokens)))
+
+
+class Replica:
+    def __init__(self, url, events, replay):
+        self.url, self.events, self.replay = url, events, replay
+        self.lock = threading.Lock()
+        self.blocks = set()      # chained hashes of the blocks held
+        self.names = {}          # engine hash -> chained hash
+        self.block_size = 16
+        self.in_flight = 0
+        self.next_seq = 0
+        self.gaps = 0
+        threading.Thread(target=self.follow, daemon=True).start()
+
+    def apply(self, payload):
+        _, events, *_ = msgspec.msgpack.decode(payload)
+        with self.lock:
+            for e in events:
+                kind = e[0]
+                if kind == "BlockStored":
+                    hashes, parent, tokens, bs = e[1], e[2], e[3], e[4]
+                    self.block_size = bs
+                    if parent is None:
+                        up = 0
+                    elif parent in self.names:
+                        up = self.names[parent]
+                    else:
+                        continue  # a parent never seen: not placeable
+                    for i, h in enumerate(hashes):
+                        up = chain(up, tokens[i * bs:(i + 1) * bs])
+                        self.names[h] = up
+                        self.blocks.add(up)
+                elif kind == "BlockRemoved":
+                    for h in e[1]:
+                        c = self.names.pop(h, None)
+                        if c is not None:
+                            self.blocks.discard(c)
+                elif kind == "AllBlocksCleared":
+                    self.names.clear()
+                    self.blocks.clear()
+
+    def fill(self, ctx, upto):
+        """Batches `next_seq..upto` from the replay socket."""
+        self.gaps += 1
+        d = ctx.socket(zmq.DEALER)
+        d.setsockopt(zmq.RCVTIMEO, 5000)
+        d.connect(self.replay)
+        d.send_multipart([b"", self.next_seq.to_bytes(8, "big")])
+        try:
+            while True:
+                _, seq, payload = d.recv_multipart()
+                seq = int.from_bytes(seq, "big", signed=True)
+                if seq == -1:
+                    break
+                if self.next_seq <= seq < upto:
+                    self.apply(payload)
+                    self.next_seq = seq + 1
+        finally:
+            d.close(linger=0)
+
+    def follow(self):
+        ctx = zmq.Context.instance()
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(self.events)
+        while True:
+            _, seq, payload = sub.recv_multipart()
+            seq = int.from_bytes(seq, "big")
+            if seq > self.next_seq and self.replay:
+                self.fill(ctx, seq)
+            if seq >= self.next_seq:
+                self.apply(payload)
+                self.next_seq = seq + 1
+
+    def held(self, tokens):
+        """Leading full blocks of `tokens` this replica holds."""
+        bs, up, n = self.block_size, 0, 0
+        with self.lock:
+            for j in range(len(tokens) // bs):
+                up = chain(up, tokens[j * bs:(j + 1) * bs])
+                if up not in self.blocks:
+                    break
+                n += 1
+        return n
+
+
+def post(url, path, body):
+    req = urllib.request.Request(f"{url}{path}", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.load(r)
+
+
+class Gateway(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    replicas = []
+    lock = threading.Lock()
+
+    def log_message(self, *_):
+        pass
+
+    def do_GET(self):
+        self.relay(self.replicas[0], None)
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        target = self.replicas[0]
+        if self.path.startswith("/v1/chat/completions"):
+            req = json.loads(body)
+            tokens = post(target.url, "/tokenize", {"messages": req["messages"]})["tokens"]
+            blocks = [len(tokens) // r.block_size - r.held(tokens) for r in self.replicas]
+            with self.lock:
+                best = min(range(len(self.replicas)),
+                           key=lambda i: (blocks[i] + LOAD * self.replicas[i].in_flight,
+                                          self.replicas[i].in_flight))
+                target = self.replicas[best]
+                # Each decision, for the log.
+                print(f"route {len(tokens)} tokens: blocks to compute {blocks}, in flight "
+                      f"{[r.in_flight for r in self.replicas]} -> {best}", flush=True)
+                target.in_flight += 1
+            try:
+                self.relay(target, body)
+            finally:
+                with self.lock:
+                    target.in_flight -= 1
+        else:
+            self.relay(target, body)
+
+    def relay(self, replica, body):
+        u = urllib.parse.urlparse(replica.url)
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
+        headers = {k: v for k, v in self.headers.items()
+                   if k.lower() not in ("host", "content-length", "connection")}
+        conn.request(self.command, self.path, body=body, headers=headers)
+        resp = conn.getresponse()
+        self.send_response(resp.status)
+        for k, v in resp.getheaders():
+            if k.lower() not in ("content-length", "transfer-encoding", "connection"):
+                self.send_header(k, v)
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        while True:
+            chunk = resp.read1(65536)
+            if not chunk:
+                break
+            self.wfile.write(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
+            self.wfile.flush()
+        self.wfile.write(b"0\r\n\r\n")
+        self.wfile.flush()
+        conn.close()
+
+
+def main():
+    if len(sys.argv) < 3:
+        sys.exit(__doc__)
+    port = int(sys.argv[1])
+    for spec in sys.argv[2:]:
+        url, events, replay = spec.split("=")
+        Gateway.replicas.append(Replica(url, events, replay))
+    ThreadingHTTPServer(("127.0.0.1", port), Gateway).serve_forever()
+
+
+if __name__ == "__main__":
+    main()
