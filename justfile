@@ -98,6 +98,14 @@ bench-engine: model
     for s in chat shared-prefix interleaved shift; do ./target/release/tessera bench --model models/SmolLM2-135M-Instruct.Q4_1.gguf --scenario $s --runs 3 --json | tee -a target/bench/engine.jsonl; done
     python3 scripts/readme_tables.py engine
 
+# The disk tier below the pool: 8 conversations taking turns on a pool a third of their working set,
+# the pool alone beside the pool with its disk tier (target/bench/tiers.jsonl, then its table in docs/).
+bench-tiers: model
+    cargo build --release -p tessera
+    mkdir -p target/bench
+    ./target/release/tessera bench --model models/SmolLM2-135M-Instruct.Q4_1.gguf --scenario tiers --json | tee target/bench/tiers.jsonl
+    python3 scripts/readme_tables.py tiers
+
 # Gemma 3's sliding-window layers on their own pool: an 8,192-token request on the smallest pool beside
 # full attention's memory, and a 12-turn conversation's cache hits (target/bench/swa.json, then its table in docs/).
 bench-swa: (model "gemma3")

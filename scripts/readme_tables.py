@@ -318,6 +318,36 @@ def swa():
     ]
 
 
+def tiers():
+    r = rows("tiers.jsonl")["tiers"]
+    pct = lambda x: f"{x * 100:.1f}%"
+    return [
+        f"`tessera bench --scenario tiers --json`, measured {datetime.date.today()} on {cpu()} "
+        f"({os.cpu_count()} cores), commit `{commit()}`, SmolLM2-135M-Instruct Q4_1, f16 cache, "
+        f"default (portable) release build. {r['conversations']} conversations (a distinct "
+        f"~600-token system prompt each, ~40-token user turns, 32-token greedy replies) take "
+        f"{r['rounds']} turns each, round-robin, on a pool of {r['pool_tokens']:,} tokens: their "
+        f"final working set is {r['working_set_tokens']:,} tokens "
+        f"({r['working_set_tokens'] / r['pool_tokens']:.1f}× the pool), so each history is evicted "
+        f"before its next turn. The pool alone beside the same pool with its disk tier "
+        f"(`--cache-dir`), turn by turn alternating.",
+        "",
+        "| | pool alone | pool + disk tier | |",
+        "|---|---|---|---|",
+        f"| history served from cache, rounds 2–{r['rounds']} | {pct(r['history_cached_share_pool'])} | "
+        f"**{pct(r['history_cached_share_tiered'])}** ({pct(r['disk_share_of_cached'])} of it read "
+        f"from disk) | |",
+        f"| TTFT p50 | {r['ttft_p50_ms_pool']:,.0f} ms | {r['ttft_p50_ms_tiered']:,.0f} ms | "
+        f"**{r['ttft_p50_ms_pool'] / r['ttft_p50_ms_tiered']:.2f}×** |",
+        f"| TTFT p99 | {r['ttft_p99_ms_pool']:,.0f} ms | {r['ttft_p99_ms_tiered']:,.0f} ms | "
+        f"{r['ttft_p99_ms_pool'] / r['ttft_p99_ms_tiered']:.2f}× |",
+        "",
+        f"The tier wrote {r['tier_blocks_written']:,} blocks and read {r['tier_blocks_read']:,} back "
+        f"({r['tier_bytes'] / (1 << 20):.1f} MiB on disk at the end); "
+        f"{'the same' if r['same_replies'] else 'different'} greedy replies with and without it.",
+    ]
+
+
 def device_tests(log):
     """What each test step of a `cuda_device_run.sh` log (tests.log) reported,
     found by the step's command line (`=== CMD`): the kernel tests, their
@@ -1051,6 +1081,7 @@ def main():
         "sessions": sessions,
         "hangups": hangups,
         "swa": swa,
+        "tiers": tiers,
         "gpu": gpu,
         "gpu-ab": gpu_ab,
         "gpu-families": gpu_families,
