@@ -972,6 +972,7 @@ def soak():
         f"{r['requests']:,} requests, up to four at a time ({r['seconds']:,.0f} s of wall "
         "time: this scenario counts failures and leaks, it is no speed measure), "
         "with about one step in 150 failing with an error and one in 300 panicking"
+        + (", KV events on (replayed into an index) and a disk tier under the pool" if "kv_event_batches" in r else "")
         + (", speculative decoding on and one request in five constrained (a JSON schema, a regex or "
            "a forced tool call)." if "constrained" in r else "."),
         "",
@@ -989,6 +990,12 @@ def soak():
             f"| **constrained answers that ended with `stop` and do not match their constraint** (of {r['constrained']}) | **{r['unmatched']}** |"]
           if "constrained" in r else []),
         f"| **blocks leaked** (held once every request is over) | **{r['leaked_blocks']}** (sequences left: {r['sequences_left']}; KV invariants hold) |",
+        *([f"| **KV events lost or out of order** (replayed into a router's index: {r['kv_event_batches']:,} batches, "
+           f"{r['kv_events_stored']:,} blocks stored, {r['kv_events_removed']:,} removed; blocks left in it after a clear: "
+           f"{r['kv_event_blocks_left']}) | **{r['kv_event_violations']}** |",
+           f"| disk tier under the pool: blocks written / read back (prompt tokens from disk) | "
+           f"{r['tier_blocks_written']:,} / {r['tier_blocks_read']:,} ({r['disk_cached_tokens']:,}) |"]
+          if "kv_event_batches" in r else []),
         f"| resident memory after warm-up (10% of the requests) / peak / end | {mib(r['rss_warm_bytes'])} / {mib(r['rss_peak_bytes'])} / {mib(r['rss_end_bytes'])} |",
         f"| **RSS growth after warm-up** | **{r['rss_growth'] * 100:+.1f}%** |",
     ]

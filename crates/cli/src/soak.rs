@@ -66,6 +66,72 @@ fn fault_hook(error_every: u64, panic_every: u64) -> FaultHook {
     })
 }
 
+/// The KV events as a router's index replays them: every stored block
+/// new and after a parent it knows, every removed block known; what does
+/// not hold is counted (a lost or reordered event shows here).
+#[derive(Default)]
+struct EventIndex {
+    blocks: std::collections::HashSet<u64>,
+    batches: u64,
+    stored: u64,
+    removed: u64,
+    last_ts: f64,
+    violations: u64,
+    first: Option<String>,
+}
+
+impl EventIndex {
+    fn apply(&mut self, b: tessera_engine::KvEventBatch) {
+        use tessera_engine::KvEvent;
+        fn bad(what: String, me: &mut EventIndex) {
+            me.violations += 1;
+            me.first.get_or_insert(what);
+        }
+        self.batches += 1;
+        if b.ts < self.last_ts {
+            bad(format!("batch {} goes back in time", self.batches), self);
+        }
+        self.last_ts = b.ts;
+        for e in b.events {
+            match e {
+                KvEvent::BlockStored {
+                    block_hashes,
+                    parent_block_hash,
+                    ..
+                } => {
+                    if parent_block_hash.is_some_and(|p| !self.blocks.contains(&p)) {
+                        bad(
+                            format!("batch {}: a parent never stored", self.batches),
+                            self,
+                        );
+                    }
+                    for h in block_hashes {
+                        self.stored += 1;
+                        if !self.blocks.insert(h) {
+                            bad(
+                                format!("batch {}: a block stored twice", self.batches),
+                                self,
+                            );
+                        }
+                    }
+                }
+                KvEvent::BlockRemoved { block_hashes, .. } => {
+                    for h in block_hashes {
+                        self.removed += 1;
+                        if !self.blocks.remove(&h) {
+                            bad(
+                                format!("batch {}: a block removed unstored", self.batches),
+                                self,
+                            );
+                        }
+                    }
+                }
+                KvEvent::AllBlocksCleared => self.blocks.clear(),
+            }
+        }
+    }
+}
+
 #[derive(Default)]
 struct Tally {
     done: usize,
@@ -174,7 +240,17 @@ pub fn soak(model: Model, args: &BenchArgs) -> Result<()> {
         .map(|s| tok.encode(s, tessera_model::Special::AsText, true))
         .collect::<std::result::Result<_, _>>()?;
     let body_ids = tok.encode(&body, tessera_model::Special::AsText, false)?;
+    // KV events replayed into an index, and a disk tier under the pool.
+    let events: std::sync::Arc<std::sync::Mutex<EventIndex>> = Default::default();
+    let sink = {
+        let events = events.clone();
+        tessera_engine::KvEventSink::new(move |b| events.lock().expect("not poisoned").apply(b))
+    };
+    let tier_dir = std::env::temp_dir().join(format!("tessera-soak-tier-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tier_dir);
     let cfg = EngineConfig {
+        kv_events: Some(sink),
+        cache_dir: Some(tier_dir.clone()),
         context_length: Some(CONTEXT),
         faults: Some(fault_hook(150, 300)),
         max_running: 8,
@@ -437,6 +513,25 @@ pub fn soak(model: Model, args: &BenchArgs) -> Result<()> {
     let elapsed = started.elapsed().as_secs_f64();
     let stats = engine.stats();
     engine.check_kv()?;
+    // Cleared, the cache holds nothing: the index, replayed from every
+    // event, must be empty too (a command after the clear has passed the
+    // worker's flush of its events).
+    engine.clear_cache()?;
+    engine.check_kv()?;
+    let (ev_batches, ev_stored, ev_removed, ev_bad, ev_first, ev_left) = {
+        let e = events.lock().expect("not poisoned");
+        (
+            e.batches,
+            e.stored,
+            e.removed,
+            e.violations,
+            e.first.clone(),
+            e.blocks.len(),
+        )
+    };
+    let tier = stats.disk_tier.unwrap_or_default();
+    drop(engine);
+    let _ = std::fs::remove_dir_all(&tier_dir);
     // With --model-draft, its cache's blocks and sequences count too.
     let draft = stats.draft_kv.unwrap_or_default();
     let leaked = stats.kv.used_blocks + draft.used_blocks;
@@ -451,6 +546,7 @@ pub fn soak(model: Model, args: &BenchArgs) -> Result<()> {
         format!("  partitions {} | hung up before an answer {} | sessions saved beside a stream {} | cross-partition probes {} with {} hits (again in their own partition: {} whole from the cache)", parts.len(), t.hung_up, t.background_saves, t.probes, t.cross_hits, t.own_hits),
         format!("  speculative decoding: {} of {} draft tokens kept | constrained answers finished {} ({} not matching)", stats.spec_accepted_tokens, stats.spec_draft_tokens, t.constrained, t.unmatched),
         format!("  blocks leaked {leaked} | sequences left {sequences_left} | KV invariants hold{}", if stats.draft_kv.is_some() { " (the draft model's cache included)" } else { "" }),
+        format!("  KV events: {ev_batches} batches, {ev_stored} blocks stored, {ev_removed} removed, {ev_bad} out of order or lost{}, {ev_left} left after a clear | disk tier: {} blocks written, {} read back, {} prompt tokens from disk", ev_first.as_ref().map_or(String::new(), |f| format!(" (first: {f})")), tier.written, tier.read, stats.disk_cached_tokens),
         format!("  RSS after warm-up {:.1} MiB, peak {:.1} MiB, end {:.1} MiB: growth {:+.1}%", mib(rss_warm), mib(rss_peak), mib(rss_end), growth * 100.0),
     ];
     let v = serde_json::json!({
@@ -476,6 +572,14 @@ pub fn soak(model: Model, args: &BenchArgs) -> Result<()> {
         "constrained": t.constrained,
         "unmatched": t.unmatched,
         "leaked_blocks": leaked,
+        "kv_event_batches": ev_batches,
+        "kv_events_stored": ev_stored,
+        "kv_events_removed": ev_removed,
+        "kv_event_violations": ev_bad,
+        "kv_event_blocks_left": ev_left,
+        "tier_blocks_written": tier.written,
+        "tier_blocks_read": tier.read,
+        "disk_cached_tokens": stats.disk_cached_tokens,
         "sequences_left": sequences_left,
         "draft_model": stats.draft_kv.is_some(),
         "rss_warm_bytes": rss_warm,
@@ -492,6 +596,9 @@ pub fn soak(model: Model, args: &BenchArgs) -> Result<()> {
     }
     if t.cross_hits != 0 {
         bail!("{} prompts were served across partitions", t.cross_hits);
+    }
+    if ev_bad != 0 || ev_left != 0 {
+        bail!("KV events: {ev_bad} out of order or lost, {ev_left} blocks left after a clear");
     }
     if leaked != 0 || sequences_left != 0 {
         bail!("{leaked} blocks and {sequences_left} sequences leaked");

@@ -1,10 +1,10 @@
 //! The worker's side of the prefix tree's log: KV events ([`crate::events`])
 //! and the disk tier ([`crate::tier`]). Full blocks that eviction cuts are
 //! read out of the pool before anything writes it again and appended to
-//! the tier; before each schedule, the waiting
-//! requests at the head of the queue get the blocks of their prompt that
-//! the tier holds past what the pool holds placed back into the prefix
-//! tree, so that their admission finds them cached.
+//! the tier; before each schedule, the requests at the head of the queue
+//! get the blocks of their prompt that the tier holds past what the pool
+//! holds placed back into the prefix tree, so that their admission finds
+//! them cached.
 
 use std::collections::HashMap;
 
@@ -23,7 +23,7 @@ pub(super) struct Tier {
     disk: DiskTier,
     /// Waiting requests already looked up (until they leave the queue).
     checked: HashMap<ReqId, usize>,
-    /// A write failed (a full disk): said once.
+    /// A write failed (a full disk): reported once.
     warned: bool,
 }
 
@@ -206,7 +206,7 @@ impl Worker {
             let toks = &raw[j * bs..(j + 1) * bs];
             if let Err(e) = tier.disk.put(hashes[j], parent, key, toks, &block) {
                 if !tier.warned {
-                    warn!("the disk tier stops taking blocks for now: {e}");
+                    warn!("writing to the disk tier failed: {e} (later failures are not reported)");
                     tier.warned = true;
                 }
                 break;
