@@ -748,6 +748,67 @@ fn http_post(addr: &str, path: &str, key: &str, body: &str) -> String {
     out
 }
 
+/// `tessera serve` on a free port with `args`, once it says it is ready:
+/// the child, its stderr (still being written), its address and the log
+/// so far.
+fn serve_child(
+    args: &[&str],
+) -> (
+    std::process::Child,
+    std::io::BufReader<std::process::ChildStderr>,
+    String,
+    String,
+) {
+    use std::io::BufRead;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .args(["serve", "--port", "0"])
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = std::io::BufReader::new(child.stderr.take().unwrap());
+    let (mut addr, mut log) = (String::new(), String::new());
+    loop {
+        let mut line = String::new();
+        assert!(err.read_line(&mut line).unwrap() > 0, "serve exited: {log}");
+        log.push_str(&line);
+        if let Some(rest) = line.split("http://").nth(1) {
+            addr = rest.split_whitespace().next().unwrap().to_string();
+        }
+        if line.contains("ready") {
+            break;
+        }
+    }
+    (child, err, addr, log)
+}
+
+/// [`serve_child`] of model `m` with the keys `k1` and `k2`, the cache
+/// directory `cache`, and `extra`.
+fn serve_two_keys(
+    m: &str,
+    cache: &str,
+    extra: &[&str],
+) -> (
+    std::process::Child,
+    std::io::BufReader<std::process::ChildStderr>,
+    String,
+    String,
+) {
+    let mut args = vec![
+        "--model",
+        m,
+        "--api-key",
+        "k1",
+        "--api-key",
+        "k2",
+        "--cache-dir",
+        cache,
+    ];
+    args.extend_from_slice(extra);
+    serve_child(&args)
+}
+
 /// `tessera serve` with two keys and a cache directory: SIGTERM with a
 /// stream that would run forever ends it after `--shutdown-timeout` with
 /// an error event, the server exits on its own and writes the prefix cache
@@ -755,41 +816,11 @@ fn http_post(addr: &str, path: &str, key: &str, body: &str) -> String {
 /// from the cache (and only its own).
 #[test]
 fn serve_stops_after_its_shutdown_timeout_and_keeps_every_tenants_cache() {
-    use std::io::{BufRead, BufReader};
     let dir = scratch("shutdown");
     write_tiny_model(&dir.join("m"), TinySpec::default()).unwrap();
     let m = dir.join("m").to_string_lossy().into_owned();
     let cache = dir.join("cache").to_string_lossy().into_owned();
-    let start = || {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_tessera"))
-            .args(["serve", "--model", &m, "--port", "0", "--api-key", "k1"])
-            .args([
-                "--api-key",
-                "k2",
-                "--cache-dir",
-                &cache,
-                "--shutdown-timeout",
-                "1",
-            ])
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut err = BufReader::new(child.stderr.take().unwrap());
-        let (mut addr, mut log) = (String::new(), String::new());
-        loop {
-            let mut line = String::new();
-            assert!(err.read_line(&mut line).unwrap() > 0, "serve exited: {log}");
-            log.push_str(&line);
-            if let Some(rest) = line.split("http://").nth(1) {
-                addr = rest.split_whitespace().next().unwrap().to_string();
-            }
-            if line.contains("ready") {
-                break;
-            }
-        }
-        (child, err, addr, log)
-    };
+    let start = || serve_two_keys(&m, &cache, &["--shutdown-timeout", "1"]);
     let (mut child, mut err, addr, _) = start();
     let cached = |addr: &str, key: &str, prompt: &str| -> u64 {
         let body = format!(r#"{{"prompt": "{prompt}", "max_tokens": 1}}"#);
@@ -903,33 +934,13 @@ fn chat_template_file_replaces_the_files_template() {
 /// the same greedy text), for its own tenant only.
 #[test]
 fn a_killed_server_restarts_with_its_disk_tier() {
-    use std::io::{BufRead, BufReader};
     let dir = scratch("tier-kill");
     write_tiny_model(&dir.join("m"), TinySpec::default()).unwrap();
     let m = dir.join("m").to_string_lossy().into_owned();
     let cache = dir.join("cache").to_string_lossy().into_owned();
     let start = || {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_tessera"))
-            .args(["serve", "--model", &m, "--port", "0", "--api-key", "k1"])
-            .args(["--api-key", "k2", "--cache-dir", &cache])
-            // 16 blocks of 16 tokens (4 KiB each for this model in f16).
-            .args(["--kv-memory", "64KiB"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut err = BufReader::new(child.stderr.take().unwrap());
-        let mut addr = String::new();
-        loop {
-            let mut line = String::new();
-            assert!(err.read_line(&mut line).unwrap() > 0, "serve exited");
-            if let Some(rest) = line.split("http://").nth(1) {
-                addr = rest.split_whitespace().next().unwrap().to_string();
-            }
-            if line.contains("ready") {
-                break;
-            }
-        }
+        // 16 blocks of 16 tokens (4 KiB each for this model in f16).
+        let (child, _, addr, _) = serve_two_keys(&m, &cache, &["--kv-memory", "64KiB"]);
         (child, addr)
     };
     let ask = |addr: &str, key: &str, prompt: &str| -> serde_json::Value {
