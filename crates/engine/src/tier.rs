@@ -143,6 +143,9 @@ pub struct DiskTier {
     segments: VecDeque<Segment>,
     /// The segment appended to, and its file.
     current: Option<(u64, File)>,
+    /// The next segment's number: past every segment file in the folder,
+    /// another model's included (never written over).
+    next_id: u64,
     stats: TierStats,
 }
 
@@ -188,6 +191,7 @@ impl DiskTier {
             index: HashMap::new(),
             segments: VecDeque::new(),
             current: None,
+            next_id: 0,
             stats: TierStats::default(),
         };
         let mut ids: Vec<u64> = std::fs::read_dir(dir)
@@ -202,6 +206,7 @@ impl DiskTier {
             })
             .collect();
         ids.sort_unstable();
+        tier.next_id = ids.last().map_or(0, |&i| i + 1);
         for id in ids {
             tier.load_segment(id)?;
         }
@@ -331,11 +336,11 @@ impl DiskTier {
             s.bytes + rec.len() as u64 > most.max(self.header.len() as u64 + rec.len() as u64)
         });
         if self.current.is_none() || full {
-            let id = self.segments.back().map_or(0, |s| s.id + 1);
+            let id = self.next_id;
+            self.next_id += 1;
             let path = self.path(id);
             let mut f = OpenOptions::new()
-                .create(true)
-                .truncate(true)
+                .create_new(true)
                 .write(true)
                 .open(&path)
                 .map_err(|e| io(&path, "cannot create", e))?;
@@ -512,18 +517,21 @@ mod tests {
         let mut t = DiskTier::open(dir.as_path(), &geometry(), 4, 8, 1 << 20).unwrap();
         assert_eq!((t.stats().blocks, t.stats().bad_at_start), (4, 0));
         assert!(t.get(h, &key, &[9, 9, 9, 9]).is_some());
-        // Another geometry's tier in the same folder is not read.
+        // Another geometry's tier in the same folder is not read, and its
+        // own segments are written beside it, never over it.
         let g = Geometry {
             fingerprint: 43,
             ..geometry()
         };
-        assert_eq!(
-            DiskTier::open(dir.as_path(), &g, 4, 8, 1 << 20)
-                .unwrap()
-                .stats()
-                .blocks,
-            0
-        );
+        let mut other = DiskTier::open(dir.as_path(), &g, 4, 8, 1 << 20).unwrap();
+        assert_eq!(other.stats().blocks, 0);
+        let k2 = tier_key(43, "f16", None, None);
+        let h2 = block_hash(&k2, 0, &[1, 2, 3, 4]);
+        other.put(h2, 0, &k2, &[1, 2, 3, 4], &layers(3)).unwrap();
+        drop(other);
+        let mut t = DiskTier::open(dir.as_path(), &geometry(), 4, 8, 1 << 20).unwrap();
+        assert_eq!(t.stats().blocks, 4);
+        assert!(t.get(h, &key, &[9, 9, 9, 9]).is_some());
     }
 
     #[test]
