@@ -36,7 +36,7 @@ import msgspec
 import zmq
 
 # What a request in flight weighs against a block to compute: about an
-# eighth of a turn's prompt in this workload (KV_ROUTER_LOAD; 2 and 32 gave
+# eighth of a turn's prompt in this workload (KV_ROUTER_LOAD; 0, 2 and 32 gave
 # the same hit ratio within this host's noise).
 LOAD = int(os.environ.get("KV_ROUTER_LOAD", "8"))
 
