@@ -1496,6 +1496,9 @@ fn kv_events_replay_to_the_cached_full_blocks() {
         }
         engine.complete(&req, &mut |_| {}).unwrap();
     }
+    // A request's end reaches its caller within the step; the step's
+    // events go out after it: a command after them has passed that.
+    engine.check_kv().unwrap();
     replay(&mut index);
     assert!(engine.stats().kv.evicted_blocks > 0, "the pool evicted");
     // What the index holds: every full block of every cached path.
@@ -1525,6 +1528,7 @@ fn kv_events_replay_to_the_cached_full_blocks() {
     engine
         .complete(&greedy(&[9, 9, 9], 1), &mut |_| {})
         .unwrap();
+    engine.check_kv().unwrap();
     replay(&mut index);
     assert!(index.is_empty(), "{index:?}");
     drop(engine);
