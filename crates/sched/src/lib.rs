@@ -273,6 +273,12 @@ enum State {
     Running { seq: SeqId, admitted: u64 },
 }
 
+/// What a prefix match of `r` may cover: all its tokens but the last (the
+/// one whose logits are wanted), when it reads the prefix cache.
+fn reusable_of<'a>(cfg: &SchedConfig, r: &'a Request) -> Option<&'a [TokenId]> {
+    (cfg.prefix_cache && r.reuse).then(|| &r.tokens[..r.tokens.len() - 1])
+}
+
 /// The continuous-batching scheduler over a [`KvCache`].
 pub struct Scheduler {
     kv: KvCache,
@@ -344,8 +350,7 @@ impl Scheduler {
     /// does not read the prefix cache).
     pub fn reusable(&self, req: ReqId) -> Option<(Namespace, &[TokenId])> {
         let r = self.reqs.get(&req)?;
-        (self.cfg.prefix_cache && r.reuse && !r.private && !r.tokens.is_empty())
-            .then(|| (r.ns, &r.tokens[..r.tokens.len() - 1]))
+        Some((r.ns, reusable_of(&self.cfg, r)?))
     }
 
     pub fn num_running(&self) -> usize {
@@ -795,11 +800,7 @@ impl Scheduler {
                 }
             }
             let r = &self.reqs[&id];
-            let reusable = if self.cfg.prefix_cache && r.reuse {
-                &r.tokens[..r.tokens.len() - 1]
-            } else {
-                &[][..]
-            };
+            let reusable = reusable_of(&self.cfg, r).unwrap_or_default();
             // A running request is computing more of this prompt than the
             // cache holds: wait for it rather than compute it twice.
             if self.cfg.prefix_cache
@@ -875,12 +876,9 @@ impl Scheduler {
                     unreachable!("waiting list holds waiting requests")
                 };
                 let overdue = self.step.saturating_sub(since) > self.cfg.max_wait_steps;
-                let hit = if self.cfg.prefix_cache && r.reuse && !overdue {
-                    let n = r.tokens.len() - 1;
-                    self.kv.cached_prefix_len(r.ns, &r.tokens[..n])
-                } else {
-                    0
-                };
+                let hit = reusable_of(&self.cfg, r)
+                    .filter(|_| !overdue)
+                    .map_or(0, |t| self.kv.cached_prefix_len(r.ns, t));
                 (r.background, overdue, hit, qpos, id)
             })
             .collect();
