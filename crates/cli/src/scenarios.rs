@@ -1010,23 +1010,18 @@ pub fn tiers(model: Model, args: &BenchArgs) -> Result<()> {
     // the system prompt and each round's turn (user ~40 tokens, reply ≤ 32,
     // the template's few).
     let working = CONVS as usize * (SYSTEM + ROUNDS as usize * 80);
-    let probe = Engine::from_model(
-        load_model(&model.path.display().to_string())?,
-        args.kv.config(true),
-    )?;
-    let s = probe.stats();
-    let (per_block, bs) = (
-        s.kv_bytes / s.kv.num_blocks.max(1),
-        probe.config().block_size,
-    );
-    drop(probe);
+    // A block's bytes, as the engine sizes its pool (the model has no
+    // sliding-window layers: every layer's K/V per token).
+    let base = args.kv.config(true);
+    let bs = base.block_size;
+    let per_block = bs * model.config().kv_bytes_per_token(base.cache_dtype);
     let blocks = (working / 3).div_ceil(bs);
     let dir = std::env::temp_dir().join(format!("tessera-bench-tiers-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let cfg = |tier: bool| EngineConfig {
         kv_memory: blocks * per_block,
         cache_dir: tier.then(|| dir.clone()),
-        ..args.kv.config(true)
+        ..base.clone()
     };
     let other = load_model(&model.path.display().to_string())?;
     let pool = Engine::from_model(model, cfg(false))?;

@@ -354,9 +354,9 @@ impl DiskTier {
             self.stats.bytes += self.header.len() as u64;
             self.current = Some((id, f));
         }
+        let path = self.path(self.current.as_ref().expect("opened above").0);
         let (id, f) = self.current.as_mut().expect("opened above");
         let seg = self.segments.back_mut().expect("the current one");
-        let path = self.dir.join(format!("blocks-{id:08}.tkb"));
         if let Err(e) = f.write_all(&rec) {
             // A short write leaves a torn record: cut it off and stop
             // appending to this segment.

@@ -460,12 +460,11 @@ impl Worker {
         if let Err(e) = self.sched.kv().check_invariants() {
             error!("KV bookkeeping broken ({e}): the prefix cache starts over");
             // The layout's pools, the global one at its current size.
-            let kv = KvCache::new(KvConfig {
+            let mut kv = KvCache::new(KvConfig {
                 num_blocks: self.sched.kv().pool().num_blocks(),
                 ..self.layout.kv_config(self.cfg.block_size)
             })
             .expect("the same configuration was valid");
-            let mut kv = kv;
             kv.set_log(self.logs_tree());
             // What the old bookkeeping held is gone for the routers too.
             self.kv_events.clear();

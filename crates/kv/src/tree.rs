@@ -52,8 +52,8 @@ pub struct InsertOutcome {
 }
 
 /// Full blocks of the cached paths that eviction cut, with the path they
-/// held: what a lower tier keeps (see [`PrefixTree::set_demote`]). Block `first + i` of the
-/// path (positions `(first + i)·bs ..`) was `blocks[i]`; `tokens` runs from
+/// held: what a lower tier keeps (see [`PrefixTree::set_log`]). Block
+/// `first + i` of the path (positions `(first + i)·bs ..`) was `blocks[i]`; `tokens` runs from
 /// the namespace's root to the end of the last of them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Demoted {
@@ -198,7 +198,7 @@ impl PrefixTree {
     /// still holds counts too: it is not written while shared (a writer
     /// copies it first), so it still holds this path's K/V, which goes
     /// with the node.
-    fn record_demoted(&mut self, id: NodeId, first_index: usize, blocks: &[BlockId]) {
+    fn log_removed(&mut self, id: NodeId, first_index: usize, blocks: &[BlockId]) {
         let bs = self.block_size;
         let end = self.n(id).end();
         let full: Vec<(usize, BlockId)> = blocks
@@ -868,7 +868,7 @@ impl PrefixTree {
         let first = node.start / bs + keep;
         let dropped = node.blocks[keep..].to_vec();
         if self.logging {
-            self.record_demoted(id, first, &dropped);
+            self.log_removed(id, first, &dropped);
         }
         for &b in &dropped {
             if pool.release(b)? {
@@ -892,7 +892,7 @@ impl PrefixTree {
         if self.logging {
             let node = self.n(id);
             let (first, blocks) = (node.start / self.block_size, node.blocks.clone());
-            self.record_demoted(id, first, &blocks);
+            self.log_removed(id, first, &blocks);
         }
         let node = self.nodes[id.index()].take().expect("leaf is live");
         self.free_ids.push(id);

@@ -111,8 +111,13 @@ impl Worker {
             "GPU"
         };
         let events = self.cfg.kv_events.is_some();
+        let demote = demote && self.tier.is_some();
         for e in log {
             let (ns, tokens, first) = match &e {
+                // Only what a reader takes is named (hashed): stored blocks
+                // by the events, removed ones by the events or the tier.
+                TreeEvent::Stored { .. } if !events => continue,
+                TreeEvent::Removed(_) if !events && !demote => continue,
                 TreeEvent::Stored {
                     namespace,
                     tokens,
@@ -126,14 +131,13 @@ impl Worker {
             let raw: Vec<u32> = tokens.iter().map(|t| t.0).collect();
             let hashes = chain(&key, &raw, bs);
             match e {
-                TreeEvent::Stored { .. } if events => self.kv_events.push(KvEvent::BlockStored {
+                TreeEvent::Stored { .. } => self.kv_events.push(KvEvent::BlockStored {
                     block_hashes: hashes[first..].to_vec(),
                     parent_block_hash: first.checked_sub(1).map(|j| hashes[j]),
                     token_ids: raw[first * bs..].to_vec(),
                     block_size: bs,
                     medium,
                 }),
-                TreeEvent::Stored { .. } => {}
                 TreeEvent::Removed(d) => {
                     if events {
                         self.kv_events.push(KvEvent::BlockRemoved {
@@ -141,7 +145,7 @@ impl Worker {
                             medium,
                         });
                     }
-                    if demote && self.tier.is_some() {
+                    if demote {
                         self.demote(&d, &key, &raw, &hashes);
                     }
                 }
