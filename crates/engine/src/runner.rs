@@ -35,17 +35,26 @@ impl Logits {
             return Ok(());
         };
         let (_, vocab) = t.dims2()?;
-        let (st, layout) = t.storage_and_layout();
-        if let (Storage::Cpu(CpuStorage::F32(v)), Some((a, b))) =
-            (&*st, layout.contiguous_offsets())
-        {
-            v[a..b].chunks_exact(vocab).for_each(f);
+        let in_place = |t: &Tensor, f: &mut dyn FnMut(&[f32])| {
+            let (st, layout) = t.storage_and_layout();
+            match (&*st, layout.contiguous_offsets()) {
+                (Storage::Cpu(CpuStorage::F32(v)), Some((a, b))) => {
+                    v[a..b].chunks_exact(vocab).for_each(f);
+                    true
+                }
+                _ => false,
+            }
+        };
+        if in_place(t, &mut f) {
             return Ok(());
         }
-        drop(st);
+        // A GPU's logits: one copy to the host, then read there in place
+        // (not copied again into a vector per row).
         let host = t.to_device(&Device::Cpu)?.to_dtype(DType::F32)?;
-        for row in host.to_vec2::<f32>()? {
-            f(&row);
+        if !in_place(&host, &mut f) {
+            for row in host.to_vec2::<f32>()? {
+                f(&row);
+            }
         }
         Ok(())
     }
