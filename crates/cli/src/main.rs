@@ -86,6 +86,14 @@ struct TuningArgs {
     /// (default 64).
     #[arg(long, global = true, value_parser = ["16", "32", "64"])]
     cuda_att_part: Option<String>,
+    /// Run RMSNorm as a kernel of its own before each CUDA product instead
+    /// of inside the product, for comparing.
+    #[arg(long, global = true)]
+    cuda_unfused_norm: bool,
+    /// Merge the CUDA decode attention's partitions in a kernel of its own
+    /// instead of in the attention's launch, for comparing.
+    #[arg(long, global = true)]
+    cuda_unfused_merge: bool,
 }
 
 impl TuningArgs {
@@ -108,6 +116,12 @@ impl TuningArgs {
         }
         if let Some(p) = &self.cuda_att_part {
             t.gpu_att_part = p.parse().ok();
+        }
+        if self.cuda_unfused_norm {
+            t.gpu_fuse_norm = false;
+        }
+        if self.cuda_unfused_merge {
+            t.gpu_fuse_merge = false;
         }
         t
     }

@@ -7,12 +7,18 @@
 //   block row, W in its GGML blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, or
 //   f16/f32 rows), dequantized in registers to f32 and multiplied with the
 //   f32 activations (no 8-bit rounding of the activations: the precision of
-//   the CPU reference). One, two or four warps per output row (the
-//   launcher picks by the row's length: few passes each); each lane takes
-//   items of 8 (Q6_K: 16) weights, as runs of 4 consecutive inputs; a
-//   warp's sums are reduced by shuffles, a row's warps' through shared
-//   memory in warp order. `acc` adds the result to y (the residual add)
-//   instead of storing it.
+//   the CPU reference; the quantized values become f32 exactly, by way of
+//   the mantissa of 2^23 rather than the slow conversion unit). One, two
+//   or four warps per output row (the launcher picks by the row's length:
+//   few passes each); each lane takes items of 8 (Q6_K: 16) weights, as
+//   runs of 4 consecutive inputs, loading several items' raw bytes before
+//   expanding any; a warp's sums are reduced by shuffles, a row's warps'
+//   through shared memory in warp order. `acc` adds the result to y (the
+//   residual add) instead of storing it.
+// - tessera_fwd_ngemv1_* / tessera_fwd_nglu1_*: the one-token products of
+//   the RMSNorm of x (weights nw): each block normalizes the row into
+//   shared memory first (x · scale · w, as tessera_fwd_rms_norm writes
+//   it), in place of a norm kernel and its round trip through memory.
 // - tessera_fwd_rms_norm: one block per row, rows optionally gathered.
 // - tessera_fwd_qkv_<cache>: per token and head, the q/k/v biases, the
 //   per-head q/k norms, RoPE (both pair layouts), q into its buffer and k/v
@@ -24,15 +30,17 @@
 // reference forward's, up to the order of f32 additions.
 #include "prelude_cuda.h"
 #include "kv_elem.h"
+#include "gemv_formats.h"
 
 #define TS_FWD_WARPS 4
 #define TS_FWD_THREADS (TS_FWD_WARPS * 32)
 // Inputs (tokens) one GEMV block multiplies at once; more take more block
 // rows (gridDim.y).
 #define TS_FWD_MAXT 8
-// Blocks per multiprocessor the products' register budget is set for
-// (without it ptxas held the split-row products to 64 registers and
-// spilled).
+// Blocks per multiprocessor the products' register budget is set for:
+// 8 (64 registers) for one token, whose loads want many warps in flight,
+// 4 for several (without it ptxas held the split-row products to 64
+// registers and spilled).
 #define TS_FWD_MIN_BLOCKS 4
 
 __device__ __forceinline__ float ts_fwd_warp_sum(float x) {
@@ -40,251 +48,54 @@ __device__ __forceinline__ float ts_fwd_warp_sum(float x) {
     return x;
 }
 
-// Four bytes at an even address (every block field the items read is at
-// one; blocks of 18, 34 or 210 bytes are not 4-aligned).
-__device__ __forceinline__ uint32_t ts_ld4(const uint8_t* p) {
-    const uint16_t* h = (const uint16_t*)p;
-    return (uint32_t)h[0] | ((uint32_t)h[1] << 16);
-}
-
-__device__ __forceinline__ float ts_ldh(const uint8_t* p) {
-    return __half2float(__ushort_as_half(*(const uint16_t*)p));
-}
-
-__device__ __forceinline__ uint32_t ts_byte(uint32_t q, int e) { return (q >> (8 * e)) & 0xffu; }
-
-// Four bytes at a 4-aligned address (the fields of 20-, 144- and 176-byte
-// blocks, whose rows are 4-aligned too).
-__device__ __forceinline__ uint32_t ts_ld4a(const uint8_t* p) { return *(const uint32_t*)p; }
-
-// Byte n (0..11) of the 12 scale bytes held as three words.
-__device__ __forceinline__ uint32_t ts_scale_byte(const uint32_t* s, uint32_t n) {
-    uint32_t word = n < 4 ? s[0] : (n < 8 ? s[1] : s[2]);
-    return (word >> (8 * (n & 3))) & 0xffu;
-}
-
-// llama.cpp's get_scale_min_k4: sub-block j's 6-bit scale and min, from
-// the 12 scale bytes as three words.
-__device__ __forceinline__ void ts_scale_min_k4(uint32_t j, const uint32_t* q, float* sc, float* m) {
-    if (j < 4) {
-        *sc = (float)(ts_scale_byte(q, j) & 63);
-        *m = (float)(ts_scale_byte(q, j + 4) & 63);
-    } else {
-        *sc = (float)((ts_scale_byte(q, j + 4) & 0xF) | ((ts_scale_byte(q, j - 4) >> 6) << 4));
-        *m = (float)((ts_scale_byte(q, j + 4) >> 4) | ((ts_scale_byte(q, j) >> 6) << 4));
-    }
-}
-
-// Q4_K's and Q5_K's scale and minimum for 64-value chunk c (sub-blocks 2c
-// and 2c + 1) of a super-block: d·sc and dmin·m of each.
-__device__ __forceinline__ void ts_k_chunk(const uint8_t* blk, uint32_t c, float* d1, float* m1,
-                                           float* d2, float* m2) {
-    uint32_t dm = ts_ld4a(blk);
-    float d = __half2float(__ushort_as_half((uint16_t)(dm & 0xffffu)));
-    float dmin = __half2float(__ushort_as_half((uint16_t)(dm >> 16)));
-    uint32_t scales[3] = {ts_ld4a(blk + 4), ts_ld4a(blk + 8), ts_ld4a(blk + 12)};
-    float sc, m;
-    ts_scale_min_k4(2 * c, scales, &sc, &m);
-    *d1 = d * sc;
-    *m1 = dmin * m;
-    ts_scale_min_k4(2 * c + 1, scales, &sc, &m);
-    *d2 = d * sc;
-    *m2 = dmin * m;
-}
-
-// Each format: ROW_BYTES(k), ITEMS(k) per row, and item(row, i, w, off):
-// RUNS runs of 4 weights w[4r..4r+4) that multiply inputs off[r]..off[r]+4.
-struct TsQ4_0 {
-    static const int RUNS = 2;
-    static __device__ size_t row_bytes(uint32_t k) { return (size_t)(k / 32) * 18; }
-    static __device__ uint32_t items(uint32_t k) { return k / 32 * 4; }
-    static __device__ void item(const uint8_t* row, uint32_t i, float* w, uint32_t* off) {
-        uint32_t b = i >> 2, j = (i & 3) * 4;
-        const uint8_t* blk = row + (size_t)b * 18;
-        float d = ts_ldh(blk);
-        uint32_t q = ts_ld4(blk + 2 + j);
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            w[e] = (float)((int)(ts_byte(q, e) & 15) - 8) * d;
-            w[4 + e] = (float)((int)(ts_byte(q, e) >> 4) - 8) * d;
-        }
-        off[0] = b * 32 + j;
-        off[1] = b * 32 + 16 + j;
-    }
-};
-
-struct TsQ4_1 {
-    static const int RUNS = 2;
-    static __device__ size_t row_bytes(uint32_t k) { return (size_t)(k / 32) * 20; }
-    static __device__ uint32_t items(uint32_t k) { return k / 32 * 4; }
-    static __device__ void item(const uint8_t* row, uint32_t i, float* w, uint32_t* off) {
-        uint32_t b = i >> 2, j = (i & 3) * 4;
-        const uint8_t* blk = row + (size_t)b * 20;
-        uint32_t dm = ts_ld4a(blk);
-        float d = __half2float(__ushort_as_half((uint16_t)(dm & 0xffffu)));
-        float m = __half2float(__ushort_as_half((uint16_t)(dm >> 16)));
-        uint32_t q = ts_ld4a(blk + 4 + j);
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            w[e] = (float)(ts_byte(q, e) & 15) * d + m;
-            w[4 + e] = (float)(ts_byte(q, e) >> 4) * d + m;
-        }
-        off[0] = b * 32 + j;
-        off[1] = b * 32 + 16 + j;
-    }
-};
-
-struct TsQ8_0 {
-    static const int RUNS = 2;
-    static __device__ size_t row_bytes(uint32_t k) { return (size_t)(k / 32) * 34; }
-    static __device__ uint32_t items(uint32_t k) { return k / 32 * 4; }
-    static __device__ void item(const uint8_t* row, uint32_t i, float* w, uint32_t* off) {
-        uint32_t b = i >> 2, j = (i & 3) * 8;
-        const uint8_t* blk = row + (size_t)b * 34;
-        float d = ts_ldh(blk);
-        uint32_t q0 = ts_ld4(blk + 2 + j), q1 = ts_ld4(blk + 6 + j);
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            w[e] = (float)(int8_t)ts_byte(q0, e) * d;
-            w[4 + e] = (float)(int8_t)ts_byte(q1, e) * d;
-        }
-        off[0] = b * 32 + j;
-        off[1] = b * 32 + j + 4;
-    }
-};
-
-struct TsQ4_K {
-    static const int RUNS = 2;
-    static __device__ size_t row_bytes(uint32_t k) { return (size_t)(k / 256) * 144; }
-    static __device__ uint32_t items(uint32_t k) { return k / 256 * 32; }
-    static __device__ void item(const uint8_t* row, uint32_t i, float* w, uint32_t* off) {
-        uint32_t sb = i >> 5, r = i & 31, c = r >> 3, l = (r & 7) * 4;
-        const uint8_t* blk = row + (size_t)sb * 144;
-        float d1, mm1, d2, mm2;
-        ts_k_chunk(blk, c, &d1, &mm1, &d2, &mm2);
-        uint32_t q = ts_ld4a(blk + 16 + c * 32 + l);
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            w[e] = d1 * (float)(ts_byte(q, e) & 15) - mm1;
-            w[4 + e] = d2 * (float)(ts_byte(q, e) >> 4) - mm2;
-        }
-        off[0] = sb * 256 + c * 64 + l;
-        off[1] = off[0] + 32;
-    }
-};
-
-struct TsQ5_K {
-    static const int RUNS = 2;
-    static __device__ size_t row_bytes(uint32_t k) { return (size_t)(k / 256) * 176; }
-    static __device__ uint32_t items(uint32_t k) { return k / 256 * 32; }
-    static __device__ void item(const uint8_t* row, uint32_t i, float* w, uint32_t* off) {
-        uint32_t sb = i >> 5, r = i & 31, c = r >> 3, l = (r & 7) * 4;
-        const uint8_t* blk = row + (size_t)sb * 176;
-        float d1, mm1, d2, mm2;
-        ts_k_chunk(blk, c, &d1, &mm1, &d2, &mm2);
-        uint32_t h = ts_ld4a(blk + 16 + l);
-        uint32_t q = ts_ld4a(blk + 48 + c * 32 + l);
-        uint32_t u1 = 1u << (2 * c), u2 = 2u << (2 * c);
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            uint32_t he = ts_byte(h, e);
-            w[e] = d1 * (float)((ts_byte(q, e) & 15) + ((he & u1) ? 16 : 0)) - mm1;
-            w[4 + e] = d2 * (float)((ts_byte(q, e) >> 4) + ((he & u2) ? 16 : 0)) - mm2;
-        }
-        off[0] = sb * 256 + c * 64 + l;
-        off[1] = off[0] + 32;
-    }
-};
-
-struct TsQ6_K {
-    static const int RUNS = 4;
-    static __device__ size_t row_bytes(uint32_t k) { return (size_t)(k / 256) * 210; }
-    static __device__ uint32_t items(uint32_t k) { return k / 256 * 16; }
-    static __device__ void item(const uint8_t* row, uint32_t i, float* w, uint32_t* off) {
-        uint32_t sb = i >> 4, r = i & 15, n = r >> 3, l = (r & 7) * 4;
-        const uint8_t* blk = row + (size_t)sb * 210;
-        float d = ts_ldh(blk + 208);
-        const int8_t* sc = (const int8_t*)(blk + 192 + n * 8);
-        uint32_t is = l / 16;
-        float s0 = d * (float)sc[is], s1 = d * (float)sc[is + 2], s2 = d * (float)sc[is + 4],
-              s3 = d * (float)sc[is + 6];
-        uint32_t ql0 = ts_ld4(blk + n * 64 + l), ql1 = ts_ld4(blk + n * 64 + 32 + l);
-        uint32_t qh = ts_ld4(blk + 128 + n * 32 + l);
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            uint32_t a = ts_byte(ql0, e), b = ts_byte(ql1, e), h = ts_byte(qh, e);
-            w[e] = s0 * (float)((int)((a & 15) | ((h & 3) << 4)) - 32);
-            w[4 + e] = s1 * (float)((int)((b & 15) | (((h >> 2) & 3) << 4)) - 32);
-            w[8 + e] = s2 * (float)((int)((a >> 4) | (((h >> 4) & 3) << 4)) - 32);
-            w[12 + e] = s3 * (float)((int)((b >> 4) | (((h >> 6) & 3) << 4)) - 32);
-        }
-        uint32_t base = sb * 256 + n * 128 + l;
-        off[0] = base;
-        off[1] = base + 32;
-        off[2] = base + 64;
-        off[3] = base + 96;
-    }
-};
-
-struct TsF32W {
-    static const int RUNS = 2;
-    static __device__ size_t row_bytes(uint32_t k) { return (size_t)k * 4; }
-    static __device__ uint32_t items(uint32_t k) { return k / 8; }
-    static __device__ void item(const uint8_t* row, uint32_t i, float* w, uint32_t* off) {
-        const float* r = (const float*)row + i * 8;
-#pragma unroll
-        for (int e = 0; e < 8; e++) w[e] = r[e];
-        off[0] = i * 8;
-        off[1] = i * 8 + 4;
-    }
-};
-
-struct TsF16W {
-    static const int RUNS = 2;
-    static __device__ size_t row_bytes(uint32_t k) { return (size_t)k * 2; }
-    static __device__ uint32_t items(uint32_t k) { return k / 8; }
-    static __device__ void item(const uint8_t* row, uint32_t i, float* w, uint32_t* off) {
-        const uint16_t* r = (const uint16_t*)row + i * 8;
-#pragma unroll
-        for (int e = 0; e < 8; e++) w[e] = __half2float(__ushort_as_half(r[e]));
-        off[0] = i * 8;
-        off[1] = i * 8 + 4;
-    }
-};
-
-// The lane's share of sum_i row[i] x[t][i] for MT tokens, added into
-// sum[t], the row's items shared by the WPR warps' 32 * WPR lanes (`lane`
-// counts across them). x rows are `x_stride` floats apart (a multiple of
-// 4, 16-byte aligned). Each pass loads U items per lane before using any
-// of them: decode is bound by the weight bytes in flight.
-template <typename F, int MT, int U, int WPR>
-__device__ __forceinline__ void ts_row_dots(const uint8_t* __restrict__ row, uint32_t k,
+// The lane's share of sum_i row[i] x[t][i] for MT tokens and R rows
+// (rows[r]), added into sum[r * MT + t], the rows' items shared by the WPR
+// warps' 32 * WPR lanes (`lane` counts across them). x rows are
+// `x_stride` floats apart (a multiple of 4, 16-byte aligned). Each pass
+// loads U items of every row per lane before using any of them (decode is
+// bound by the weight bytes in flight), as raw bytes, expanded to f32
+// one at a time.
+template <typename F, int MT, int U, int WPR, int R>
+__device__ __forceinline__ void ts_row_dots(const uint8_t* const* rows, uint32_t k,
                                             const float* __restrict__ xs, uint32_t x_stride,
                                             uint32_t nt, uint32_t lane, float* sum) {
     const uint32_t lanes = 32 * WPR;
     uint32_t items = F::items(k);
     for (uint32_t base = lane; base < items; base += lanes * U) {
-        float wv[U][F::RUNS * 4];
-        uint32_t off[U][F::RUNS];
+        typename F::Raw raw[R][U];
 #pragma unroll
         for (int u = 0; u < U; u++) {
-            if (base + lanes * u < items) F::item(row, base + lanes * u, wv[u], off[u]);
+            if (base + lanes * u < items) {
+#pragma unroll
+                for (int r = 0; r < R; r++) F::load(rows[r], base + lanes * u, raw[r][u]);
+            }
         }
 #pragma unroll
         for (int u = 0; u < U; u++) {
-            if (base + lanes * u >= items) break;
+            uint32_t i = base + lanes * u;
+            if (i >= items) break;
+            uint32_t off[F::RUNS];
+            F::offsets(i, off);
+            float wv[R][F::RUNS * 4];
+#pragma unroll
+            for (int r = 0; r < R; r++) F::expand(raw[r][u], i, wv[r]);
 #pragma unroll
             for (int t = 0; t < MT; t++) {
                 if (t < nt) {
                     const float* xt = xs + (size_t)t * x_stride;
-                    float s = 0.0f;
+                    float4 v[F::RUNS];
 #pragma unroll
-                    for (int q = 0; q < F::RUNS; q++) {
-                        float4 v = *(const float4*)(xt + off[u][q]);
-                        s += wv[u][4 * q] * v.x + wv[u][4 * q + 1] * v.y +
-                             wv[u][4 * q + 2] * v.z + wv[u][4 * q + 3] * v.w;
+                    for (int q = 0; q < F::RUNS; q++) v[q] = *(const float4*)(xt + off[q]);
+#pragma unroll
+                    for (int r = 0; r < R; r++) {
+                        float s = 0.0f;
+#pragma unroll
+                        for (int q = 0; q < F::RUNS; q++) {
+                            s += wv[r][4 * q] * v[q].x + wv[r][4 * q + 1] * v[q].y +
+                                 wv[r][4 * q + 2] * v[q].z + wv[r][4 * q + 3] * v[q].w;
+                        }
+                        sum[r * MT + t] += s;
                     }
-                    sum[t] += s;
                 }
             }
         }
@@ -317,13 +128,62 @@ __device__ __forceinline__ void ts_row_total(float* sum) {
     }
 }
 
+// The RMSNorm (weights nw) of the block's nt token rows of x (k values
+// each, `x_stride` floats apart, 16-byte aligned), written to the block's
+// dynamic shared memory as rows of k (the launcher sizes it nt·k floats):
+// x · scale · nw, the products of tessera_fwd_rms_norm in its order. Every
+// thread of the block calls it (two barriers).
+template <int MT>
+__device__ __forceinline__ const float* ts_stage_norm(const float* __restrict__ x,
+                                                      uint32_t x_stride, uint32_t nt, uint32_t k,
+                                                      const float* __restrict__ nw, float eps) {
+    extern __shared__ float4 ts_xn4[];
+    float* xn = (float*)ts_xn4;
+    __shared__ float red[TS_FWD_WARPS][MT];
+    uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, k4 = k / 4;
+    float ss[MT];
+#pragma unroll
+    for (int t = 0; t < MT; t++) {
+        ss[t] = 0.0f;
+        if (t < nt) {
+            const float4* xt = (const float4*)(x + (size_t)t * x_stride);
+            for (uint32_t i = threadIdx.x; i < k4; i += TS_FWD_THREADS) {
+                float4 v = xt[i];
+                ss[t] += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+            }
+        }
+        ss[t] = ts_fwd_warp_sum(ss[t]);
+        if (lane == 0) red[warp][t] = ss[t];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int t = 0; t < MT; t++) {
+        if (t < nt) {
+            float tot = 0.0f;
+            for (int w = 0; w < TS_FWD_WARPS; w++) tot += red[w][t];
+            float scale = rsqrtf(tot / (float)k + eps);
+            const float4* xt = (const float4*)(x + (size_t)t * x_stride);
+            const float4* w4 = (const float4*)nw;
+            float4* o = ts_xn4 + (size_t)t * k4;
+            for (uint32_t i = threadIdx.x; i < k4; i += TS_FWD_THREADS) {
+                float4 v = xt[i], g = w4[i];
+                o[i] = make_float4(v.x * scale * g.x, v.y * scale * g.y, v.z * scale * g.z,
+                                   v.w * scale * g.w);
+            }
+        }
+    }
+    __syncthreads();
+    return xn;
+}
+
 // y[t][r] (= or +=) sum_i W[r][i] x[t][i] for the block's rows (WPR warps
 // each: one for short rows, more where a warp alone would take several
 // passes) and up to MT of its tokens; y rows are `y_stride` floats apart.
-template <typename F, int MT, int U, int WPR>
+template <typename F, int MT, int U, int WPR, bool NORM>
 __device__ void ts_gemv(const uint8_t* __restrict__ w, const float* __restrict__ x,
                         float* __restrict__ y, uint32_t rows, uint32_t k, uint32_t tokens,
-                        uint32_t x_stride, uint32_t y_stride, uint32_t acc) {
+                        uint32_t x_stride, uint32_t y_stride, uint32_t acc,
+                        const float* __restrict__ nw, float eps) {
     uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     uint32_t r = blockIdx.x * (TS_FWD_WARPS / WPR) + warp / WPR;
     // A row past the end computes the last row's sums (so every warp
@@ -332,11 +192,16 @@ __device__ void ts_gemv(const uint8_t* __restrict__ w, const float* __restrict__
     if (!live) r = rows - 1;
     uint32_t t0 = blockIdx.y * MT;
     uint32_t nt = tokens - t0 < (uint32_t)MT ? tokens - t0 : (uint32_t)MT;
+    const float* xs = x + (size_t)t0 * x_stride;
+    if (NORM) {
+        xs = ts_stage_norm<MT>(xs, x_stride, nt, k, nw, eps);
+        x_stride = k;
+    }
     float sum[MT];
 #pragma unroll
     for (int t = 0; t < MT; t++) sum[t] = 0.0f;
-    ts_row_dots<F, MT, U, WPR>(w + (size_t)r * F::row_bytes(k), k, x + (size_t)t0 * x_stride,
-                               x_stride, nt, (warp % WPR) * 32 + lane, sum);
+    const uint8_t* row[1] = {w + (size_t)r * F::row_bytes(k)};
+    ts_row_dots<F, MT, U, WPR, 1>(row, k, xs, x_stride, nt, (warp % WPR) * 32 + lane, sum);
     ts_row_total<MT, WPR>(sum);
     if (!live || warp % WPR != 0 || lane != 0) return;
 #pragma unroll
@@ -357,10 +222,11 @@ __device__ __forceinline__ float ts_act(float g, uint32_t act) {
 // The gated activation of a stacked gate|up weight (2n rows: gate, then
 // up): y[t][r] = act(gate_r · x[t]) * (up_r · x[t]) for r < n, WPR warps
 // per r (act 0: SiLU, 1: GELU with tanh).
-template <typename F, int MT, int U, int WPR>
+template <typename F, int MT, int U, int WPR, bool NORM>
 __device__ void ts_glu(const uint8_t* __restrict__ w, const float* __restrict__ x,
                        float* __restrict__ y, uint32_t n, uint32_t k, uint32_t tokens,
-                       uint32_t x_stride, uint32_t y_stride, uint32_t act) {
+                       uint32_t x_stride, uint32_t y_stride, uint32_t act,
+                       const float* __restrict__ nw, float eps) {
     uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     uint32_t r = blockIdx.x * (TS_FWD_WARPS / WPR) + warp / WPR;
     bool live = r < n;
@@ -368,14 +234,25 @@ __device__ void ts_glu(const uint8_t* __restrict__ w, const float* __restrict__ 
     uint32_t t0 = blockIdx.y * MT;
     uint32_t nt = tokens - t0 < (uint32_t)MT ? tokens - t0 : (uint32_t)MT;
     const float* xs = x + (size_t)t0 * x_stride;
-    // The gate's sums, then the up's: one total over both.
+    if (NORM) {
+        xs = ts_stage_norm<MT>(xs, x_stride, nt, k, nw, eps);
+        x_stride = k;
+    }
+    // The gate's sums, then the up's (for one token, both rows' loads in
+    // flight together): one total over both.
     float gu[2 * MT];
 #pragma unroll
     for (int t = 0; t < 2 * MT; t++) gu[t] = 0.0f;
     uint32_t sub = (warp % WPR) * 32 + lane;
-    ts_row_dots<F, MT, U, WPR>(w + (size_t)r * F::row_bytes(k), k, xs, x_stride, nt, sub, gu);
-    ts_row_dots<F, MT, U, WPR>(w + (size_t)(n + r) * F::row_bytes(k), k, xs, x_stride, nt, sub,
-                               gu + MT);
+    const uint8_t* rows[2] = {w + (size_t)r * F::row_bytes(k), w + (size_t)(n + r) * F::row_bytes(k)};
+    if (MT == 1) {
+        ts_row_dots<F, MT, U, WPR, 2>(rows, k, xs, x_stride, nt, sub, gu);
+    } else {
+        // Several tokens: one row after the other (both at once take more
+        // registers than the blocks per multiprocessor allow).
+        ts_row_dots<F, MT, U, WPR, 1>(rows, k, xs, x_stride, nt, sub, gu);
+        ts_row_dots<F, MT, U, WPR, 1>(rows + 1, k, xs, x_stride, nt, sub, gu + MT);
+    }
     ts_row_total<2 * MT, WPR>(gu);
     if (!live || warp % WPR != 0 || lane != 0) return;
 #pragma unroll
@@ -387,19 +264,26 @@ __device__ void ts_glu(const uint8_t* __restrict__ w, const float* __restrict__ 
 // Per format and warps per row (_w1, _w2, _w4): tessera_fwd_gemv_* and
 // tessera_fwd_glu_* for up to TS_FWD_MAXT tokens per block row,
 // tessera_fwd_gemv1_* and tessera_fwd_glu1_* for one (decode of one
-// sequence: one accumulator, so more items in flight).
-#define TS_GEMV_KERNEL(kname, body, F, MT, U, WPR)                                            \
-    extern "C" __global__ void __launch_bounds__(TS_FWD_THREADS, TS_FWD_MIN_BLOCKS)           \
+// sequence: one accumulator, so more items in flight); those two also as
+// tessera_fwd_n*, the product of x's RMSNorm (nw, eps: unused by the
+// others, which take them so that every product has one signature).
+#define TS_GEMV_KERNEL(kname, body, F, MT, U, WPR, NORM)                                      \
+    extern "C" __global__ void __launch_bounds__(TS_FWD_THREADS, TS_FWD_MIN_BLOCKS / MT + 4)  \
         kname(const uint8_t* __restrict__ w, const float* __restrict__ x,                     \
               float* __restrict__ y, uint32_t rows, uint32_t k, uint32_t tokens,              \
-              uint32_t x_stride, uint32_t y_stride, uint32_t flag) {                          \
-        body<F, MT, U, WPR>(w, x, y, rows, k, tokens, x_stride, y_stride, flag);              \
+              uint32_t x_stride, uint32_t y_stride, uint32_t flag,                            \
+              const float* __restrict__ nw, float eps) {                                      \
+        body<F, MT, U, WPR, NORM>(w, x, y, rows, k, tokens, x_stride, y_stride, flag, nw,     \
+                                  eps);                                                       \
     }
 #define TS_GEMV_W(name, F, WPR)                                                               \
-    TS_GEMV_KERNEL(tessera_fwd_gemv_##name##_w##WPR, ts_gemv, F, TS_FWD_MAXT, 2, WPR)         \
-    TS_GEMV_KERNEL(tessera_fwd_gemv1_##name##_w##WPR, ts_gemv, F, 1, 4, WPR)                  \
-    TS_GEMV_KERNEL(tessera_fwd_glu_##name##_w##WPR, ts_glu, F, TS_FWD_MAXT, 2, WPR)           \
-    TS_GEMV_KERNEL(tessera_fwd_glu1_##name##_w##WPR, ts_glu, F, 1, 4, WPR)
+    TS_GEMV_KERNEL(tessera_fwd_gemv_##name##_w##WPR, ts_gemv, F, TS_FWD_MAXT, F::UM, WPR,     \
+                   false)                                                                     \
+    TS_GEMV_KERNEL(tessera_fwd_gemv1_##name##_w##WPR, ts_gemv, F, 1, F::U1, WPR, false)       \
+    TS_GEMV_KERNEL(tessera_fwd_glu_##name##_w##WPR, ts_glu, F, TS_FWD_MAXT, F::UM, WPR, false) \
+    TS_GEMV_KERNEL(tessera_fwd_glu1_##name##_w##WPR, ts_glu, F, 1, F::U1 / 2, WPR, false)     \
+    TS_GEMV_KERNEL(tessera_fwd_ngemv1_##name##_w##WPR, ts_gemv, F, 1, F::U1, WPR, true)       \
+    TS_GEMV_KERNEL(tessera_fwd_nglu1_##name##_w##WPR, ts_glu, F, 1, F::U1 / 2, WPR, true)
 #define TS_GEMV(name, F) TS_GEMV_W(name, F, 1) TS_GEMV_W(name, F, 2) TS_GEMV_W(name, F, 4)
 
 TS_GEMV(q4_0, TsQ4_0)

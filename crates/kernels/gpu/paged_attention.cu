@@ -8,7 +8,8 @@
 // at most TS_ATT_PART; the launcher picks it, short where there are few
 // queries): a long context is split across blocks, each leaving its running
 // max, sum and unnormalised output; tessera_attention_merge then combines a
-// token's partitions by log-sum-exp. Decode (one token per sequence) and
+// token's partitions by log-sum-exp (or, in tessera_paged_attention_merged_*,
+// the last of a query's blocks to finish does, in the same launch). Decode (one token per sequence) and
 // prefill (a chunk of tokens) use the same kernels: the grid has a row per
 // token. Within a block both passes over the positions go a warp per
 // position, its lanes over the head dimension (rows read whole, several
@@ -149,6 +150,65 @@ __device__ void ts_paged_attention(
     }
 }
 
+// The merge of one (token, head)'s partitions (`base`: token · n_heads +
+// head) by log-sum-exp into out, the block's threads over the dimensions.
+// Partial states are read through L2 (__ldcg): the merged kernel reads
+// what other blocks of its launch wrote.
+__device__ __forceinline__ void ts_merge_one(const float* __restrict__ part_out,
+                                             const float* __restrict__ part_max,
+                                             const float* __restrict__ part_sum,
+                                             float* __restrict__ out, ts_u64 base,
+                                             uint32_t head_dim, uint32_t parts) {
+    float m = -INFINITY;
+    for (uint32_t p = 0; p < parts; p++) m = fmaxf(m, __ldcg(part_max + base * parts + p));
+    float l = 0.0f;
+    for (uint32_t p = 0; p < parts; p++) {
+        float w = __ldcg(part_sum + base * parts + p);
+        if (w > 0.0f) l += expf(__ldcg(part_max + base * parts + p) - m) * w;
+    }
+    for (uint32_t d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float acc = 0.0f;
+        for (uint32_t p = 0; p < parts; p++) {
+            if (__ldcg(part_sum + base * parts + p) > 0.0f)
+                acc += expf(__ldcg(part_max + base * parts + p) - m) *
+                       __ldcg(part_out + (base * parts + p) * head_dim + d);
+        }
+        out[base * head_dim + d] = acc / l;
+    }
+}
+
+// ts_paged_attention, then the merge by whichever of a (token, head)'s
+// `parts` blocks finishes last: each block counts itself in counters[token
+// · n_heads + head] (zero before the launch) after its partial state is
+// out; the last resets the counter to zero (for the next launch) and
+// merges all of them into out. Saves the merge's launch; the merge's
+// arithmetic and order are tessera_attention_merge's, whichever block
+// does it.
+template <typename E>
+__device__ void ts_paged_attention_merged(
+    const float* __restrict__ q, const typename E::Raw* __restrict__ k_cache,
+    const typename E::Raw* __restrict__ v_cache, const uint32_t* __restrict__ block_tables,
+    const uint32_t* __restrict__ token_seq, const uint32_t* __restrict__ token_pos,
+    float* __restrict__ part_out, float* __restrict__ part_max, float* __restrict__ part_sum,
+    uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim, uint32_t block_size,
+    uint32_t max_blocks, float scale, uint32_t window, uint32_t parts, uint32_t part_len,
+    float* __restrict__ out, uint32_t* __restrict__ counters) {
+    __shared__ uint32_t ticket;
+    ts_paged_attention<E>(q, k_cache, v_cache, block_tables, token_seq, token_pos, part_out,
+                          part_max, part_sum, n_heads, n_kv_heads, head_dim, block_size,
+                          max_blocks, scale, window, parts, part_len);
+    ts_u64 base = (ts_u64)blockIdx.y * n_heads + blockIdx.x;
+    // This block's state is written (by all its threads) before it counts.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) ticket = atomicAdd(counters + base, 1u);
+    __syncthreads();
+    if (ticket != parts - 1) return;
+    if (threadIdx.x == 0) counters[base] = 0;
+    __threadfence();
+    ts_merge_one(part_out, part_max, part_sum, out, base, head_dim, parts);
+}
+
 #define TS_ATTENTION(SUF, E)                                                                  \
     extern "C" __global__ void __launch_bounds__(TS_ATT_THREADS, TS_ATT_MIN_BLOCKS)          \
         tessera_paged_attention_##SUF(                                                        \
@@ -160,6 +220,19 @@ __device__ void ts_paged_attention(
         ts_paged_attention<E>(q, k_cache, v_cache, block_tables, token_seq, token_pos,       \
                               part_out, part_max, part_sum, n_heads, n_kv_heads, head_dim,    \
                               block_size, max_blocks, scale, window, parts, part_len);        \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(TS_ATT_THREADS, TS_ATT_MIN_BLOCKS)          \
+        tessera_paged_attention_merged_##SUF(                                                 \
+            const float* q, const E::Raw* k_cache, const E::Raw* v_cache,                     \
+            const uint32_t* block_tables, const uint32_t* token_seq, const uint32_t* token_pos, \
+            float* part_out, float* part_max, float* part_sum, uint32_t n_heads,              \
+            uint32_t n_kv_heads, uint32_t head_dim, uint32_t block_size, uint32_t max_blocks, \
+            float scale, uint32_t window, uint32_t parts, uint32_t part_len, float* out,      \
+            uint32_t* counters) {                                                             \
+        ts_paged_attention_merged<E>(q, k_cache, v_cache, block_tables, token_seq, token_pos, \
+                                     part_out, part_max, part_sum, n_heads, n_kv_heads,       \
+                                     head_dim, block_size, max_blocks, scale, window, parts,  \
+                                     part_len, out, counters);                                \
     }
 
 TS_ATTENTION(f32, TsF32)
@@ -343,20 +416,6 @@ extern "C" __global__ void tessera_attention_merge(const float* __restrict__ par
                                                    const float* __restrict__ part_sum,
                                                    float* __restrict__ out, uint32_t n_heads,
                                                    uint32_t head_dim, uint32_t parts) {
-    ts_u64 base = (ts_u64)blockIdx.y * n_heads + blockIdx.x;
-    float m = -INFINITY;
-    for (uint32_t p = 0; p < parts; p++) m = fmaxf(m, part_max[base * parts + p]);
-    float l = 0.0f;
-    for (uint32_t p = 0; p < parts; p++) {
-        float w = part_sum[base * parts + p];
-        if (w > 0.0f) l += expf(part_max[base * parts + p] - m) * w;
-    }
-    for (uint32_t d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float acc = 0.0f;
-        for (uint32_t p = 0; p < parts; p++) {
-            if (part_sum[base * parts + p] > 0.0f)
-                acc += expf(part_max[base * parts + p] - m) * part_out[(base * parts + p) * head_dim + d];
-        }
-        out[base * head_dim + d] = acc / l;
-    }
+    ts_merge_one(part_out, part_max, part_sum, out, (ts_u64)blockIdx.y * n_heads + blockIdx.x,
+                 head_dim, parts);
 }

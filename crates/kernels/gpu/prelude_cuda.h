@@ -29,3 +29,11 @@ TS_INLINE uint32_t ts_float_bits(float f) { return __float_as_uint(f); }
 TS_INLINE float ts_bits_float(uint32_t u) { return __uint_as_float(u); }
 TS_INLINE float ts_f16_to_f32(uint16_t h) { return __half2float(__ushort_as_half(h)); }
 TS_INLINE uint16_t ts_f32_to_f16(float f) { return __half_as_ushort(__float2half_rn(f)); }
+
+// Loads at 2-, 4- and 16-byte aligned addresses, the byte permutation
+// (PRMT), and loops unrolled (gemv_formats.h).
+#define TS_UNROLL _Pragma("unroll")
+TS_INLINE uint32_t ts_load_u16(const uint8_t* p) { return *(const uint16_t*)p; }
+TS_INLINE uint32_t ts_load_u32(const uint8_t* p) { return *(const uint32_t*)p; }
+TS_INLINE uint4 ts_load_u128(const uint8_t* p) { return *(const uint4*)p; }
+TS_INLINE uint32_t ts_byte_perm(uint32_t x, uint32_t y, uint32_t s) { return __byte_perm(x, y, s); }

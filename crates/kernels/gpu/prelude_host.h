@@ -75,3 +75,32 @@ TS_INLINE uint16_t ts_f32_to_f16(float f) {
     r += 0xfffu + ((r >> 13) & 1u);
     return (uint16_t)(sign | (r >> 13));
 }
+
+#define TS_UNROLL
+// CUDA's vector of four words, the loads at 2-, 4- and 16-byte aligned
+// addresses, and the byte permutation of __byte_perm (PRMT): byte i of the
+// result is byte s[4i..4i+3] of the eight of (y:x) (gemv_formats.h).
+struct uint4 {
+    uint32_t x, y, z, w;
+};
+TS_INLINE uint32_t ts_load_u16(const uint8_t* p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+TS_INLINE uint32_t ts_load_u32(const uint8_t* p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+TS_INLINE uint4 ts_load_u128(const uint8_t* p) {
+    uint4 v;
+    memcpy(&v, p, 16);
+    return v;
+}
+TS_INLINE uint32_t ts_byte_perm(uint32_t x, uint32_t y, uint32_t s) {
+    uint64_t v = ((uint64_t)y << 32) | x;
+    uint32_t r = 0;
+    for (int i = 0; i < 4; i++) r |= (uint32_t)((v >> (8 * ((s >> (4 * i)) & 7u))) & 0xffu) << (8 * i);
+    return r;
+}

@@ -15,6 +15,8 @@
 //! | `TESSERA_FORWARD` | `reference` | [`Tuning::reference_forward`] on |
 //! | `TESSERA_CUDA_ROW_WARPS` | `1`, `2`, `4` | [`Tuning::gpu_row_warps`] |
 //! | `TESSERA_CUDA_ATT_PART` | `16`, `32`, `64` | [`Tuning::gpu_att_part`] |
+//! | `TESSERA_CUDA_FUSE_NORM` | `0` | [`Tuning::gpu_fuse_norm`] off |
+//! | `TESSERA_CUDA_FUSE_MERGE` | `0` | [`Tuning::gpu_fuse_merge`] off |
 
 use std::fmt;
 use std::sync::OnceLock;
@@ -83,6 +85,14 @@ pub struct Tuning {
     /// The shortest partition of the CUDA paged attention, in positions
     /// (`None`: 64; the launch takes the shortest its state budget allows).
     pub gpu_att_part: Option<usize>,
+    /// The CUDA products normalize their inputs themselves (RMSNorm in
+    /// the product's blocks) where they fit, instead of a norm kernel
+    /// before each.
+    pub gpu_fuse_norm: bool,
+    /// The CUDA decode attention merges a query's partitions in its own
+    /// launch (the last block of the query to finish), instead of a merge
+    /// kernel after it.
+    pub gpu_fuse_merge: bool,
 }
 
 impl Default for Tuning {
@@ -95,6 +105,8 @@ impl Default for Tuning {
             reference_forward: false,
             gpu_row_warps: None,
             gpu_att_part: None,
+            gpu_fuse_norm: true,
+            gpu_fuse_merge: true,
         }
     }
 }
@@ -119,6 +131,8 @@ impl Tuning {
             gpu_att_part: var("TESSERA_CUDA_ATT_PART")
                 .and_then(|v| v.parse().ok())
                 .filter(|p: &usize| [16, 32, 64].contains(p)),
+            gpu_fuse_norm: var("TESSERA_CUDA_FUSE_NORM").as_deref() != Some("0"),
+            gpu_fuse_merge: var("TESSERA_CUDA_FUSE_MERGE").as_deref() != Some("0"),
         }
     }
 }

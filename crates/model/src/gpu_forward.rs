@@ -3,11 +3,13 @@
 //! allocated once and grown as batches need, instead of the candle
 //! reference forward's one operation (and allocation) per step.
 //!
-//! Per layer: RMSNorm; the q/k/v products (one launch where the weights
-//! are stacked); biases, q/k norms, RoPE and the K/V store in one kernel;
-//! paged attention; the output product added into the residual stream by
-//! its own epilogue; RMSNorm; gate and up; the gated activation; the down
-//! product added into the residual. Post-norms and residual scales (Gemma
+//! Per layer: the q/k/v products (one launch where the weights are
+//! stacked) of the RMSNorm that their blocks compute; biases, q/k norms,
+//! RoPE and the K/V store in one kernel; paged attention; the output
+//! product added into the residual stream by its own epilogue; gate and
+//! up with the gated activation, of the next RMSNorm; the down product
+//! added into the residual. (A norm whose rows do not fit a product
+//! block's shared memory runs as a kernel of its own before it.) Post-norms and residual scales (Gemma
 //! 3, Granite) take one more kernel each. The quantized products read the
 //! GGML blocks where the loader put them and multiply them in f32 with
 //! f32 activations, as the reference does (no 8-bit activations).
@@ -115,6 +117,9 @@ struct Bufs {
     part_out: Buf,
     part_max: Buf,
     part_sum: Buf,
+    /// The attention's per-(token, head) counters of finished partitions
+    /// (u32, zero between launches).
+    counters: Buf,
     /// cos and sin per RoPE frequency set.
     rope: Vec<(Buf, Buf)>,
 }
@@ -143,6 +148,7 @@ impl Bufs {
             &self.part_out,
             &self.part_max,
             &self.part_sum,
+            &self.counters,
         ];
         all.iter().map(|b| b.grown).sum::<usize>()
             + self
@@ -389,6 +395,8 @@ impl GpuForward {
             b.part_out.at_least(&s, states * hd)?;
             b.part_max.at_least(&s, states)?;
             b.part_sum.at_least(&s, states)?;
+            // Zeroed when allocated; each attention launch leaves them so.
+            b.counters.at_least(&s, t * nh)?;
             key = Some(GraphKey {
                 tokens: t,
                 picks: picks.len(),
@@ -448,7 +456,8 @@ impl GpuForward {
         }
         let dev = self.k.device().clone();
         let n = picks.len() * vocab;
-        let mut logits = s.alloc_zeros::<f32>(n.max(1)).map_err(cuda_err)?;
+        // SAFETY: the copy below writes all n values read (none when n is 0).
+        let mut logits = unsafe { s.alloc::<f32>(n.max(1)) }.map_err(cuda_err)?;
         if n > 0 {
             let src = self.bufs.logits.slice.as_ref().expect("sized above");
             s.memcpy_dtod(&src.slice(..n), &mut logits.slice_mut(..n))
@@ -507,13 +516,7 @@ impl GpuForward {
             let window = windows[l];
             let sliding = window > 0 && batch.sliding.is_some();
             let (cos, sin) = &b.rope[m.layer_rope[l]];
-            let input = if layer.attn_norm != 0 {
-                self.k
-                    .rms_norm((x, 0), layer.attn_norm, h, (t, hidden), eps)?;
-                h
-            } else {
-                x
-            };
+            let (input, norm) = self.normed(x, h, layer.attn_norm, (t, hidden), eps)?;
             for (w, col) in &layer.qkv {
                 self.k.gemv(
                     w,
@@ -524,6 +527,7 @@ impl GpuForward {
                         x_stride: hidden,
                         y_stride: qkv_w,
                         acc: false,
+                        norm,
                     },
                 )?;
             }
@@ -572,6 +576,11 @@ impl GpuForward {
                         partials: (b.part_out.ptr, b.part_max.ptr, b.part_sum.ptr),
                         parts: p.parts,
                         part_len: p.part_len,
+                        counters: if self.k.fuses_merge() {
+                            b.counters.ptr
+                        } else {
+                            0
+                        },
                     };
                     self.k.attention_on(&a, kv, &meta, (nh, kvh, hd))?;
                 }
@@ -587,19 +596,14 @@ impl GpuForward {
                     x_stride: nh * hd,
                     y_stride: hidden,
                     acc,
+                    norm: None,
                 },
             )?;
             if !acc {
                 self.k
                     .residual((x, tmp, layer.post_attn_norm), (t, hidden), eps, rs)?;
             }
-            let input = if layer.ffn_norm != 0 {
-                self.k
-                    .rms_norm((x, 0), layer.ffn_norm, h, (t, hidden), eps)?;
-                h
-            } else {
-                x
-            };
+            let (input, norm) = self.normed(x, h, layer.ffn_norm, (t, hidden), eps)?;
             match &layer.gate_up[..] {
                 // Stacked: the activation in the product's own pass.
                 [(w, 0)] => self.k.glu(
@@ -611,6 +615,7 @@ impl GpuForward {
                         x_stride: hidden,
                         y_stride: ffn,
                         acc: false,
+                        norm,
                     },
                     act_kind,
                 )?,
@@ -625,6 +630,7 @@ impl GpuForward {
                                 x_stride: hidden,
                                 y_stride: 2 * ffn,
                                 acc: false,
+                                norm,
                             },
                         )?;
                     }
@@ -641,6 +647,7 @@ impl GpuForward {
                     x_stride: ffn,
                     y_stride: hidden,
                     acc,
+                    norm: None,
                 },
             )?;
             if !acc {
@@ -666,10 +673,35 @@ impl GpuForward {
                     x_stride: hidden,
                     y_stride: self.head.rows,
                     acc: false,
+                    norm: None,
                 },
             )?;
         }
         Ok(())
+    }
+}
+
+impl GpuForward {
+    /// The input of the products after a pre-norm of weights `w` (0: none)
+    /// over `rows` rows of `n` in `x`: `x` itself and the norm for the
+    /// products to apply (where they can: [`Forward::fuses_norm`]), or the
+    /// norm written to `h` by a kernel of its own.
+    fn normed(
+        &self,
+        x: u64,
+        h: u64,
+        w: u64,
+        (rows, n): (usize, usize),
+        eps: f32,
+    ) -> Result<(u64, Option<(u64, f32)>)> {
+        if w == 0 {
+            Ok((x, None))
+        } else if self.k.fuses_norm(rows, n, w) {
+            Ok((x, Some((w, eps))))
+        } else {
+            self.k.rms_norm((x, 0), w, h, (rows, n), eps)?;
+            Ok((h, None))
+        }
     }
 }
 

@@ -369,6 +369,7 @@ pub(crate) fn attention_into(
         window: meta.window,
         parts,
         part_len,
+        counters: None,
     };
     launch_attention(dev, &launch)
 }
@@ -398,6 +399,11 @@ pub(crate) struct AttnLaunch<'a> {
     pub window: usize,
     pub parts: usize,
     pub part_len: usize,
+    /// A u32 per (token, head), zero, that the per-query kernel counts its
+    /// finished partitions in (and leaves zero): the last merges them in
+    /// the same launch (`tessera_paged_attention_merged_*`). `None`: the
+    /// merge is a launch of its own.
+    pub counters: Option<u64>,
 }
 
 pub(crate) fn launch_attention(dev: &CudaDevice, a: &AttnLaunch) -> Result<()> {
@@ -421,15 +427,24 @@ pub(crate) fn launch_attention(dev: &CudaDevice, a: &AttnLaunch) -> Result<()> {
         block_dim: (ATT_THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
+    // One partition of the per-query kernel: it normalises its own sums
+    // into the output, and there is nothing to merge; with counters, the
+    // per-query kernel over several merges them itself.
+    let direct = a.tiles.is_none() && a.parts == 1;
+    let merged = match a.counters {
+        Some(c) if a.tiles.is_none() && a.parts > 1 => Some(c),
+        _ => None,
+    };
     let f = dev.get_or_load_custom_func(
-        &format!("tessera_{kind}_attention_{}{dims}", a.bufs.cache),
+        &format!(
+            "tessera_{kind}_attention_{}{}{dims}",
+            if merged.is_some() { "merged_" } else { "" },
+            a.bufs.cache
+        ),
         "tessera_paged_attention",
         ATTENTION_PTX,
     )?;
     let (mut po, pm, ps) = a.partials;
-    // One partition of the per-query kernel: it normalises its own sums
-    // into the output, and there is nothing to merge.
-    let direct = a.tiles.is_none() && a.parts == 1;
     if direct {
         po = a.bufs.out;
     }
@@ -457,10 +472,15 @@ pub(crate) fn launch_attention(dev: &CudaDevice, a: &AttnLaunch) -> Result<()> {
     l.arg(&window);
     l.arg(&parts_u);
     l.arg(&part_len);
+    if let Some(c) = &merged {
+        l.arg(&a.bufs.out);
+        l.arg(c);
+    }
     // SAFETY: the caller checked shapes, block tables and positions; the
-    // tiles cover whole rows of the queries.
+    // tiles cover whole rows of the queries; the counters (when merging
+    // here) are a zeroed u32 per (token, head).
     unsafe { l.launch(cfg) }.w()?;
-    if direct {
+    if direct || merged.is_some() {
         return Ok(());
     }
     let f = dev.get_or_load_custom_func(

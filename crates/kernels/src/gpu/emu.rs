@@ -282,6 +282,98 @@ mod tests {
         parity::shift_and_rotate(&Emu)
     }
 
+    extern "C" {
+        fn tessera_emu_gemv_item(
+            fmt: u32,
+            row: *const u8,
+            i: u32,
+            w: *mut f32,
+            off: *mut u32,
+        ) -> i32;
+    }
+
+    /// The CUDA products' block formats (`gpu/gemv_formats.h`, which
+    /// `gpu/forward.cu` includes) expand every item of a row to candle's
+    /// dequantization of the row, bit for bit, and their items cover each
+    /// value once: rows of several magnitudes and signs in each format.
+    #[test]
+    fn gemv_items_expand_to_the_dequantized_weights_in_every_format() -> Result<()> {
+        use candle_core::quantized::{GgmlDType, QTensor};
+        use candle_core::Device;
+        let k = 768;
+        // GemvFormat's order; Q6_K's items are 16 values, the others' 8.
+        let formats = [
+            (0, GgmlDType::Q4_0, 8),
+            (1, GgmlDType::Q4_1, 8),
+            (2, GgmlDType::Q8_0, 8),
+            (3, GgmlDType::Q4K, 8),
+            (4, GgmlDType::Q5K, 8),
+            (5, GgmlDType::Q6K, 16),
+            (6, GgmlDType::F32, 8),
+            (7, GgmlDType::F16, 8),
+        ];
+        for seed in 0..4u32 {
+            let vals: Vec<f32> = (0..k as u32)
+                .map(|i| {
+                    let h = (i.wrapping_mul(2654435761) ^ seed.wrapping_mul(40503)) % 1000;
+                    let scale = [0.002, 0.05, 1.0, 30.0][((i / 64 + seed) % 4) as usize];
+                    (h as f32 / 500.0 - 1.0) * scale
+                })
+                .collect();
+            let src = Tensor::from_vec(vals, (1, k), &Device::Cpu)?;
+            for (fmt, dtype, per_item) in formats {
+                let q = QTensor::quantize(&src, dtype)?;
+                let want = q
+                    .dequantize(&Device::Cpu)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()?;
+                // The blocks at a 16-byte aligned address, as on the GPU.
+                let bytes = q.data()?;
+                let mut buf = vec![0u128; bytes.len().div_ceil(16)];
+                // SAFETY: `buf` holds at least `bytes.len()` bytes.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        bytes.as_ptr(),
+                        buf.as_mut_ptr().cast::<u8>(),
+                        bytes.len(),
+                    )
+                };
+                let mut got = vec![None; k];
+                for i in 0..k / per_item {
+                    let (mut w, mut off) = ([0f32; 16], [0u32; 4]);
+                    // SAFETY: item i of a row of k values lies inside its
+                    // blocks; w and off have room for four runs.
+                    let runs = unsafe {
+                        tessera_emu_gemv_item(
+                            fmt,
+                            buf.as_ptr().cast(),
+                            i as u32,
+                            w.as_mut_ptr(),
+                            off.as_mut_ptr(),
+                        )
+                    } as usize;
+                    assert_eq!(runs * 4, per_item, "{dtype:?}");
+                    for r in 0..runs {
+                        for e in 0..4 {
+                            let at = off[r] as usize + e;
+                            assert!(got[at].is_none(), "{dtype:?}: value {at} twice");
+                            got[at] = Some(w[4 * r + e]);
+                        }
+                    }
+                }
+                for (j, (g, w)) in got.iter().zip(&want).enumerate() {
+                    let g = g.unwrap_or_else(|| panic!("{dtype:?}: value {j} in no item"));
+                    assert_eq!(
+                        g.to_bits(),
+                        w.to_bits(),
+                        "{dtype:?} value {j}: {g} against {w}"
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
     #[test]
     fn padded_slots_are_skipped_and_quantized_caches_refused() -> Result<()> {
         let cache = seeded_cache(&[2, 4, 1, 64], 1, KvType::F16)?;

@@ -79,6 +79,10 @@ const BLOCK_WARPS: u32 = 4;
 /// The warps per row the products are compiled for (`_w1`, `_w2`, `_w4`).
 const ROW_WARPS: [u32; 3] = [1, 2, 4];
 const NORM_THREADS: u32 = 256;
+/// The most shared memory a product that normalizes its inputs may stage
+/// them in (a block's tokens' rows, f32): under the 48 KiB a block gets
+/// without opting in, with room for the kernels' own reduction arrays.
+const NORM_STAGE_BYTES: usize = 46 * 1024;
 
 /// A weight's storage as the GEMV kernels read it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -138,18 +142,22 @@ impl GemvFormat {
         }
     }
 
+    /// Items a lane loads in one pass (the kernels' `U1` and `UM`): for
+    /// one token, 8 of the formats whose items are two or three words,
+    /// 4 of the others; for several, 2.
+    pub fn per_pass(self, single: bool) -> usize {
+        match (single, self) {
+            (true, GemvFormat::Q4_0 | GemvFormat::Q4_1 | GemvFormat::Q8_0) => 8,
+            (true, _) => 4,
+            (false, _) => 2,
+        }
+    }
+
     /// Warps per output row: the fewest that take a row of `k` values in
     /// one pass of `per_pass` items a lane, at most four (a long row in
     /// one warp is passes of loads one after another, with few rows to
-    /// hide them behind). K-quant rows for one token (`per_pass` 4) keep
-    /// one warp: on an H200 the 1B Q4_K_M decode ran 442 tok/s so and 424
-    /// split (Q4_0's 577 against 607 went the other way; both 2026-11-27,
-    /// docs/gpu.md).
+    /// hide them behind).
     pub fn row_warps(self, k: usize, per_pass: usize) -> u32 {
-        let k_quant = matches!(self, GemvFormat::Q4K | GemvFormat::Q5K | GemvFormat::Q6K);
-        if k_quant && per_pass == 4 {
-            return 1;
-        }
         ROW_WARPS
             .into_iter()
             .find(|&w| self.items(k) <= 32 * w as usize * per_pass)
@@ -182,7 +190,10 @@ pub struct DevWeight {
 
 /// Where [`Forward::gemv`] reads and writes: `tokens` input rows `x_stride`
 /// floats apart (a multiple of 4, the buffer 16-byte aligned), outputs
-/// `y_stride` floats apart; `acc` adds to `y` instead of storing.
+/// `y_stride` floats apart; `acc` adds to `y` instead of storing. With
+/// `norm` (the norm's weights and epsilon), the product is of each input
+/// row's RMSNorm, computed by the product's blocks (see
+/// [`Forward::fuses_norm`]).
 #[derive(Debug, Clone, Copy)]
 pub struct GemvIo {
     pub x: u64,
@@ -191,6 +202,7 @@ pub struct GemvIo {
     pub x_stride: usize,
     pub y_stride: usize,
     pub acc: bool,
+    pub norm: Option<(u64, f32)>,
 }
 
 /// The q/k/v step of one layer ([`Forward::qkv`]): `qkv` holds each token's
@@ -222,14 +234,19 @@ pub struct Forward {
     _module: Arc<CudaModule>,
     /// Per format and warps per row ([`ROW_WARPS`]): the product for up to
     /// [`MAXT`] tokens per block row and the one for a single token, then
-    /// the same two of the gated activation over a stacked gate|up weight.
-    gemv: Vec<(GemvFormat, [[CudaFunction; 4]; 3])>,
+    /// the same two of the gated activation over a stacked gate|up weight;
+    /// then the two single-token ones of a normalized input.
+    gemv: Vec<(GemvFormat, [[CudaFunction; 6]; 3])>,
     norm: CudaFunction,
     residual: CudaFunction,
     act_mul: CudaFunction,
     qkv: Vec<(&'static str, CudaFunction)>,
     /// Warps per row for every product (`None`: by the row's length).
     row_warps: Option<u32>,
+    /// Products normalize their inputs themselves where they fit.
+    fuse_norm: bool,
+    /// Decode attention merges its partitions in its own launch.
+    fuse_merge: bool,
 }
 
 fn u(x: usize) -> u32 {
@@ -248,12 +265,15 @@ impl Forward {
             .iter()
             .map(|&g| {
                 let n = g.name();
-                let set = |w: u32| -> Result<[CudaFunction; 4]> {
+                let set = |w: u32| -> Result<[CudaFunction; 6]> {
+                    let k = |kind: &str| f(&format!("tessera_fwd_{kind}_{n}_w{w}"));
                     Ok([
-                        f(&format!("tessera_fwd_gemv_{n}_w{w}"))?,
-                        f(&format!("tessera_fwd_gemv1_{n}_w{w}"))?,
-                        f(&format!("tessera_fwd_glu_{n}_w{w}"))?,
-                        f(&format!("tessera_fwd_glu1_{n}_w{w}"))?,
+                        k("gemv")?,
+                        k("gemv1")?,
+                        k("glu")?,
+                        k("glu1")?,
+                        k("ngemv1")?,
+                        k("nglu1")?,
                     ])
                 };
                 Ok((g, [set(1)?, set(2)?, set(4)?]))
@@ -269,6 +289,8 @@ impl Forward {
             residual: f("tessera_fwd_residual")?,
             act_mul: f("tessera_fwd_act_mul")?,
             row_warps: crate::tuning::get().gpu_row_warps,
+            fuse_norm: crate::tuning::get().gpu_fuse_norm,
+            fuse_merge: crate::tuning::get().gpu_fuse_merge,
             gemv,
             qkv,
             stream,
@@ -278,6 +300,22 @@ impl Forward {
 
     pub fn device(&self) -> &CudaDevice {
         &self.dev
+    }
+
+    /// Whether a product of `tokens` inputs of `k` values may take
+    /// [`GemvIo::norm`] with weights at `w`: one token (on an H200 the
+    /// products of several that normalized their own inputs made 8
+    /// sequences decoding together 14% slower, 2026-11-28), whose
+    /// normalized row fits a block's shared memory, and weights 16-byte
+    /// aligned (the tuning can turn it off:
+    /// [`crate::tuning::Tuning::gpu_fuse_norm`]).
+    pub fn fuses_norm(&self, tokens: usize, k: usize, w: u64) -> bool {
+        self.fuse_norm
+            && tokens == 1
+            && w != 0
+            && w.is_multiple_of(16)
+            && k.is_multiple_of(4)
+            && k * 4 <= NORM_STAGE_BYTES
     }
 
     /// `y = W·x` (or `y += W·x`) for every input row.
@@ -314,28 +352,44 @@ impl Forward {
                 io.x_stride
             )
         }
+        if let Some((nw, _)) = io.norm {
+            if !self.fuses_norm(io.tokens, w.k, nw) {
+                bail!(
+                    "gemv: {} inputs of {} values normalized by the product",
+                    io.tokens,
+                    w.k
+                )
+            }
+        }
         if io.tokens == 0 || rows == 0 {
             return Ok(());
         }
+
         let (_, fs) = self
             .gemv
             .iter()
             .find(|(g, _)| *g == w.format)
             .expect("a kernel per format");
-        // Items a lane loads per pass (the kernels' U): 4 for one token,
-        // 2 for up to MAXT.
-        let (single, per_pass) = (io.tokens == 1, if io.tokens == 1 { 4 } else { 2 });
+        let single = io.tokens == 1;
         let warps = self
             .row_warps
-            .unwrap_or_else(|| w.format.row_warps(w.k, per_pass));
+            .unwrap_or_else(|| w.format.row_warps(w.k, w.format.per_pass(single)));
         let wi = ROW_WARPS.iter().position(|&x| x == warps).unwrap_or(0);
-        let (f, per_block) = if single {
-            (&fs[wi][kind + 1], 1)
-        } else {
-            (&fs[wi][kind], MAXT)
+        // gemv, gemv1, glu, glu1, then gemv1 and glu1 of normalized inputs
+        // (one token: checked above).
+        let (f, per_block) = match (single, io.norm.is_some()) {
+            (true, true) => (&fs[wi][4 + kind / 2], 1),
+            (true, false) => (&fs[wi][kind + 1], 1),
+            (false, _) => (&fs[wi][kind], MAXT),
         };
         let (rows, k, tokens) = (u(rows), u(w.k), u(io.tokens));
         let (xs, ys) = (u(io.x_stride), u(io.y_stride));
+        // The normalized inputs' rows in shared memory (checked above).
+        let (nw, eps) = io.norm.unwrap_or((0, 0.0));
+        let staged = match io.norm {
+            Some(_) => k * 4,
+            None => 0,
+        };
         let cfg = LaunchConfig {
             grid_dim: (
                 rows.div_ceil(BLOCK_WARPS / ROW_WARPS[wi]),
@@ -343,7 +397,7 @@ impl Forward {
                 1,
             ),
             block_dim: (BLOCK_WARPS * 32, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: staged,
         };
         let mut b = self.stream.launch_builder(f);
         b.arg(&w.ptr);
@@ -355,8 +409,11 @@ impl Forward {
         b.arg(&xs);
         b.arg(&ys);
         b.arg(&flag);
+        b.arg(&nw);
+        b.arg(&eps);
         // SAFETY: the caller's buffers hold `tokens` rows of x and y at
-        // their strides, and w its rows of `k` values in its format.
+        // their strides, w its rows of `k` values in its format, and nw
+        // (when normalizing) k floats.
         unsafe { b.launch(cfg) }.w()?;
         Ok(())
     }
@@ -594,9 +651,20 @@ pub struct DeviceAttention {
     pub partials: (u64, u64, u64),
     pub parts: usize,
     pub part_len: usize,
+    /// A zeroed u32 per (token, head), left zeroed, for the attention to
+    /// merge its partitions in the same launch (0: a merge launch of its
+    /// own; see [`Forward::fuses_merge`]).
+    pub counters: u64,
 }
 
 impl Forward {
+    /// Whether decode attention merges its partitions in its own launch
+    /// (given [`DeviceAttention::counters`]), per the tuning
+    /// ([`crate::tuning::Tuning::gpu_fuse_merge`]).
+    pub fn fuses_merge(&self) -> bool {
+        self.fuse_merge
+    }
+
     /// Paged attention with the per-query kernel over device tables (see
     /// [`DeviceAttention`]); `meta` is their host copy (its block tables
     /// may have shorter rows), checked against the caches here, and gives
@@ -656,6 +724,7 @@ impl Forward {
                 window: meta.window,
                 parts: a.parts,
                 part_len: a.part_len,
+                counters: (a.counters != 0).then_some(a.counters),
             },
         )
     }
@@ -691,19 +760,22 @@ mod tests {
 
     #[test]
     fn rows_take_the_fewest_warps_that_cover_them_in_one_pass() {
-        // SmolLM2-135M's rows (576 and 1536 values), one token (4 items
-        // a lane a pass) and several (2).
-        assert_eq!(GemvFormat::Q4_1.row_warps(576, 4), 1);
-        assert_eq!(GemvFormat::Q4_1.row_warps(1536, 4), 2);
-        assert_eq!(GemvFormat::Q4_1.row_warps(576, 2), 2);
+        let one = |f: GemvFormat, k| f.row_warps(k, f.per_pass(true));
+        let many = |f: GemvFormat, k| f.row_warps(k, f.per_pass(false));
+        // SmolLM2-135M's rows (576 and 1536 values), one token (8 items a
+        // lane a pass in Q4_1) and several (2).
+        assert_eq!(one(GemvFormat::Q4_1, 576), 1);
+        assert_eq!(one(GemvFormat::Q4_1, 1536), 1);
+        assert_eq!(many(GemvFormat::Q4_1, 576), 2);
         // A 1B model's (2048 and 8192): the long rows take four.
-        assert_eq!(GemvFormat::Q4_0.row_warps(2048, 4), 2);
-        assert_eq!(GemvFormat::Q4_0.row_warps(8192, 4), 4);
-        assert_eq!(GemvFormat::Q4K.row_warps(8192, 2), 4);
-        // Q6_K's items are twice as wide.
-        assert_eq!(GemvFormat::Q6K.row_warps(2048, 2), 2);
-        // K-quants for one token: one warp whatever the length.
-        assert_eq!(GemvFormat::Q4K.row_warps(8192, 4), 1);
-        assert_eq!(GemvFormat::Q6K.row_warps(2048, 4), 1);
+        assert_eq!(one(GemvFormat::Q4_0, 2048), 1);
+        assert_eq!(one(GemvFormat::Q4_0, 8192), 4);
+        assert_eq!(many(GemvFormat::Q4K, 8192), 4);
+        // K-quants take 4 items a lane for one token; Q6_K's items are
+        // twice as wide.
+        assert_eq!(one(GemvFormat::Q4K, 2048), 2);
+        assert_eq!(one(GemvFormat::Q4K, 8192), 4);
+        assert_eq!(one(GemvFormat::Q6K, 2048), 1);
+        assert_eq!(many(GemvFormat::Q6K, 2048), 2);
     }
 }
