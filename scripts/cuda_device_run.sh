@@ -21,7 +21,8 @@
 # still generated).
 #
 # VARIANTS="label:VAR=v,VAR=v;label2:..." (with SYNTH): kernel settings
-# against each other in one run. Each variant's environment first runs the
+# against each other in one run (BIN=name among them: that binary of the
+# bundle instead of `tessera`, a previous build copied in, say). Each variant's environment first runs the
 # CUDA forward's format test (so a variant that is wrong fails here), then
 # on the generated models decode, and on the first one decode after 2,048
 # tokens and 8 sequences together too (with VARIANT_ALL=1 on every one),
@@ -128,15 +129,32 @@ synth_ab() {
     fi
 }
 
+# A variant's settings: VAR=v pairs for the environment, and BIN=name for
+# a binary of the bundle other than `tessera` (a previous build, say).
+bin_of() {
+    local e
+    for e in ${1//,/ }; do
+        case $e in BIN=*) echo "$B/${e#BIN=}"; return ;; esac
+    done
+    echo "$B/tessera"
+}
+envs_of() {
+    local e out=
+    for e in ${1//,/ }; do
+        case $e in BIN=*) ;; *) out="$out $e" ;; esac
+    done
+    echo $out
+}
+
 variants_ab() {
     [ -n "${VARIANTS:-}" ] && [ -n "${SYNTH_DIR:-}" ] || return 0
-    local v label envs round m n sc
+    local v label envs bin round m n sc
     IFS=';' read -ra vs <<<"$VARIANTS"
     for v in "${vs[@]}"; do
         label=${v%%:*}
         envs=${v#*:}
         echo "=== variant $label: $envs" | tee -a "$LOG"
-        step env ${envs//,/ } "$B/model-tests" cuda_forward_follows_the_cpu_reference_in_every_format \
+        step env $(envs_of "$envs") "$B/model-tests" cuda_forward_follows_the_cpu_reference_in_every_format \
             --nocapture
     done
     : >"$OUT/variants.jsonl"
@@ -147,10 +165,11 @@ variants_ab() {
             for v in "${vs[@]}"; do
                 label=${v%%:*}
                 envs=${v#*:}
+                bin=$(bin_of "$envs")
                 for sc in decode decode-long decode-batch; do
                     [ "$sc" != decode ] && [ "$n" -gt 1 ] && [ "${VARIANT_ALL:-0}" != 1 ] && continue
                     echo "{\"model\": \"$(basename "$m")\", \"variant\": \"$label\", \"round\": $round}" >>"$OUT/variants.jsonl"
-                    env ${envs//,/ } timeout 120 "$B/tessera" --device cuda bench --model "$m" --json \
+                    env $(envs_of "$envs") timeout 120 "$bin" --device cuda bench --model "$m" --json \
                         --no-baseline --scenario "$sc" --runs 3 2>>"$LOG" >>"$OUT/variants.jsonl" || fail=1
                 done
             done

@@ -26,27 +26,39 @@ for lib in libcudart.so.13 libcublas.so.13 libcurand.so.10 libnvrtc.so.13; do
     [ -n "$dir" ] || dir=$(find / -xdev -name "$lib" -not -path '/proc/*' 2>/dev/null | head -1 | xargs -r dirname)
     [ -n "$dir" ] && export LD_LIBRARY_PATH="$dir:${LD_LIBRARY_PATH:-}"
 done
-[ -x "$D/llama-bench" ] || { xz -d -k "$D/llama-bench.xz" && chmod +x "$D/llama-bench"; }
-OUT=$R SYNTH=$D/synth LLAMA_BENCH=$D/llama-bench QUICK=1 FORWARDS="${FORWARDS:-cuda reference}" \
+# Without llama-bench.xz in the folder, no llama.cpp runs.
+[ -x "$D/llama-bench" ] || [ ! -e "$D/llama-bench.xz" ] ||
+    { xz -d -k "$D/llama-bench.xz" && chmod +x "$D/llama-bench"; }
+LB=
+[ -x "$D/llama-bench" ] && LB=$D/llama-bench
+# RUN_S: the most seconds the tests and benches may take (default 420),
+# so that what they wrote still comes back within the call's limit.
+OUT=$R SYNTH=$D/synth LLAMA_BENCH=$LB QUICK=1 FORWARDS="${FORWARDS:-cuda reference}" \
     ROUNDS=${ROUNDS:-1} VARIANT_ALL=${VARIANT_ALL:-1} VARIANTS="${VARIANTS:-}" \
-    bash "$D/bundle/cuda_device_run.sh" "$D/bundle"
+    timeout "${RUN_S:-420}" bash "$D/bundle/cuda_device_run.sh" "$D/bundle"
 echo "script rc $? after $(( $(date +%s) - start )) s" | tee -a "$R/tests.log"
+# MEMCHECK: the warps-per-row settings to run memcheck under ("auto": the
+# launcher's choice), default all three.
 if command -v compute-sanitizer >/dev/null; then
-    for w in 1 2 4; do
-        TESSERA_REQUIRE_GPU=1 TESSERA_CUDA_ROW_WARPS=$w timeout 150 compute-sanitizer --tool memcheck \
+    for w in ${MEMCHECK:-1 2 4}; do
+        [ "$w" = auto ] && warps= || warps=$w
+        TESSERA_REQUIRE_GPU=1 TESSERA_CUDA_ROW_WARPS=$warps timeout 90 compute-sanitizer --tool memcheck \
             --error-exitcode 1 "$D/bundle/model-tests" cuda_forward_decodes_sequences_together_as_alone \
             2>&1 | tail -8 >"$R/memcheck-w$w.txt"
     done
 fi
 if command -v ncu >/dev/null && [ $(( $(date +%s) - start )) -lt "${NCU_BEFORE_S:-420}" ]; then
     mkdir -p "$D/m"
-    python3 "$D/bundle/synth_model.py" 135m --blocks Q4_1 --tokenizer-json "$D/synth/tok.json.gz" \
+    # NCU_MODEL: the generated model whose decode step ncu times (size and
+    # format), default SmolLM2-135M's layout in Q4_1.
+    set -- ${NCU_MODEL:-135m Q4_1}
+    python3 "$D/bundle/synth_model.py" "$1" --blocks "$2" --tokenizer-json "$D/synth/tok.json.gz" \
         --gguf-py "$D/synth/gguf-py" --out-dir "$D/m" >/dev/null 2>&1
     m=$(ls "$D"/m/*.gguf | head -1)
-    TESSERA_REQUIRE_GPU=1 timeout 120 ncu --clock-control none --cache-control none \
+    TESSERA_REQUIRE_GPU=1 timeout 90 ncu --clock-control none --cache-control none \
         --metrics gpu__time_duration.sum --print-summary per-kernel --launch-skip 3000 -c 900 \
         "$D/bundle/tessera" --device cuda bench --model "$m" --scenario decode --runs 1 --no-baseline \
-        >"$R/ncu-decode-135m.txt" 2>&1
+        >"$R/ncu-decode-$1-$2.txt" 2>&1
 fi
 tar czf "$OUT/run.tgz" -C "$OUT" run && rm -rf "$R"
 echo "all done after $(( $(date +%s) - start )) s"

@@ -14,15 +14,16 @@ in them is typed by hand. Each subcommand reads what its recipe wrote:
 - llamacpp: target/bench/vs-llamacpp.json and vs-llamacpp-meta.json, the
   charts copied to docs/bench/ (`just bench-llamacpp`);
 - cpu: target/bench/cpu.json (`just bench-cpu`);
-- gpu, gpu-ab, gpu-families, gpu-forward, gpu-variants: what `scripts/cuda_device_run.sh`
-  brings back from a GPU machine, copied to target/bench/gpu/,
-  gpu/ab/, gpu-families/, gpu-forward/ and gpu-variants/<call>/;
+- gpu, gpu-ab, gpu-families, gpu-forward, gpu-variants, gpu-fusion: what
+  `scripts/cuda_device_run.sh` brings back from a GPU machine, copied to
+  target/bench/gpu/, gpu/ab/, gpu-families/, gpu-forward/, gpu-variants/<call>/
+  and gpu-fusion/<call>/;
 - summary: the README's results in brief, from cpu.json and gpu-forward/.
 
 Other scripts (bench_cpu.py, families_vs_llamacpp.py, ...) write their own
 sections through `splice` here.
 
-Usage: readme_tables.py model|engine|sessions|hangups|swa|soak|criterion|llamacpp|cpu|gpu|gpu-ab|gpu-families|gpu-forward|gpu-variants|summary
+Usage: readme_tables.py model|engine|sessions|hangups|swa|soak|criterion|llamacpp|cpu|gpu|gpu-ab|gpu-families|gpu-forward|gpu-variants|gpu-fusion|summary
 """
 
 import datetime
@@ -623,19 +624,22 @@ def gpu_forward():
     return out
 
 
-def gpu_variants():
+def gpu_variants(folder="gpu-variants"):
     """Kernel settings against each other on the GPU (`VARIANTS=...
     scripts/cuda_device_run.sh`: variants.jsonl, llama.jsonl, tests.log and
-    meta.json of each call copied to target/bench/gpu-variants/<call>/):
-    a table per call, each variant's median tok/s per generated model and
-    scenario, llama.cpp's CUDA build on the same files beside them."""
+    meta.json of each call copied to target/bench/<folder>/<call>/, with
+    what scripts/cuda_lent_call.sh adds: memcheck-*.txt and
+    ncu-decode-<size>-<format>.txt): a table per call, each variant's
+    median tok/s per generated model and scenario, llama.cpp's CUDA build
+    on the same files beside them, then memcheck's verdicts and ncu's time
+    of each kernel of a decode step where the call has them."""
     names = {"synth-135m-Q4_1-blocks.gguf": "135M Q4_1", "synth-1b-Q4_0-blocks.gguf": "1B Q4_0",
              "synth-1b-Q4_K_M-blocks.gguf": "1B Q4_K_M"}
     label = {"decode": "decode, 128 tokens", "decode-long": "decode after 2,048",
              "decode-batch": "8 sequences together, aggregate"}
     llama_key = {"decode": "tg", "decode-long": "tg_long"}
     out = []
-    for d in sorted((BENCH / "gpu-variants").iterdir()):
+    for d in sorted((BENCH / folder).iterdir()):
         meta = json.loads((d / "meta.json").read_text())
         got, order, hdr, rounds = {}, [], None, 1
         for r in (json.loads(x) for x in (d / "variants.jsonl").read_text().splitlines() if x.strip()):
@@ -646,7 +650,7 @@ def gpu_variants():
                 continue
             v = r["batch8"] if r["scenario"] == "decode-batch" else r["tessera"]
             got.setdefault((hdr["model"], r["scenario"], hdr["variant"]), []).append(v)
-        llama = llama_bench_runs(d / "llama.jsonl")
+        llama = llama_bench_runs(d / "llama.jsonl") if (d / "llama.jsonl").exists() else {}
         log = (d / "tests.log").read_text()
         envs = dict(l.removeprefix("=== variant ").split(": ", 1) for l in log.splitlines()
                     if l.startswith("=== variant "))
@@ -667,6 +671,22 @@ def gpu_variants():
                 out.append(f"| {name} | {label[sc]} | "
                            + " | ".join(f"{statistics.median(c):,.0f}" if c else "—" for c in cells)
                            + f" | {f'{ll:,.0f}' if ll else '—'} |")
+        checks = sorted(d.glob("memcheck-*.txt"))
+        if checks:
+            verdicts = [next((l.strip("= ").strip() for l in c.read_text().splitlines()
+                              if "ERROR SUMMARY" in l), "no summary") for c in checks]
+            out += ["", "compute-sanitizer memcheck of the decode-batch test: "
+                    + "; ".join(f"warps per row {c.stem.removeprefix('memcheck-w')}: {v}"
+                                for c, v in zip(checks, verdicts)) + "."]
+        for prof in sorted(d.glob("ncu-decode-*.txt")):
+            k = sorted(ncu_kernels(prof), key=lambda x: -x[2])
+            if not k:
+                continue
+            size, fmt = prof.stem.removeprefix("ncu-decode-").split("-", 1)
+            what = f"{size.upper()} {fmt}"
+            out += ["", f"ncu's time of each kernel of the {what} model's decode steps (variant "
+                    f"`{order[-1] if order else ''}`'s settings: the defaults; mean µs per launch, "
+                    "launches): " + ", ".join(f"{name} {t / n:.1f} ({n})" for name, n, t in k) + "."]
         out.append("")
     return out[:-1]
 
@@ -1094,6 +1114,7 @@ def main():
         "gpu-families": gpu_families,
         "gpu-forward": gpu_forward,
         "gpu-variants": gpu_variants,
+        "gpu-fusion": lambda: gpu_variants("gpu-fusion"),
         "summary": summary,
         "llamacpp": llamacpp,
         "soak": soak,
