@@ -31,3 +31,50 @@ extern "C" int tessera_emu_gemv_item(uint32_t fmt, const uint8_t* row, uint32_t 
     default: return 0;
     }
 }
+
+// Lane `lane`'s share (ts_row_dots) of a product in the shapes the CUDA
+// kernels are built in: kind 0 one token of one row (gemv1, U1 items a
+// pass), 1 one token of two rows (glu1's gate and up, U1 / 2), 2 up to
+// TS_EMU_MAXT tokens of one row (gemv and glu, UM); `wpr` warps per row
+// (1, 2 or 4). Adds into sum[r * MT + t]; returns MT (0: no such shape).
+#define TS_EMU_MAXT 8
+template <typename F, int WPR>
+static int ts_emu_lane(uint32_t kind, const uint8_t* const* rows, uint32_t k, const float* xs,
+                       uint32_t x_stride, uint32_t nt, uint32_t lane, float* sum) {
+    switch (kind) {
+    case 0: ts_row_dots<F, 1, F::U1, WPR, 1>(rows, k, xs, x_stride, nt, lane, sum); return 1;
+    case 1: ts_row_dots<F, 1, F::U1 / 2, WPR, 2>(rows, k, xs, x_stride, nt, lane, sum); return 1;
+    case 2:
+        ts_row_dots<F, TS_EMU_MAXT, F::UM, WPR, 1>(rows, k, xs, x_stride, nt, lane, sum);
+        return TS_EMU_MAXT;
+    default: return 0;
+    }
+}
+
+template <typename F>
+static int ts_emu_lane_w(uint32_t kind, uint32_t wpr, const uint8_t* const* rows, uint32_t k,
+                         const float* xs, uint32_t x_stride, uint32_t nt, uint32_t lane,
+                         float* sum) {
+    switch (wpr) {
+    case 1: return ts_emu_lane<F, 1>(kind, rows, k, xs, x_stride, nt, lane, sum);
+    case 2: return ts_emu_lane<F, 2>(kind, rows, k, xs, x_stride, nt, lane, sum);
+    case 4: return ts_emu_lane<F, 4>(kind, rows, k, xs, x_stride, nt, lane, sum);
+    default: return 0;
+    }
+}
+
+extern "C" int tessera_emu_gemv_lane(uint32_t fmt, uint32_t kind, uint32_t wpr,
+                                     const uint8_t* const* rows, uint32_t k, const float* xs,
+                                     uint32_t x_stride, uint32_t nt, uint32_t lane, float* sum) {
+    switch (fmt) {
+    case 0: return ts_emu_lane_w<TsQ4_0>(kind, wpr, rows, k, xs, x_stride, nt, lane, sum);
+    case 1: return ts_emu_lane_w<TsQ4_1>(kind, wpr, rows, k, xs, x_stride, nt, lane, sum);
+    case 2: return ts_emu_lane_w<TsQ8_0>(kind, wpr, rows, k, xs, x_stride, nt, lane, sum);
+    case 3: return ts_emu_lane_w<TsQ4_K>(kind, wpr, rows, k, xs, x_stride, nt, lane, sum);
+    case 4: return ts_emu_lane_w<TsQ5_K>(kind, wpr, rows, k, xs, x_stride, nt, lane, sum);
+    case 5: return ts_emu_lane_w<TsQ6_K>(kind, wpr, rows, k, xs, x_stride, nt, lane, sum);
+    case 6: return ts_emu_lane_w<TsF32W>(kind, wpr, rows, k, xs, x_stride, nt, lane, sum);
+    case 7: return ts_emu_lane_w<TsF16W>(kind, wpr, rows, k, xs, x_stride, nt, lane, sum);
+    default: return 0;
+    }
+}

@@ -48,60 +48,6 @@ __device__ __forceinline__ float ts_fwd_warp_sum(float x) {
     return x;
 }
 
-// The lane's share of sum_i row[i] x[t][i] for MT tokens and R rows
-// (rows[r]), added into sum[r * MT + t], the rows' items shared by the WPR
-// warps' 32 * WPR lanes (`lane` counts across them). x rows are
-// `x_stride` floats apart (a multiple of 4, 16-byte aligned). Each pass
-// loads U items of every row per lane before using any of them (decode is
-// bound by the weight bytes in flight), as raw bytes, expanded to f32
-// one at a time.
-template <typename F, int MT, int U, int WPR, int R>
-__device__ __forceinline__ void ts_row_dots(const uint8_t* const* rows, uint32_t k,
-                                            const float* __restrict__ xs, uint32_t x_stride,
-                                            uint32_t nt, uint32_t lane, float* sum) {
-    const uint32_t lanes = 32 * WPR;
-    uint32_t items = F::items(k);
-    for (uint32_t base = lane; base < items; base += lanes * U) {
-        typename F::Raw raw[R][U];
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            if (base + lanes * u < items) {
-#pragma unroll
-                for (int r = 0; r < R; r++) F::load(rows[r], base + lanes * u, raw[r][u]);
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            uint32_t i = base + lanes * u;
-            if (i >= items) break;
-            uint32_t off[F::RUNS];
-            F::offsets(i, off);
-            float wv[R][F::RUNS * 4];
-#pragma unroll
-            for (int r = 0; r < R; r++) F::expand(raw[r][u], i, wv[r]);
-#pragma unroll
-            for (int t = 0; t < MT; t++) {
-                if (t < nt) {
-                    const float* xt = xs + (size_t)t * x_stride;
-                    float4 v[F::RUNS];
-#pragma unroll
-                    for (int q = 0; q < F::RUNS; q++) v[q] = *(const float4*)(xt + off[q]);
-#pragma unroll
-                    for (int r = 0; r < R; r++) {
-                        float s = 0.0f;
-#pragma unroll
-                        for (int q = 0; q < F::RUNS; q++) {
-                            s += wv[r][4 * q] * v[q].x + wv[r][4 * q + 1] * v[q].y +
-                                 wv[r][4 * q + 2] * v[q].z + wv[r][4 * q + 3] * v[q].w;
-                        }
-                        sum[r * MT + t] += s;
-                    }
-                }
-            }
-        }
-    }
-}
-
 // The row's total of each token's partial sums over its WPR warps, in
 // warp order (the same bits however the blocks are scheduled): valid in
 // lane 0 of the row's first warp. Every thread of the block calls it (a

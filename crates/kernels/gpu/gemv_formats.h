@@ -1,10 +1,13 @@
-// The GGML block formats as the CUDA forward's products read them
-// (gpu/forward.cu), shared with the kernel-emu build (gpu/emu.cpp), whose
-// tests expand every item of random blocks on the CPU and compare them
-// with candle's dequantization, bit for bit. Needs a prelude first
-// (prelude_cuda.h or prelude_host.h): TS_INLINE, TS_STATIC, the loads
-// ts_load_u16/u32/u128 (at 2-, 4- and 16-byte aligned addresses),
-// ts_byte_perm, ts_bits_float, ts_f16_to_f32 and TS_UNROLL.
+// The GGML block formats as the CUDA forward's products read them, and
+// one lane's share of a product (ts_row_dots): gpu/forward.cu's, shared
+// with the kernel-emu build (gpu/emu.cpp), whose tests expand every item
+// of random blocks on the CPU and compare them with candle's
+// dequantization bit for bit, and run every lane of every product shape
+// the kernels are built in against the dot products in f64. Needs a
+// prelude first (prelude_cuda.h or prelude_host.h): TS_INLINE, TS_STATIC,
+// float4, the loads ts_load_u16/u32/u128 (at 2-, 4- and 16-byte aligned
+// addresses) and ts_load_f4, ts_byte_perm, ts_bits_float, ts_f16_to_f32
+// and TS_UNROLL.
 #pragma once
 
 TS_INLINE float ts_h2f(uint32_t bits) { return ts_f16_to_f32((uint16_t)bits); }
@@ -318,3 +321,55 @@ TS_UNROLL
     }
 };
 
+// The lane's share of sum_i row[i] x[t][i] for MT tokens and R rows
+// (rows[r]), added into sum[r * MT + t], the rows' items shared by the WPR
+// warps' 32 * WPR lanes (`lane` counts across them). x rows are
+// `x_stride` floats apart (a multiple of 4, 16-byte aligned). Each pass
+// loads U items of every row per lane before using any of them (decode is
+// bound by the weight bytes in flight), as raw bytes, expanded to f32
+// one at a time.
+template <typename F, int MT, int U, int WPR, int R>
+TS_INLINE void ts_row_dots(const uint8_t* const* rows, uint32_t k, const float* xs,
+                           uint32_t x_stride, uint32_t nt, uint32_t lane, float* sum) {
+    const uint32_t lanes = 32 * WPR;
+    uint32_t items = F::items(k);
+    for (uint32_t base = lane; base < items; base += lanes * U) {
+        typename F::Raw raw[R][U];
+TS_UNROLL
+        for (int u = 0; u < U; u++) {
+            if (base + lanes * u < items) {
+TS_UNROLL
+                for (int r = 0; r < R; r++) F::load(rows[r], base + lanes * u, raw[r][u]);
+            }
+        }
+TS_UNROLL
+        for (int u = 0; u < U; u++) {
+            uint32_t i = base + lanes * u;
+            if (i >= items) break;
+            uint32_t off[F::RUNS];
+            F::offsets(i, off);
+            float wv[R][F::RUNS * 4];
+TS_UNROLL
+            for (int r = 0; r < R; r++) F::expand(raw[r][u], i, wv[r]);
+TS_UNROLL
+            for (int t = 0; t < MT; t++) {
+                if ((uint32_t)t < nt) {
+                    const float* xt = xs + (size_t)t * x_stride;
+                    float4 v[F::RUNS];
+TS_UNROLL
+                    for (int q = 0; q < F::RUNS; q++) v[q] = ts_load_f4(xt + off[q]);
+TS_UNROLL
+                    for (int r = 0; r < R; r++) {
+                        float s = 0.0f;
+TS_UNROLL
+                        for (int q = 0; q < F::RUNS; q++) {
+                            s += wv[r][4 * q] * v[q].x + wv[r][4 * q + 1] * v[q].y +
+                                 wv[r][4 * q + 2] * v[q].z + wv[r][4 * q + 3] * v[q].w;
+                        }
+                        sum[r * MT + t] += s;
+                    }
+                }
+            }
+        }
+    }
+}

@@ -37,3 +37,4 @@ TS_INLINE uint32_t ts_load_u16(const uint8_t* p) { return *(const uint16_t*)p; }
 TS_INLINE uint32_t ts_load_u32(const uint8_t* p) { return *(const uint32_t*)p; }
 TS_INLINE uint4 ts_load_u128(const uint8_t* p) { return *(const uint4*)p; }
 TS_INLINE uint32_t ts_byte_perm(uint32_t x, uint32_t y, uint32_t s) { return __byte_perm(x, y, s); }
+TS_INLINE float4 ts_load_f4(const float* p) { return *(const float4*)p; }

@@ -104,3 +104,11 @@ TS_INLINE uint32_t ts_byte_perm(uint32_t x, uint32_t y, uint32_t s) {
     for (int i = 0; i < 4; i++) r |= (uint32_t)((v >> (8 * ((s >> (4 * i)) & 7u))) & 0xffu) << (8 * i);
     return r;
 }
+struct float4 {
+    float x, y, z, w;
+};
+TS_INLINE float4 ts_load_f4(const float* p) {
+    float4 v;
+    memcpy(&v, p, 16);
+    return v;
+}

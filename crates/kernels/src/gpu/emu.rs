@@ -283,6 +283,18 @@ mod tests {
     }
 
     extern "C" {
+        fn tessera_emu_gemv_lane(
+            fmt: u32,
+            kind: u32,
+            wpr: u32,
+            rows: *const *const u8,
+            k: u32,
+            xs: *const f32,
+            x_stride: u32,
+            nt: u32,
+            lane: u32,
+            sum: *mut f32,
+        ) -> i32;
         fn tessera_emu_gemv_item(
             fmt: u32,
             row: *const u8,
@@ -368,6 +380,115 @@ mod tests {
                         w.to_bits(),
                         "{dtype:?} value {j}: {g} against {w}"
                     );
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Every lane of every product shape the CUDA kernels are built in
+    /// (one token of one row, one token of gate and up together, up to 8
+    /// tokens of one row; 1, 2 and 4 warps a row), run one after another
+    /// through `ts_row_dots` (`gpu/gemv_formats.h`), adds up to the dot
+    /// products of the dequantized rows with the inputs: every item is
+    /// taken once, by some lane, against the right inputs of the right
+    /// token, rows of one pass and of many, in every format.
+    #[test]
+    fn gemv_lanes_add_up_to_the_dot_products_in_every_shape() -> Result<()> {
+        use candle_core::quantized::{GgmlDType, QTensor};
+        use candle_core::Device;
+        let formats = [
+            GgmlDType::Q4_0,
+            GgmlDType::Q4_1,
+            GgmlDType::Q8_0,
+            GgmlDType::Q4K,
+            GgmlDType::Q5K,
+            GgmlDType::Q6K,
+            GgmlDType::F32,
+            GgmlDType::F16,
+        ];
+        let noise = |i: u32, seed: u32| {
+            let h = i.wrapping_mul(2654435761) ^ seed.wrapping_mul(40503);
+            ((h >> 7) % 2000) as f32 / 1000.0 - 1.0
+        };
+        for k in [256usize, 2560] {
+            // Two rows (gate and up), and 8 input rows 4 floats apart more
+            // than their length.
+            let w: Vec<f32> = (0..2 * k as u32).map(|i| noise(i, 1)).collect();
+            let stride = k + 4;
+            let x: Vec<f32> = (0..(8 * stride) as u32).map(|i| noise(i, 2)).collect();
+            let src = Tensor::from_vec(w, (2, k), &Device::Cpu)?;
+            for (fmt, dtype) in formats.into_iter().enumerate() {
+                let q = QTensor::quantize(&src, dtype)?;
+                let deq = q.dequantize(&Device::Cpu)?.to_vec2::<f32>()?;
+                let bytes = q.data()?;
+                let mut buf = vec![0u128; bytes.len().div_ceil(16)];
+                // SAFETY: `buf` holds at least `bytes.len()` bytes.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        bytes.as_ptr(),
+                        buf.as_mut_ptr().cast::<u8>(),
+                        bytes.len(),
+                    )
+                };
+                let base = buf.as_ptr().cast::<u8>();
+                // SAFETY: the second row starts one row's bytes in.
+                let rows = [base, unsafe { base.add(bytes.len() / 2) }];
+                for (kind, mt, nr, tokens) in [
+                    (0u32, 1usize, 1usize, &[1u32][..]),
+                    (1, 1, 2, &[1]),
+                    (2, 8, 1, &[1, 5, 8]),
+                ] {
+                    for wpr in [1u32, 2, 4] {
+                        for &nt in tokens {
+                            let mut total = vec![0f64; nr * mt];
+                            for lane in 0..32 * wpr {
+                                let mut sum = vec![0f32; nr * mt];
+                                // SAFETY: the rows hold k values each in
+                                // their format, x holds 8 rows at the
+                                // stride, sum has room for nr · mt.
+                                let got = unsafe {
+                                    tessera_emu_gemv_lane(
+                                        fmt as u32,
+                                        kind,
+                                        wpr,
+                                        rows.as_ptr(),
+                                        k as u32,
+                                        x.as_ptr(),
+                                        stride as u32,
+                                        nt,
+                                        lane,
+                                        sum.as_mut_ptr(),
+                                    )
+                                };
+                                assert_eq!(got as usize, mt, "{dtype:?} kind {kind}");
+                                for (t, s) in total.iter_mut().zip(&sum) {
+                                    *t += *s as f64;
+                                }
+                            }
+                            for r in 0..nr {
+                                for t in 0..mt {
+                                    let got = total[r * mt + t];
+                                    if t >= nt as usize {
+                                        assert_eq!(got, 0.0, "{dtype:?}: token {t} of {nt}");
+                                        continue;
+                                    }
+                                    let xt = &x[t * stride..t * stride + k];
+                                    let (want, size) = deq[r].iter().zip(xt).fold(
+                                        (0f64, 0f64),
+                                        |(a, b), (w, x)| {
+                                            let p = *w as f64 * *x as f64;
+                                            (a + p, b + p.abs())
+                                        },
+                                    );
+                                    assert!(
+                                        (got - want).abs() <= 1e-5 * size,
+                                        "{dtype:?} k {k} kind {kind} wpr {wpr} row {r} token {t} of {nt}: {got} against {want}"
+                                    );
+                                }
+                            }
+                        }
+                    }
                 }
             }
         }
