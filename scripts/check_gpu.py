@@ -2,7 +2,9 @@
 """`just check-gpu`: what a machine without a GPU can check of the GPU kernels.
 (`just test-cuda` runs `check_gpu.py test-cuda`: the CUDA tests on a GPU;
 `check_gpu.py bundle [DIR]` builds them, and the CUDA `tessera`, for a GPU
-machine without Rust: see scripts/cuda_device_run.sh.)
+machine without Rust: see scripts/cuda_device_run.sh; `check_gpu.py lent
+[DIR]` (default target/lent) the whole folder of one lent GPU call, with
+llama.cpp's CUDA llama-bench: see scripts/cuda_lent_call.sh.)
 
 1. Every crates/kernels/gpu/*.cu compiled to PTX by nvcc and through ptxas
    for sm_80 and sm_90 (types, registers, spills, shared memory); a spill is
@@ -172,7 +174,7 @@ def test_cuda():
          "gpu_forward", "--nocapture"], cwd=ROOT, env=env)
 
 
-def bundle(dest):
+def bundle(dest, xz_level="-6"):
     """For a machine with a GPU but no Rust toolchain: the `cuda` feature's
     kernel tests, the model crate's tests and the `tessera` binary (release
     profile; CUDA_COMPUTE_CAP 80 unless set: PTX that the driver compiles
@@ -204,7 +206,7 @@ def bundle(dest):
         # The binaries carry candle's PTX as text: xz makes the three about
         # 26 MB instead of 186, under what a lent machine takes in one go
         # (cuda_device_run.sh unpacks them).
-        run(["xz", "-T0", "-6", out])
+        run(["xz", "-T0", xz_level, out])
     with open(os.path.join(dest, "root.txt"), "w") as f:
         f.write(ROOT + "\n")
     # The commit the binaries were built from (-dirty: with uncommitted changes).
@@ -216,6 +218,54 @@ def bundle(dest):
     for script in ("cuda_device_run.sh", "synth_model.py"):
         shutil.copy(os.path.join(ROOT, "scripts", script), dest)
     print(f"bundle: {dest}")
+
+
+LENT_BYTES = 64 * 1024 * 1024
+
+
+def lent(dest):
+    """The folder one call of a lent GPU carries (`scripts/cuda_lent_call.sh`
+    runs it there): `dest`/bundle (this commit's bundle; the kernel tests
+    left out when the folder would not fit beside llama-bench),
+    `dest`/synth (llama.cpp's gguf-py without its tests and scripts, and
+    SmolLM2's tokenizer for the generated models), `dest`/llama-bench.xz
+    (scripts/build_llama_cuda.sh's, built when missing: about 45 minutes
+    on 2 cores) and the call script. Says what travels against the 64 MiB
+    a call takes (the folder and the repository's tracked files)."""
+    src = os.path.join(ROOT, "target", "llama-server", "llama_cpp_python-0.3.36", "vendor",
+                       "llama.cpp", "gguf-py")
+    if not os.path.isdir(src):
+        run(["bash", os.path.join(ROOT, "scripts", "build_llama_tools.sh")], cwd=ROOT)
+    shutil.rmtree(dest, ignore_errors=True)
+    os.makedirs(os.path.join(dest, "synth"))
+    bundle(os.path.join(dest, "bundle"), "-9e")
+    shutil.copytree(src, os.path.join(dest, "synth", "gguf-py"),
+                    ignore=shutil.ignore_patterns("tests", "scripts", "examples", "__pycache__"))
+    run([sys.executable, os.path.join(ROOT, "scripts", "synth_model.py"), "--dump-tokenizer",
+         os.path.join(dest, "synth", "tok.json.gz")], cwd=ROOT)
+    bench = os.path.join(ROOT, "target", "llama-cuda", "build", "bin", "llama-bench")
+    if not os.path.exists(bench):
+        run(["bash", os.path.join(ROOT, "scripts", "build_llama_cuda.sh")], cwd=ROOT)
+    stripped = os.path.join(dest, "llama-bench")
+    run(["strip", "-o", stripped, bench])
+    run(["xz", "-T0", "-9e", stripped])
+    shutil.copy(os.path.join(ROOT, "scripts", "cuda_lent_call.sh"), dest)
+
+    def size(path):
+        return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True,
+                             text=True).stdout.split("\0")
+    tree = sum(os.path.getsize(os.path.join(ROOT, f)) for f in tracked
+               if f and os.path.isfile(os.path.join(ROOT, f)))
+    if size(dest) + tree > LENT_BYTES:
+        os.remove(os.path.join(dest, "bundle", "kernel-tests.xz"))
+        print("lent: the kernel tests left out (the folder would pass 64 MiB with them)")
+    total = size(dest) + tree
+    print(f"lent: {dest} ({size(dest) / 2**20:.1f} MiB) and the tracked tree "
+          f"({tree / 2**20:.1f} MiB): {total / 2**20:.1f} MiB of the 64 a call takes")
+    if total > LENT_BYTES:
+        sys.exit("lent: over what one call takes")
 
 
 def cuda_env(nvcc, **extra):
@@ -277,6 +327,9 @@ def main():
     if sys.argv[1:2] == ["bundle"]:
         return bundle(os.path.abspath(sys.argv[2] if len(sys.argv) > 2
                                       else os.path.join(ROOT, "target", "cuda-bundle")))
+    if sys.argv[1:2] == ["lent"]:
+        return lent(os.path.abspath(sys.argv[2] if len(sys.argv) > 2
+                                    else os.path.join(ROOT, "target", "lent")))
     n_cu = check_cuda()
     n_metal = check_metal()
     run(["cargo", "test", "-p", "tessera-kernels", "--features", "kernel-emu", "--", "gpu::"], cwd=ROOT)

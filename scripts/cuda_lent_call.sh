@@ -5,17 +5,14 @@
 # time of each kernel of a 135M decode step. Everything it writes comes
 # back as ONE file, $OUT/run.tgz (a call brings back at most eight files).
 #
-# Prepare a folder DIR (an ignored path, carried whole: 64 MiB a call):
-#   python3 scripts/check_gpu.py bundle            # then copy into DIR/bundle:
-#     model-tests.xz tessera.xz root.txt commit.txt cuda_device_run.sh synth_model.py
-#     (kernel-tests.xz too when the KV or attention kernels changed and it fits)
-#   DIR/synth/gguf-py  (llama.cpp's) and DIR/synth/tok.json.gz
-#     (python3 scripts/synth_model.py --dump-tokenizer DIR/synth/tok.json.gz)
-#   DIR/llama-bench.xz (scripts/build_llama_cuda.sh's, xz-compressed)
-#   cp scripts/cuda_lent_call.sh DIR/
-# then: run(command="VARIANTS='a:VAR=1;b:' bash DIR/cuda_lent_call.sh", carry=[DIR])
+# Prepare the folder (an ignored path, carried whole: 64 MiB a call) with
+#   python3 scripts/check_gpu.py lent [DIR]     # default target/lent
+# (the bundle, llama.cpp's gguf-py and a tokenizer for the generated
+# models, llama.cpp's CUDA llama-bench, this script; it says the size), then
+# run(command="cd DIR && VARIANTS='a:VAR=1;b:' bash cuda_lent_call.sh", carry=[DIR])
 # and unpack run.tgz into target/bench/gpu-variants/<call>/ for
-# `readme_tables.py gpu-variants` (and gpu-forward/ for `gpu-forward`).
+# `readme_tables.py gpu-variants` (gpu-fusion/ for `gpu-fusion`, gpu-forward/
+# for `gpu-forward`).
 set -u
 D=$(cd "$(dirname "$0")" && pwd)
 R=$OUT/run
