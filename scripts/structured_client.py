@@ -11,7 +11,8 @@ regex, and a bad schema, which must come back as a 400 naming the problem.
 Then OpenAI's tool-calling flow (call, execute, answer), streamed and not;
 `tool_choice: required` and a named function at several temperatures and
 seeds, every call parsing and validating against its function's schema;
-and bad `tools`/`tool_choice` refused. Exits non-zero on the first failure; prints the count and the server's
+`auto` with a bias towards the opening marker (calls that parse once
+opened); and bad `tools`/`tool_choice` refused. Exits non-zero on the first failure; prints the count and the server's
 per-token figures.
 
 Usage: structured_client.py TESSERA_BINARY MODEL.gguf [N]
@@ -147,6 +148,35 @@ def tool_calls(client):
             assert all(x.function.name == "get_time" for x in calls), calls
         if i % 2 == 1:
             assert len(calls) == 1, calls
+
+    # `auto`: a call, once the answer opens one, is held to the syntax. The
+    # 135M model answers in prose under `auto`; a bias towards the opening
+    # marker's tokens stands for a model that calls. Streamed and not.
+    base = str(client.base_url).removesuffix("/v1/")
+    req = urllib.request.Request(f"{base}/tokenize", data=json.dumps(
+        {"content": "<tool_call>", "parse_special": True}).encode(),
+        headers={"Content-Type": "application/json"})
+    opener = json.loads(urllib.request.urlopen(req).read())["tokens"]
+    bias = {str(t): 12 for t in opener}
+    for i in range(4):
+        r = client.chat.completions.create(model="smollm2", messages=question, tools=TOOLS,
+                                           max_tokens=600, temperature=1.0, seed=i, logit_bias=bias)
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls", c
+        checked_calls(c.message.tool_calls)
+    parts, reason = {}, None
+    for chunk in client.chat.completions.create(model="smollm2", messages=question, tools=TOOLS,
+                                                max_tokens=600, temperature=1.0, seed=9,
+                                                logit_bias=bias, stream=True):
+        if chunk.choices:
+            for tc in chunk.choices[0].delta.tool_calls or []:
+                p = parts.setdefault(tc.index, {"name": "", "arguments": ""})
+                p["name"] += tc.function.name or ""
+                p["arguments"] += tc.function.arguments or ""
+            reason = chunk.choices[0].finish_reason or reason
+    assert reason == "tool_calls" and parts, (reason, parts)
+    for p in parts.values():
+        json.loads(p["arguments"])
 
     # Bad tools and choices: 400s naming the field.
     for kwargs, needle in [

@@ -356,3 +356,98 @@ fn gemma_template_gets_python_tool_calls() {
         }
     }
 }
+
+/// A lazy constraint ([`Constraint::After`]) leaves the answer free (the
+/// tokens of a plain run) until its trigger appears, then holds the rest
+/// to its grammar; a trigger that never appears, or one whose grammar the
+/// text after it cannot fit, changes nothing. Under `tool_choice: auto`
+/// (the trigger a call's opening marker), every answer that opens a call
+/// gives calls that parse.
+#[test]
+fn auto_tool_calls_are_held_to_their_syntax_once_opened() {
+    use tessera_engine::{ToolChoice, ToolSyntax};
+    let e = engine(EngineConfig::default());
+    let ask = |c: Option<Constraint>| {
+        let req = GenerateRequest {
+            sampling: SamplingParams::greedy(),
+            max_tokens: 40,
+            constraint: c,
+            ..GenerateRequest::new(chat("What is the capital of France?"))
+        };
+        run(&e, &req).remove(0)
+    };
+    let plain = ask(None);
+    // The plain answer's third word as the trigger, then three two-digit
+    // numbers and a full stop.
+    let word = plain.text.split_whitespace().nth(2).expect("a few words");
+    let word: String = word.chars().filter(|c| c.is_alphabetic()).collect();
+    let at = plain.text.find(&word).unwrap() + word.len();
+    let lazy = |then: String| Constraint::After {
+        trigger: word.clone(),
+        token: None,
+        then: Box::new(Constraint::Regex(then)),
+    };
+    let out = ask(Some(lazy(format!("{word}( [0-9]{{2}}){{3}}\\."))));
+    assert_eq!(out.finish_reason, FinishReason::Stop, "{}", out.text);
+    assert_eq!(out.text[..at], plain.text[..at], "free until the trigger");
+    let tail = &out.text.as_bytes()[at..];
+    assert_eq!(tail.len(), 10, "{}", out.text);
+    for (i, b) in tail.iter().enumerate() {
+        match i {
+            0 | 3 | 6 => assert_eq!(*b, b' ', "{}", out.text),
+            9 => assert_eq!(*b, b'.', "{}", out.text),
+            _ => assert!(b.is_ascii_digit(), "{}", out.text),
+        }
+    }
+    // Never triggered, or not fitting: the plain answer.
+    let absent = Constraint::After {
+        trigger: "zebra crossing".into(),
+        token: None,
+        then: Box::new(Constraint::Regex("zebra crossing[0-9]".into())),
+    };
+    assert_eq!(ask(Some(absent)).text, plain.text);
+    assert_eq!(ask(Some(lazy("xyz[0-9]".into()))).text, plain.text);
+
+    let tools = weather_tools();
+    let syntax = ToolSyntax::of(&e.model().template, &e.model().tokenizer);
+    let auto = syntax
+        .constraint(&tools, &ToolChoice::Auto, true)
+        .unwrap()
+        .expect("a lazy constraint");
+    assert!(matches!(&auto, Constraint::After { trigger, .. } if trigger == syntax.opener()));
+    // The 135M model does not open calls of its own under `auto` (it
+    // answers in prose); a bias towards the opening marker's tokens stands
+    // for a model that does. Once opened, every answer is calls that parse
+    // (the bias stays on, and the grammar holds it to the syntax).
+    let opener = e
+        .model()
+        .tokenizer
+        .encode(syntax.opener(), tessera_model::Special::Parse, false)
+        .unwrap();
+    let req = GenerateRequest {
+        n: 4,
+        max_tokens: 600,
+        ..constrained(
+            syntax.prompt(
+                vec![Message::new(
+                    "user",
+                    "What is the weather in Oslo right now?",
+                )],
+                &tools,
+            ),
+            auto,
+            SamplingParams {
+                temperature: 1.0,
+                seed: 7,
+                logit_bias: opener.iter().map(|&t| (t, 12.0)).collect(),
+                ..SamplingParams::default()
+            },
+        )
+    };
+    for out in run(&e, &req) {
+        assert!(out.text.contains(syntax.opener()), "{}", out.text);
+        assert_eq!(out.finish_reason, FinishReason::Stop, "{}", out.text);
+        let (_, calls) = syntax.parse(&out.text).expect("the calls parse");
+        assert!(!calls.is_empty(), "{}", out.text);
+    }
+}

@@ -344,6 +344,7 @@ impl Engine {
         let guide = match &req.constraint {
             Some(c) => Some(crate::grammar::Guide::new(
                 self.inner.grammars.compile(&self.inner.model, c)?,
+                c,
             )),
             None => None,
         };

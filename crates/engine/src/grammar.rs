@@ -27,6 +27,17 @@ pub enum Constraint {
     Lark(String),
     /// A regular expression the whole output matches (Rust `regex` syntax).
     Regex(String),
+    /// Free output until `trigger` appears in it (its text, or the control
+    /// token `token` sampled), then `then` from the trigger on: `then`
+    /// begins with the trigger (llama.cpp's lazy grammars). Tool calls
+    /// under `tool_choice: auto`: the answer is free until it opens a
+    /// call, and the call then parses. Where what follows the trigger in
+    /// the same token does not fit `then`, the output stays free.
+    After {
+        trigger: String,
+        token: Option<u32>,
+        then: Box<Constraint>,
+    },
 }
 
 /// Whitespace allowed between two JSON tokens: pretty-printing fits, and
@@ -72,6 +83,7 @@ impl Constraint {
             Constraint::JsonSchema(s) => json_grammar(s),
             Constraint::Lark(g) => TopLevelGrammar::from_lark(g.clone()),
             Constraint::Regex(r) => TopLevelGrammar::from_regex(r),
+            Constraint::After { then, .. } => then.grammar(),
         }
     }
 }
@@ -181,6 +193,9 @@ pub(crate) struct Guide {
     matcher: Box<Matcher>,
     /// The next token's mask, or why it could not be computed.
     mask: Option<std::result::Result<SimpleVob, String>>,
+    /// A lazy constraint's trigger ([`Constraint::After`]) while it has not
+    /// appeared: the output is free until then.
+    waiting: Option<(String, Option<u32>)>,
 }
 
 /// Runs a matcher call, a panic in it becoming an error (the sample then
@@ -195,10 +210,16 @@ fn guarded<T, E: std::fmt::Display>(
 }
 
 impl Guide {
-    pub(crate) fn new(matcher: Matcher) -> Guide {
+    /// The guide of `c`, compiled into `matcher` (a lazy constraint's
+    /// waits for its trigger).
+    pub(crate) fn new(matcher: Matcher, c: &Constraint) -> Guide {
         Guide {
             matcher: Box::new(matcher),
             mask: None,
+            waiting: match c {
+                Constraint::After { trigger, token, .. } => Some((trigger.clone(), *token)),
+                _ => None,
+            },
         }
     }
 
@@ -207,12 +228,59 @@ impl Guide {
         Guide {
             matcher: Box::new(self.matcher.deep_clone()),
             mask: self.mask.clone(),
+            waiting: self.waiting.clone(),
         }
     }
 
-    /// Computes the next token's mask now, unless it is ready.
+    /// Whether it constrains the next token (a lazy one only once its
+    /// trigger has appeared).
+    pub(crate) fn active(&self) -> bool {
+        self.waiting.is_none()
+    }
+
+    /// A waiting guide after token `t` made `text` (the sample's output
+    /// text; its first `before` bytes were there before `t`): where the
+    /// trigger begins when `t` completed it (its control token, or its
+    /// text ending in `t`'s piece), else `None`.
+    pub(crate) fn triggered(&self, t: u32, text: &str, before: usize) -> Option<Trigger> {
+        let (trigger, token) = self.waiting.as_ref()?;
+        if *token == Some(t) {
+            return Some(Trigger::Token(t));
+        }
+        // The trigger must end inside the new piece.
+        let mut from = before.saturating_sub(trigger.len().saturating_sub(1));
+        while !text.is_char_boundary(from) {
+            from -= 1;
+        }
+        text[from..]
+            .find(trigger.as_str())
+            .map(|at| Trigger::Text(from + at))
+    }
+
+    /// Starts constraining from a trigger: the matcher takes `tokens` (the
+    /// trigger's control token, or the text from the trigger to the end of
+    /// the output, tokenized); `false`, the guide unchanged, when they do
+    /// not fit the constraint (the output then stays free).
+    pub(crate) fn wake(&mut self, tokens: &[u32]) -> bool {
+        let mut m = self.matcher.deep_clone();
+        let fits = guarded(|| m.consume_tokens(tokens)).is_ok() && m.get_error().is_none();
+        if fits {
+            *self.matcher = m;
+            self.waiting = None;
+            self.mask = None;
+        }
+        fits
+    }
+
+    /// Whether the constraint is complete and allows nothing more.
+    pub(crate) fn done(&self) -> bool {
+        self.active() && self.matcher.is_stopped()
+    }
+
+    /// Computes the next token's mask now, unless it is ready (nothing
+    /// while a lazy guide waits).
     pub(crate) fn prepare(&mut self) {
-        if self.mask.is_none() && !self.matcher.is_stopped() {
+        if self.active() && self.mask.is_none() && !self.matcher.is_stopped() {
             let m = &mut self.matcher;
             self.mask = Some(guarded(|| m.compute_mask()));
         }
@@ -261,6 +329,14 @@ impl Guide {
         guarded(|| m.consume_token(t)).map_err(|e| guide_err(&e))?;
         Ok(self.matcher.is_stopped())
     }
+}
+
+/// Where a lazy constraint's trigger appeared ([`Guide::triggered`]).
+pub(crate) enum Trigger {
+    /// Its control token was sampled.
+    Token(u32),
+    /// Its text begins at this byte of the output.
+    Text(usize),
 }
 
 fn guide_err(e: &impl std::fmt::Display) -> EngineError {

@@ -7,9 +7,9 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use tessera_model::{StreamDecoder, Tokenizer};
+use tessera_model::{Special, StreamDecoder, Tokenizer};
 
-use crate::grammar::Guide;
+use crate::grammar::{Guide, Trigger};
 use crate::sampler::{Sampler, TokenLogprob};
 use crate::stream::Event;
 use crate::types::{Completion, FinishReason, GenerateRequest, Timings, Usage};
@@ -169,7 +169,9 @@ impl Active {
         if self.out.len() >= req.max_tokens {
             return Ok(Next::Finish(FinishReason::Length));
         }
-        let t = match self.guide.as_mut() {
+        // (A lazy constraint constrains nothing until its trigger.)
+        let constrained = self.guide.as_ref().is_some_and(Guide::active);
+        let t = match self.guide.as_mut().filter(|g| g.active()) {
             Some(g) => {
                 let allowed = g.masked(logits)?;
                 self.sampler.sample(&allowed, &self.history, &self.out)
@@ -179,11 +181,11 @@ impl Active {
         self.first_token.get_or_insert_with(Instant::now);
         // A constrained sample's end-of-generation token is the
         // constraint's end: it ends the sample even with `ignore_eos`.
-        if tok.is_eog(t) && (!req.ignore_eos || self.guide.is_some()) {
+        if tok.is_eog(t) && (!req.ignore_eos || constrained) {
             return Ok(Next::Finish(FinishReason::Stop));
         }
         // The constraint complete, nothing more may follow.
-        let complete = match self.guide.as_mut() {
+        let complete = match self.guide.as_mut().filter(|g| g.active()) {
             Some(g) => g.commit(t)?,
             None => false,
         };
@@ -196,6 +198,10 @@ impl Active {
         if let Some(piece) = self.decoder.push(tok, t)? {
             self.text.push_str(&piece);
         }
+        // A lazy constraint's trigger completed by this token: constrained
+        // from the next one (complete already, when the text after the
+        // trigger finished it).
+        let complete = complete || self.wake_guide(t, before, tok);
         if let Some(at) = find_stop(&self.text, before, &req.stop) {
             self.text.truncate(at);
             self.send_text(t, &self.text[self.emitted.min(at)..], true);
@@ -216,6 +222,24 @@ impl Active {
             return Ok(Next::Finish(FinishReason::Length));
         }
         Ok(Next::Continue(t))
+    }
+
+    /// Wakes a waiting lazy guide whose trigger token `t` completed (the
+    /// output's text was `before` bytes long without it): its matcher takes
+    /// the trigger and the text after it. Whether the constraint is then
+    /// complete. Where they do not fit it, the guide waits on.
+    fn wake_guide(&mut self, t: u32, before: usize, tok: &Tokenizer) -> bool {
+        let Some(g) = self.guide.as_mut().filter(|g| !g.active()) else {
+            return false;
+        };
+        let tokens = match g.triggered(t, &self.text, before) {
+            None => return false,
+            Some(Trigger::Token(t)) => vec![t],
+            Some(Trigger::Text(from)) => tok
+                .encode(&self.text[from..], Special::AsText, false)
+                .unwrap_or_default(),
+        };
+        g.wake(&tokens) && g.done()
     }
 
     /// Flushes held-back text and builds the sample's completion.

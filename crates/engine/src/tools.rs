@@ -298,14 +298,28 @@ impl ToolSyntax {
     /// [`MAX_PARALLEL_CALLS`] calls. Objects in the schemas that do not
     /// say otherwise take no properties beyond their own (as OpenAI's
     /// `strict` mode): otherwise a model can add made-up properties until
-    /// its token limit, and the call would not parse. `None` for `Auto`
-    /// and `None`.
+    /// its token limit, and the call would not parse. For `Auto`, the same
+    /// grammar over every tool once the answer opens a call
+    /// ([`Constraint::After`] the opening marker: the answer is free until
+    /// then; not for Llama 3's calls, which have no marker). `None` for
+    /// `None`.
     pub fn constraint(
         &self,
         tools: &[ToolSpec],
         choice: &ToolChoice,
         parallel: bool,
     ) -> Result<Option<Constraint>, String> {
+        if *choice == ToolChoice::Auto {
+            if self.format == ToolFormat::Llama3 || tools.is_empty() {
+                return Ok(None);
+            }
+            let then = self.constraint(tools, &ToolChoice::Required, parallel)?;
+            return Ok(then.map(|then| Constraint::After {
+                trigger: self.opener().to_string(),
+                token: self.opener_token,
+                then: Box::new(then),
+            }));
+        }
         let chosen: Vec<&ToolSpec> = match choice {
             ToolChoice::Auto | ToolChoice::None => return Ok(None),
             ToolChoice::Required => tools.iter().collect(),
@@ -673,6 +687,44 @@ mod tests {
             native: true,
             opener_token: None,
         }
+    }
+
+    /// `auto`: the grammar of `required` over every tool, from the opening
+    /// marker on (its control token where the vocabulary has one); none
+    /// for Llama 3's calls (no marker) or without tools.
+    #[test]
+    fn auto_holds_a_call_to_the_required_grammar_once_opened() {
+        let tools = vec![
+            ToolSpec::from_openai(&json!({"type": "function", "function":
+            {"name": "f", "parameters": {"type": "object", "properties": {}}}}))
+            .unwrap(),
+        ];
+        for format in [
+            ToolFormat::Hermes,
+            ToolFormat::Mistral,
+            ToolFormat::Granite,
+            ToolFormat::Pythonic,
+        ] {
+            let mut s = syntax(format);
+            s.opener_token = (format == ToolFormat::Mistral).then_some(5);
+            let required = s
+                .constraint(&tools, &ToolChoice::Required, true)
+                .unwrap()
+                .unwrap();
+            let auto = s.constraint(&tools, &ToolChoice::Auto, true).unwrap();
+            assert_eq!(
+                auto,
+                Some(Constraint::After {
+                    trigger: format.opener().to_string(),
+                    token: s.opener_token,
+                    then: Box::new(required),
+                }),
+                "{format:?}"
+            );
+            assert_eq!(s.constraint(&[], &ToolChoice::Auto, true), Ok(None));
+        }
+        let llama = syntax(ToolFormat::Llama3);
+        assert_eq!(llama.constraint(&tools, &ToolChoice::Auto, true), Ok(None));
     }
 
     #[test]

@@ -767,7 +767,12 @@ impl Worker {
             .iter()
             .zip(&rows)
             .filter(|(_, r)| r.is_some_and(|r| !r.scored))
-            .filter_map(|(i, _)| Some((i.req, self.active.get_mut(&i.req)?.guide.take()?)))
+            .filter_map(|(i, _)| {
+                let a = self.active.get_mut(&i.req)?;
+                // (A lazy guide still waiting has no mask to compute.)
+                let g = a.guide.take_if(|g| g.active())?;
+                Some((i.req, g))
+            })
             .collect();
         let prepare = |guides: &mut Vec<(ReqId, crate::grammar::Guide)>| {
             let t = Instant::now();

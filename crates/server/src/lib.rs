@@ -530,7 +530,8 @@ async fn chat(
 }
 
 /// A chat request's tools: how the model writes calls, and the grammar
-/// that forces one (`tool_choice` `required` or a named function).
+/// that forces one (`tool_choice` `required` or a named function) or,
+/// under `auto`, holds a call to its syntax once it opens.
 struct Tools {
     syntax: ToolSyntax,
     forced: Option<Constraint>,
@@ -746,6 +747,9 @@ fn request(
         reuse_prefix: c.cache_prompt.unwrap_or(true),
         partition: partition(s, tenant, c.cache_salt.as_deref())?,
         constraint: match (constraint(c)?, forced) {
+            // `tool_choice: auto`'s calls, constrained once opened, give
+            // way to a constraint on the whole answer.
+            (Some(a), Some(Constraint::After { .. })) => Some(a),
             (Some(_), Some(_)) => {
                 return Err(ApiError::param(
                     "tool_choice",
