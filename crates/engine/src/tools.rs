@@ -930,7 +930,7 @@ mod tests {
             .is_err());
         assert!(h.constraint(&[], &ToolChoice::Required, true).is_err());
         assert!(h
-            .constraint(&[t], &ToolChoice::Auto, true)
+            .constraint(&[t], &ToolChoice::None, true)
             .unwrap()
             .is_none());
     }
