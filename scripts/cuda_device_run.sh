@@ -22,7 +22,9 @@
 #
 # VARIANTS="label:VAR=v,VAR=v;label2:..." (with SYNTH): kernel settings
 # against each other in one run (BIN=name among them: that binary of the
-# bundle instead of `tessera`, a previous build copied in, say). Each variant's environment first runs the
+# bundle instead of `tessera`, a previous build copied in, say);
+# VARIANT_SCENARIOS: the bench scenarios each variant runs (default
+# "decode decode-long decode-batch"; `prefill` is a 512-token prompt). Each variant's environment first runs the
 # CUDA forward's format test (so a variant that is wrong fails here), then
 # on the generated models decode, and on the first one decode after 2,048
 # tokens and 8 sequences together too (with VARIANT_ALL=1 on every one),
@@ -166,7 +168,7 @@ variants_ab() {
                 label=${v%%:*}
                 envs=${v#*:}
                 bin=$(bin_of "$envs")
-                for sc in decode decode-long decode-batch; do
+                for sc in ${VARIANT_SCENARIOS:-decode decode-long decode-batch}; do
                     [ "$sc" != decode ] && [ "$n" -gt 1 ] && [ "${VARIANT_ALL:-0}" != 1 ] && continue
                     echo "{\"model\": \"$(basename "$m")\", \"variant\": \"$label\", \"round\": $round}" >>"$OUT/variants.jsonl"
                     env $(envs_of "$envs") timeout 120 "$bin" --device cuda bench --model "$m" --json \

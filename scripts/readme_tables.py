@@ -635,9 +635,9 @@ def gpu_variants(folder="gpu-variants"):
     of each kernel of a decode step where the call has them."""
     names = {"synth-135m-Q4_1-blocks.gguf": "135M Q4_1", "synth-1b-Q4_0-blocks.gguf": "1B Q4_0",
              "synth-1b-Q4_K_M-blocks.gguf": "1B Q4_K_M"}
-    label = {"decode": "decode, 128 tokens", "decode-long": "decode after 2,048",
-             "decode-batch": "8 sequences together, aggregate"}
-    llama_key = {"decode": "tg", "decode-long": "tg_long"}
+    label = {"prefill": "prefill, 512 tokens", "decode": "decode, 128 tokens",
+             "decode-long": "decode after 2,048", "decode-batch": "8 sequences together, aggregate"}
+    llama_key = {"prefill": "pp", "decode": "tg", "decode-long": "tg_long"}
     out = []
     for d in sorted((BENCH / folder).iterdir()):
         meta = json.loads((d / "meta.json").read_text())

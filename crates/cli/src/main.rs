@@ -94,6 +94,11 @@ struct TuningArgs {
     /// instead of in the attention's launch, for comparing.
     #[arg(long, global = true)]
     cuda_unfused_merge: bool,
+    /// Run batches of more than 64 tokens (prefill) through the CUDA
+    /// forward too, its products as cuBLAS f32 GEMMs (default: the
+    /// reference forward runs them).
+    #[arg(long, global = true)]
+    cuda_prefill: bool,
 }
 
 impl TuningArgs {
@@ -122,6 +127,9 @@ impl TuningArgs {
         }
         if self.cuda_unfused_merge {
             t.gpu_fuse_merge = false;
+        }
+        if self.cuda_prefill {
+            t.gpu_prefill = true;
         }
         t
     }

@@ -78,3 +78,27 @@ extern "C" int tessera_emu_gemv_lane(uint32_t fmt, uint32_t kind, uint32_t wpr,
     default: return 0;
     }
 }
+
+// A weight of `rows` rows of `k` values in format `fmt` expanded to f32
+// into `out` by every item's thread of tessera_fwd_dequant_*, one after
+// another; returns 0 for no such format.
+template <typename F>
+static int ts_emu_dequant(const uint8_t* w, uint32_t rows, uint32_t k, float* out) {
+    for (ts_u64 idx = 0; idx < (ts_u64)rows * F::items(k); idx++) ts_dequant_item<F>(w, k, idx, out);
+    return 1;
+}
+
+extern "C" int tessera_emu_dequant(uint32_t fmt, const uint8_t* w, uint32_t rows, uint32_t k,
+                                   float* out) {
+    switch (fmt) {
+    case 0: return ts_emu_dequant<TsQ4_0>(w, rows, k, out);
+    case 1: return ts_emu_dequant<TsQ4_1>(w, rows, k, out);
+    case 2: return ts_emu_dequant<TsQ8_0>(w, rows, k, out);
+    case 3: return ts_emu_dequant<TsQ4_K>(w, rows, k, out);
+    case 4: return ts_emu_dequant<TsQ5_K>(w, rows, k, out);
+    case 5: return ts_emu_dequant<TsQ6_K>(w, rows, k, out);
+    case 6: return ts_emu_dequant<TsF32W>(w, rows, k, out);
+    case 7: return ts_emu_dequant<TsF16W>(w, rows, k, out);
+    default: return 0;
+    }
+}

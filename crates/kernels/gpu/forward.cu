@@ -241,6 +241,25 @@ TS_GEMV(q6_k, TsQ6_K)
 TS_GEMV(f32, TsF32W)
 TS_GEMV(f16, TsF16W)
 
+// tessera_fwd_dequant_<format>: a weight's rows expanded to f32 (a thread
+// per item), for the products of long batches (cuBLAS's f32 GEMM).
+#define TS_DEQUANT(name, F)                                                                   \
+    extern "C" __global__ void tessera_fwd_dequant_##name(                                    \
+        const uint8_t* __restrict__ w, float* __restrict__ out, uint32_t rows, uint32_t k) {  \
+        ts_u64 idx = (ts_u64)blockIdx.x * blockDim.x + threadIdx.x;                           \
+        if (idx >= (ts_u64)rows * F::items(k)) return;                                        \
+        ts_dequant_item<F>(w, k, idx, out);                                                   \
+    }
+
+TS_DEQUANT(q4_0, TsQ4_0)
+TS_DEQUANT(q4_1, TsQ4_1)
+TS_DEQUANT(q8_0, TsQ8_0)
+TS_DEQUANT(q4_k, TsQ4_K)
+TS_DEQUANT(q5_k, TsQ5_K)
+TS_DEQUANT(q6_k, TsQ6_K)
+TS_DEQUANT(f32, TsF32W)
+TS_DEQUANT(f16, TsF16W)
+
 #define TS_NORM_THREADS 256
 
 // The sum over the block of one value per thread (every thread gets it).

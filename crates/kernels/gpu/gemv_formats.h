@@ -373,3 +373,26 @@ TS_UNROLL
         }
     }
 }
+
+// Item `idx` of a weight of rows of `k` values (items(k) a row, rows one
+// after another), expanded to f32 into its row of `out` (row-major, `k`
+// floats a row): what the CUDA forward's long batches multiply through
+// cuBLAS.
+template <typename F>
+TS_INLINE void ts_dequant_item(const uint8_t* w, uint32_t k, ts_u64 idx, float* out) {
+    uint32_t items = F::items(k);
+    ts_u64 row = idx / items;
+    uint32_t i = (uint32_t)(idx % items);
+    typename F::Raw raw;
+    F::load(w + row * F::row_bytes(k), i, raw);
+    uint32_t off[F::RUNS];
+    F::offsets(i, off);
+    float v[F::RUNS * 4];
+    F::expand(raw, i, v);
+    float* o = out + row * k;
+    TS_UNROLL
+    for (int q = 0; q < F::RUNS; q++) {
+        TS_UNROLL
+        for (int e = 0; e < 4; e++) o[off[q] + e] = v[4 * q + e];
+    }
+}

@@ -17,6 +17,7 @@
 //! | `TESSERA_CUDA_ATT_PART` | `16`, `32`, `64` | [`Tuning::gpu_att_part`] |
 //! | `TESSERA_CUDA_FUSE_NORM` | `0` | [`Tuning::gpu_fuse_norm`] off |
 //! | `TESSERA_CUDA_FUSE_MERGE` | `0` | [`Tuning::gpu_fuse_merge`] off |
+//! | `TESSERA_CUDA_PREFILL` | `1` | [`Tuning::gpu_prefill`] on |
 
 use std::fmt;
 use std::sync::OnceLock;
@@ -93,6 +94,11 @@ pub struct Tuning {
     /// launch (the last block of the query to finish), instead of a merge
     /// kernel after it.
     pub gpu_fuse_merge: bool,
+    /// The CUDA forward runs batches of more than 64 tokens too (prefill),
+    /// its products as cuBLAS f32 GEMMs on weights expanded to f32
+    /// (default: those batches run the reference forward). Off until
+    /// measured on a GPU.
+    pub gpu_prefill: bool,
 }
 
 impl Default for Tuning {
@@ -107,6 +113,7 @@ impl Default for Tuning {
             gpu_att_part: None,
             gpu_fuse_norm: true,
             gpu_fuse_merge: true,
+            gpu_prefill: false,
         }
     }
 }
@@ -133,6 +140,7 @@ impl Tuning {
                 .filter(|p: &usize| [16, 32, 64].contains(p)),
             gpu_fuse_norm: var("TESSERA_CUDA_FUSE_NORM").as_deref() != Some("0"),
             gpu_fuse_merge: var("TESSERA_CUDA_FUSE_MERGE").as_deref() != Some("0"),
+            gpu_prefill: var("TESSERA_CUDA_PREFILL").as_deref() == Some("1"),
         }
     }
 }

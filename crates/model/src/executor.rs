@@ -8,7 +8,8 @@
 //!
 //! Executors today: the CPU step-pool forward (`crate::fast`, every batch)
 //! and the CUDA forward (`crate::gpu_forward`, batches of up to
-//! [`GPU_FORWARD_TOKENS`] tokens).
+//! [`GPU_FORWARD_TOKENS`] tokens, and longer ones with the tuning's
+//! `gpu_prefill`).
 
 use std::sync::MutexGuard;
 
@@ -19,8 +20,10 @@ use crate::fast::Fast;
 use crate::llama::{Batch, LayerKv, Llama};
 use crate::Result;
 
-/// Batches of at most this many tokens take the CUDA forward; longer ones
-/// (prefill) the reference forward, whose products are GEMMs.
+/// Batches of at most this many tokens take the CUDA forward's product
+/// kernels; longer ones (prefill) the reference forward, whose products
+/// are GEMMs, or with the tuning's `gpu_prefill` the CUDA forward with its
+/// products as cuBLAS GEMMs.
 #[cfg(feature = "cuda")]
 pub(crate) const GPU_FORWARD_TOKENS: usize = 64;
 
@@ -82,11 +85,17 @@ impl Executor for crate::gpu_forward::GpuForward {
     }
 
     fn describe(&self) -> String {
-        format!("CUDA forward (batches of up to {GPU_FORWARD_TOKENS} tokens; longer ones the reference)")
+        if tessera_kernels::tuning::get().gpu_prefill {
+            format!(
+                "CUDA forward (batches over {GPU_FORWARD_TOKENS} tokens through cuBLAS f32 GEMMs)"
+            )
+        } else {
+            format!("CUDA forward (batches of up to {GPU_FORWARD_TOKENS} tokens; longer ones the reference)")
+        }
     }
 
     fn forward(&mut self, m: &Llama, batch: &Batch, cache: &[LayerKv]) -> Result<Option<Tensor>> {
-        if batch.tokens.len() > GPU_FORWARD_TOKENS {
+        if batch.tokens.len() > GPU_FORWARD_TOKENS && !tessera_kernels::tuning::get().gpu_prefill {
             return Ok(None);
         }
         crate::gpu_forward::GpuForward::forward(self, m, batch, cache).map(Some)

@@ -104,6 +104,8 @@ struct Bufs {
     gu: Buf,
     act: Buf,
     tmp: Buf,
+    /// A weight expanded to f32 for a long batch's GEMM.
+    deq: Buf,
     slots: Buf,
     sliding_slots: Buf,
     picks: Buf,
@@ -136,6 +138,7 @@ impl Bufs {
             &self.gu,
             &self.act,
             &self.tmp,
+            &self.deq,
             &self.slots,
             &self.sliding_slots,
             &self.picks,
@@ -351,6 +354,22 @@ impl GpuForward {
             b.tmp.at_least(&s, t * hidden)?;
             b.last.at_least(&s, picks.len() * hidden)?;
             b.logits.at_least(&s, picks.len() * vocab)?;
+            if t > GEMV_TOKENS {
+                let most = self
+                    .layers
+                    .iter()
+                    .flat_map(|l| {
+                        l.qkv
+                            .iter()
+                            .chain(&l.gate_up)
+                            .map(|(w, _)| w)
+                            .chain([&l.o, &l.down])
+                    })
+                    .map(|w| w.rows * w.k)
+                    .max()
+                    .unwrap_or(0);
+                b.deq.at_least(&s, most)?;
+            }
         }
         // The caches' addresses, read once per pair of tensors (reading
         // one records an event on the stream).
@@ -503,6 +522,17 @@ impl GpuForward {
             Activation::Silu => 0,
             Activation::GeluTanh => 1,
         };
+        // A long batch's products: f32 GEMMs on the weights expanded to
+        // f32, each read once, instead of kernels that read them once per
+        // few tokens.
+        let gemm = t > GEMV_TOKENS;
+        let product = |w: &DevWeight, io: &GemvIo| {
+            if gemm {
+                self.k.gemm(w, io, b.deq.ptr)
+            } else {
+                self.k.gemv(w, io)
+            }
+        };
         // A block's output into the residual stream: by the product's own
         // epilogue, or (post-norm, residual scale) through `tmp`.
         let into = |post: u64| {
@@ -518,7 +548,7 @@ impl GpuForward {
             let (cos, sin) = &b.rope[m.layer_rope[l]];
             let (input, norm) = self.normed(x, h, layer.attn_norm, (t, hidden), eps)?;
             for (w, col) in &layer.qkv {
-                self.k.gemv(
+                product(
                     w,
                     &GemvIo {
                         x: input,
@@ -587,7 +617,7 @@ impl GpuForward {
                 None => self.k.attention((q, att), kv, &meta, (nh, kvh, hd))?,
             }
             let (y, acc) = into(layer.post_attn_norm);
-            self.k.gemv(
+            product(
                 &layer.o,
                 &GemvIo {
                     x: att,
@@ -606,7 +636,7 @@ impl GpuForward {
             let (input, norm) = self.normed(x, h, layer.ffn_norm, (t, hidden), eps)?;
             match &layer.gate_up[..] {
                 // Stacked: the activation in the product's own pass.
-                [(w, 0)] => self.k.glu(
+                [(w, 0)] if !gemm => self.k.glu(
                     w,
                     &GemvIo {
                         x: input,
@@ -621,7 +651,7 @@ impl GpuForward {
                 )?,
                 parts => {
                     for (w, col) in parts {
-                        self.k.gemv(
+                        product(
                             w,
                             &GemvIo {
                                 x: input,
@@ -638,7 +668,7 @@ impl GpuForward {
                 }
             }
             let (y, acc) = into(layer.post_ffn_norm);
-            self.k.gemv(
+            product(
                 &layer.down,
                 &GemvIo {
                     x: act,
@@ -704,6 +734,11 @@ impl GpuForward {
         }
     }
 }
+
+/// Batches of more tokens than this run their products as GEMMs
+/// ([`Forward::gemm`]; only with the tuning's `gpu_prefill`: the executor
+/// gives longer batches to the reference forward otherwise).
+const GEMV_TOKENS: usize = crate::executor::GPU_FORWARD_TOKENS;
 
 /// Graphs kept at once (a new shape past this many starts over).
 const MAX_GRAPHS: usize = 32;

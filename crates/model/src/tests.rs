@@ -1308,7 +1308,9 @@ fn gpu_forward_follows_the_cpu_reference_on_every_family() {
 /// candle reference on the CPU, in every GGML block format it has a
 /// product kernel for, on tiny generated Llama, Qwen2 (biases), Gemma 3 (q/k norms,
 /// post-norms, GELU, sliding windows) and Granite (scales) files: a
-/// 40-token prompt in chunks of 16, then greedy tokens, over an f32 cache;
+/// 100-token prompt in chunks of 80 (the first one a long batch: with
+/// `TESSERA_CUDA_PREFILL=1`, cuBLAS GEMMs), then greedy tokens, over an
+/// f32 cache;
 /// and, for each file, the f16 cache (the default: the K/V store converts
 /// in the kernel) against the reference forward on the GPU over the same
 /// f16 cache. The forward must be
@@ -1322,7 +1324,9 @@ fn cuda_forward_follows_the_cpu_reference_in_every_format() {
         return;
     };
     let dir = tiny_hf_dir(256, 4);
-    let ids: Vec<u32> = (0..40).map(|i| (i * 11 + 5) % 200).collect();
+    // A first chunk over 64 tokens: the reference forward's, or with
+    // TESSERA_CUDA_PREFILL=1 the CUDA forward's GEMMs.
+    let ids: Vec<u32> = (0..100).map(|i| (i * 11 + 5) % 200).collect();
     for arch in ["llama", "qwen2", "gemma3", "granite"] {
         for dtype in [
             GgmlDType::Q4_0,
@@ -1337,7 +1341,7 @@ fn cuda_forward_follows_the_cpu_reference_in_every_format() {
             let cpu = Model::load(&path, &mut |_, _| {}).unwrap();
             let gpu = Model::load_on(&path, &dev, &mut |_, _| {}).unwrap();
             let run = |m: &Model, cache, reference| {
-                crate::testing::paged_greedy_with(&m.llama, &ids, 16, 16, cache, None, reference)
+                crate::testing::paged_greedy_with(&m.llama, &ids, 16, 80, cache, None, reference)
                     .unwrap()
             };
             let label = format!("{arch} {dtype:?}");

@@ -295,6 +295,7 @@ mod tests {
             lane: u32,
             sum: *mut f32,
         ) -> i32;
+        fn tessera_emu_dequant(fmt: u32, w: *const u8, rows: u32, k: u32, out: *mut f32) -> i32;
         fn tessera_emu_gemv_item(
             fmt: u32,
             row: *const u8,
@@ -307,7 +308,8 @@ mod tests {
     /// The CUDA products' block formats (`gpu/gemv_formats.h`, which
     /// `gpu/forward.cu` includes) expand every item of a row to candle's
     /// dequantization of the row, bit for bit, and their items cover each
-    /// value once: rows of several magnitudes and signs in each format.
+    /// value once: rows of several magnitudes and signs in each format;
+    /// the dequantizing kernel's threads give the same row.
     #[test]
     fn gemv_items_expand_to_the_dequantized_weights_in_every_format() -> Result<()> {
         use candle_core::quantized::{GgmlDType, QTensor};
@@ -380,6 +382,16 @@ mod tests {
                         w.to_bits(),
                         "{dtype:?} value {j}: {g} against {w}"
                     );
+                }
+                // The same through tessera_fwd_dequant_*'s threads.
+                let mut out = vec![f32::NAN; k];
+                // SAFETY: one row of k values in the format; out holds k.
+                let ok = unsafe {
+                    tessera_emu_dequant(fmt, buf.as_ptr().cast(), 1, k as u32, out.as_mut_ptr())
+                };
+                assert_eq!(ok, 1);
+                for (j, (g, w)) in out.iter().zip(&want).enumerate() {
+                    assert_eq!(g.to_bits(), w.to_bits(), "dequant {dtype:?} value {j}");
                 }
             }
         }

@@ -8,6 +8,7 @@
 
 use std::sync::Arc;
 
+use candle_core::cuda_backend::cudarc::cublas::{self, CudaBlas};
 use candle_core::cuda_backend::cudarc::driver::{
     CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
 };
@@ -237,6 +238,10 @@ pub struct Forward {
     /// the same two of the gated activation over a stacked gate|up weight;
     /// then the two single-token ones of a normalized input.
     gemv: Vec<(GemvFormat, [[CudaFunction; 6]; 3])>,
+    /// Per format: its rows expanded to f32 (long batches' products).
+    dequant: Vec<(GemvFormat, CudaFunction)>,
+    /// candle's cuBLAS handle (on the same stream).
+    blas: Arc<CudaBlas>,
     norm: CudaFunction,
     residual: CudaFunction,
     act_mul: CudaFunction,
@@ -279,12 +284,18 @@ impl Forward {
                 Ok((g, [set(1)?, set(2)?, set(4)?]))
             })
             .collect::<Result<Vec<_>>>()?;
+        let dequant = GemvFormat::ALL
+            .iter()
+            .map(|&g| Ok((g, f(&format!("tessera_fwd_dequant_{}", g.name()))?)))
+            .collect::<Result<Vec<_>>>()?;
         let qkv = ["f32", "f16", "bf16"]
             .into_iter()
             .map(|c| Ok((c, f(&format!("tessera_fwd_qkv_{c}"))?)))
             .collect::<Result<Vec<_>>>()?;
         Ok(Forward {
             dev: dev.clone(),
+            dequant,
+            blas: dev.cublas_handle(),
             norm: f("tessera_fwd_rms_norm")?,
             residual: f("tessera_fwd_residual")?,
             act_mul: f("tessera_fwd_act_mul")?,
@@ -415,6 +426,70 @@ impl Forward {
         // their strides, w its rows of `k` values in its format, and nw
         // (when normalizing) k floats.
         unsafe { b.launch(cfg) }.w()?;
+        Ok(())
+    }
+
+    /// `y = W·x` (or `y += W·x`) for every input row as one f32 GEMM
+    /// (cuBLAS, f32 arithmetic throughout: no TF32, no 8-bit activations)
+    /// on the weight expanded to f32 into `scratch` (room for `rows · k`
+    /// floats): long batches, where the products' kernels would read the
+    /// weight once per few tokens. `io.norm` must be `None`.
+    pub fn gemm(&self, w: &DevWeight, io: &GemvIo, scratch: u64) -> Result<()> {
+        if io.norm.is_some() || !io.x_stride.is_multiple_of(4) {
+            bail!(
+                "gemm: inputs normalized by the product, or {} floats apart",
+                io.x_stride
+            )
+        }
+        if io.tokens == 0 || w.rows == 0 {
+            return Ok(());
+        }
+        let (_, f) = self
+            .dequant
+            .iter()
+            .find(|(g, _)| *g == w.format)
+            .expect("a kernel per format");
+        let items = w.rows * w.format.items(w.k);
+        let (rows, k) = (u(w.rows), u(w.k));
+        let mut b = self.stream.launch_builder(f);
+        b.arg(&w.ptr);
+        b.arg(&scratch);
+        b.arg(&rows);
+        b.arg(&k);
+        let cfg = LaunchConfig {
+            grid_dim: (u(items.div_ceil(256)), 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: w holds `rows` rows of `k` values in its format and
+        // scratch room for rows · k floats.
+        unsafe { b.launch(cfg) }.w()?;
+        // Column-major: Y^T (rows × tokens, ld y_stride) = W'^T (W' is
+        // k × rows, ld k) · X^T (k × tokens, ld x_stride).
+        let (alpha, beta) = (1f32, if io.acc { 1f32 } else { 0f32 });
+        let c = |x: usize| x as std::os::raw::c_int;
+        // SAFETY: the caller's buffers hold `tokens` rows of x and y at
+        // their strides; scratch holds the weight's rows · k floats; the
+        // handle runs on this forward's stream.
+        unsafe {
+            cublas::result::sgemm(
+                *self.blas.handle(),
+                cublas::sys::cublasOperation_t::CUBLAS_OP_T,
+                cublas::sys::cublasOperation_t::CUBLAS_OP_N,
+                c(w.rows),
+                c(io.tokens),
+                c(w.k),
+                &alpha,
+                scratch as *const f32,
+                c(w.k),
+                io.x as *const f32,
+                c(io.x_stride),
+                &beta,
+                io.y as *mut f32,
+                c(io.y_stride),
+            )
+        }
+        .map_err(|e| candle_core::Error::Msg(format!("cuBLAS sgemm: {e:?}")))?;
         Ok(())
     }
 
