@@ -305,6 +305,22 @@ mod tests {
         ) -> i32;
     }
 
+    /// A quantized tensor's blocks at a 16-byte aligned address, as on the
+    /// GPU, and their length in bytes.
+    fn aligned_blocks(q: &candle_core::quantized::QTensor) -> Result<(Vec<u128>, usize)> {
+        let bytes = q.data()?;
+        let mut buf = vec![0u128; bytes.len().div_ceil(16)];
+        // SAFETY: `buf` holds at least `bytes.len()` bytes.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                bytes.as_ptr(),
+                buf.as_mut_ptr().cast::<u8>(),
+                bytes.len(),
+            )
+        };
+        Ok((buf, bytes.len()))
+    }
+
     /// The CUDA products' block formats (`gpu/gemv_formats.h`, which
     /// `gpu/forward.cu` includes) expand every item of a row to candle's
     /// dequantization of the row, bit for bit, and their items cover each
@@ -341,17 +357,7 @@ mod tests {
                     .dequantize(&Device::Cpu)?
                     .flatten_all()?
                     .to_vec1::<f32>()?;
-                // The blocks at a 16-byte aligned address, as on the GPU.
-                let bytes = q.data()?;
-                let mut buf = vec![0u128; bytes.len().div_ceil(16)];
-                // SAFETY: `buf` holds at least `bytes.len()` bytes.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        bytes.as_ptr(),
-                        buf.as_mut_ptr().cast::<u8>(),
-                        bytes.len(),
-                    )
-                };
+                let (buf, _) = aligned_blocks(&q)?;
                 let mut got = vec![None; k];
                 for i in 0..k / per_item {
                     let (mut w, mut off) = ([0f32; 16], [0u32; 4]);
@@ -433,19 +439,10 @@ mod tests {
             for (fmt, dtype) in formats.into_iter().enumerate() {
                 let q = QTensor::quantize(&src, dtype)?;
                 let deq = q.dequantize(&Device::Cpu)?.to_vec2::<f32>()?;
-                let bytes = q.data()?;
-                let mut buf = vec![0u128; bytes.len().div_ceil(16)];
-                // SAFETY: `buf` holds at least `bytes.len()` bytes.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        bytes.as_ptr(),
-                        buf.as_mut_ptr().cast::<u8>(),
-                        bytes.len(),
-                    )
-                };
+                let (buf, len) = aligned_blocks(&q)?;
                 let base = buf.as_ptr().cast::<u8>();
                 // SAFETY: the second row starts one row's bytes in.
-                let rows = [base, unsafe { base.add(bytes.len() / 2) }];
+                let rows = [base, unsafe { base.add(len / 2) }];
                 for (kind, mt, nr, tokens) in [
                     (0u32, 1usize, 1usize, &[1u32][..]),
                     (1, 1, 2, &[1]),
