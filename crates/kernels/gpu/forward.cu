@@ -74,52 +74,35 @@ __device__ __forceinline__ void ts_row_total(float* sum) {
     }
 }
 
-// The RMSNorm (weights nw) of the block's nt token rows of x (k values
-// each, `x_stride` floats apart, 16-byte aligned), written to the block's
-// dynamic shared memory as rows of k (the launcher sizes it nt·k floats):
-// x · scale · nw, the products of tessera_fwd_rms_norm in its order. Every
-// thread of the block calls it (two barriers).
-template <int MT>
-__device__ __forceinline__ const float* ts_stage_norm(const float* __restrict__ x,
-                                                      uint32_t x_stride, uint32_t nt, uint32_t k,
+// The RMSNorm (weights nw) of a token's row of x (k values, 16-byte
+// aligned), written to the block's dynamic shared memory (the launcher
+// sizes it k floats): x · scale · nw, the products of tessera_fwd_rms_norm
+// in its order. Every thread of the block calls it (two barriers).
+__device__ __forceinline__ const float* ts_stage_norm(const float* __restrict__ x, uint32_t k,
                                                       const float* __restrict__ nw, float eps) {
     extern __shared__ float4 ts_xn4[];
-    float* xn = (float*)ts_xn4;
-    __shared__ float red[TS_FWD_WARPS][MT];
+    __shared__ float red[TS_FWD_WARPS];
     uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, k4 = k / 4;
-    float ss[MT];
-#pragma unroll
-    for (int t = 0; t < MT; t++) {
-        ss[t] = 0.0f;
-        if (t < nt) {
-            const float4* xt = (const float4*)(x + (size_t)t * x_stride);
-            for (uint32_t i = threadIdx.x; i < k4; i += TS_FWD_THREADS) {
-                float4 v = xt[i];
-                ss[t] += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-            }
-        }
-        ss[t] = ts_fwd_warp_sum(ss[t]);
-        if (lane == 0) red[warp][t] = ss[t];
+    const float4* x4 = (const float4*)x;
+    float ss = 0.0f;
+    for (uint32_t i = threadIdx.x; i < k4; i += TS_FWD_THREADS) {
+        float4 v = x4[i];
+        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+    }
+    ss = ts_fwd_warp_sum(ss);
+    if (lane == 0) red[warp] = ss;
+    __syncthreads();
+    float tot = 0.0f;
+    for (int w = 0; w < TS_FWD_WARPS; w++) tot += red[w];
+    float scale = rsqrtf(tot / (float)k + eps);
+    const float4* w4 = (const float4*)nw;
+    for (uint32_t i = threadIdx.x; i < k4; i += TS_FWD_THREADS) {
+        float4 v = x4[i], g = w4[i];
+        ts_xn4[i] = make_float4(v.x * scale * g.x, v.y * scale * g.y, v.z * scale * g.z,
+                                v.w * scale * g.w);
     }
     __syncthreads();
-#pragma unroll
-    for (int t = 0; t < MT; t++) {
-        if (t < nt) {
-            float tot = 0.0f;
-            for (int w = 0; w < TS_FWD_WARPS; w++) tot += red[w][t];
-            float scale = rsqrtf(tot / (float)k + eps);
-            const float4* xt = (const float4*)(x + (size_t)t * x_stride);
-            const float4* w4 = (const float4*)nw;
-            float4* o = ts_xn4 + (size_t)t * k4;
-            for (uint32_t i = threadIdx.x; i < k4; i += TS_FWD_THREADS) {
-                float4 v = xt[i], g = w4[i];
-                o[i] = make_float4(v.x * scale * g.x, v.y * scale * g.y, v.z * scale * g.z,
-                                   v.w * scale * g.w);
-            }
-        }
-    }
-    __syncthreads();
-    return xn;
+    return (const float*)ts_xn4;
 }
 
 // y[t][r] (= or +=) sum_i W[r][i] x[t][i] for the block's rows (WPR warps
@@ -139,10 +122,8 @@ __device__ void ts_gemv(const uint8_t* __restrict__ w, const float* __restrict__
     uint32_t t0 = blockIdx.y * MT;
     uint32_t nt = tokens - t0 < (uint32_t)MT ? tokens - t0 : (uint32_t)MT;
     const float* xs = x + (size_t)t0 * x_stride;
-    if (NORM) {
-        xs = ts_stage_norm<MT>(xs, x_stride, nt, k, nw, eps);
-        x_stride = k;
-    }
+    static_assert(!NORM || MT == 1, "normalized inputs: one token");
+    if (NORM) xs = ts_stage_norm(xs, k, nw, eps);
     float sum[MT];
 #pragma unroll
     for (int t = 0; t < MT; t++) sum[t] = 0.0f;
@@ -180,10 +161,8 @@ __device__ void ts_glu(const uint8_t* __restrict__ w, const float* __restrict__ 
     uint32_t t0 = blockIdx.y * MT;
     uint32_t nt = tokens - t0 < (uint32_t)MT ? tokens - t0 : (uint32_t)MT;
     const float* xs = x + (size_t)t0 * x_stride;
-    if (NORM) {
-        xs = ts_stage_norm<MT>(xs, x_stride, nt, k, nw, eps);
-        x_stride = k;
-    }
+    static_assert(!NORM || MT == 1, "normalized inputs: one token");
+    if (NORM) xs = ts_stage_norm(xs, k, nw, eps);
     // The gate's sums, then the up's (for one token, both rows' loads in
     // flight together): one total over both.
     float gu[2 * MT];

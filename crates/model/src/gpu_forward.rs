@@ -8,11 +8,12 @@
 //! RoPE and the K/V store in one kernel; paged attention; the output
 //! product added into the residual stream by its own epilogue; gate and
 //! up with the gated activation, of the next RMSNorm; the down product
-//! added into the residual. (A norm whose rows do not fit a product
-//! block's shared memory runs as a kernel of its own before it.) Post-norms and residual scales (Gemma
-//! 3, Granite) take one more kernel each. The quantized products read the
-//! GGML blocks where the loader put them and multiply them in f32 with
-//! f32 activations, as the reference does (no 8-bit activations).
+//! added into the residual. (Several tokens, or a row too long for a
+//! block's shared memory, take a norm kernel before the products.)
+//! Post-norms and residual scales (Gemma 3, Granite) take one more kernel
+//! each. The quantized products read the GGML blocks where the loader put
+//! them and multiply them in f32 with f32 activations, as the reference
+//! does (no 8-bit activations).
 //!
 //! What it does not run (weights in other formats or dense safetensors
 //! tensors, OLMo 2's whole-row q/k norm, head dims over 256) is reported
@@ -177,6 +178,9 @@ pub(crate) struct GpuForward {
     cache_refs: HashMap<(TensorId, TensorId), CacheRef>,
     /// The decode shape of the step before, when it was launched directly.
     last_shape: Option<GraphKey>,
+    /// Values of the largest layer weight: what a long batch's GEMMs
+    /// expand to f32 at once.
+    largest: usize,
 }
 
 fn weight(w: &QLinear) -> std::result::Result<DevWeight, String> {
@@ -273,9 +277,22 @@ impl GpuForward {
         let k = Forward::new(dev)?;
         let mut bufs = Bufs::default();
         bufs.rope.resize_with(m.inv_freqs.len(), Default::default);
+        let largest = layers
+            .iter()
+            .flat_map(|l| {
+                l.qkv
+                    .iter()
+                    .chain(&l.gate_up)
+                    .map(|(w, _)| w)
+                    .chain([&l.o, &l.down])
+            })
+            .map(|w| w.rows * w.k)
+            .max()
+            .unwrap_or(0);
         Ok(Ok(GpuForward {
             k,
             stream: dev.cuda_stream(),
+            largest,
             layers,
             norm,
             head,
@@ -355,20 +372,7 @@ impl GpuForward {
             b.last.at_least(&s, picks.len() * hidden)?;
             b.logits.at_least(&s, picks.len() * vocab)?;
             if t > GEMV_TOKENS {
-                let most = self
-                    .layers
-                    .iter()
-                    .flat_map(|l| {
-                        l.qkv
-                            .iter()
-                            .chain(&l.gate_up)
-                            .map(|(w, _)| w)
-                            .chain([&l.o, &l.down])
-                    })
-                    .map(|w| w.rows * w.k)
-                    .max()
-                    .unwrap_or(0);
-                b.deq.at_least(&s, most)?;
+                b.deq.at_least(&s, self.largest)?;
             }
         }
         // The caches' addresses, read once per pair of tensors (reading

@@ -80,9 +80,9 @@ const BLOCK_WARPS: u32 = 4;
 /// The warps per row the products are compiled for (`_w1`, `_w2`, `_w4`).
 const ROW_WARPS: [u32; 3] = [1, 2, 4];
 const NORM_THREADS: u32 = 256;
-/// The most shared memory a product that normalizes its inputs may stage
-/// them in (a block's tokens' rows, f32): under the 48 KiB a block gets
-/// without opting in, with room for the kernels' own reduction arrays.
+/// The most shared memory a product that normalizes its input may stage
+/// it in (the token's row, f32): under the 48 KiB a block gets without
+/// opting in, with room for the kernels' own reduction arrays.
 const NORM_STAGE_BYTES: usize = 46 * 1024;
 
 /// A weight's storage as the GEMV kernels read it.
@@ -375,7 +375,6 @@ impl Forward {
         if io.tokens == 0 || rows == 0 {
             return Ok(());
         }
-
         let (_, fs) = self
             .gemv
             .iter()
