@@ -309,20 +309,13 @@ impl ToolSyntax {
         choice: &ToolChoice,
         parallel: bool,
     ) -> Result<Option<Constraint>, String> {
-        if *choice == ToolChoice::Auto {
-            if self.format == ToolFormat::Llama3 || tools.is_empty() {
-                return Ok(None);
-            }
-            let then = self.constraint(tools, &ToolChoice::Required, parallel)?;
-            return Ok(then.map(|then| Constraint::After {
-                trigger: self.opener().to_string(),
-                token: self.opener_token,
-                then: Box::new(then),
-            }));
-        }
         let chosen: Vec<&ToolSpec> = match choice {
-            ToolChoice::Auto | ToolChoice::None => return Ok(None),
-            ToolChoice::Required => tools.iter().collect(),
+            ToolChoice::None => return Ok(None),
+            // No marker opens Llama 3's calls: nothing to wait for.
+            ToolChoice::Auto if self.format == ToolFormat::Llama3 || tools.is_empty() => {
+                return Ok(None)
+            }
+            ToolChoice::Required | ToolChoice::Auto => tools.iter().collect(),
             ToolChoice::Named(n) => {
                 let t = tools.iter().find(|t| &t.name == n).ok_or_else(|| {
                     format!("tool_choice names `{n}`, which is not among the tools")
@@ -333,7 +326,7 @@ impl ToolSyntax {
         if chosen.is_empty() {
             return Err("tool_choice `required` needs at least one tool".into());
         }
-        let many = parallel && matches!(choice, ToolChoice::Required);
+        let many = parallel && matches!(choice, ToolChoice::Required | ToolChoice::Auto);
         // The JSON syntaxes' schema of one call.
         let one = || {
             let key = match self.format {
@@ -387,7 +380,16 @@ impl ToolSyntax {
             }
             ToolFormat::Pythonic => pythonic_grammar(&chosen, many),
         };
-        Ok(Some(Constraint::Lark(lark)))
+        let calls = Constraint::Lark(lark);
+        Ok(Some(match choice {
+            // Free until the marker, then the calls.
+            ToolChoice::Auto => Constraint::After {
+                trigger: self.opener().to_string(),
+                token: self.opener_token,
+                then: Box::new(calls),
+            },
+            _ => calls,
+        }))
     }
 
     /// Streaming: of `text` (the answer so far not yet sent), how much may
