@@ -487,6 +487,8 @@ fn bench_matvec(c: &mut Criterion) {
         ("q5_k_down_576x1536", GgmlDType::Q5K, 576, 1536, 1),
         ("q6_k_down_576x1536", GgmlDType::Q6K, 576, 1536, 1),
         ("q4_k_down_576x1536_64", GgmlDType::Q4K, 576, 1536, 64),
+        ("q5_k_down_576x1536_64", GgmlDType::Q5K, 576, 1536, 64),
+        ("q6_k_down_576x1536_64", GgmlDType::Q6K, 576, 1536, 64),
     ] {
         let data = quantized(dtype, n, k);
         let weights = Weights::new(WeightFormat::from_ggml(dtype), &data, n, k).unwrap();

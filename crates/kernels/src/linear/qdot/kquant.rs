@@ -549,19 +549,23 @@ mod x86 {
         ))
     }
 
-    /// One level's sum for a sub-block: plain (Q4_K, Q5_K) or with Q6_K's
-    /// half scales and offset.
+    /// One level's sum for a sub-block, as f32: plain (Q4_K, Q5_K) or with
+    /// Q6_K's half scales (`sc`, as f32) and offset. Q6_K's scaled sum is
+    /// the integer `sc₀·lo + sc₁·hi` exactly: `|lo|, |hi| ≤ 16·32·127`
+    /// and `|sc| ≤ 128`, so the product and the sum stay below 2²⁴. The
+    /// float multiply and multiply-add take the place of two `vpmulld`,
+    /// which are slower on the ports `vpdpbusd` needs.
     #[inline(always)]
     unsafe fn level512(
         q6: bool,
         a: &ActBlock,
         l: usize,
         wv: &[__m512i; 8],
-        sc: (__m512i, __m512i),
-    ) -> __m512i {
+        sc: (__m512, __m512),
+    ) -> __m512 {
         if !q6 {
             let q = |j| _mm512_set1_epi32(quad(&a.q[l], j));
-            return chains512(_mm512_setzero_si512(), |j| (wv[j], q(j)));
+            return _mm512_cvtepi32_ps(chains512(_mm512_setzero_si512(), |j| (wv[j], q(j))));
         }
         let mut lo = _mm512_set1_epi32(-32 * a.h[l]);
         let mut hi = _mm512_set1_epi32(-32 * (a.s[l] - a.h[l]));
@@ -569,7 +573,8 @@ mod x86 {
             lo = _mm512_dpbusd_epi32(lo, wv[j], _mm512_set1_epi32(quad(&a.q[l], j)));
             hi = _mm512_dpbusd_epi32(hi, wv[j + 4], _mm512_set1_epi32(quad(&a.q[l], j + 4)));
         }
-        _mm512_add_epi32(_mm512_mullo_epi32(lo, sc.0), _mm512_mullo_epi32(hi, sc.1))
+        let lo = _mm512_mul_ps(_mm512_cvtepi32_ps(lo), sc.0);
+        _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), sc.1, lo)
     }
 
     /// # Safety
@@ -631,14 +636,12 @@ mod x86 {
                     }
                 }
                 let (scale, min, sc) = if q6 {
-                    let sc = (
-                        _mm512_cvtepi8_epi32(bytes(32 + 16 * 2 * j)),
-                        _mm512_cvtepi8_epi32(bytes(32 + 16 * (2 * j + 1))),
-                    );
+                    let f = |at: usize| _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes(at)));
+                    let sc = (f(32 + 16 * 2 * j), f(32 + 16 * (2 * j + 1)));
                     (d, _mm512_setzero_ps(), sc)
                 } else {
                     let f = |at: usize| _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes(at)));
-                    let z = _mm512_setzero_si512();
+                    let z = _mm512_setzero_ps();
                     (
                         _mm512_mul_ps(d, f(64 + 16 * j)),
                         _mm512_mul_ps(dmin, f(64 + 16 * GROUP / 2 + 16 * j)),
@@ -649,10 +652,10 @@ mod x86 {
                 unrolled!(NI, |i| {
                     let a: &ActBlock = &ins[i][8 * sb + j];
                     let a1 = level512(q6, a, 0, &wv, sc);
-                    let mut s = _mm512_mul_ps(_mm512_cvtepi32_ps(a1), _mm512_set1_ps(a.d[0]));
+                    let mut s = _mm512_mul_ps(a1, _mm512_set1_ps(a.d[0]));
                     if TWO {
                         let a2 = level512(q6, a, 1, &wv, sc);
-                        s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a2), _mm512_set1_ps(a.d[1]), s);
+                        s = _mm512_fmadd_ps(a2, _mm512_set1_ps(a.d[1]), s);
                     }
                     y[i] = _mm512_fmadd_ps(scale, s, y[i]);
                     if !q6 {
@@ -697,11 +700,12 @@ mod x86 {
         a: &ActBlock,
         l: usize,
         wv: &[__m256i; 8],
-        sc: (__m256i, __m256i),
-    ) -> __m256i {
+        sc: (__m256, __m256),
+    ) -> __m256 {
         let q = |j| _mm256_set1_epi32(quad(&a.q[l], j));
         if kind != Kind::Q6K {
-            return D::chains(_mm256_setzero_si256(), kind.bits(), |j| (wv[j], q(j)));
+            let sum = D::chains(_mm256_setzero_si256(), kind.bits(), |j| (wv[j], q(j)));
+            return _mm256_cvtepi32_ps(sum);
         }
         let mut lo = _mm256_set1_epi32(-32 * a.h[l]);
         let mut hi = _mm256_set1_epi32(-32 * (a.s[l] - a.h[l]));
@@ -709,7 +713,8 @@ mod x86 {
             lo = D::dot2(lo, (wv[j], q(j)), (wv[j + 1], q(j + 1)));
             hi = D::dot2(hi, (wv[j + 4], q(j + 4)), (wv[j + 5], q(j + 5)));
         }
-        _mm256_add_epi32(_mm256_mullo_epi32(lo, sc.0), _mm256_mullo_epi32(hi, sc.1))
+        let lo = _mm256_mul_ps(_mm256_cvtepi32_ps(lo), sc.0);
+        _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), sc.1, lo)
     }
 
     /// The 16 rows as two registers of 8, both halves of each sub-block
@@ -779,14 +784,12 @@ mod x86 {
                         }
                     }
                     let (scale, min, sc) = if q6 {
-                        let sc = (
-                            _mm256_cvtepi8_epi32(eight(32 + 16 * 2 * j)),
-                            _mm256_cvtepi8_epi32(eight(32 + 16 * (2 * j + 1))),
-                        );
+                        let f = |at: usize| _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight(at)));
+                        let sc = (f(32 + 16 * 2 * j), f(32 + 16 * (2 * j + 1)));
                         (d[half], _mm256_setzero_ps(), sc)
                     } else {
                         let f = |at: usize| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eight(at)));
-                        let z = _mm256_setzero_si256();
+                        let z = _mm256_setzero_ps();
                         (
                             _mm256_mul_ps(d[half], f(64 + 16 * j)),
                             _mm256_mul_ps(dmin[half], f(64 + 16 * GROUP / 2 + 16 * j)),
@@ -798,10 +801,10 @@ mod x86 {
                     unrolled!(NI, |i| {
                         let a: &ActBlock = &ins[i][8 * sb + j];
                         let a1 = level256::<D>(kind, a, 0, &wv, sc);
-                        let mut s = _mm256_mul_ps(_mm256_cvtepi32_ps(a1), _mm256_set1_ps(a.d[0]));
+                        let mut s = _mm256_mul_ps(a1, _mm256_set1_ps(a.d[0]));
                         if TWO {
                             let a2 = level256::<D>(kind, a, 1, &wv, sc);
-                            s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a2), _mm256_set1_ps(a.d[1]), s);
+                            s = _mm256_fmadd_ps(a2, _mm256_set1_ps(a.d[1]), s);
                         }
                         y[i] = _mm256_fmadd_ps(scale, s, y[i]);
                         if !q6 {
