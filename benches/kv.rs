@@ -524,6 +524,17 @@ fn bench_matvec(c: &mut Criterion) {
         // forward does.
         let packed = Packed::pack(&weights).expect("a format with an integer path");
         let mut acts = vec![ActBlock::default(); t * k / 32];
+        if t > 1 && dtype == GgmlDType::Q4K {
+            // The quantization alone, for the shape's inputs.
+            g.bench_function(format!("quantize_{t}x{k}_int8x2"), |b| {
+                b.iter(|| {
+                    for i in 0..t {
+                        quantize_row(&x[i * k..(i + 1) * k], 2, &mut acts[i * k / 32..]);
+                    }
+                    black_box(&acts);
+                })
+            });
+        }
         for act in [Activations::Int8x2, Activations::Int8] {
             let levels = act.levels();
             g.bench_function(format!("{name}_{}", act.name()), |b| {

@@ -640,10 +640,12 @@ fn level(v: &[f32; 32]) -> (f32, [i8; 32]) {
     for &x in &m {
         amax = amax.max(x);
     }
-    if amax == 0.0 {
+    let id = 127.0 / amax;
+    if id == f32::INFINITY {
+        // All zero, or so small (below 127 / f32::MAX, 3.7e-37) that the
+        // inverse scale overflows: the values are taken as 0.
         return (0.0, [0; 32]);
     }
-    let id = 127.0 / amax;
     let mut q = [0i8; 32];
     for j in 0..32 {
         q[j] = round(v[j] * id).clamp(-127.0, 127.0) as i32 as i8;
@@ -682,12 +684,6 @@ fn quantize_blocks(x: &[f32], levels: usize, out: &mut [ActBlock]) {
     for (xb, o) in x.chunks_exact(32).zip(out.iter_mut()) {
         *o = quantize_block(xb.try_into().expect("32 values"), levels);
     }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn quantize_avx2(x: &[f32], levels: usize, out: &mut [ActBlock]) {
-    quantize_blocks(x, levels, out)
 }
 
 /// Quantizes one activation row (`x.len()` a multiple of 32) to `levels`
@@ -947,7 +943,7 @@ fn tile_portable<const K: u8, const TWO: bool, const NI: usize>(
 }
 
 #[cfg(target_arch = "x86_64")]
-use x86::{quantize_avx512, tile_avx2, tile_avx512, tile_avxvnni};
+use x86::{quantize_avx2, quantize_avx512, tile_avx2, tile_avx512, tile_avxvnni};
 
 #[cfg(target_arch = "aarch64")]
 use arm::tile_neon;
@@ -1116,11 +1112,12 @@ mod x86 {
             return None;
         }
         let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-        if amax == 0.0 {
+        let id = 127.0 / amax;
+        if id == f32::INFINITY {
             let z = _mm512_setzero_si512();
             return Some((0.0, z, z));
         }
-        let id = _mm512_set1_ps(127.0 / amax);
+        let id = _mm512_set1_ps(id);
         Some((amax / 127.0, round_ints(lo, id), round_ints(hi, id)))
     }
 
@@ -1232,14 +1229,18 @@ mod x86 {
     }
 
     /// One level's scales of sixteen blocks from their largest magnitudes
-    /// (lane `b` for block `b`): `(amax / 127, 127 / amax)`, the inverse 0
-    /// for an all-zero block (whose values all round to 0).
+    /// (lane `b` for block `b`): `(amax / 127, 127 / amax)`, both 0 for a
+    /// block whose inverse overflows (all zero, or below 3.7e-37: its
+    /// values all become 0, as `super::level` takes them).
     #[inline(always)]
     unsafe fn scales(amax: __m512) -> (__m512, __m512) {
         let (zero, c127) = (_mm512_setzero_ps(), _mm512_set1_ps(127.0));
-        let zeros = _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(amax, zero);
-        let inv = _mm512_mask_blend_ps(zeros, _mm512_div_ps(c127, amax), zero);
-        (_mm512_div_ps(amax, c127), inv)
+        let inv = _mm512_div_ps(c127, amax);
+        let zeros = _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(inv, _mm512_set1_ps(f32::INFINITY));
+        (
+            _mm512_mask_blend_ps(zeros, _mm512_div_ps(amax, c127), zero),
+            _mm512_mask_blend_ps(zeros, inv, zero),
+        )
     }
 
     /// The integers of `v` at the inverse scale `id`: rounded to nearest
@@ -1340,6 +1341,113 @@ mod x86 {
             (o.s[1], o.h[1]) = ints.sums(b);
         }
         true
+    }
+
+    /// One level of 32 values in four 256-bit registers (the steps of
+    /// `super::level`): the scale and the i32 values, or `None` when a
+    /// value is not finite.
+    #[inline(always)]
+    unsafe fn level256(v: &[__m256; 4]) -> Option<(f32, [__m256i; 4])> {
+        let zero = _mm256_setzero_ps();
+        let mut finite = -1i32;
+        for r in v {
+            // x − x is 0 exactly when x is finite.
+            finite &= _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_EQ_OQ>(_mm256_sub_ps(*r, *r), zero));
+        }
+        if finite & 0xFF != 0xFF {
+            return None;
+        }
+        let sign = _mm256_set1_ps(-0.0);
+        let m = _mm256_max_ps(
+            _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+            _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])),
+        );
+        let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+        let id = 127.0 / amax;
+        if id == f32::INFINITY {
+            return Some((0.0, [_mm256_setzero_si256(); 4]));
+        }
+        let id = _mm256_set1_ps(id);
+        let magic = _mm256_set1_ps(12_582_912.0);
+        let (top, bottom) = (_mm256_set1_epi32(127), _mm256_set1_epi32(-127));
+        let mut q = [_mm256_setzero_si256(); 4];
+        for k in 0..4 {
+            let r = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(v[k], id), magic), magic);
+            q[k] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(r), top), bottom);
+        }
+        Some((amax / 127.0, q))
+    }
+
+    /// Stores one level's 32 integers as bytes into `q`: `(Σq, Σ of the
+    /// first sixteen)`.
+    #[inline(always)]
+    unsafe fn store256(q: &mut [i8; 32], v: &[__m256i; 4]) -> (i32, i32) {
+        // packs interleaves 128-bit lanes: [0 1 2 3] of 4-byte runs per
+        // lane, put back in order.
+        let w = _mm256_packs_epi16(
+            _mm256_packs_epi32(v[0], v[1]),
+            _mm256_packs_epi32(v[2], v[3]),
+        );
+        let w = _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256(q.as_mut_ptr() as *mut __m256i, w);
+        let first = hsum256(_mm256_add_epi32(v[0], v[1]));
+        (first + hsum256(_mm256_add_epi32(v[2], v[3])), first)
+    }
+
+    /// The sum of the eight i32 lanes of `r`.
+    #[inline(always)]
+    unsafe fn hsum256(r: __m256i) -> i32 {
+        let r = _mm_add_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256::<1>(r));
+        let r = _mm_add_epi32(r, _mm_shuffle_epi32::<0b01_00_11_10>(r));
+        _mm_cvtsi128_si32(_mm_add_epi32(r, _mm_shuffle_epi32::<0b00_00_00_01>(r)))
+    }
+
+    /// `super::quantize_blocks` in AVX2, a block at a time: the same
+    /// operations, so the same bits.
+    ///
+    /// # Safety
+    /// The CPU has AVX2.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn quantize_avx2(x: &[f32], levels: usize, out: &mut [ActBlock]) {
+        for (xb, o) in x.chunks_exact(32).zip(out.iter_mut()) {
+            let p = xb.as_ptr();
+            let v = [
+                _mm256_loadu_ps(p),
+                _mm256_loadu_ps(p.add(8)),
+                _mm256_loadu_ps(p.add(16)),
+                _mm256_loadu_ps(p.add(24)),
+            ];
+            // Σx by `quantize_block`'s tree: pairs 16 apart, then
+            // `reduce16`'s halvings.
+            let v8 = _mm256_add_ps(_mm256_add_ps(v[0], v[2]), _mm256_add_ps(v[1], v[3]));
+            let v4 = _mm_add_ps(_mm256_castps256_ps128(v8), _mm256_extractf128_ps::<1>(v8));
+            let t = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
+            let xsum = _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+            let mut blk = ActBlock {
+                xsum,
+                ..ActBlock::default()
+            };
+            let Some((d1, q1)) = level256(&v) else {
+                blk.d = [f32::NAN, 0.0];
+                *o = blk;
+                continue;
+            };
+            blk.d[0] = d1;
+            (blk.s[0], blk.h[0]) = store256(&mut blk.q[0], &q1);
+            if levels == 2 {
+                let d = _mm256_set1_ps(d1);
+                let mut r = v;
+                for k in 0..4 {
+                    r[k] = _mm256_sub_ps(v[k], _mm256_mul_ps(d, _mm256_cvtepi32_ps(q1[k])));
+                }
+                let (d2, q2) = level256(&r).expect("finite residuals of finite values");
+                blk.d[1] = d2;
+                (blk.s[1], blk.h[1]) = store256(&mut blk.q[1], &q2);
+            }
+            *o = blk;
+        }
     }
 
     /// [`quantize_avx512`] a block at a time.
@@ -1891,6 +1999,11 @@ mod tests {
         long[20 * 32..21 * 32].fill(0.0);
         long[3] = -0.0;
         long[40] = 1e-30;
+        // A block whose largest value is so small its inverse scale
+        // overflows (all taken as 0 on every path).
+        long[5 * 32..6 * 32].fill(0.0);
+        long[5 * 32 + 9] = -1e-38;
+        long[5 * 32 + 30] = 2e-39;
         long[700] = 3e30;
         long[1100] = -1e-12;
         let mut long_nan = long.clone();
