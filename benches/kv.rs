@@ -409,8 +409,78 @@ fn bench_roofline(c: &mut Criterion) {
         g.bench_function("fma_one_thread", |b| {
             b.iter(|| black_box(run(black_box(ROUNDS))))
         });
+        // The integer kernels' ceiling: `vpdpbusd` (64 byte products a
+        // 512-bit instruction) alone, and beside one f32 multiply-add or
+        // one `vpmulld` for every four, which show whether those take the
+        // same ports (elements: `vpdpbusd` instructions).
+        if is_x86_feature_detected!("avx512vnni") {
+            g.throughput(Throughput::Elements(ROUNDS as u64 * 12));
+            for (name, run) in [
+                ("vpdpbusd_one_thread", ports::dpbusd as fn(usize)),
+                ("vpdpbusd_with_fma_one_thread", ports::dpbusd_fma),
+                ("vpdpbusd_with_vpmulld_one_thread", ports::dpbusd_mullo),
+            ] {
+                g.bench_function(name, |b| b.iter(|| run(black_box(ROUNDS))));
+            }
+        }
     }
     g.finish();
+}
+
+/// Twelve independent `vpdpbusd` a round, and three more instructions of
+/// another kind on registers of their own (inline assembly, so that the
+/// compiler neither folds nor reorders them).
+#[cfg(target_arch = "x86_64")]
+mod ports {
+    use std::arch::asm;
+
+    macro_rules! rounds {
+        ($n:expr, $($extra:literal),*) => {
+            // SAFETY: register-only AVX-512 instructions on clobbered
+            // registers; the callers check for AVX-512 VNNI.
+            unsafe {
+                asm!(
+                    "2:",
+                    "vpdpbusd zmm0, zmm14, zmm15", "vpdpbusd zmm1, zmm14, zmm15",
+                    "vpdpbusd zmm2, zmm14, zmm15", "vpdpbusd zmm3, zmm14, zmm15",
+                    "vpdpbusd zmm4, zmm14, zmm15", "vpdpbusd zmm5, zmm14, zmm15",
+                    "vpdpbusd zmm6, zmm14, zmm15", "vpdpbusd zmm7, zmm14, zmm15",
+                    "vpdpbusd zmm8, zmm14, zmm15", "vpdpbusd zmm9, zmm14, zmm15",
+                    "vpdpbusd zmm10, zmm14, zmm15", "vpdpbusd zmm11, zmm14, zmm15",
+                    $($extra,)*
+                    "dec {n}", "jnz 2b",
+                    n = inout(reg) $n => _,
+                    out("zmm0") _, out("zmm1") _, out("zmm2") _, out("zmm3") _,
+                    out("zmm4") _, out("zmm5") _, out("zmm6") _, out("zmm7") _,
+                    out("zmm8") _, out("zmm9") _, out("zmm10") _, out("zmm11") _,
+                    out("zmm16") _, out("zmm17") _, out("zmm18") _,
+                    options(nostack),
+                )
+            }
+        };
+    }
+
+    pub fn dpbusd(n: usize) {
+        rounds!(n.max(1),)
+    }
+
+    pub fn dpbusd_fma(n: usize) {
+        rounds!(
+            n.max(1),
+            "vfmadd231ps zmm16, zmm13, zmm12",
+            "vfmadd231ps zmm17, zmm13, zmm12",
+            "vfmadd231ps zmm18, zmm13, zmm12"
+        )
+    }
+
+    pub fn dpbusd_mullo(n: usize) {
+        rounds!(
+            n.max(1),
+            "vpmulld zmm16, zmm13, zmm12",
+            "vpmulld zmm17, zmm13, zmm12",
+            "vpmulld zmm18, zmm13, zmm12"
+        )
+    }
 }
 
 /// The FMA roofline's loops: `CHAINS` independent accumulators, each
