@@ -1101,7 +1101,7 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::{kind_of, ActBlock, Kind, Packed, GROUP, MAX_NI};
-    use crate::simd::lanes::x86::Across16;
+    use crate::simd::lanes::x86::{reduce8, Across16};
 
     /// One level of 32 values in two registers (the steps of
     /// `super::level`, vectorized): the scale and the i32 values, or
@@ -1420,11 +1420,9 @@ mod x86 {
                 _mm256_loadu_ps(p.add(24)),
             ];
             // Σx by `quantize_block`'s tree: pairs 16 apart, then
-            // `reduce16`'s halvings.
-            let v8 = _mm256_add_ps(_mm256_add_ps(v[0], v[2]), _mm256_add_ps(v[1], v[3]));
-            let v4 = _mm_add_ps(_mm256_castps256_ps128(v8), _mm256_extractf128_ps::<1>(v8));
-            let t = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
-            let xsum = _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+            // `reduce16`'s halvings (its first: pair `j` and `j + 8`).
+            let pairs = (_mm256_add_ps(v[0], v[2]), _mm256_add_ps(v[1], v[3]));
+            let xsum = reduce8(_mm256_add_ps(pairs.0, pairs.1));
             let mut blk = ActBlock {
                 xsum,
                 ..ActBlock::default()

@@ -436,7 +436,7 @@ pub(crate) mod x86 {
 
     /// `v4[j] = v8[j] + v8[j+4]`, then `(v4[0] + v4[2]) + (v4[1] + v4[3])`.
     #[inline(always)]
-    unsafe fn reduce8(v8: __m256) -> f32 {
+    pub(crate) unsafe fn reduce8(v8: __m256) -> f32 {
         let v4 = _mm_add_ps(_mm256_castps256_ps128(v8), _mm256_extractf128_ps(v8, 1));
         let v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
         _mm_cvtss_f32(_mm_add_ss(v2, _mm_movehdup_ps(v2)))
