@@ -13,10 +13,14 @@ name blocks only for parent links and removals, as in Dynamo). A request's
 prompt is tokenized as the replica tokenizes it (`POST /tokenize` with the
 messages), cut into blocks of the size the events carry, and chained the
 same way. Each replica's cost is the blocks it would compute (the prompt's
-past its longest run of leading blocks held) plus LOAD blocks for each
-request it has in flight, as Dynamo weighs overlap against load; the
-cheapest wins (the one with fewer in flight on a tie). Responses (streamed
-or not) are relayed as they come.
+past its longest run of leading blocks held) plus the blocks its requests
+in flight hold (prompt and reply), scaled by its pool's size against the
+replicas' mean (`tessera:cache_config_info` in its /metrics), as Dynamo's
+KV router weighs prefill blocks against active blocks; the cheapest wins
+(the one with fewer blocks in flight on a tie). A conversation whose
+history no replica holds any more thus goes where there is room for it,
+which a router that guesses from the text it sent cannot see. Responses
+(streamed or not) are relayed as they come.
 
     kv_router.py PORT REPLICA_URL=EVENTS_ENDPOINT=REPLAY_ENDPOINT ...
 
@@ -26,6 +30,7 @@ Used by `scripts/router.py` (the `kv_events` policy of `just bench-router`).
 import http.client
 import json
 import os
+import re
 import sys
 import threading
 import urllib.parse
@@ -35,10 +40,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import msgspec
 import zmq
 
-# What a request in flight weighs against a block to compute: about an
-# eighth of a turn's prompt in this workload (KV_ROUTER_LOAD; 0, 2 and 32 gave
-# the same hit ratio within this host's noise).
-LOAD = int(os.environ.get("KV_ROUTER_LOAD", "8"))
+# What a block held by a request in flight weighs against a block to
+# compute (KV_ROUTER_LOAD; Dynamo's default weighs them equally).
+LOAD = float(os.environ.get("KV_ROUTER_LOAD", "1"))
 
 
 def chain(parent, tokens):
@@ -52,7 +56,8 @@ class Replica:
         self.blocks = set()      # chained hashes of the blocks held
         self.names = {}          # engine hash -> chained hash
         self.block_size = 16
-        self.in_flight = 0
+        self.active = 0          # blocks held by the requests in flight
+        self.capacity = pool_blocks(url)
         self.next_seq = 0
         self.gaps = 0
         threading.Thread(target=self.follow, daemon=True).start()
@@ -129,6 +134,16 @@ class Replica:
         return n
 
 
+def pool_blocks(url):
+    """The replica's pool in blocks, from its /metrics."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    m = re.search(r'cache_config_info\{[^}]*num_blocks="(\d+)"', text)
+    if not m:
+        sys.exit(f"{url}/metrics has no cache_config_info num_blocks")
+    return int(m.group(1))
+
+
 def post(url, path, body):
     req = urllib.request.Request(f"{url}{path}", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
@@ -153,21 +168,25 @@ class Gateway(BaseHTTPRequestHandler):
         if self.path.startswith("/v1/chat/completions"):
             req = json.loads(body)
             tokens = post(target.url, "/tokenize", {"messages": req["messages"]})["tokens"]
+            reply = req.get("max_completion_tokens") or req.get("max_tokens") or 0
+            mean = sum(r.capacity for r in self.replicas) / len(self.replicas)
             blocks = [len(tokens) // r.block_size - r.held(tokens) for r in self.replicas]
             with self.lock:
+                cost = [blocks[i] + LOAD * r.active * mean / r.capacity
+                        for i, r in enumerate(self.replicas)]
                 best = min(range(len(self.replicas)),
-                           key=lambda i: (blocks[i] + LOAD * self.replicas[i].in_flight,
-                                          self.replicas[i].in_flight))
+                           key=lambda i: (cost[i], self.replicas[i].active))
                 target = self.replicas[best]
                 # Each decision, for the log.
-                print(f"route {len(tokens)} tokens: blocks to compute {blocks}, in flight "
-                      f"{[r.in_flight for r in self.replicas]} -> {best}", flush=True)
-                target.in_flight += 1
+                print(f"route {len(tokens)} tokens: blocks to compute {blocks}, blocks in "
+                      f"flight {[r.active for r in self.replicas]} -> {best}", flush=True)
+                need = -(-(len(tokens) + reply) // target.block_size)
+                target.active += need
             try:
                 self.relay(target, body)
             finally:
                 with self.lock:
-                    target.in_flight -= 1
+                    target.active -= need
         else:
             self.relay(target, body)
 
@@ -195,6 +214,15 @@ class Gateway(BaseHTTPRequestHandler):
         conn.close()
 
 
+class Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address):
+        # A client that hangs up mid-response is not the gateway's error.
+        if not isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
+            super().handle_error(request, client_address)
+
+
 def main():
     if len(sys.argv) < 3:
         sys.exit(__doc__)
@@ -202,7 +230,7 @@ def main():
     for spec in sys.argv[2:]:
         url, events, replay = spec.split("=")
         Gateway.replicas.append(Replica(url, events, replay))
-    ThreadingHTTPServer(("127.0.0.1", port), Gateway).serve_forever()
+    Server(("127.0.0.1", port), Gateway).serve_forever()
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ names from SGLang-specific endpoints. Installs sglang-router with pip when it is
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -46,13 +47,16 @@ from loopback import free_port, wait_ready  # noqa: E402
 # system prompt that every user shares, all of a small workload would go
 # to one replica. A difference of 2 rebalances new conversations early.
 ROUTER_ARGS = {"cache_aware": ["--balance-abs-threshold", "2"]}
+# Runs of the workload per setup (ROUTER_RUNS), the median reported.
+RUNS = os.environ.get("ROUTER_RUNS", "1")
 
 
 class Cluster:
     """`replicas` tessera servers, and a gateway in front when `policy`
     (`kv_events`: scripts/kv_router.py on the replicas' KV events, else an
     sglang-router policy); `extra`: more `tessera serve` arguments, where
-    `{port}` becomes the replica's port."""
+    `{port}` becomes the replica's port; a list of them gives each replica
+    its own."""
 
     def __init__(self, binary, model, replicas, policy, threads, extra=()):
         self.procs = []
@@ -60,10 +64,11 @@ class Cluster:
         ports = [free_port() for _ in range(replicas)]
         env = dict(os.environ, RAYON_NUM_THREADS=str(threads))
         events = {}
-        for p in ports:
+        per = extra if extra and isinstance(extra[0], list) else [extra] * replicas
+        for p, ex in zip(ports, per):
             log = open(ROOT / "target" / f"replica-{p}.log", "w")
             self.logs.append(log)
-            args = [a.replace("{port}", str(p)) for a in extra]
+            args = [a.replace("{port}", str(p)) for a in ex]
             if policy == "kv_events":
                 events[p] = (f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
                 args += ["--kv-events-endpoint", events[p][0],
@@ -72,7 +77,8 @@ class Cluster:
                                      "--alias", "smollm2", *args], stdout=log, stderr=log, env=env)
             self.procs.append(proc)
             wait_ready(f"http://127.0.0.1:{p}/health", proc, f"replica on {p}")
-        self.url = f"http://127.0.0.1:{ports[0]}"
+        self.replica_urls = [f"http://127.0.0.1:{p}" for p in ports]
+        self.url = self.replica_urls[0]
         if policy == "kv_events":
             port = free_port()
             log = open(ROOT / "target" / "router-kv_events.log", "w")
@@ -96,6 +102,21 @@ class Cluster:
             self.procs.append(proc)
             self.url = f"http://127.0.0.1:{port}"
             wait_ready(f"{self.url}/v1/models", proc, "the gateway")
+
+    def shares(self):
+        """Each replica's requests, prompt tokens, share of them found cached,
+        and preemptions, from its /metrics."""
+        out = []
+        for u in self.replica_urls:
+            with urllib.request.urlopen(f"{u}/metrics", timeout=30) as r:
+                text = r.read().decode()
+            m = {k: float(v) for k, v in re.findall(r"^tessera:(\w+) ([0-9.e+-]+)$", text, re.M)}
+            out.append({"requests": int(m.get("e2e_request_latency_seconds_count", 0)),
+                        "prompt_tokens": int(m.get("prompt_tokens_total", 0)),
+                        "cached": m.get("prefix_cache_hits_total", 0)
+                        / max(1.0, m.get("prefix_cache_queries_total", 0)),
+                        "preemptions": int(m.get("num_preemptions_total", 0))})
+        return out
 
     def close(self):
         for p in reversed(self.procs):
@@ -153,6 +174,11 @@ def bench(binary, model):
     # 22.5 KiB a token, so 48 MiB holds ~2,180).
     small = ["--kv-memory", "48MiB"]
     tier = small + ["--cache-dir", str(ROOT / "target" / "router-tier-{port}")]
+    # One replica's pool a third of the working set and the other's the
+    # whole of it (a replica with less memory, or one shared with other
+    # work): what the small one evicts, a text-based router keeps sending
+    # back to it.
+    unequal = [small, ["--kv-memory", "144MiB"]]
     setups = [("one replica", 1, None, cores, ()),
               ("2 replicas, cache_aware", 2, "cache_aware", half, ()),
               ("2 replicas, round_robin", 2, "round_robin", half, ()),
@@ -161,7 +187,9 @@ def bench(binary, model):
               ("one replica, small pool + disk tier", 1, None, cores, tier),
               ("2 replicas, small pools, cache_aware", 2, "cache_aware", half, small),
               ("2 replicas, small pools, round_robin", 2, "round_robin", half, small),
-              ("2 replicas, small pools, kv_events", 2, "kv_events", half, small)]
+              ("2 replicas, small pools, kv_events", 2, "kv_events", half, small),
+              ("2 replicas, unequal pools, cache_aware", 2, "cache_aware", half, unequal),
+              ("2 replicas, unequal pools, kv_events", 2, "kv_events", half, unequal)]
     if len(sys.argv) > 4:
         setups = [s for s in setups if any(k in s[0] for k in sys.argv[4].split(","))]
     results = {}
@@ -171,7 +199,7 @@ def bench(binary, model):
         c = Cluster(binary, model, n, policy, threads, extra)
         try:
             out = subprocess.run(
-                [binary, "bench", "--model", model, "--scenario", "server", "--runs", "1",
+                [binary, "bench", "--model", model, "--scenario", "server", "--runs", RUNS,
                  "--url", c.url, "--served-model", "smollm2", "--json"],
                 capture_output=True, text=True)
             if out.returncode != 0:
@@ -179,8 +207,11 @@ def bench(binary, model):
             out = out.stdout
             results[name] = json.loads(out.strip().splitlines()[-1])["target"]
             r = results[name]
+            r["replicas"] = c.shares()
             print(f"{name:>24}: history cached {r['history_cached'] * 100:5.1f}%, TTFT p50 "
-                  f"{r['ttft_p50_ms']:7.1f} ms, {r['throughput_tok_s']:6.1f} tok/s", flush=True)
+                  f"{r['ttft_p50_ms']:7.1f} ms, {r['throughput_tok_s']:6.1f} tok/s; per replica "
+                  + ", ".join(f"{x['requests']} requests {x['cached'] * 100:.0f}% cached "
+                              f"{x['preemptions']} preempted" for x in r["replicas"]), flush=True)
         finally:
             c.close()
     BENCH.mkdir(parents=True, exist_ok=True)
@@ -193,15 +224,19 @@ def bench(binary, model):
         f"{sglang_version()}; each of two replicas has half of the {cores} cores. "
         "`kv_events`: scripts/kv_router.py routing on the replicas' KV events. "
         "Small pools: `--kv-memory 48MiB`, about a third of the workload's working set "
-        "(~6,700 tokens), so histories are evicted; the disk tier is `--cache-dir`.",
+        "(~6,700 tokens), so histories are evicted; the disk tier is `--cache-dir`. Unequal "
+        "pools: one replica's 48 MiB, the other's 144 MiB. "
+        f"Medians of {RUNS} runs of the workload per setup (each run its own texts); "
+        "requests per replica count every run's, and the replicas' own preemptions.",
         "",
-        "| setup | history cached, turns 2–8 | prompt tokens cached | TTFT p50 | TTFT p99 | throughput |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| setup | history cached, turns 2–8 | prompt tokens cached | TTFT p50 | TTFT p99 | throughput | requests per replica (preempted) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in results.items():
+        split = " / ".join(f"{x['requests']} ({x['preemptions']})" for x in r["replicas"])
         lines.append(f"| {name} | {r['history_cached'] * 100:.1f}% | {r['hit_ratio'] * 100:.1f}% | "
                      f"{r['ttft_p50_ms']:,.0f} ms | {r['ttft_p99_ms']:,.0f} ms | "
-                     f"{r['throughput_tok_s']:,.1f} tok/s |")
+                     f"{r['throughput_tok_s']:,.1f} tok/s | {split} |")
     splice("router", "router.py", lines)
     print("\n".join(lines))
 
