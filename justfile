@@ -209,11 +209,12 @@ bench-server: model bench-deps
     python3 scripts/server_vs_llamaserver.py
 
 # Scale-out: the server scenario against one replica, and against two behind the SGLang model
-# gateway with cache_aware and with round_robin routing; then its table in docs/.
+# gateway (cache_aware, round_robin) and the KV-event gateway, with room, with pools a third of
+# the working set, and with unequal pools; 3 runs per setup; then its table in docs/.
 bench-router: model
     cargo build --release -p tessera
     python3 -c "import zmq, msgspec" 2>/dev/null || python3 -m pip install --quiet pyzmq msgspec
-    python3 scripts/router.py bench target/release/tessera models/SmolLM2-135M-Instruct.Q4_1.gguf
+    ROUTER_RUNS=3 python3 scripts/router.py bench target/release/tessera models/SmolLM2-135M-Instruct.Q4_1.gguf
 
 # Perplexity of Tessera beside llama.cpp's llama-perplexity (built from source once) on the
 # shipped text, for the default model and Gemma 3 when fetched; then its table in docs/.

@@ -20,8 +20,11 @@ where its history is cached.
       `bench-router` section. Then the same with pools a third of the
       working set (eviction): one replica with and without its disk tier,
       and two replicas behind `cache_aware`, `round_robin` and the
-      KV-event gateway (scripts/kv_router.py). A fifth argument keeps only
-      the setups whose names contain one of its comma-separated words.
+      KV-event gateway (scripts/kv_router.py); and two replicas whose pools
+      differ (a third of the working set and all of it) behind
+      `cache_aware` and the KV-event gateway. A fifth argument keeps only
+      the setups whose names contain one of its comma-separated words;
+      ROUTER_RUNS runs of the workload per setup (default 1).
 
 Each replica gets half the cores (RAYON_NUM_THREADS), one replica alone
 all of them. Clients name the model (`smollm2`, the replicas' alias): the
