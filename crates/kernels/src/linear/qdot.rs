@@ -701,6 +701,9 @@ fn quantize_row_on(isa: QIsa, x: &[f32], levels: usize, out: &mut [ActBlock]) {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
         QIsa::Avx2 | QIsa::AvxVnni => unsafe { quantize_avx2(x, levels, out) },
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: every aarch64 CPU has NEON.
+        QIsa::NeonDot => unsafe { quantize_neon(x, levels, out) },
         _ => quantize_blocks(x, levels, out),
     }
 }
@@ -946,7 +949,7 @@ fn tile_portable<const K: u8, const TWO: bool, const NI: usize>(
 use x86::{quantize_avx2, quantize_avx512, tile_avx2, tile_avx512, tile_avxvnni};
 
 #[cfg(target_arch = "aarch64")]
-use arm::tile_neon;
+use arm::{quantize_neon, tile_neon};
 
 #[cfg(target_arch = "aarch64")]
 mod arm {
@@ -1013,6 +1016,110 @@ mod arm {
             vreinterpretq_s8_u8(vandq_u8(raw, vdupq_n_u8(0x0F))),
             vreinterpretq_s8_u8(vshrq_n_u8::<4>(raw)),
         )
+    }
+
+    /// One level of 32 values in eight registers (the steps of
+    /// `super::level`): the scale and the i32 values, or `None` when a
+    /// value is not finite.
+    #[inline(always)]
+    unsafe fn level_neon(v: &[float32x4_t; 8]) -> Option<(f32, [int32x4_t; 8])> {
+        let zero = vdupq_n_f32(0.0);
+        let mut finite = vdupq_n_u32(u32::MAX);
+        let mut m = zero;
+        for r in v {
+            // x − x is 0 exactly when x is finite.
+            finite = vandq_u32(finite, vceqq_f32(vsubq_f32(*r, *r), zero));
+            m = vmaxq_f32(m, vabsq_f32(*r));
+        }
+        if vminvq_u32(finite) == 0 {
+            return None;
+        }
+        let amax = vmaxvq_f32(m);
+        let id = 127.0 / amax;
+        if id == f32::INFINITY {
+            return Some((0.0, [vdupq_n_s32(0); 8]));
+        }
+        let magic = vdupq_n_f32(12_582_912.0);
+        let (top, bottom) = (vdupq_n_s32(127), vdupq_n_s32(-127));
+        let mut q = [vdupq_n_s32(0); 8];
+        for k in 0..8 {
+            // A product, then the rounding sum: no fused step, as in
+            // `super::round`.
+            let r = vsubq_f32(vaddq_f32(vmulq_n_f32(v[k], id), magic), magic);
+            q[k] = vmaxq_s32(vminq_s32(vcvtq_s32_f32(r), top), bottom);
+        }
+        Some((amax / 127.0, q))
+    }
+
+    /// Stores one level's 32 integers as bytes into `q`: `(Σq, Σ of the
+    /// first sixteen)`.
+    #[inline(always)]
+    unsafe fn store_neon(q: &mut [i8; 32], v: &[int32x4_t; 8]) -> (i32, i32) {
+        for h in 0..2 {
+            let w = |k: usize| vcombine_s16(vqmovn_s32(v[k]), vqmovn_s32(v[k + 1]));
+            let b = vcombine_s8(vqmovn_s16(w(4 * h)), vqmovn_s16(w(4 * h + 2)));
+            vst1q_s8(q.as_mut_ptr().add(16 * h), b);
+        }
+        let half = |h: usize| {
+            vaddvq_s32(vaddq_s32(
+                vaddq_s32(v[4 * h], v[4 * h + 1]),
+                vaddq_s32(v[4 * h + 2], v[4 * h + 3]),
+            ))
+        };
+        let first = half(0);
+        (first + half(1), first)
+    }
+
+    /// `super::quantize_blocks` in NEON, a block at a time: the same
+    /// operations, so the same bits.
+    ///
+    /// # Safety
+    /// The CPU has NEON (every aarch64 CPU Rust targets).
+    #[target_feature(enable = "neon")]
+    pub(super) unsafe fn quantize_neon(x: &[f32], levels: usize, out: &mut [ActBlock]) {
+        for (xb, o) in x.chunks_exact(32).zip(out.iter_mut()) {
+            let p = xb.as_ptr();
+            let mut v = [vdupq_n_f32(0.0); 8];
+            for (k, r) in v.iter_mut().enumerate() {
+                *r = vld1q_f32(p.add(4 * k));
+            }
+            // Σx by `quantize_block`'s tree: pairs 16 apart, then
+            // `reduce16`'s halvings (8 apart, 4 apart, then lanes 0 + 2
+            // and 1 + 3, and those two).
+            let pairs = [
+                vaddq_f32(v[0], v[4]),
+                vaddq_f32(v[1], v[5]),
+                vaddq_f32(v[2], v[6]),
+                vaddq_f32(v[3], v[7]),
+            ];
+            let v4 = vaddq_f32(
+                vaddq_f32(pairs[0], pairs[2]),
+                vaddq_f32(pairs[1], pairs[3]),
+            );
+            let v2 = vadd_f32(vget_low_f32(v4), vget_high_f32(v4));
+            let xsum = vget_lane_f32::<0>(v2) + vget_lane_f32::<1>(v2);
+            let mut blk = ActBlock {
+                xsum,
+                ..ActBlock::default()
+            };
+            let Some((d1, q1)) = level_neon(&v) else {
+                blk.d = [f32::NAN, 0.0];
+                *o = blk;
+                continue;
+            };
+            blk.d[0] = d1;
+            (blk.s[0], blk.h[0]) = store_neon(&mut blk.q[0], &q1);
+            if levels == 2 {
+                let mut r = v;
+                for k in 0..8 {
+                    r[k] = vsubq_f32(v[k], vmulq_n_f32(vcvtq_f32_s32(q1[k]), d1));
+                }
+                let (d2, q2) = level_neon(&r).expect("finite residuals of finite values");
+                blk.d[1] = d2;
+                (blk.s[1], blk.h[1]) = store_neon(&mut blk.q[1], &q2);
+            }
+            *o = blk;
+        }
     }
 
     /// The float steps of one block for 4 rows.
