@@ -190,12 +190,15 @@ bench-cpu-formats formats="Q5_K_M,Q6_K,Q8_0" runs="3": (synth-model "1b" formats
 
 # Tessera beside llama.cpp and candle on the default model (same file, same threads, same run):
 # a table, target/bench/vs-llamacpp.json, two charts, then the results section of docs/benchmarks.md;
+# then the harness's llama.cpp beside `llama-bench` built from the same library (harness_check.py);
 # then the server beside llama-server (`bench-server`), the router (`bench-router`) and
 # perplexity (`bench-perplexity`).
 # llama.cpp and Tessera are built with the native CPU flags, in target/native.
 bench-llamacpp: model bench-deps
     CARGO_TARGET_DIR=target/native RUSTFLAGS="-C target-cpu=native" cargo run --release --features llama-cpp --example vs_llamacpp
     python3 scripts/readme_tables.py llamacpp
+    sh scripts/build_llama_tools.sh harness
+    python3 scripts/harness_check.py
     just bench-server
     just bench-router
     just bench-perplexity

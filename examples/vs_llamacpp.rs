@@ -21,6 +21,12 @@
 //!
 //! Run: `just bench-llamacpp` (builds llama.cpp with the native CPU flags;
 //! `just bench-deps` installs cmake, clang and a font with apt).
+//!
+//! Settings, from the environment: `TESSERA_BENCH_THREADS` (default: every
+//! core), `VS_ONLY` (comma-separated scenarios, e.g. `prefill,decode`),
+//! `VS_VARIANTS=0` (no Q4_0/Q8_0 re-quantized files), `VS_GEMMA=0`,
+//! `VS_CANDLE=0` (no candle baseline) and `VS_OUT_DIR` (default
+//! `target/bench`).
 
 use std::num::NonZeroU32;
 use std::path::{Path, PathBuf};
@@ -333,8 +339,9 @@ fn bench_model(
     let reuse = tessera_engine(model_path, true)?;
     let plain = tessera_engine(model_path, false)?;
     let model = reuse.model();
-    // candle's quantized_llama runs the Llama family only: the full runs.
-    let mut candle = if full {
+    // candle's quantized_llama runs the Llama family only: the full runs
+    // (VS_CANDLE=0 leaves it out).
+    let mut candle = if full && std::env::var("VS_CANDLE").as_deref() != Ok("0") {
         Some(Candle::load(model_path, &candle_core::Device::Cpu)?)
     } else {
         None
@@ -414,7 +421,7 @@ fn bench_model(
             t,
             l,
             false,
-            full.then_some(c),
+            candle.is_some().then_some(c),
         ));
     }
 
@@ -448,7 +455,7 @@ fn bench_model(
             lead(&toks_t, &toks_l),
             DECODE_TOKENS + 1,
         );
-        if full {
+        if candle.is_some() {
             agree.add(
                 label,
                 "decode: identical leading greedy tokens, Tessera and candle",
@@ -463,7 +470,7 @@ fn bench_model(
             t,
             l,
             false,
-            full.then_some(c),
+            candle.is_some().then_some(c),
         ));
     }
 
@@ -818,7 +825,11 @@ fn main() -> Result<()> {
     // Tessera's pools (rayon, and the forward's step pool sized from it)
     // get the same thread count as llama.cpp.
     std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
-    let out_dir = PathBuf::from("target/bench");
+    // VS_OUT_DIR: where the results go (scripts/harness_check.py keeps its
+    // runs apart from the README's).
+    let out_dir = PathBuf::from(
+        std::env::var("VS_OUT_DIR").unwrap_or_else(|_| "target/bench".into()),
+    );
     std::fs::create_dir_all(&out_dir)?;
     if !model_path.exists() {
         bail!("{} is missing: run `just model`", model_path.display());

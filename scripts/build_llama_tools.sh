@@ -12,6 +12,10 @@
 # Intel since Alder Lake, AMD since Zen 5) into build-avxvnni: the AVX-VNNI
 # row.
 #
+# With `harness`, `llama-bench` on the llama-cpp-sys-2 crate's llama.cpp
+# (the in-process harness's) into target/llama-server/build-harness-VERSION:
+# `scripts/harness_check.py` sets the two side by side.
+#
 # The llama-cpp-sys-2 crate ships llama.cpp without its tools, so the
 # source comes from the sdist of the llama-cpp-python package on PyPI (a
 # package registry), which vendors the whole llama.cpp tree; pinned so
@@ -34,6 +38,35 @@ fi
 command -v cmake >/dev/null || python3 -m pip install --quiet cmake
 COMMON="-DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON"
+if [ "$FLAVOUR" = harness ]; then
+    # `llama-bench` on the llama.cpp library that `just bench-llamacpp`'s
+    # in-process harness links: the tree the llama-cpp-sys-2 crate ships
+    # (the version in Cargo.lock), with the tools' drivers (tools/, app/)
+    # from the sdist above, since the crate leaves out their sources. Built
+    # native, as the crate builds it under RUSTFLAGS=-C target-cpu=native.
+    SYS=$(cargo metadata --format-version 1 --features llama-cpp | python3 -c '
+import json, sys
+d = json.load(sys.stdin)
+p = next(p for p in d["packages"] if p["name"] == "llama-cpp-sys-2")
+print(p["manifest_path"].rsplit("/", 1)[0], p["version"])')
+    SYSDIR=${SYS% *}
+    SYSVER=${SYS##* }
+    TREE=$OUT/llama-cpp-sys-2-$SYSVER
+    B=$OUT/build-harness-$SYSVER
+    [ -x "$B/bin/llama-bench" ] && exit 0
+    if [ ! -d "$TREE" ]; then
+        rm -rf "$TREE.tmp"
+        cp -r "$SYSDIR/llama.cpp" "$TREE.tmp"
+        rm -rf "$TREE.tmp/tools" "$TREE.tmp/app"
+        cp -r "$SRC/vendor/llama.cpp/tools" "$SRC/vendor/llama.cpp/app" "$TREE.tmp/"
+        mv "$TREE.tmp" "$TREE"
+    fi
+    # shellcheck disable=SC2086
+    cmake -S "$TREE" -B "$B" $COMMON -DLLAMA_BUILD_APP=OFF -DGGML_NATIVE=ON >/dev/null
+    cmake --build "$B" --target llama-bench -j "$(nproc)"
+    echo "built $B/bin/llama-bench (llama-cpp-sys-2 $SYSVER's llama.cpp)"
+    exit 0
+fi
 if [ "$FLAVOUR" = avx2 ] || [ "$FLAVOUR" = avxvnni ]; then
     B=$OUT/build-$FLAVOUR
     [ -x "$B/bin/llama-bench" ] && exit 0
