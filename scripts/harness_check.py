@@ -33,7 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
-from readme_tables import BENCH, splice  # noqa: E402
+from readme_tables import BENCH, cpu, isa, splice  # noqa: E402
 
 HARNESS = ROOT / "target/native/release/examples/vs_llamacpp"
 THREADS = int(os.environ.get("TESSERA_BENCH_THREADS", "2"))
@@ -118,7 +118,7 @@ def main():
                             cwd=ROOT).stdout.strip()
     lines = [
         f"`python3 scripts/harness_check.py` at `{commit}` on {time.strftime('%Y-%m-%d', time.gmtime())}, "
-        f"{THREADS} threads: llama.cpp inside the harness (examples/vs_llamacpp.rs through `llama-cpp-2`, "
+        f"{cpu()} ({isa()} host), {THREADS} threads: llama.cpp inside the harness (examples/vs_llamacpp.rs through `llama-cpp-2`, "
         f"its own medians of 5 prefill and 3 decode runs) and `llama-bench` built from the same library "
         f"(llama-cpp-sys-2 {tree}'s llama.cpp, native), alternating, medians of {args.runs} rounds. "
         "Prefill: 512 tokens; decode: 128 (the harness's after a 16-token prompt, llama-bench's "
