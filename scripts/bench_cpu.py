@@ -15,9 +15,12 @@ roofline (the weights' bytes a decode step reads × tok/s ÷ GB/s).
     python3 scripts/bench_cpu.py [--models synth-1b-Q4_0,...] [--isas avx512,avxvnni,avx2] [--runs 3] [--int8]
                                  [--contention SmolLM2-135M-Instruct.Q4_1,...]
 
-With --contention, also decode on those models (best ISA) idle and with one
-busy process beside it (a shell loop spinning on one core), both engines,
-alternating: the share of its idle speed each keeps.
+With --contention, also decode on those models (best ISA) idle, with one
+busy process beside it (a shell loop spinning on one core), and idle on one
+thread (one core's speed: the most an engine can expect while another
+process holds the other core), both engines, alternating: the share of its
+idle speed each keeps, and of its one-core speed. `--models ""` with
+`--merge` runs the contention rows alone.
 
 Writes target/bench/cpu.json, then the README's `bench-cpu` section.
 """
@@ -87,24 +90,24 @@ def decode_bytes(path):
     return total
 
 
-def tessera(model, scenario, isa, activations=None):
+def tessera(model, scenario, isa, activations=None, threads=THREADS):
     env = dict(os.environ, TESSERA_ISA=isa)
     if activations:
         env["TESSERA_ACTIVATIONS"] = activations
     out = subprocess.run(
-        [str(TESSERA), "--threads", str(THREADS), "bench", "--model", str(model), "--scenario", scenario,
+        [str(TESSERA), "--threads", str(threads), "bench", "--model", str(model), "--scenario", scenario,
          "--runs", "1", "--no-baseline", "--json"],
         check=True, capture_output=True, text=True, env=env,
     ).stdout
     return json.loads(out.strip().splitlines()[-1])["tessera"]
 
 
-def llama(model, isa, prompt=512, gen=128):
+def llama(model, isa, prompt=512, gen=128, threads=THREADS):
     """One llama-bench run, flash attention off and on, the better of the
     two per test: {"prefill": tok/s, "decode": tok/s} for the tests asked
     for (a prompt of `prompt` tokens, `gen` generated; 0 skips one)."""
     out = subprocess.run(
-        [str(LLAMA_BENCH[isa]), "-m", str(model), "-t", str(THREADS), "-p", str(prompt), "-n", str(gen),
+        [str(LLAMA_BENCH[isa]), "-m", str(model), "-t", str(threads), "-p", str(prompt), "-n", str(gen),
          "-fa", "0,1", "-r", "1", "-o", "json"],
         check=True, capture_output=True, text=True,
     ).stdout
@@ -124,13 +127,16 @@ def contention(models, runs):
     isa = host_isas()[0]
     rows = []
     for name, path in models:
-        got = {k: [] for k in ("t_idle", "t_busy", "l_idle", "l_busy")}
+        got = {k: [] for k in ("t_idle", "t_busy", "t_one", "l_idle", "l_busy", "l_one")}
         for r in range(runs):
-            for load in ("idle", "busy"):
+            for load in ("idle", "busy", "one"):
+                # "one": one thread, idle: what one core decodes, the most
+                # an engine can expect when another process holds the other.
                 spinner = busy() if load == "busy" else None
+                n = 1 if load == "one" else THREADS
                 try:
-                    got[f"l_{load}"].append(llama(path, isa, prompt=0)["decode"])
-                    got[f"t_{load}"].append(tessera(path, "decode", isa))
+                    got[f"l_{load}"].append(llama(path, isa, prompt=0, threads=n)["decode"])
+                    got[f"t_{load}"].append(tessera(path, "decode", isa, threads=n))
                 finally:
                     if spinner:
                         spinner.kill()
@@ -140,6 +146,7 @@ def contention(models, runs):
         med = {k: statistics.median(v) for k, v in got.items()}
         rows.append({"model": name, "isa": isa, **{k: med[k] for k in med},
                      "tessera_kept": med["t_busy"] / med["t_idle"], "llama_kept": med["l_busy"] / med["l_idle"],
+                     "tessera_of_one": med["t_busy"] / med["t_one"], "llama_of_one": med["l_busy"] / med["l_one"],
                      "runs": {k: v for k, v in got.items()}})
     return rows
 
@@ -170,7 +177,7 @@ def main():
             sys.exit(f"{LLAMA_BENCH[i]} is missing: run scripts/build_llama_tools.sh {'' if i == 'avx512' else i}")
     if not TESSERA.exists():
         sys.exit(f"{TESSERA} is missing: cargo build --release -p tessera")
-    models = model_paths(args.models)
+    models = model_paths(args.models) if args.models else []
     gb_s = [roofline()]
     print(f"roofline {gb_s[0]:.1f} GB/s", flush=True)
     rows = []
@@ -212,10 +219,10 @@ def main():
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                           text=True).stdout.strip()
     names = [m for m, _ in models]
-    run = {"models": names, "gb_s": gb_s, "commit": head}
+    run = [{"models": names, "gb_s": gb_s, "commit": head}] if names else []
     for row in rows:
         row["commit"] = head
-    result = {"commit": head, "rooflines": [run], "threads": THREADS, "runs": args.runs, "rows": rows,
+    result = {"commit": head, "rooflines": run, "threads": THREADS, "runs": args.runs, "rows": rows,
               "contention": busy_rows}
     old = BENCH / "cpu.json"
     if args.merge and old.exists():
@@ -228,7 +235,7 @@ def main():
             for p in prev.get("rooflines", [{"models": sorted(left), "gb_s": prev.get("roofline_gb_s", []),
                                               "commit": prev.get("commit")}])
             if any(m in left for m in p["models"])
-        ] + [run]
+        ] + run
         result["contention"] = busy_rows or prev.get("contention", [])
         result["commit"] = prev.get("commit", head) if kept else head
     (BENCH / "cpu.json").write_text(json.dumps(result, indent=1))

@@ -816,14 +816,23 @@ def cpu_table():
             "or a build would), against the same decode idle, alternating, both engines at "
             f"{d['threads']} threads, {names.get(d['contention'][0]['isa'], '')}:",
             "",
-            "| model | Tessera idle | Tessera busy | kept | llama.cpp idle | llama.cpp busy | kept |",
-            "|---|---|---|---|---|---|---|",
+            "| model | Tessera idle | Tessera busy | kept | Tessera, one thread idle | busy ÷ one thread "
+            "| llama.cpp idle | llama.cpp busy | kept | llama.cpp, one thread idle | busy ÷ one thread |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in d["contention"]:
+            one = lambda k, kept: (f"{r[k]:.1f} | {r[kept] * 100:.0f}%" if k in r else "— | —")  # noqa: E731
             out.append(
                 f"| {r['model']} | {r['t_idle']:.1f} tok/s | {r['t_busy']:.1f} | {r['tessera_kept'] * 100:.0f}% | "
-                f"{r['l_idle']:.1f} | {r['l_busy']:.1f} | {r['llama_kept'] * 100:.0f}% |"
+                f"{one('t_one', 'tessera_of_one')} | "
+                f"{r['l_idle']:.1f} | {r['l_busy']:.1f} | {r['llama_kept'] * 100:.0f}% | "
+                f"{one('l_one', 'llama_of_one')} |"
             )
+        out += [
+            "",
+            "With one of the two cores taken, an engine has one core's worth of compute and of that "
+            "core's memory bandwidth: \"one thread idle\" is that bound, measured in the same run.",
+        ]
     return out
 
 
