@@ -220,7 +220,7 @@ def main():
                           text=True).stdout.strip()
     names = [m for m, _ in models]
     run = [{"models": names, "gb_s": gb_s, "commit": head}] if names else []
-    for row in rows:
+    for row in rows + busy_rows:
         row["commit"] = head
     result = {"commit": head, "rooflines": run, "threads": THREADS, "runs": args.runs, "rows": rows,
               "contention": busy_rows}

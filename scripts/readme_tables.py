@@ -814,7 +814,9 @@ def cpu_table():
             "",
             "Decode with one busy process beside it (a shell loop spinning on one of the cores, as a browser "
             "or a build would), against the same decode idle, alternating, both engines at "
-            f"{d['threads']} threads, {names.get(d['contention'][0]['isa'], '')}:",
+            f"{d['threads']} threads, {names.get(d['contention'][0]['isa'], '')}"
+            + (f", commit `{d['contention'][0]['commit']}`" if d["contention"][0].get("commit") else "")
+            + ":",
             "",
             "| model | Tessera idle | Tessera busy | kept | Tessera, one thread idle | busy ÷ one thread "
             "| llama.cpp idle | llama.cpp busy | kept | llama.cpp, one thread idle | busy ÷ one thread |",
