@@ -25,8 +25,9 @@
 //! Settings, from the environment: `TESSERA_BENCH_THREADS` (default: every
 //! core), `VS_ONLY` (comma-separated scenarios, e.g. `prefill,decode`),
 //! `VS_VARIANTS=0` (no Q4_0/Q8_0 re-quantized files), `VS_GEMMA=0`,
-//! `VS_CANDLE=0` (no candle baseline) and `VS_OUT_DIR` (default
-//! `target/bench`).
+//! `VS_CANDLE=0` (no candle baseline), `VS_CTX` (llama.cpp's context in
+//! cells, default 8,192; the long and batched scenarios need it) and
+//! `VS_OUT_DIR` (default `target/bench`).
 
 use std::num::NonZeroU32;
 use std::path::{Path, PathBuf};
@@ -349,7 +350,12 @@ fn bench_model(
     let lmodel = LlamaModel::load_from_file(backend, model_path, &LlamaModelParams::default())
         .with_context(|| format!("llama.cpp loading {}", model_path.display()))?;
     let cparams = LlamaContextParams::default()
-        .with_n_ctx(NonZeroU32::new(8192))
+        .with_n_ctx(NonZeroU32::new(
+            std::env::var("VS_CTX")
+                .ok()
+                .and_then(|c| c.parse().ok())
+                .unwrap_or(8192),
+        ))
         .with_n_batch(LLAMA_BATCH as u32)
         .with_n_ubatch(LLAMA_BATCH as u32)
         .with_n_seq_max(8)
