@@ -833,9 +833,8 @@ fn main() -> Result<()> {
     std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
     // VS_OUT_DIR: where the results go (scripts/harness_check.py keeps its
     // runs apart from the README's).
-    let out_dir = PathBuf::from(
-        std::env::var("VS_OUT_DIR").unwrap_or_else(|_| "target/bench".into()),
-    );
+    let out_dir =
+        PathBuf::from(std::env::var("VS_OUT_DIR").unwrap_or_else(|_| "target/bench".into()));
     std::fs::create_dir_all(&out_dir)?;
     if !model_path.exists() {
         bail!("{} is missing: run `just model`", model_path.display());

@@ -40,10 +40,13 @@ THREADS = int(os.environ.get("TESSERA_BENCH_THREADS", "2"))
 
 
 def llama_bench_binary():
-    found = sorted((ROOT / "target/llama-server").glob("build-harness-*/bin/llama-bench"))
-    if not found:
-        sys.exit("no llama-bench on the harness's llama.cpp: run scripts/build_llama_tools.sh harness")
-    return found[-1]
+    """`llama-bench` on the llama-cpp-sys-2 version in Cargo.lock."""
+    lock = (ROOT / "Cargo.lock").read_text()
+    version = lock.split('name = "llama-cpp-sys-2"\nversion = "', 1)[1].split('"', 1)[0]
+    binary = ROOT / f"target/llama-server/build-harness-{version}/bin/llama-bench"
+    if not binary.exists():
+        sys.exit(f"{binary} missing: run scripts/build_llama_tools.sh harness")
+    return binary
 
 
 OTHER = ROOT / "target/llama-server/build/bin/llama-bench"

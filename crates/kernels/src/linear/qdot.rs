@@ -1092,10 +1092,7 @@ mod arm {
                 vaddq_f32(v[2], v[6]),
                 vaddq_f32(v[3], v[7]),
             ];
-            let v4 = vaddq_f32(
-                vaddq_f32(pairs[0], pairs[2]),
-                vaddq_f32(pairs[1], pairs[3]),
-            );
+            let v4 = vaddq_f32(vaddq_f32(pairs[0], pairs[2]), vaddq_f32(pairs[1], pairs[3]));
             let v2 = vadd_f32(vget_low_f32(v4), vget_high_f32(v4));
             let xsum = vget_lane_f32::<0>(v2) + vget_lane_f32::<1>(v2);
             let mut blk = ActBlock {
