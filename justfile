@@ -198,7 +198,7 @@ bench-llamacpp: model bench-deps
     CARGO_TARGET_DIR=target/native RUSTFLAGS="-C target-cpu=native" cargo run --release --features llama-cpp --example vs_llamacpp
     python3 scripts/readme_tables.py llamacpp
     sh scripts/build_llama_tools.sh harness
-    python3 scripts/harness_check.py
+    python3 scripts/harness_check.py --runs 4
     just bench-server
     just bench-router
     just bench-perplexity
