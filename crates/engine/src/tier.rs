@@ -532,6 +532,9 @@ mod tests {
         let mut t = DiskTier::open(dir.as_path(), &geometry(), 4, 8, 1 << 20).unwrap();
         assert_eq!(t.stats().blocks, 4);
         assert!(t.get(h, &key, &[9, 9, 9, 9]).is_some());
+        drop(t);
+        // Kept when an assertion failed, for a look; removed when passed.
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
@@ -557,5 +560,7 @@ mod tests {
         assert!(t.get(h, &key, &toks).is_some());
         let (h, toks) = hashes[0];
         assert!(t.get(h, &key, &toks).is_none());
+        drop(t);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
