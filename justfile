@@ -89,6 +89,8 @@ bench-portable: model (synth-model "1b" "Q4_K_M")
     python3 scripts/portable_vs_native.py
     CARGO_TARGET_DIR=target/x86-64-v3 RUSTFLAGS="-C target-cpu=x86-64-v3" cargo build --release -p tessera
     python3 scripts/portable_vs_native.py --against x86-64-v3 --isas avx2
+    CARGO_TARGET_DIR=target/x86-64-v3-vnni RUSTFLAGS="-C target-cpu=x86-64-v3 -C target-feature=+avxvnni" cargo build --release -p tessera
+    python3 scripts/portable_vs_native.py --against x86-64-v3-vnni --isas avxvnni
 
 # The KV-cache scenarios: chat TTFT with and without reuse, shared prefix, interleaved conversations, context shift; then the tables in docs/.
 bench-engine: model

@@ -13,12 +13,14 @@ the README's `bench-portable` section.
 
     python3 scripts/portable_vs_native.py [--models SmolLM2-135M-Instruct.Q4_1,synth-1b-Q4_K_M]
                                           [--isas avx512,avxvnni,avx2] [--runs 7]
-                                          [--against native|x86-64-v3]
+                                          [--against native|x86-64-v3|x86-64-v3-vnni]
 
 `--against x86-64-v3` compares with a build for the x86-64-v3 level
 (`target/x86-64-v3`, AVX2 + FMA, 16 vector registers) instead, on the AVX2
 rows: on an AVX-512 host `native` gives the 256-bit tiles 32 registers, so
-only this build says what an AVX2 machine's own build would gain.
+only this build says what an AVX2 machine's own build would gain;
+`--against x86-64-v3-vnni` (the same level with AVX-VNNI) says it for the
+AVX-VNNI rows.
 """
 
 import argparse
@@ -40,6 +42,10 @@ AGAINST = {
     "native": (ROOT / "target" / "native" / "release" / "tessera", "-C target-cpu=native"),
     "x86-64-v3": (ROOT / "target" / "x86-64-v3" / "release" / "tessera",
                   "-C target-cpu=x86-64-v3"),
+    # The same level with AVX-VNNI (Intel since Alder Lake, AMD since Zen 5):
+    # what an AVX-VNNI machine's own build would be, 16 registers.
+    "x86-64-v3-vnni": (ROOT / "target" / "x86-64-v3-vnni" / "release" / "tessera",
+                       "-C target-cpu=x86-64-v3 -C target-feature=+avxvnni"),
 }
 PORTABLE = ROOT / "target" / "release" / "tessera"
 NAMES = {"avx512": "AVX-512 VNNI", "avxvnni": "AVX-VNNI", "avx2": "AVX2"}
