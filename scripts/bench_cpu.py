@@ -102,19 +102,27 @@ def tessera(model, scenario, isa, activations=None, threads=THREADS):
     return json.loads(out.strip().splitlines()[-1])["tessera"]
 
 
-def llama(model, isa, prompt=512, gen=128, threads=THREADS):
-    """One llama-bench run, flash attention off and on, the better of the
-    two per test: {"prefill": tok/s, "decode": tok/s} for the tests asked
-    for (a prompt of `prompt` tokens, `gen` generated; 0 skips one)."""
+def llama_bench(binary, model, prompt=512, gen=128, threads=THREADS, fa="0,1"):
+    """One `llama-bench` run of `binary` for each flash-attention setting in
+    `fa`: {("prefill"|"decode", setting): tok/s}, the setting as llama-bench
+    reports it (-1 auto, 0 off, 1 on); a prompt of `prompt` tokens, `gen`
+    generated (0 skips one)."""
     out = subprocess.run(
-        [str(LLAMA_BENCH[isa]), "-m", str(model), "-t", str(threads), "-p", str(prompt), "-n", str(gen),
-         "-fa", "0,1", "-r", "1", "-o", "json"],
+        [str(binary), "-m", str(model), "-t", str(threads), "-p", str(prompt), "-n", str(gen),
+         "-fa", fa, "-r", "1", "-o", "json"],
         check=True, capture_output=True, text=True,
     ).stdout
+    return {("prefill" if row["n_prompt"] else "decode", int(row["flash_attn"])): row["avg_ts"]
+            for row in json.loads(out)}
+
+
+def llama(model, isa, prompt=512, gen=128, threads=THREADS):
+    """`llama-bench` for `isa`, flash attention off and on, the better of
+    the two per test: {"prefill": tok/s, "decode": tok/s} for the tests
+    asked for."""
     best = {}
-    for row in json.loads(out):
-        key = "prefill" if row["n_prompt"] else "decode"
-        best[key] = max(best.get(key, 0.0), row["avg_ts"])
+    for (key, _), ts in llama_bench(LLAMA_BENCH[isa], model, prompt, gen, threads).items():
+        best[key] = max(best.get(key, 0.0), ts)
     return best
 
 

@@ -27,12 +27,14 @@ import argparse
 import json
 import os
 import subprocess
+import statistics
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
+from bench_cpu import llama_bench  # noqa: E402
 from readme_tables import BENCH, cpu, isa, splice  # noqa: E402
 
 HARNESS = ROOT / "target/native/release/examples/vs_llamacpp"
@@ -65,21 +67,7 @@ def in_process(model):
 def standalone(binary, model, fa="auto,0,1"):
     """llama-bench, flash attention auto, off and on: {("prefill"|"decode", fa): tok/s},
     fa -1 (auto), 0 or 1 as llama-bench reports it."""
-    out = subprocess.run(
-        [str(binary), "-m", str(model), "-t", str(THREADS), "-p", "512", "-n", "128",
-         "-fa", fa, "-r", "1", "-o", "json"],
-        check=True, capture_output=True, text=True).stdout
-    got = {}
-    for row in json.loads(out):
-        key = "prefill" if row["n_prompt"] else "decode"
-        got[(key, int(row["flash_attn"]))] = row["avg_ts"]
-    return got
-
-
-def median(xs):
-    xs = sorted(xs)
-    n = len(xs)
-    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+    return llama_bench(binary, model, threads=THREADS, fa=fa)
 
 
 def main():
@@ -108,12 +96,12 @@ def main():
                     alone.setdefault((k, "other"), []).append(v)
             print(f"{model.name} run {r + 1}: in-process {ins}, llama-bench {alone}", flush=True)
         for scenario in ("prefill", "decode"):
-            a = median(ins[scenario])
-            auto, off, on = (median(alone[(scenario, fa)]) for fa in (-1, 0, 1))
+            a = statistics.median(ins[scenario])
+            auto, off, on = (statistics.median(alone[(scenario, fa)]) for fa in (-1, 0, 1))
             results.append({"model": model.stem, "scenario": scenario, "in_process": a,
                             "in_process_runs": ins[scenario], "fa_auto": auto, "fa_off": off,
                             "fa_on": on, "ratio_same": a / auto, "ratio_best": a / max(auto, off, on),
-                            "other_tree_auto": median(alone[(scenario, "other")])
+                            "other_tree_auto": statistics.median(alone[(scenario, "other")])
                             if (scenario, "other") in alone else None})
     BENCH.mkdir(parents=True, exist_ok=True)
     (BENCH / "harness-check.json").write_text(json.dumps(results, indent=1) + "\n")
