@@ -122,9 +122,9 @@ impl Active {
     /// How many guesses may follow the token just sampled (a draft
     /// model's): what the drafter allows now and the sample may still
     /// generate after it; 0 without speculative decoding.
-    pub(crate) fn draft_room(&mut self) -> usize {
+    pub(crate) fn draft_room(&mut self, cost: f64) -> usize {
         let most = self.room();
-        self.drafter.as_mut().map_or(0, |d| d.allowance(most))
+        self.drafter.as_mut().map_or(0, |d| d.allowance(most, cost))
     }
 
     /// Tokens the sample may still generate after the one just sampled.
@@ -136,10 +136,10 @@ impl Active {
             .saturating_sub(1)
     }
 
-    pub(crate) fn next_draft(&mut self) -> Vec<u32> {
+    pub(crate) fn next_draft(&mut self, cost: f64) -> Vec<u32> {
         let most = self.room();
         match &mut self.drafter {
-            Some(d) => d.draft(&self.history, most),
+            Some(d) => d.draft(&self.history, most, cost),
             None => Vec::new(),
         }
     }

@@ -125,6 +125,10 @@ pub(crate) struct Worker {
     /// them together at the end of the step): the token, and the most
     /// guesses.
     to_draft: Vec<(ReqId, u32, usize)>,
+    /// What a guess costs, measured ([`crate::spec::Cost`]), and that cost
+    /// in tokens of plain decoding at the last step's batch size.
+    cost: crate::spec::Cost,
+    guess_cost: f64,
     /// The disk tier below the pool (`cache_dir`), when it is on.
     tier: Option<tiers::Tier>,
     /// Each namespace's block-name key (the tier's and the KV events').
@@ -384,6 +388,8 @@ impl Worker {
             },
             drafts,
             to_draft: Vec::new(),
+            cost: crate::spec::Cost::default(),
+            guess_cost: 0.0,
             tier,
             block_keys: HashMap::new(),
             kv_events: Vec::new(),
@@ -638,17 +644,19 @@ impl Worker {
     fn push_next(&mut self, id: ReqId, t: u32) -> Result<()> {
         if self.drafts.is_some() {
             // The draft model's drafts are computed together after the step.
-            let most = self.active.get_mut(&id).map_or(0, Active::draft_room);
+            let cost = self.guess_cost;
+            let most = self.active.get_mut(&id).map_or(0, |a| a.draft_room(cost));
             if most > 0 {
                 self.to_draft.push((id, t, most));
                 return Ok(());
             }
             return self.sched.push_token(id, TokenId(t)).map_err(sched_error);
         }
+        let cost = self.guess_cost;
         let draft = self
             .active
             .get_mut(&id)
-            .map(Active::next_draft)
+            .map(|a| a.next_draft(cost))
             .unwrap_or_default();
         if !draft.is_empty() {
             let draft: Vec<TokenId> = draft.into_iter().map(TokenId).collect();
@@ -820,6 +828,7 @@ impl Worker {
                 Err(e) => return self.abort(&plan, &e),
             };
         self.end_scheduled(&plan);
+        self.guess_cost = self.cost.per_guess(plan.items.len());
         // The items that asked for rows, in the forward's order.
         let wanting: Vec<(ReqId, ItemRows, Vec<u32>)> = plan
             .items
@@ -886,6 +895,17 @@ impl Worker {
                 self.end_scoring(item.req);
             }
         }
+        // A decoding step (each item a sampled token and its guesses) times
+        // the rows a guess adds.
+        let decoding_only = plan.ops.is_empty()
+            && plan
+                .items
+                .iter()
+                .all(|i| i.tokens.len() == 1 + i.draft && !self.exports.contains_key(&i.req));
+        if decoding_only && !plan.items.is_empty() {
+            let rows = plan.items.iter().map(|i| i.tokens.len()).sum();
+            self.cost.step(rows, now.elapsed().as_secs_f64());
+        }
         self.draft_model_drafts();
         self.pace_background(now.elapsed().as_secs_f64(), plain, background, beside);
     }
@@ -922,7 +942,10 @@ impl Worker {
             .map(|w| w.req)
             .zip(drafts.draft(&wants))
             .collect();
-        self.totals.spec_draft_ns += began.elapsed().as_nanos() as u64;
+        let took = began.elapsed();
+        self.totals.spec_draft_ns += took.as_nanos() as u64;
+        let guesses = made.values().map(Vec::len).sum();
+        self.cost.drafted(took.as_secs_f64(), guesses);
         for (id, t, _) in waiting {
             if !self.active.contains_key(&id) {
                 continue;
