@@ -193,6 +193,9 @@ def main():
         nbytes = decode_bytes(path)
         for isa in isas:
             got = {k: [] for k in ("t_prefill", "t_decode", "l_prefill", "l_decode", "i_prefill", "i_decode")}
+            # The host's read bandwidth before each run and after the last:
+            # each run's decode is a share of what was read around it.
+            reads = [roofline()]
             for r in range(args.runs):
                 ll = llama(path, isa)
                 got["l_prefill"].append(ll["prefill"])
@@ -201,8 +204,10 @@ def main():
                     got[f"t_{s}"].append(tessera(path, s, isa))
                     if args.int8:
                         got[f"i_{s}"].append(tessera(path, s, isa, "int8"))
+                reads.append(roofline())
                 print(f"{name} {isa} run {r + 1}/{args.runs}: "
-                      + ", ".join(f"{k} {v[-1]:.1f}" for k, v in got.items() if v), flush=True)
+                      + ", ".join(f"{k} {v[-1]:.1f}" for k, v in got.items() if v)
+                      + f", read {reads[-2]:.1f}–{reads[-1]:.1f} GB/s", flush=True)
             for s in ("prefill", "decode"):
                 t, ll = statistics.median(got[f"t_{s}"]), statistics.median(got[f"l_{s}"])
                 row = {"model": name, "isa": isa, "scenario": s, "tessera": t, "llama": ll,
@@ -211,18 +216,18 @@ def main():
                     row["tessera_int8"] = statistics.median(got[f"i_{s}"])
                 if s == "decode":
                     row["decode_bytes"] = nbytes
+                    row["read_gb_s"] = reads
+                    around = [(a + b) / 2 for a, b in zip(reads, reads[1:])]
+                    for k, key in (("tessera", "t_decode"), ("llama", "l_decode"), ("tessera_int8", "i_decode")):
+                        if got[key]:
+                            row[f"{k}_roofline_share"] = statistics.median(
+                                t * nbytes / 1e9 / g for t, g in zip(got[key], around))
                 rows.append(row)
     busy_rows = []
     if args.contention:
         busy_rows = contention([(m, ROOT / "models" / f"{m}.gguf") for m in args.contention.split(",")], args.runs)
     gb_s.append(roofline())
     print(f"roofline {gb_s[1]:.1f} GB/s", flush=True)
-    roof = max(gb_s)
-    for row in rows:
-        if row["scenario"] == "decode":
-            for k in ("tessera", "llama", "tessera_int8"):
-                if k in row:
-                    row[f"{k}_roofline_share"] = row[k] * row["decode_bytes"] / 1e9 / roof
     BENCH.mkdir(parents=True, exist_ok=True)
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                           text=True).stdout.strip()

@@ -793,7 +793,13 @@ def cpu_table():
         "",
         f"The roofline is this host's read bandwidth in the same run (`tessera bench --scenario roofline`: 1 GiB "
         f"read by {d['threads']} threads, best of 5; {bw}): a decode step reads every weight once, so tok/s × "
-        "the weights' bytes ÷ the better of its run's two figures is the share of it each engine reaches.",
+        "the weights' bytes ÷ the bandwidth is the share of it each engine reaches. "
+        + ("Rows that read the bandwidth before each of their runs and after the last (the rows of "
+           + ", ".join(sorted({f"{r['model']}" for r in d["rows"] if "read_gb_s" in r}))
+           + ") take each run's decode against the mean of the two reads around it, and give the median of "
+           "those shares; the others divide by the better of their run's two figures, a share too low where the "
+           "bandwidth fell and above 100% where it rose."
+           if any("read_gb_s" in r for r in d["rows"]) else ""),
         "",
         "| model | ISA | scenario | Tessera (default, exact) | llama.cpp | ratio | Tessera `--activations int8` |"
         " Tessera, share of roofline | llama.cpp, share of roofline |",
