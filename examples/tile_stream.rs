@@ -18,7 +18,7 @@ use std::time::Instant;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::DType;
 use tessera_kernels::{
-    qmatvec, quantize_row, read_all, ActBlock, Packed, QIsa, WeightFormat, Weights,
+    qmatvec, quantize_row, timed_read, ActBlock, Packed, QIsa, WeightFormat, Weights,
 };
 
 fn main() -> anyhow::Result<()> {
@@ -58,10 +58,7 @@ fn main() -> anyhow::Result<()> {
         .map(|p| p.ok_or_else(|| anyhow::anyhow!("{format} has no integer path")))
         .collect::<anyhow::Result<_>>()?;
     let bytes = copies * data.len();
-    let mut flat = tessera_kernels::zeroed_huge::<u8>(bytes);
-    for (i, b) in flat.iter_mut().enumerate() {
-        *b = i as u8;
-    }
+    let flat = tessera_kernels::read_buffer(bytes);
     let x = tessera_kernels::testing::seeded(&[1, k], 6, DType::F32)?
         .flatten_all()?
         .to_vec1::<f32>()?;
@@ -93,25 +90,20 @@ fn main() -> anyhow::Result<()> {
     };
     let part = copies.div_ceil(threads);
     let stream = |i: usize| tiles(packed.chunks(part).nth(i).unwrap_or(&[]), n, 1);
-    let chunk = bytes.div_ceil(threads).next_multiple_of(64);
-    let read = |i: usize| {
-        if let Some(c) = flat.chunks(chunk).nth(i) {
-            std::hint::black_box(read_all(c));
-        }
-    };
+    let read = || timed_read(&flat, threads);
     // The L2 pass: 256 rows of one copy (about 288 KiB of Q4_0), over and
     // over, as many bytes in all as the streams.
     let small = 256;
     let repeat = (bytes / threads) / (data.len() * small / n);
     let cached = |_: usize| tiles(&packed[..1], small, repeat);
 
-    timed(&read);
+    read();
     timed(&stream);
-    let mut reads = vec![timed(&read)];
+    let mut reads = vec![read()];
     let (mut tile_gbs, mut ratios) = (Vec::new(), Vec::new());
     for _ in 0..rounds {
         let t = timed(&stream);
-        reads.push(timed(&read));
+        reads.push(read());
         let around = (reads[reads.len() - 2] + reads[reads.len() - 1]) / 2.0;
         tile_gbs.push(bytes as f64 / t / 1e9);
         ratios.push(around / t);

@@ -251,26 +251,10 @@ const ROOFLINE_BYTES: usize = 1 << 30;
 /// best of `--runs` passes (after one untimed pass).
 fn roofline(args: &BenchArgs) -> Result<()> {
     let threads = candle_core::utils::get_num_threads();
-    let mut data = tessera_kernels::zeroed_huge::<u8>(ROOFLINE_BYTES);
-    for (i, b) in data.iter_mut().enumerate() {
-        *b = i as u8;
-    }
-    let pass = |d: &[u8]| -> f64 {
-        let part = d.len().div_ceil(threads).next_multiple_of(64);
-        let t = std::time::Instant::now();
-        std::thread::scope(|s| {
-            let hs: Vec<_> = d
-                .chunks(part)
-                .map(|c| s.spawn(move || std::hint::black_box(tessera_kernels::read_all(c))))
-                .collect();
-            for h in hs {
-                let _ = h.join();
-            }
-        });
-        t.elapsed().as_secs_f64()
-    };
-    pass(&data);
-    let best = (0..args.runs).map(|_| pass(&data)).fold(f64::MAX, f64::min);
+    let data = tessera_kernels::read_buffer(ROOFLINE_BYTES);
+    let pass = || tessera_kernels::timed_read(&data, threads);
+    pass();
+    let best = (0..args.runs).map(|_| pass()).fold(f64::MAX, f64::min);
     let gbs = ROOFLINE_BYTES as f64 / best / 1e9;
     if args.json {
         let v = serde_json::json!({

@@ -120,11 +120,10 @@ impl Drafter {
     /// without a match.
     pub(crate) fn draft(&mut self, history: &[u32], most: usize, cost: f64) -> Vec<u32> {
         self.follow_shadow(history);
-        if self.pause > 0 {
-            self.pause -= 1;
+        if self.paused() {
             return Vec::new();
         }
-        let most = most.min(self.len).min(self.spec.max_draft);
+        let most = self.cap(most);
         if most == 0 {
             return Vec::new();
         }
@@ -160,8 +159,7 @@ impl Drafter {
     /// drafts follow it as prompt lookup's do). While guesses do not pay,
     /// the sample pauses, and then tries one draft.
     pub(crate) fn allowance(&mut self, most: usize, cost: f64) -> usize {
-        if self.pause > 0 {
-            self.pause -= 1;
+        if self.paused() {
             return 0;
         }
         let losing = self.losing(cost);
@@ -175,6 +173,19 @@ impl Drafter {
             self.backoff = PAUSE;
         }
         self.probing = false;
+        self.cap(most)
+    }
+
+    /// Whether this token is one of a pause's (counting it off).
+    fn paused(&mut self) -> bool {
+        let paused = self.pause > 0;
+        self.pause = self.pause.saturating_sub(1);
+        paused
+    }
+
+    /// The next draft's length: at most `most`, the adapted length and
+    /// the spec's longest.
+    fn cap(&self, most: usize) -> usize {
         most.min(self.len).min(self.spec.max_draft)
     }
 

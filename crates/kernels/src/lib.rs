@@ -73,7 +73,7 @@ pub use linear::matvec::{f16_to_f32, matvec, matvec_slow, Isa, WeightFormat, Wei
 pub use linear::qdot::{
     qmatvec, qmatvec_slow, quantize_row, ActBlock, Activations, Packed, QIsa, GROUP,
 };
-pub use mem::{advise_huge_pages, read_all, zeroed_huge};
+pub use mem::{advise_huge_pages, read_buffer, timed_read, zeroed_huge};
 pub use norm::{act_mul, act_mul_slow, rms_norm, rms_norm_in_place, rms_norm_slow, Activation};
 pub use simd::exp_nonpositive;
 pub use simd::portable_forced;

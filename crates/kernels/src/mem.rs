@@ -74,9 +74,37 @@ macro_rules! zero_half {
 }
 zero_half!(half::f16, half::bf16);
 
+/// `n` bytes of varied values on huge pages, to time reads of.
+pub fn read_buffer(n: usize) -> Vec<u8> {
+    let mut data = zeroed_huge::<u8>(n);
+    for (i, b) in data.iter_mut().enumerate() {
+        *b = i as u8;
+    }
+    data
+}
+
+/// Seconds to read all of `d` ([`read_all`]) split among `threads`
+/// threads, each its own cache-line-aligned part: the memory's read
+/// bandwidth, the roofline of a decode (`tessera bench --scenario
+/// roofline`, `examples/tile_stream.rs`).
+pub fn timed_read(d: &[u8], threads: usize) -> f64 {
+    let part = d
+        .len()
+        .div_ceil(threads.max(1))
+        .next_multiple_of(64)
+        .max(64);
+    let t = std::time::Instant::now();
+    std::thread::scope(|s| {
+        for c in d.chunks(part) {
+            s.spawn(move || std::hint::black_box(read_all(c)));
+        }
+    });
+    t.elapsed().as_secs_f64()
+}
+
 /// A sum over every byte's 64-bit words (so that no load is skipped),
 /// with independent accumulators: the loads, not the adds, set the pace.
-pub fn read_all(d: &[u8]) -> u64 {
+fn read_all(d: &[u8]) -> u64 {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         // SAFETY: AVX2 is present.
