@@ -10,7 +10,10 @@ VNNI, AVX-VNNI and AVX2, prefill of 512 tokens and decode of 128, `llama-bench`
 (`TESSERA_ISA` forced to the same instruction set) alternating run by run,
 2 threads each; and the host's read bandwidth (`tessera bench --scenario
 roofline`) before and after, so each decode figure is also a share of the
-roofline (the weights' bytes a decode step reads × tok/s ÷ GB/s).
+roofline (the weights' bytes a decode step reads × tok/s ÷ GB/s); and for
+Tessera, `tessera bench --scenario roofline --model` (decode bursts of 8
+steps between read passes of 256 MiB: each burst's forward against the
+reads either side, and each part of the step's).
 
     python3 scripts/bench_cpu.py [--models synth-1b-Q4_0,...] [--isas avx512,avxvnni,avx2] [--runs 3] [--int8]
                                  [--contention SmolLM2-135M-Instruct.Q4_1,...]
@@ -159,6 +162,17 @@ def contention(models, runs):
     return rows
 
 
+def interleaved(model, isa):
+    """`tessera bench --scenario roofline --model`: decode bursts between read
+    passes, each burst's forward as a share of the reads either side."""
+    out = subprocess.run(
+        [str(TESSERA), "--threads", str(THREADS), "bench", "--model", str(model), "--scenario", "roofline",
+         "--runs", "2", "--json"],
+        check=True, capture_output=True, text=True, env=dict(os.environ, TESSERA_ISA=isa),
+    ).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def roofline():
     out = subprocess.run(
         [str(TESSERA), "--threads", str(THREADS), "bench", "--scenario", "roofline", "--runs", "5", "--json"],
@@ -208,6 +222,9 @@ def main():
                 print(f"{name} {isa} run {r + 1}/{args.runs}: "
                       + ", ".join(f"{k} {v[-1]:.1f}" for k, v in got.items() if v)
                       + f", read {reads[-2]:.1f}–{reads[-1]:.1f} GB/s", flush=True)
+            close = interleaved(path, isa)
+            print(f"{name} {isa} interleaved: forward at {close['tessera'] * 100:.1f}% of the read "
+                  f"(reads {close['read_gb_s_min']:.1f}–{close['read_gb_s_max']:.1f} GB/s)", flush=True)
             for s in ("prefill", "decode"):
                 t, ll = statistics.median(got[f"t_{s}"]), statistics.median(got[f"l_{s}"])
                 row = {"model": name, "isa": isa, "scenario": s, "tessera": t, "llama": ll,
@@ -222,6 +239,9 @@ def main():
                         if got[key]:
                             row[f"{k}_roofline_share"] = statistics.median(
                                 t * nbytes / 1e9 / g for t, g in zip(got[key], around))
+                    row["tessera_interleaved_share"] = close["tessera"]
+                    row["tessera_part_shares"] = close["part_shares"]
+                    row["interleaved_read_gb_s"] = [close["read_gb_s_min"], close["read_gb_s_max"]]
                 rows.append(row)
     busy_rows = []
     if args.contention:

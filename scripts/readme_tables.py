@@ -799,12 +799,24 @@ def cpu_table():
            + ") take each run's decode against the mean of the two reads around it, and give the median of "
            "those shares; the others divide by the better of their run's two figures, a share too low where the "
            "bandwidth fell and above 100% where it rose."
-           if any("read_gb_s" in r for r in d["rows"]) else ""),
+           if any("read_gb_s" in r for r in d["rows"]) else "")
+        + (" \"Forward, interleaved\" is closer still (`tessera bench --scenario roofline --model`, for Tessera "
+           "only): 32 decode bursts of 8 steps, each between two read passes of 256 MiB a few milliseconds "
+           "away, the forward's weight bytes a second over the mean of those two reads (the median over the "
+           "bursts; the engine around the forward is left out), and in brackets the least of the step's parts "
+           "(q/k/v, output, gate and up, down, head) on the same terms."
+           if any("tessera_interleaved_share" in r for r in d["rows"]) else ""),
         "",
         "| model | ISA | scenario | Tessera (default, exact) | llama.cpp | ratio | Tessera `--activations int8` |"
-        " Tessera, share of roofline | llama.cpp, share of roofline |",
-        "|---|---|---|---|---|---|---|---|---|",
+        " Tessera, share of roofline | llama.cpp, share of roofline | Tessera's forward, interleaved |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    def close(r):
+        if "tessera_interleaved_share" not in r:
+            return "—"
+        part, least = min(r["tessera_part_shares"].items(), key=lambda kv: kv[1])
+        return f"{r['tessera_interleaved_share'] * 100:.0f}% ({part.replace('_', ' ')} {least * 100:.0f}%)"
+
     for r in d["rows"]:
         share = lambda k: f"{r[k] * 100:.0f}%" if k in r else "—"  # noqa: E731
         i8 = f"{r['tessera_int8']:.1f}" if "tessera_int8" in r else "—"
@@ -813,7 +825,7 @@ def cpu_table():
             f"| {r['model']} | {names.get(r['isa'], r['isa'])} | {r['scenario']} | {r['tessera']:.1f} tok/s"
             f"{span('tessera_runs')} | {r['llama']:.1f}{span('llama_runs')} | {r['ratio']:.2f}× | {i8} | "
             f"{share('tessera_roofline_share')} | "
-            f"{share('llama_roofline_share')} |"
+            f"{share('llama_roofline_share')} | {close(r)} |"
         )
     if d.get("contention"):
         out += [

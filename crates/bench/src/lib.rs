@@ -113,6 +113,22 @@ pub fn batch_prompts(model: &Model, n: usize) -> Result<Vec<Vec<u32>>> {
         .collect()
 }
 
+/// One greedy decode of `steps` tokens after `prompt` (EOS ignored):
+/// tok/s from the first token to the last.
+pub fn decode_steps(engine: &Engine, prompt: &[u32], steps: usize) -> Result<f64> {
+    let c = engine.complete(
+        &GenerateRequest {
+            max_tokens: steps + 1,
+            sampling: SamplingParams::greedy(),
+            ignore_eos: true,
+            ..GenerateRequest::new(Prompt::Tokens(prompt.to_vec()))
+        },
+        &mut |_| {},
+    )?;
+    let secs = c.timings.total_s - c.timings.ttft_ms / 1e3;
+    Ok(c.usage.completion_tokens.saturating_sub(1) as f64 / secs.max(1e-9))
+}
+
 /// Aggregate decode tok/s of `prompts` decoding together on `engine`
 /// (`DECODE_TOKENS` each after the prompt, greedy): every generated token
 /// after each one's first, over the time from the last first token to the

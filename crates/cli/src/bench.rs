@@ -72,16 +72,20 @@ pub enum Scenario {
     /// with its disk tier (`--cache-dir`): the history served from cache,
     /// TTFT p50/p99, the same greedy replies.
     Tiers,
-    /// The host's memory read bandwidth (no model): 1 GiB, far past the
-    /// last-level cache, read by as many threads as the kernels use, the
-    /// best of --runs passes. Decode at real sizes streams every weight
-    /// once per token, so this is its roofline.
+    /// The host's memory read bandwidth: 1 GiB, far past the last-level
+    /// cache, read by as many threads as the kernels use, the best of
+    /// --runs passes. Decode at real sizes streams every weight once per
+    /// token, so this is its roofline. With --model, the model's decode as
+    /// a share of it: short decodes alternating with read passes, each
+    /// decode's weight bytes a second (and each part's of the step) over
+    /// the mean of the reads either side, so the host's drifting
+    /// bandwidth falls on both alike.
     Roofline,
 }
 
 #[derive(Args)]
 pub struct BenchArgs {
-    /// The model (every scenario but roofline).
+    /// The model (every scenario; roofline's is optional).
     #[arg(long)]
     model: Option<String>,
     #[arg(long, value_enum)]
@@ -125,7 +129,10 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         bail!("--runs must be at least 1");
     }
     if args.scenario == Scenario::Roofline {
-        return roofline(&args);
+        return match args.model.as_deref() {
+            Some(m) => crate::scenarios::roofline_share(load_model(m)?, &args),
+            None => roofline(&args),
+        };
     }
     let Some(model) = args.model.as_deref() else {
         let name = args

@@ -8,6 +8,7 @@ use anyhow::{bail, Result};
 use tessera_engine::{
     ContextShift, Engine, EngineConfig, Event, GenerateRequest, Prompt, SamplingParams, TurnOptions,
 };
+use tessera_model::phases::{Part, PartTime, PARTS};
 use tessera_model::{Model, Special};
 
 use tessera_bench::{median, text, REPLY_TOKENS};
@@ -333,28 +334,71 @@ pub fn shift(model: Model, args: &BenchArgs) -> Result<()> {
 /// A decode run's attention phases and whole forward, ms per step.
 type Phases = (f64, f64);
 
-/// Each run's tok/s and [`Phases`].
+/// A decode run's parts ([`tessera_model::phases::Part`]).
+type Parts = [PartTime; PARTS];
+
+/// Each run's tok/s, [`Phases`] and [`Parts`].
 #[derive(Default)]
-struct Runs(Vec<f64>, Vec<f64>, Vec<f64>);
+struct Runs(Vec<f64>, Vec<f64>, Vec<f64>, Vec<Parts>);
 
 impl Runs {
-    fn push(&mut self, (tps, (att, fwd)): (f64, Phases)) {
+    fn push(&mut self, (tps, (att, fwd), parts): (f64, Phases, Parts)) {
         self.0.push(tps);
         self.1.push(att);
         self.2.push(fwd);
+        self.3.push(parts);
     }
 
-    /// The medians of each.
-    fn medians(self) -> (f64, Phases) {
-        (median(self.0), (median(self.1), median(self.2)))
+    /// The medians of each (each part's time its own median).
+    fn medians(self) -> (f64, Phases, Parts) {
+        let parts = std::array::from_fn(|i| PartTime {
+            ms: median(self.3.iter().map(|p| p[i].ms).collect()),
+            bytes: self.3.first().map_or(0, |p| p[i].bytes),
+        });
+        (median(self.0), (median(self.1), median(self.2)), parts)
     }
+}
+
+/// A run's parts as JSON: each part's ms a step, and its weights' GB/s.
+fn parts_json(parts: &Parts) -> serde_json::Value {
+    Part::ALL
+        .iter()
+        .map(|&p| {
+            let t = parts[p as usize];
+            (
+                p.name().to_string(),
+                serde_json::json!({"ms": t.ms, "weight_bytes": t.bytes, "gb_s": t.gb_s()}),
+            )
+        })
+        .collect::<serde_json::Map<_, _>>()
+        .into()
+}
+
+/// A run's parts on one line: ms a step, and GB/s where it reads weights.
+fn parts_line(label: &str, parts: &Parts, forward_ms: f64) -> String {
+    let each: Vec<String> = Part::ALL
+        .iter()
+        .map(|&p| {
+            let t = parts[p as usize];
+            if t.bytes > 0 {
+                format!("{} {:.3} ms ({:.1} GB/s)", p.name(), t.ms, t.gb_s())
+            } else {
+                format!("{} {:.3} ms", p.name(), t.ms)
+            }
+        })
+        .collect();
+    let rest = forward_ms - parts.iter().map(|t| t.ms).sum::<f64>();
+    format!(
+        "  {label}: {}; outside the parts {rest:.3} ms",
+        each.join(", ")
+    )
 }
 
 /// `decode-long`: 128 tokens after 2,048 tokens of context; `decode-batch`:
 /// 4 and 8 sequences decoding together. Each beside one sequence decoding
 /// after a 16-token prompt, in the same run (medians over the runs), with
-/// the share of a decode forward its attention phases take
-/// ([`tessera_model::phases`]).
+/// the share of a decode forward its attention phases take and the time
+/// of each part of the step ([`tessera_model::phases`]).
 pub fn decode_depth_and_width(model: Model, args: &BenchArgs) -> Result<()> {
     let short = tessera_bench::decode_prompt(&model)?;
     let long = tessera_bench::long_prompt(&model)?;
@@ -364,14 +408,16 @@ pub fn decode_depth_and_width(model: Model, args: &BenchArgs) -> Result<()> {
     );
     let engine = Engine::from_model(model, args.kv.config(false))?;
     let long_scenario = args.scenario == crate::bench::Scenario::DecodeLong;
-    // Each run's tok/s and its decode steps' attention and forward times.
-    let run = |prompts: &[Vec<u32>]| -> Result<(f64, Phases)> {
+    // Each run's tok/s, its decode steps' attention and forward times, and
+    // their parts.
+    let run = |prompts: &[Vec<u32>]| -> Result<(f64, Phases, Parts)> {
         tessera_model::phases::start();
         let tps = tessera_bench::decode_together(&engine, prompts);
         let p = tessera_model::phases::stop();
         Ok((
             tps?,
             p.map_or((f64::NAN, f64::NAN), |p| (p.attention_ms, p.forward_ms)),
+            p.map_or([PartTime::default(); PARTS], |p| p.parts),
         ))
     };
     let (mut base, mut a, mut b) = (Runs::default(), Runs::default(), Runs::default());
@@ -384,7 +430,7 @@ pub fn decode_depth_and_width(model: Model, args: &BenchArgs) -> Result<()> {
             b.push(run(&eight)?);
         }
     }
-    let (base, base_p) = base.medians();
+    let (base, base_p, base_parts) = base.medians();
     // (Not timed off the CPU fast path: a GPU forward, or the reference.)
     let phases = |label: &str, (att, fwd): Phases| {
         if att.is_nan() || fwd.is_nan() {
@@ -396,7 +442,7 @@ pub fn decode_depth_and_width(model: Model, args: &BenchArgs) -> Result<()> {
         )
     };
     let (v, lines) = if long_scenario {
-        let (l, l_p) = a.medians();
+        let (l, l_p, l_parts) = a.medians();
         (
             serde_json::json!({
                 "scenario": "decode-long",
@@ -408,6 +454,8 @@ pub fn decode_depth_and_width(model: Model, args: &BenchArgs) -> Result<()> {
                 "forward_ms": l_p.1,
                 "short_attention_ms": base_p.0,
                 "short_forward_ms": base_p.1,
+                "parts": parts_json(&l_parts),
+                "short_parts": parts_json(&base_parts),
                 "runs": args.runs,
             }),
             vec![
@@ -421,10 +469,12 @@ pub fn decode_depth_and_width(model: Model, args: &BenchArgs) -> Result<()> {
                     phases(&format!("after {} tokens", long.len()), l_p),
                     phases("after 16", base_p)
                 ),
+                parts_line(&format!("parts after {} tokens", long.len()), &l_parts, l_p.1),
+                parts_line("parts after 16", &base_parts, base_p.1),
             ],
         )
     } else {
-        let ((x4, p4), (x8, p8)) = (a.medians(), b.medians());
+        let ((x4, p4, parts4), (x8, p8, parts8)) = (a.medians(), b.medians());
         (
             serde_json::json!({
                 "scenario": "decode-batch",
@@ -439,6 +489,9 @@ pub fn decode_depth_and_width(model: Model, args: &BenchArgs) -> Result<()> {
                 "batch4_forward_ms": p4.1,
                 "batch8_attention_ms": p8.0,
                 "batch8_forward_ms": p8.1,
+                "single_parts": parts_json(&base_parts),
+                "batch4_parts": parts_json(&parts4),
+                "batch8_parts": parts_json(&parts8),
                 "runs": args.runs,
             }),
             vec![
@@ -453,9 +506,117 @@ pub fn decode_depth_and_width(model: Model, args: &BenchArgs) -> Result<()> {
                     phases("4", p4),
                     phases("8", p8)
                 ),
+                parts_line("parts of 1 sequence", &base_parts, base_p.1),
+                parts_line("parts of 8", &parts8, p8.1),
             ],
         )
     };
+    emit(args, v, &lines);
+    Ok(())
+}
+
+/// Decode steps of each burst of `roofline --model`.
+const SHARE_STEPS: usize = 8;
+
+/// Bursts a run of `roofline --model`.
+const SHARE_BURSTS: usize = 16;
+
+/// Bytes of each read pass of `roofline --model` (a few ms: this host's
+/// bandwidth was seen to move from 30 to 80 GB/s within a second, so the
+/// reads are kept as close to each burst as they can be while still far
+/// past the last-level cache).
+const SHARE_READ: usize = 256 << 20;
+
+/// `roofline --model`: decode bursts of [`SHARE_STEPS`] steps after the
+/// 16-token prompt, alternating with read passes of [`SHARE_READ`] bytes
+/// (each burst between two), `--runs` times [`SHARE_BURSTS`] bursts. A burst's weight bytes a second
+/// (the phase clock's parts: every matrix a decode step reads, over the
+/// forward's time) over the mean of the reads either side is its share of
+/// the roofline; each part's the same way; medians over the bursts. Also
+/// the bursts' tok/s (the engine around the forward included).
+pub fn roofline_share(model: Model, args: &BenchArgs) -> Result<()> {
+    let prompt = tessera_bench::decode_prompt(&model)?;
+    let engine = Engine::from_model(model, args.kv.config(false))?;
+    let threads = candle_core::utils::get_num_threads();
+    let data = tessera_kernels::read_buffer(SHARE_READ);
+    let read = || SHARE_READ as f64 / tessera_kernels::timed_read(&data, threads) / 1e9;
+    let burst = || -> Result<(f64, tessera_model::phases::DecodePhases)> {
+        tessera_model::phases::start();
+        let tps = tessera_bench::decode_steps(&engine, &prompt, SHARE_STEPS);
+        let p = tessera_model::phases::stop();
+        let p =
+            p.ok_or_else(|| anyhow::anyhow!("the decode was not timed: not the CPU fast path"))?;
+        Ok((tps?, p))
+    };
+    burst()?;
+    read();
+    let (mut shares, mut tps, mut reads) = (Vec::new(), Vec::new(), Vec::new());
+    let mut part_shares: Vec<Vec<f64>> = vec![Vec::new(); PARTS];
+    let mut before = read();
+    reads.push(before);
+    let mut weight_bytes = 0;
+    for _ in 0..args.runs * SHARE_BURSTS {
+        let (t, p) = burst()?;
+        let after = read();
+        reads.push(after);
+        let around = (before + after) / 2.0;
+        weight_bytes = p.parts.iter().map(|x| x.bytes).sum::<u64>();
+        shares.push(weight_bytes as f64 / p.forward_ms / 1e6 / around);
+        for (s, x) in part_shares.iter_mut().zip(&p.parts) {
+            if x.bytes > 0 {
+                s.push(x.gb_s() / around);
+            }
+        }
+        tps.push(t);
+        before = after;
+    }
+    let bursts = shares.len();
+    let (lo, hi) = reads
+        .iter()
+        .fold((f64::MAX, 0f64), |(l, h), &r| (l.min(r), h.max(r)));
+    let share = median(shares.clone());
+    let tok_s = median(tps);
+    let read_mid = median(reads);
+    let parts: serde_json::Map<_, _> = Part::ALL
+        .iter()
+        .filter(|p| !part_shares[**p as usize].is_empty())
+        .map(|&p| {
+            (
+                p.name().to_string(),
+                median(part_shares[p as usize].clone()).into(),
+            )
+        })
+        .collect();
+    let lines = vec![
+        format!(
+            "roofline: decode's weights {:.3} GB a step at {:.1}% of the read around each burst (median of {bursts} bursts of {SHARE_STEPS} steps; reads of {} MiB {lo:.1}–{hi:.1} GB/s, median {read_mid:.1}); {tok_s:.1} tok/s",
+            weight_bytes as f64 / 1e9,
+            100.0 * share,
+            SHARE_READ >> 20
+        ),
+        format!(
+            "  each part's share: {}",
+            parts
+                .iter()
+                .map(|(k, v)| format!("{k} {:.1}%", 100.0 * v.as_f64().unwrap_or(0.0)))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    ];
+    let v = serde_json::json!({
+        "scenario": "roofline",
+        "metric": "decode_share_of_read",
+        "tessera": share,
+        "tok_s": tok_s,
+        "weight_bytes": weight_bytes,
+        "read_gb_s": read_mid,
+        "read_gb_s_min": lo,
+        "read_gb_s_max": hi,
+        "part_shares": parts,
+        "bursts": bursts,
+        "steps": SHARE_STEPS,
+        "threads": threads,
+    });
     emit(args, v, &lines);
     Ok(())
 }

@@ -196,6 +196,44 @@ fn inspect_reports_geometry_and_kv_cost() {
     }
 }
 
+/// `bench --scenario roofline --model`: the decode's weights a step, each
+/// part's share and the whole one beside the reads around the bursts.
+#[test]
+fn roofline_with_a_model_gives_the_decode_share() {
+    let out = tessera(
+        &[
+            "bench",
+            "--scenario",
+            "roofline",
+            "--model",
+            &model(),
+            "--runs",
+            "1",
+            "--json",
+        ],
+        None,
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_str(text(&out.stdout).trim()).unwrap();
+    // Every matrix a step reads: 30 layers of q, o (576×576), k, v
+    // (192×576), gate, up (1536×576) and down (576×1536) in Q4_1 (20 bytes
+    // per 32 values), and the tied head (49,152×576 in Q8_0, 34 bytes).
+    let layers = 30 * 576 * (576 + 192 + 192 + 576 + 3 * 1536) / 32 * 20;
+    assert_eq!(v["weight_bytes"], layers + 49_152 * 576 / 32 * 34, "{v}");
+    assert_eq!(v["bursts"], 16, "{v}");
+    let share = v["tessera"].as_f64().unwrap();
+    assert!(share.is_finite() && share > 0.0, "{v}");
+    let lo = v["read_gb_s_min"].as_f64().unwrap();
+    assert!(
+        lo > 0.0 && lo <= v["read_gb_s_max"].as_f64().unwrap(),
+        "{v}"
+    );
+    let parts = v["part_shares"].as_object().unwrap();
+    let names: Vec<&str> = parts.keys().map(String::as_str).collect();
+    assert_eq!(names, ["qkv", "output", "gate_up", "down", "head"], "{v}");
+    assert!(parts.values().all(|s| s.as_f64().unwrap() > 0.0), "{v}");
+}
+
 #[test]
 fn tiny_safetensors_model_runs() {
     let dir = scratch("tiny");

@@ -56,6 +56,7 @@ use tessera_kernels::{
 };
 
 use crate::llama::{rope_angles, Batch, LayerKv, Llama};
+use crate::phases::Part;
 use crate::qlinear::QLinear;
 use crate::{ModelError, Result};
 
@@ -471,7 +472,10 @@ const CHUNKED_INPUTS: usize = 8;
 /// unit does not change its arithmetic, so results are the same bits.
 fn chunk_units(team: &Team, n: usize, t: usize, unit_bytes: usize, align: usize) -> usize {
     if t <= CHUNKED_INPUTS {
-        CHUNK_BYTES
+        std::env::var("XCHUNK")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(CHUNK_BYTES)
             .div_ceil(unit_bytes.max(1))
             .next_multiple_of(align)
     } else {
@@ -913,6 +917,8 @@ impl Llama {
             drawn.clear();
             drawn.resize(cursors.len(), 0);
             *phase = 0;
+            let mut laps = crate::phases::Laps::new(timing && team.id() == 0);
+            let bytes = |w: &[Weights]| w.iter().map(|w| w.data.len()).sum::<usize>();
             // x += y·Wᵀ (linear `which` of the layer, this worker's rows of
             // it) for the inputs `y` (f32, and quantized when packed); with
             // a post-norm, y·Wᵀ goes to `ob` first, and after a barrier
@@ -1066,6 +1072,7 @@ impl Llama {
                     }
                 }
                 team.barrier();
+                laps.lap(Part::Qkv, bytes(&w[..3]));
                 let attention = (timing && team.id() == 0).then(std::time::Instant::now);
                 for (g0, g1, plan) in &plans[lc.wset][..ngroups] {
                     let (g0, g1) = (*g0, *g1);
@@ -1146,10 +1153,12 @@ impl Llama {
                 if let Some(at) = attention {
                     crate::phases::CLOCK.add_attention(at.elapsed().as_nanos() as u64);
                 }
+                laps.lap(Part::Attention, 0);
                 let av = unsafe { a.all() };
                 let qa = quantize(team, packed(lc, &[3]), levels, av, t, nh * hd, qown, &qx);
                 residual(lc, w, 3, (av, qa), &lc.post_attn, deq, nrow, phase);
                 team.barrier();
+                laps.lap(Part::Output, bytes(&w[3..4]));
                 pre_norm(isa.0, unsafe { x.all() }, t, &lc.ffn_norm, eps, h);
                 let qh = quantize(team, packed(lc, &[4, 5]), levels, h, t, hidden, qown, &qx);
                 for_rows(
@@ -1180,10 +1189,12 @@ impl Llama {
                     },
                 );
                 team.barrier();
+                laps.lap(Part::GateUp, bytes(&w[4..6]));
                 let mv = unsafe { m.all() };
                 let qm = quantize(team, packed(lc, &[6]), levels, mv, t, ffn, qown, &qx);
                 residual(lc, w, 6, (mv, qm), &lc.post_ffn, deq, nrow, phase);
                 team.barrier();
+                laps.lap(Part::Down, bytes(&w[6..7]));
             }
             if picks > 0 {
                 let rows = batch.logits_for.iter().map(|&p| p as usize);
@@ -1208,6 +1219,7 @@ impl Llama {
                         })
                     },
                 );
+                laps.lap(Part::Head, head.data.len());
             }
         };
         let start = timing.then(std::time::Instant::now);

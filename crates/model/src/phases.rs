@@ -11,6 +11,73 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 
+/// The parts of a CPU decode step, each from the barrier that ends the
+/// part before it to the barrier that ends it (summed over the layers),
+/// timed on the first worker, so that they add up to the step less the
+/// team's wake-up and the last part's wait for the others.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Part {
+    /// The attention norm, the input's quantization, the q, k and v
+    /// projections, their norms, RoPE and the stores to the cache.
+    Qkv,
+    /// The attention items and the merges of their states.
+    Attention,
+    /// The attention output's quantization and projection, added to the
+    /// residual.
+    Output,
+    /// The FFN norm, the input's quantization, gate and up with the
+    /// activation.
+    GateUp,
+    /// The FFN product's quantization and the down projection.
+    Down,
+    /// The final norm and the output head (no barrier at its end).
+    Head,
+}
+
+impl Part {
+    pub const ALL: [Part; PARTS] = [
+        Part::Qkv,
+        Part::Attention,
+        Part::Output,
+        Part::GateUp,
+        Part::Down,
+        Part::Head,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Part::Qkv => "qkv",
+            Part::Attention => "attention",
+            Part::Output => "output",
+            Part::GateUp => "gate_up",
+            Part::Down => "down",
+            Part::Head => "head",
+        }
+    }
+}
+
+pub const PARTS: usize = 6;
+
+/// One part's mean time and the weight bytes it reads, a step.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct PartTime {
+    pub ms: f64,
+    /// Weight bytes the part's matrices hold (0 for attention, whose
+    /// reads are the K/V cache's).
+    pub bytes: u64,
+}
+
+impl PartTime {
+    /// The part's weights over its time, GB/s (0 without weights).
+    pub fn gb_s(&self) -> f64 {
+        if self.ms > 0.0 {
+            self.bytes as f64 / self.ms / 1e6
+        } else {
+            0.0
+        }
+    }
+}
+
 /// Totals since [`start`], over the decode steps.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct DecodePhases {
@@ -19,6 +86,8 @@ pub struct DecodePhases {
     pub forward_ms: f64,
     /// Mean time of a step's attention phases (all layers), ms.
     pub attention_ms: f64,
+    /// The step's parts, in [`Part::ALL`]'s order.
+    pub parts: [PartTime; PARTS],
 }
 
 impl DecodePhases {
@@ -34,6 +103,8 @@ pub(crate) struct Clock {
     steps: AtomicU64,
     forward_ns: AtomicU64,
     attention_ns: AtomicU64,
+    part_ns: [AtomicU64; PARTS],
+    part_bytes: [AtomicU64; PARTS],
 }
 
 /// The process's clock, which the fast path reports to.
@@ -46,11 +117,17 @@ impl Clock {
             steps: AtomicU64::new(0),
             forward_ns: AtomicU64::new(0),
             attention_ns: AtomicU64::new(0),
+            part_ns: [const { AtomicU64::new(0) }; PARTS],
+            part_bytes: [const { AtomicU64::new(0) }; PARTS],
         }
     }
 
     fn start(&self) {
-        for c in [&self.steps, &self.forward_ns, &self.attention_ns] {
+        let parts = self.part_ns.iter().chain(&self.part_bytes);
+        for c in [&self.steps, &self.forward_ns, &self.attention_ns]
+            .into_iter()
+            .chain(parts)
+        {
             c.store(0, Relaxed);
         }
         self.on.store(true, Relaxed);
@@ -64,6 +141,10 @@ impl Clock {
             steps,
             forward_ms: ms(&self.forward_ns),
             attention_ms: ms(&self.attention_ns),
+            parts: std::array::from_fn(|i| PartTime {
+                ms: ms(&self.part_ns[i]),
+                bytes: self.part_bytes[i].load(Relaxed) / steps,
+            }),
         })
     }
 
@@ -80,9 +161,35 @@ impl Clock {
         self.attention_ns.fetch_add(ns, Relaxed);
     }
 
+    /// A part's time in one layer (or the head) of a step, and the weight
+    /// bytes it read.
+    pub(crate) fn add_part(&self, part: Part, ns: u64, bytes: u64) {
+        self.part_ns[part as usize].fetch_add(ns, Relaxed);
+        self.part_bytes[part as usize].fetch_add(bytes, Relaxed);
+    }
+
     pub(crate) fn add_step(&self, ns: u64) {
         self.forward_ns.fetch_add(ns, Relaxed);
         self.steps.fetch_add(1, Relaxed);
+    }
+}
+
+/// The first worker's clock over a step's parts: each [`Laps::lap`] adds
+/// the time since the one before (or since the step began) to a part.
+pub(crate) struct Laps(Option<std::time::Instant>);
+
+impl Laps {
+    /// Laps that time (`on`), or do nothing.
+    pub(crate) fn new(on: bool) -> Laps {
+        Laps(on.then(std::time::Instant::now))
+    }
+
+    pub(crate) fn lap(&mut self, part: Part, bytes: usize) {
+        if let Some(last) = &mut self.0 {
+            let now = std::time::Instant::now();
+            CLOCK.add_part(part, (now - *last).as_nanos() as u64, bytes as u64);
+            *last = now;
+        }
     }
 }
 
@@ -113,7 +220,13 @@ mod tests {
         c.add_step(3_000_000);
         c.add_attention(1_000_000);
         c.add_step(1_000_000);
+        c.add_part(Part::Down, 500_000, 1_000_000);
+        c.add_part(Part::Down, 1_500_000, 3_000_000);
         let p = c.stop().expect("two steps");
+        let down = p.parts[Part::Down as usize];
+        assert!((down.ms - 1.0).abs() < 1e-9 && down.bytes == 2_000_000);
+        assert!((down.gb_s() - 2.0).abs() < 1e-9, "2 MB a step in 1 ms");
+        assert_eq!(p.parts[Part::Qkv as usize], PartTime::default());
         assert_eq!(p.steps, 2);
         assert!((p.forward_ms - 2.0).abs() < 1e-9 && (p.attention_ms - 0.5).abs() < 1e-9);
         assert!((p.attention_share() - 0.25).abs() < 1e-9);

@@ -1078,6 +1078,22 @@ fn decode_forwards_report_their_attention_phases() {
         "{p:?}"
     );
     assert!(p.attention_share() > 0.0 && p.attention_share() <= 1.0);
+    // The parts: laps of the first worker, so they add up to no more than
+    // the forward; every part but attention reads its weights.
+    use crate::phases::Part;
+    let sum: f64 = p.parts.iter().map(|t| t.ms).sum();
+    assert!(sum > 0.0 && sum <= p.forward_ms, "{p:?}");
+    for part in Part::ALL {
+        let t = p.parts[part as usize];
+        assert!(t.ms > 0.0, "{part:?} timed: {p:?}");
+        assert_eq!(t.bytes == 0, part == Part::Attention, "{part:?}: {p:?}");
+    }
+    let at = |part: Part| p.parts[part as usize].bytes;
+    assert_eq!(
+        at(Part::GateUp),
+        2 * at(Part::Down),
+        "gate and up are down's size"
+    );
 }
 
 /// Batch, chunk, worker-count and prefix-reuse invariance on the tiny
