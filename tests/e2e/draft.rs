@@ -105,6 +105,9 @@ fn a_draft_model_gives_the_tokens_of_plain_decoding() {
     );
     let per_request: usize = got.iter().map(|c| c.usage.draft_tokens).sum();
     assert_eq!(per_request as u64, s.spec_draft_tokens);
+    // The cost of a guess was measured (the steps' line, and a draft model
+    // as large as the model itself: most of a token a guess).
+    assert!(s.spec_guess_cost_ppm > 100_000, "{s:?}");
     // Greedy guesses of the model itself are kept, nearly all (the same
     // weights; a batch of one against a batch of several differs only in
     // where a tie might fall).

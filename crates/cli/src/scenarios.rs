@@ -950,13 +950,13 @@ pub fn spec(model: Model, args: &BenchArgs) -> Result<()> {
         let after = with.stats();
         let drafted = after.spec_draft_tokens - before.spec_draft_tokens;
         let kept = after.spec_accepted_tokens - before.spec_accepted_tokens;
+        let cost = after.spec_guess_cost_ppm as f64 / 1e6;
         rows.push((
             kind,
             prompts.len(),
             median(a),
             median(b),
-            drafted,
-            kept,
+            (drafted, kept, cost),
             tokens,
             bound,
         ));
@@ -982,13 +982,13 @@ pub fn spec(model: Model, args: &BenchArgs) -> Result<()> {
         "max_draft": ngram.max_draft, "min_ngram": ngram.min_ngram, "max_ngram": ngram.max_ngram,
         "draft_model": with.config().draft.as_ref().map(|d| d.source.to_string()),
         "draft_p_min": with.config().draft.as_ref().map(|d| d.p_min)});
-    for (kind, count, a, b, drafted, kept, n, (steps, best, unlimited, decoded)) in rows {
+    for (kind, count, a, b, (drafted, kept, cost), n, (steps, best, unlimited, decoded)) in rows {
         lines.push(format!(
-            "  {kind:<9} {count} prompts, {n} tokens: {a:>7.1} tok/s with, {b:>7.1} without ({:.2}x); {kept} of {drafted} draft tokens kept",
+            "  {kind:<9} {count} prompts, {n} tokens: {a:>7.1} tok/s with, {b:>7.1} without ({:.2}x); {kept} of {drafted} draft tokens kept; a checked guess costs {cost:.2} of a token",
             a / b
         ));
         v[kind] = serde_json::json!({"with": a, "without": b, "ratio": a / b,
-            "draft_tokens": drafted, "accepted_tokens": kept, "tokens": n});
+            "draft_tokens": drafted, "accepted_tokens": kept, "tokens": n, "guess_cost": cost});
         if lookup {
             let per = |s: usize| decoded as f64 / s.max(1) as f64;
             lines.push(format!(

@@ -410,6 +410,11 @@ pub struct EngineStats {
     /// steps wait for them).
     pub draft_kv: Option<KvStats>,
     pub spec_draft_ns: u64,
+    /// What a checked guess costs, in millionths of a token of plain
+    /// decoding at the last step's batch size (the draft model's time
+    /// included): a sample drafts while the share of its recent guesses
+    /// kept is above it. 0 until enough decoding steps have been timed.
+    pub spec_guess_cost_ppm: u64,
     /// Structured output: next-token masks computed beside a forward, the
     /// time computing them took, and the part of it the step waited for
     /// after its forward (what masks cost a step).

@@ -561,6 +561,7 @@ impl Worker {
             paused_samples: self.active.values().filter(|a| a.held.is_some()).count(),
             draft_kv: self.drafts.as_ref().map(|d| d.kv().stats()),
             disk_tier: self.tier.as_ref().map(|t| t.stats()),
+            spec_guess_cost_ppm: (self.guess_cost * 1e6).round() as u64,
             ..self.totals
         }
     }

@@ -121,6 +121,12 @@ const STATS: &[StatLine] = &[
         |s| s.spec_draft_ns as f64 / 1e9,
     ),
     (
+        "spec_decode_guess_cost",
+        Kind::Gauge,
+        "What a checked draft token costs, in tokens of plain decoding at the last step's batch size (the draft model's time included); a sample drafts while the share of its recent draft tokens kept is above it. 0 until measured.",
+        |s| s.spec_guess_cost_ppm as f64 / 1e6,
+    ),
+    (
         "structured_output_masks_total",
         Kind::Counter,
         "Next-token masks computed for constrained samples (structured output, forced tool calls).",
