@@ -423,9 +423,28 @@ fn bench_roofline(c: &mut Criterion) {
                 g.bench_function(name, |b| b.iter(|| run(black_box(ROUNDS))));
             }
         }
+        // The 256-bit tiles' multiplies (elements: instructions, 32 byte
+        // products each for `vpdpbusd` and `vpmaddubsw`, 16 i16 products
+        // for `vpmaddwd`): the ceilings of the AVX-VNNI and AVX2 tiles.
+        let mut ymm: Vec<PortBench> = Vec::new();
+        if is_x86_feature_detected!("avxvnni") {
+            ymm.push(("vpdpbusd_ymm_one_thread", ports::dpbusd_ymm));
+        }
+        if is_x86_feature_detected!("avx2") {
+            ymm.push(("vpmaddubsw_ymm_one_thread", ports::maddubs_ymm));
+            ymm.push(("vpmaddwd_ymm_one_thread", ports::madd_ymm));
+        }
+        g.throughput(Throughput::Elements(ROUNDS as u64 * 12));
+        for (name, run) in ymm {
+            g.bench_function(name, |b| b.iter(|| run(black_box(ROUNDS))));
+        }
     }
     g.finish();
 }
+
+/// A port bench's name and its loop of rounds.
+#[cfg(target_arch = "x86_64")]
+type PortBench = (&'static str, fn(usize));
 
 /// Twelve independent `vpdpbusd` a round, and three more instructions of
 /// another kind on registers of their own (inline assembly, so that the
@@ -471,6 +490,45 @@ mod ports {
             "vfmadd231ps zmm17, zmm13, zmm12",
             "vfmadd231ps zmm18, zmm13, zmm12"
         )
+    }
+
+    /// Twelve independent 256-bit instructions `$op ymmN, ymm14, ymm15` a
+    /// round.
+    macro_rules! ymm_rounds {
+        ($n:expr, $op:literal) => {
+            // SAFETY: register-only AVX2 / AVX-VNNI instructions on
+            // clobbered registers; the callers check for the feature.
+            unsafe {
+                asm!(
+                    "2:",
+                    concat!($op, " ymm0, ymm14, ymm15"), concat!($op, " ymm1, ymm14, ymm15"),
+                    concat!($op, " ymm2, ymm14, ymm15"), concat!($op, " ymm3, ymm14, ymm15"),
+                    concat!($op, " ymm4, ymm14, ymm15"), concat!($op, " ymm5, ymm14, ymm15"),
+                    concat!($op, " ymm6, ymm14, ymm15"), concat!($op, " ymm7, ymm14, ymm15"),
+                    concat!($op, " ymm8, ymm14, ymm15"), concat!($op, " ymm9, ymm14, ymm15"),
+                    concat!($op, " ymm10, ymm14, ymm15"), concat!($op, " ymm11, ymm14, ymm15"),
+                    "dec {n}", "jnz 2b",
+                    n = inout(reg) $n => _,
+                    out("ymm0") _, out("ymm1") _, out("ymm2") _, out("ymm3") _,
+                    out("ymm4") _, out("ymm5") _, out("ymm6") _, out("ymm7") _,
+                    out("ymm8") _, out("ymm9") _, out("ymm10") _, out("ymm11") _,
+                    options(nostack),
+                )
+            }
+        };
+    }
+
+    /// AVX-VNNI's `vpdpbusd` (the VEX form), each on its own accumulator.
+    pub fn dpbusd_ymm(n: usize) {
+        ymm_rounds!(n.max(1), "{{vex}} vpdpbusd")
+    }
+
+    pub fn maddubs_ymm(n: usize) {
+        ymm_rounds!(n.max(1), "vpmaddubsw")
+    }
+
+    pub fn madd_ymm(n: usize) {
+        ymm_rounds!(n.max(1), "vpmaddwd")
     }
 
     pub fn dpbusd_mullo(n: usize) {
