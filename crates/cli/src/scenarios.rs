@@ -528,12 +528,13 @@ const SHARE_BURSTS: usize = 16;
 const SHARE_READ: usize = 256 << 20;
 
 /// `roofline --model`: decode bursts of [`SHARE_STEPS`] steps after the
-/// 16-token prompt, alternating with read passes of [`SHARE_READ`] bytes
-/// (each burst between two), `--runs` times [`SHARE_BURSTS`] bursts. A burst's weight bytes a second
-/// (the phase clock's parts: every matrix a decode step reads, over the
-/// forward's time) over the mean of the reads either side is its share of
-/// the roofline; each part's the same way; medians over the bursts. Also
-/// the bursts' tok/s (the engine around the forward included).
+/// 16-token prompt (cached after the first burst), alternating with read
+/// passes of [`SHARE_READ`] bytes (each burst between two), `--runs` times
+/// [`SHARE_BURSTS`] bursts. A burst's weight bytes a second (the phase
+/// clock's parts: every matrix a decode step reads, over the forward's
+/// time) over the mean of the reads either side is its share of the
+/// roofline; each part's the same way; medians over the bursts. Also the
+/// bursts' tok/s (the engine around the forward included).
 pub fn roofline_share(model: Model, args: &BenchArgs) -> Result<()> {
     let prompt = tessera_bench::decode_prompt(&model)?;
     let engine = Engine::from_model(model, args.kv.config(false))?;

@@ -6,8 +6,10 @@
 //! forward's whole step, its stream synchronized before the clock is read
 //! (no attention phase of its own). Only with the `phase-clock` feature
 //! (the CLI's `bench` turns it on; a library build carries none of it),
-//! and off unless [`start`]ed; then two clock reads per layer. `tessera bench` turns it on around its
-//! decode runs (`decode-long`, `decode-batch`).
+//! and off unless [`start`]ed; then a clock read at the end of each
+//! [`Part`] (five a layer, one for the head). `tessera bench` turns it on
+//! around its decode runs (`decode-long`, `decode-batch`, `roofline
+//! --model`).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 
