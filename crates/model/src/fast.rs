@@ -472,10 +472,7 @@ const CHUNKED_INPUTS: usize = 8;
 /// unit does not change its arithmetic, so results are the same bits.
 fn chunk_units(team: &Team, n: usize, t: usize, unit_bytes: usize, align: usize) -> usize {
     if t <= CHUNKED_INPUTS {
-        std::env::var("XCHUNK")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(CHUNK_BYTES)
+        CHUNK_BYTES
             .div_ceil(unit_bytes.max(1))
             .next_multiple_of(align)
     } else {
