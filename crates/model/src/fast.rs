@@ -1070,7 +1070,6 @@ impl Llama {
                 }
                 team.barrier();
                 laps.lap(Part::Qkv, bytes(&w[..3]));
-                let attention = (timing && team.id() == 0).then(std::time::Instant::now);
                 for (g0, g1, plan) in &plans[lc.wset][..ngroups] {
                     let (g0, g1) = (*g0, *g1);
                     let chunks = |i: usize| sh.chunks(batch.positions[g0 + i] as usize).1;
@@ -1146,9 +1145,6 @@ impl Llama {
                         }
                     }
                     team.barrier();
-                }
-                if let Some(at) = attention {
-                    crate::phases::CLOCK.add_attention(at.elapsed().as_nanos() as u64);
                 }
                 laps.lap(Part::Attention, 0);
                 let av = unsafe { a.all() };

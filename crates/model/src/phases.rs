@@ -86,7 +86,8 @@ pub struct DecodePhases {
     pub steps: u64,
     /// Mean forward time of a step, ms.
     pub forward_ms: f64,
-    /// Mean time of a step's attention phases (all layers), ms.
+    /// Mean time of a step's attention phases (all layers), ms: the
+    /// [`Part::Attention`] part's.
     pub attention_ms: f64,
     /// The step's parts, in [`Part::ALL`]'s order.
     pub parts: [PartTime; PARTS],
@@ -104,7 +105,6 @@ pub(crate) struct Clock {
     on: AtomicBool,
     steps: AtomicU64,
     forward_ns: AtomicU64,
-    attention_ns: AtomicU64,
     part_ns: [AtomicU64; PARTS],
     part_bytes: [AtomicU64; PARTS],
 }
@@ -118,7 +118,6 @@ impl Clock {
             on: AtomicBool::new(false),
             steps: AtomicU64::new(0),
             forward_ns: AtomicU64::new(0),
-            attention_ns: AtomicU64::new(0),
             part_ns: [const { AtomicU64::new(0) }; PARTS],
             part_bytes: [const { AtomicU64::new(0) }; PARTS],
         }
@@ -126,10 +125,7 @@ impl Clock {
 
     fn start(&self) {
         let parts = self.part_ns.iter().chain(&self.part_bytes);
-        for c in [&self.steps, &self.forward_ns, &self.attention_ns]
-            .into_iter()
-            .chain(parts)
-        {
+        for c in [&self.steps, &self.forward_ns].into_iter().chain(parts) {
             c.store(0, Relaxed);
         }
         self.on.store(true, Relaxed);
@@ -142,7 +138,7 @@ impl Clock {
         (steps > 0).then(|| DecodePhases {
             steps,
             forward_ms: ms(&self.forward_ns),
-            attention_ms: ms(&self.attention_ns),
+            attention_ms: ms(&self.part_ns[Part::Attention as usize]),
             parts: std::array::from_fn(|i| PartTime {
                 ms: ms(&self.part_ns[i]),
                 bytes: self.part_bytes[i].load(Relaxed) / steps,
@@ -157,10 +153,6 @@ impl Clock {
             && self.on.load(Relaxed)
             && !token_seq.is_empty()
             && token_seq.windows(2).all(|w| w[0] != w[1])
-    }
-
-    pub(crate) fn add_attention(&self, ns: u64) {
-        self.attention_ns.fetch_add(ns, Relaxed);
     }
 
     /// A part's time in one layer (or the head) of a step, and the weight
@@ -220,7 +212,7 @@ mod tests {
         assert!(!c.timing(&[0, 0, 1]));
         assert!(!c.timing(&[]));
         c.add_step(3_000_000);
-        c.add_attention(1_000_000);
+        c.add_part(Part::Attention, 1_000_000, 0);
         c.add_step(1_000_000);
         c.add_part(Part::Down, 500_000, 1_000_000);
         c.add_part(Part::Down, 1_500_000, 3_000_000);
