@@ -105,7 +105,9 @@ bench-engine: model
 bench-tiers: model
     cargo build --release -p tessera
     mkdir -p target/bench
+    python3 scripts/fetch_model.py gemma3
     ./target/release/tessera bench --model models/SmolLM2-135M-Instruct.Q4_1.gguf --scenario tiers --json | tee target/bench/tiers.jsonl
+    ./target/release/tessera bench --model models/gemma-3-270m-q4_k_m.gguf --scenario tiers --json | tee -a target/bench/tiers.jsonl
     python3 scripts/readme_tables.py tiers
 
 # Gemma 3's sliding-window layers on their own pool: an 8,192-token request on the smallest pool beside

@@ -320,33 +320,43 @@ def swa():
 
 
 def tiers():
-    r = rows("tiers.jsonl")["tiers"]
+    rs = [r for r in lines("tiers.jsonl") if r["scenario"] == "tiers"]
+    r = rs[0]
     pct = lambda x: f"{x * 100:.1f}%"
-    return [
+    names = {
+        "SmolLM2-135M-Instruct.Q4_1.gguf": "SmolLM2-135M-Instruct Q4_1",
+        "gemma-3-270m-q4_k_m.gguf": "Gemma 3 270M Q4_K_M",
+    }
+    out = [
         f"`tessera bench --scenario tiers --json`, measured {datetime.date.today()} on {cpu()} "
-        f"({os.cpu_count()} cores), commit `{commit()}`, SmolLM2-135M-Instruct Q4_1, f16 cache, "
-        f"default (portable) release build. {r['conversations']} conversations (a distinct "
-        f"~600-token system prompt each, ~40-token user turns, 32-token greedy replies) take "
-        f"{r['rounds']} turns each, round-robin, on a pool of {r['pool_tokens']:,} tokens: their "
-        f"final working set is {r['working_set_tokens']:,} tokens "
-        f"({r['working_set_tokens'] / r['pool_tokens']:.1f}× the pool), so each history is evicted "
-        f"before its next turn. The pool alone beside the same pool with its disk tier "
-        f"(`--cache-dir`), turn by turn alternating.",
+        f"({os.cpu_count()} cores), commit `{commit()}`, f16 cache, default (portable) release "
+        f"build. {r['conversations']} conversations (a distinct ~600-token system prompt each, "
+        f"~40-token user turns, 32-token greedy replies) take {r['rounds']} turns each, "
+        f"round-robin, on a pool whose global layers hold a third of their final working set, so "
+        f"each history is evicted before its next turn (Gemma 3's sliding-window layers have a "
+        f"pool of their own, sized for one request's window, prompt chunk and system prompt). The "
+        f"pool alone beside the same pool with its disk tier (`--cache-dir`), turn by turn "
+        f"alternating; history served from cache over rounds 2–{r['rounds']}.",
         "",
-        "| | pool alone | pool + disk tier | |",
-        "|---|---|---|---|",
-        f"| history served from cache, rounds 2–{r['rounds']} | {pct(r['history_cached_share_pool'])} | "
-        f"**{pct(r['history_cached_share_tiered'])}** ({pct(r['disk_share_of_cached'])} of it read "
-        f"from disk) | |",
-        f"| TTFT p50 | {r['ttft_p50_ms_pool']:,.0f} ms | {r['ttft_p50_ms_tiered']:,.0f} ms | "
-        f"**{r['ttft_p50_ms_pool'] / r['ttft_p50_ms_tiered']:.2f}×** |",
-        f"| TTFT p99 | {r['ttft_p99_ms_pool']:,.0f} ms | {r['ttft_p99_ms_tiered']:,.0f} ms | "
-        f"{r['ttft_p99_ms_pool'] / r['ttft_p99_ms_tiered']:.2f}× |",
-        "",
-        f"The tier wrote {r['tier_blocks_written']:,} blocks and read {r['tier_blocks_read']:,} back "
-        f"({r['tier_bytes'] / (1 << 20):.1f} MiB on disk at the end); "
-        f"{'the same' if r['same_replies'] else 'different'} greedy replies with and without it.",
+        "| model | pool (global layers) | final working set | history from cache: pool alone | "
+        "pool + disk tier (share read from disk) | TTFT p50 | TTFT p99 | tier: blocks written / "
+        "read, on disk | same greedy replies |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
+    for r in rs:
+        name = names.get(r.get("model"), r.get("model") or "SmolLM2-135M-Instruct Q4_1")
+        out.append(
+            f"| {name} | {r['pool_tokens']:,} tokens | {r['working_set_tokens']:,} "
+            f"({r['working_set_tokens'] / r['pool_tokens']:.1f}×) | {pct(r['history_cached_share_pool'])} | "
+            f"**{pct(r['history_cached_share_tiered'])}** ({pct(r['disk_share_of_cached'])}) | "
+            f"{r['ttft_p50_ms_pool']:,.0f} → {r['ttft_p50_ms_tiered']:,.0f} ms "
+            f"(**{r['ttft_p50_ms_pool'] / r['ttft_p50_ms_tiered']:.2f}×**) | "
+            f"{r['ttft_p99_ms_pool']:,.0f} → {r['ttft_p99_ms_tiered']:,.0f} ms "
+            f"({r['ttft_p99_ms_pool'] / r['ttft_p99_ms_tiered']:.2f}×) | "
+            f"{r['tier_blocks_written']:,} / {r['tier_blocks_read']:,}, "
+            f"{r['tier_bytes'] / (1 << 20):.1f} MiB | {'yes' if r['same_replies'] else '**no**'} |"
+        )
+    return out
 
 
 def device_tests(log):

@@ -212,3 +212,86 @@ fn gemma3_a_saved_session_resumes_from_its_sliding_tail() {
     drop(second);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// With a cache directory, a conversation whose history was evicted by
+/// others on a small pool comes back for its next turn: its blocks from
+/// the disk tier (written as the pool evicted them, or as their sliding
+/// layers' rows were evicted), or from the pool's global layers where
+/// they still are, with the window before the resume point whole. The
+/// tokens are those of a run without reuse.
+#[test]
+fn gemma3_an_evicted_history_comes_back_from_the_disk_tier() {
+    use tessera_engine::{GenerateRequest, Prompt, SamplingParams};
+    let m = gemma_f32();
+    let ids = text_tokens(m, 2100);
+    let texts: Vec<Vec<u32>> = (0..3)
+        .map(|k| ids[k * 700..(k + 1) * 700].to_vec())
+        .collect();
+    let dir = std::env::temp_dir().join(format!("tessera-gemma-tier-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    // About 1,400 tokens of global blocks: two of the three histories.
+    let cfg = |cache_dir: Option<PathBuf>| tessera_engine::EngineConfig {
+        kv_memory: 16 << 20,
+        prefill_chunk: 256,
+        cache_dir,
+        ..tessera_engine::EngineConfig::default()
+    };
+    let cold = gemma_engine(tessera_engine::EngineConfig {
+        prefix_cache: false,
+        ..cfg(None)
+    });
+    let warm = gemma_engine(cfg(Some(dir.clone())));
+    assert!(
+        warm.stats().kv.num_blocks * 16 < 1500,
+        "{:?}",
+        warm.stats().kv
+    );
+    let turn = |history: &[u32], more: &[u32]| {
+        let prompt: Vec<u32> = history.iter().chain(more).copied().collect();
+        let c = warm
+            .complete(
+                &GenerateRequest {
+                    max_tokens: 12,
+                    sampling: SamplingParams::greedy(),
+                    ignore_eos: true,
+                    ..GenerateRequest::new(Prompt::Tokens(prompt.clone()))
+                },
+                &mut |_| {},
+            )
+            .unwrap();
+        assert_eq!(
+            c.tokens,
+            complete(&cold, &prompt, 12).0,
+            "{} tokens",
+            prompt.len()
+        );
+        let history: Vec<u32> = prompt.iter().chain(&c.tokens).copied().collect();
+        (history, c.usage)
+    };
+    let (a, _) = turn(&texts[0], &[]);
+    turn(&texts[1], &[]);
+    // The second conversation took the pool's end of the first: its last
+    // blocks come from disk, the rest from the pool's global layers. The
+    // whole blocks of its 712 tokens are served (the last one, which the
+    // answer did not fill, is computed).
+    let (a, usage) = turn(&a, &[1018, 506, 2270]);
+    assert_eq!(usage.cached_tokens, 704, "{usage:?}");
+    assert!(
+        usage.disk_cached_tokens > 0 && usage.disk_cached_tokens < 704,
+        "{usage:?}"
+    );
+    // Two more take all of it: every block from disk.
+    turn(&texts[2], &[]);
+    turn(&texts[1][..400], &[9, 10]);
+    let (_, usage) = turn(&a, &[818, 1979]);
+    assert_eq!(usage.cached_tokens, 720, "{usage:?}");
+    assert!(usage.disk_cached_tokens > 0, "{usage:?}");
+    let tier = warm.stats().disk_tier.unwrap();
+    assert!(tier.read > 0 && tier.written > 0, "{tier:?}");
+    warm.check_kv().unwrap();
+    // The prefix cache written at shutdown: every path up to the point a
+    // request resumes from (those whose windows were evicted, shorter).
+    warm.save_cache_dir(&dir).unwrap();
+    drop(warm);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

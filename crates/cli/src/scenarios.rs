@@ -1174,19 +1174,40 @@ pub fn tiers(model: Model, args: &BenchArgs) -> Result<()> {
     // the system prompt and each round's turn (user ~40 tokens, reply ≤ 32,
     // the template's few).
     let working = CONVS as usize * (SYSTEM + ROUNDS as usize * 80);
-    // A block's bytes, as the engine sizes its pool (the model has no
-    // sliding-window layers: every layer's K/V per token).
+    // A third of it in the global layers' pool, sized as the engine sizes
+    // its pools: with sliding-window layers (Gemma 3), those layers get a
+    // pool of a quarter of the global one's blocks, or at least one
+    // request's window and prompt chunk.
     let base = args.kv.config(true);
     let bs = base.block_size;
-    let per_block = bs * model.config().kv_bytes_per_token(base.cache_dtype);
     let blocks = (working / 3).div_ceil(bs);
+    let mc = model.config();
+    let per_layer = bs * mc.kv_bytes_per_token(base.cache_dtype) / mc.n_layers.max(1);
+    let n_sliding = mc.num_sliding_layers();
+    // (A chat keeps its system prompt's sliding-window K/V for a context
+    // shift: a request needs its window, a prompt chunk and those.)
+    let sliding_blocks = match mc.sliding_window() {
+        Some(w) if !base.swa_full => base
+            .swa_blocks
+            .unwrap_or(blocks / 4)
+            .max((w + base.prefill_chunk.max(1) + SYSTEM + 64).div_ceil(bs) + 3),
+        Some(_) => blocks,
+        None => 0,
+    };
+    let kv_memory =
+        blocks * per_layer * (mc.n_layers - n_sliding) + sliding_blocks * per_layer * n_sliding;
     let dir = std::env::temp_dir().join(format!("tessera-bench-tiers-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let cfg = |tier: bool| EngineConfig {
-        kv_memory: blocks * per_block,
+        kv_memory,
+        swa_blocks: (sliding_blocks > 0).then_some(sliding_blocks),
         cache_dir: tier.then(|| dir.clone()),
         ..base.clone()
     };
+    let model_name = model
+        .path
+        .file_name()
+        .map_or_else(String::new, |n| n.to_string_lossy().into_owned());
     let other = load_model(&model.path.display().to_string())?;
     let pool = Engine::from_model(model, cfg(false))?;
     let tiered = Engine::from_model(other, cfg(true))?;
@@ -1228,7 +1249,7 @@ pub fn tiers(model: Model, args: &BenchArgs) -> Result<()> {
         cached_b as f64 / hist.max(1) as f64,
     );
     let t = tiered.stats().disk_tier.unwrap_or_default();
-    let pool_tokens = blocks * bs;
+    let pool_tokens = tiered.stats().kv.num_blocks * bs;
     let lines = vec![
         format!(
             "tiers: {CONVS} conversations × {ROUNDS} rounds (system ~{SYSTEM} tokens, user ~40, replies ≤{REPLY_TOKENS}) on a pool of {pool_tokens} tokens; final working set {last_len} tokens ({:.1}× the pool)",
@@ -1253,6 +1274,8 @@ pub fn tiers(model: Model, args: &BenchArgs) -> Result<()> {
     ];
     let v = serde_json::json!({
         "scenario": "tiers",
+        "model": model_name,
+        "sliding_pool_tokens": sliding_blocks * bs,
         "conversations": CONVS,
         "rounds": ROUNDS,
         "pool_tokens": pool_tokens,

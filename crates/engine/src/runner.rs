@@ -130,6 +130,11 @@ impl Runner {
         })
     }
 
+    /// Whether layer `l` is a sliding-window layer with a pool of its own.
+    pub(crate) fn in_sliding(&self, l: usize) -> bool {
+        self.in_sliding.get(l).copied().unwrap_or(false)
+    }
+
     /// Whether the sliding-window layers have a pool of their own.
     fn split(&self) -> bool {
         self.in_sliding.iter().any(|&s| s)

@@ -37,7 +37,7 @@ pub const FORMAT_VERSION: u32 = 2;
 pub const CACHE_FILE: &str = "prefix-cache.tkv";
 
 /// One layer's K and V rows.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct LayerBytes {
     pub k: Vec<u8>,
     pub v: Vec<u8>,

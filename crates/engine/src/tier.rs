@@ -25,6 +25,14 @@
 //!          crc32 u32 LE of the record before it
 //! ```
 //!
+//! A record with magic `TKB1` holds every layer. In a model with
+//! sliding-window layers (Gemma 3's local layers), a block whose sliding
+//! K/V was already gone when it was demoted is written with magic `TKBG`
+//! and only the global layers' rows; such a block serves positions that a
+//! request reads only in its global layers (see
+//! [`DiskTier::whole`]), and a later demotion of the same block with its
+//! sliding K/V writes it again whole.
+//!
 //! Records are appended with `write`, so a process killed at any moment
 //! leaves every record written before it in the page cache and on disk;
 //! at start every segment is read back, each record checked (magic, crc,
@@ -48,6 +56,8 @@ use crate::{EngineError, Result};
 const MAGIC: &[u8; 8] = b"TSRKB\0\0\0";
 const VERSION: u32 = 1;
 const RECORD_MAGIC: u32 = u32::from_le_bytes(*b"TKB1");
+/// A record of the global layers only (a model with sliding-window layers).
+const GLOBAL_MAGIC: u32 = u32::from_le_bytes(*b"TKBG");
 /// The tier's folder inside `--cache-dir`.
 pub const TIER_DIR: &str = "blocks";
 /// Largest segment file; the limit deletes whole segments, oldest first,
@@ -117,6 +127,8 @@ struct Header {
 struct Loc {
     seg: u64,
     offset: u64,
+    /// Every layer's rows (not the global layers' only).
+    whole: bool,
 }
 
 #[derive(Debug)]
@@ -126,9 +138,12 @@ struct Segment {
     hashes: Vec<u64>,
 }
 
-/// One block read back: every layer's K and V rows.
+/// One block read back: every layer's K and V rows (empty in the
+/// sliding-window layers of a record without them).
 pub struct TierBlock {
     pub layers: Vec<LayerBytes>,
+    /// The record holds every layer's rows.
+    pub whole: bool,
 }
 
 pub struct DiskTier {
@@ -136,7 +151,8 @@ pub struct DiskTier {
     limit: u64,
     header: Vec<u8>,
     block_size: usize,
-    n_layers: usize,
+    /// Per layer: a sliding-window layer.
+    sliding: Vec<bool>,
     /// Bytes of one layer's K (or V) rows of a block.
     rows_bytes: usize,
     index: HashMap<u64, Loc>,
@@ -186,7 +202,9 @@ impl DiskTier {
             limit,
             header: head,
             block_size,
-            n_layers: geometry.n_layers,
+            sliding: (0..geometry.n_layers)
+                .map(|l| geometry.windows.get(l).is_some_and(|&w| w > 0))
+                .collect(),
             rows_bytes: block_size * row_bytes,
             index: HashMap::new(),
             segments: VecDeque::new(),
@@ -218,9 +236,17 @@ impl DiskTier {
         self.dir.join(format!("blocks-{id:08}.tkb"))
     }
 
-    /// Bytes of one record.
-    fn record_bytes(&self) -> usize {
-        4 + 8 + 8 + 32 + 4 * self.block_size + 2 * self.n_layers * self.rows_bytes + 4
+    /// Bytes of one record, `whole` or of the global layers only.
+    fn record_bytes(&self, whole: bool) -> usize {
+        let layers = self.sliding.iter().filter(|&&s| whole || !s).count();
+        4 + 8 + 8 + 32 + 4 * self.block_size + 2 * layers * self.rows_bytes + 4
+    }
+
+    /// Whether a record of `whole`ness may take the place of `held`: a
+    /// whole record replaces one of the global layers only, never the
+    /// other way.
+    fn replaces(held: Option<&Loc>, whole: bool) -> bool {
+        held.is_none_or(|l| whole && !l.whole)
     }
 
     /// Reads segment `id` back into the index; a segment of another
@@ -238,28 +264,39 @@ impl DiskTier {
             );
             return Ok(());
         }
-        let rec = self.record_bytes();
         let mut at = self.header.len();
         let mut seg = Segment {
             id,
             bytes: 0,
             hashes: Vec::new(),
         };
-        while at + rec <= data.len() {
+        let has_sliding = self.sliding.contains(&true);
+        while at + 4 <= data.len() {
+            let whole = match u32::from_le_bytes(data[at..at + 4].try_into().expect("4 bytes")) {
+                RECORD_MAGIC => true,
+                GLOBAL_MAGIC if has_sliding => false,
+                _ => break,
+            };
+            let rec = self.record_bytes(whole);
+            if at + rec > data.len() {
+                break;
+            }
             let r = &data[at..at + rec];
             let stored = u32::from_le_bytes(r[rec - 4..].try_into().expect("4 bytes"));
-            let magic = u32::from_le_bytes(r[..4].try_into().expect("4 bytes"));
-            if magic != RECORD_MAGIC || crc32fast::hash(&r[..rec - 4]) != stored {
+            if crc32fast::hash(&r[..rec - 4]) != stored {
                 break;
             }
             let hash = u64::from_le_bytes(r[4..12].try_into().expect("8 bytes"));
-            self.index.insert(
-                hash,
-                Loc {
-                    seg: id,
-                    offset: at as u64,
-                },
-            );
+            if Self::replaces(self.index.get(&hash), whole) {
+                self.index.insert(
+                    hash,
+                    Loc {
+                        seg: id,
+                        offset: at as u64,
+                        whole,
+                    },
+                );
+            }
             seg.hashes.push(hash);
             at += rec;
         }
@@ -296,8 +333,16 @@ impl DiskTier {
         self.index.contains_key(&hash)
     }
 
+    /// Whether the tier holds block `hash` with every layer's rows (in a
+    /// model without sliding-window layers, whether it holds it at all).
+    pub fn whole(&self, hash: u64) -> bool {
+        self.index.get(&hash).is_some_and(|l| l.whole)
+    }
+
     /// Appends one block (`layers`: each layer's K and V rows of the
-    /// block). A block already held is not written again.
+    /// block; in a model with sliding-window layers, those layers' may all
+    /// be empty). A block already held is not written again, unless it
+    /// is held without the sliding layers and comes with them now.
     pub fn put(
         &mut self,
         hash: u64,
@@ -306,21 +351,26 @@ impl DiskTier {
         tokens: &[u32],
         layers: &[LayerBytes],
     ) -> Result<()> {
-        if self.index.contains_key(&hash) {
-            return Ok(());
-        }
+        let rows = |l: &LayerBytes, n: usize| l.k.len() == n && l.v.len() == n;
+        let whole = layers.iter().all(|l| rows(l, self.rows_bytes));
+        let global = layers
+            .iter()
+            .zip(&self.sliding)
+            .all(|(l, &s)| rows(l, if s { 0 } else { self.rows_bytes }));
         if tokens.len() != self.block_size
-            || layers.len() != self.n_layers
-            || layers
-                .iter()
-                .any(|l| l.k.len() != self.rows_bytes || l.v.len() != self.rows_bytes)
+            || layers.len() != self.sliding.len()
+            || !(whole || (global && self.sliding.contains(&true)))
         {
             return Err(EngineError::Step(
                 "a demoted block of the wrong size".into(),
             ));
         }
-        let mut rec = Vec::with_capacity(self.record_bytes());
-        rec.extend_from_slice(&RECORD_MAGIC.to_le_bytes());
+        if !Self::replaces(self.index.get(&hash), whole) {
+            return Ok(());
+        }
+        let mut rec = Vec::with_capacity(self.record_bytes(whole));
+        let magic = if whole { RECORD_MAGIC } else { GLOBAL_MAGIC };
+        rec.extend_from_slice(&magic.to_le_bytes());
         rec.extend_from_slice(&hash.to_le_bytes());
         rec.extend_from_slice(&parent.to_le_bytes());
         rec.extend_from_slice(key);
@@ -369,6 +419,7 @@ impl DiskTier {
             Loc {
                 seg: *id,
                 offset: seg.bytes,
+                whole,
             },
         );
         seg.hashes.push(hash);
@@ -406,7 +457,7 @@ impl DiskTier {
     pub fn get(&mut self, hash: u64, key: &TierKey, tokens: &[u32]) -> Option<TierBlock> {
         let loc = *self.index.get(&hash)?;
         let path = self.path(loc.seg);
-        let rec = self.record_bytes();
+        let rec = self.record_bytes(loc.whole);
         let mut r = vec![0u8; rec];
         let read = File::open(&path).and_then(|mut f| {
             f.seek(SeekFrom::Start(loc.offset))?;
@@ -432,8 +483,13 @@ impl DiskTier {
         }
         let mut at = at_tokens + 4 * self.block_size;
         let n = self.rows_bytes;
-        let layers = (0..self.n_layers)
-            .map(|_| {
+        let layers = self
+            .sliding
+            .iter()
+            .map(|&s| {
+                if s && !loc.whole {
+                    return LayerBytes::default();
+                }
                 let l = LayerBytes {
                     k: r[at..at + n].to_vec(),
                     v: r[at + n..at + 2 * n].to_vec(),
@@ -443,7 +499,10 @@ impl DiskTier {
             })
             .collect();
         self.stats.read += 1;
-        Some(TierBlock { layers })
+        Some(TierBlock {
+            layers,
+            whole: loc.whole,
+        })
     }
 }
 
@@ -537,12 +596,63 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
+    /// With a sliding-window layer, a block demoted without its sliding
+    /// rows is kept for its global layers; demoted again with them, it is
+    /// written again whole, and the whole record wins after a restart.
+    #[test]
+    fn a_block_without_its_sliding_rows_is_kept_and_made_whole_later() {
+        let dir = scratch("sliding");
+        let g = Geometry {
+            windows: vec![8, 0],
+            ..geometry()
+        };
+        let key = tier_key(42, "f16", None, None);
+        let toks: Vec<u32> = (0..8).collect();
+        let hs = chain(&key, &toks, 4);
+        let global = |fill| {
+            let mut l = layers(fill);
+            l[0] = LayerBytes::default();
+            l
+        };
+        let mut t = DiskTier::open(dir.as_path(), &g, 4, 8, 1 << 20).unwrap();
+        // Not a block of either shape: refused.
+        let mut bad = layers(1);
+        bad[1] = LayerBytes::default();
+        assert!(t.put(hs[0], 0, &key, &toks[..4], &bad).is_err());
+        t.put(hs[0], 0, &key, &toks[..4], &global(1)).unwrap();
+        t.put(hs[1], hs[0], &key, &toks[4..], &layers(2)).unwrap();
+        assert!(t.contains(hs[0]) && !t.whole(hs[0]) && t.whole(hs[1]));
+        assert_eq!(t.get(hs[0], &key, &toks[..4]).unwrap().layers, global(1));
+        // Global-only again: no new record; whole: written again.
+        let written = t.stats().written;
+        t.put(hs[1], hs[0], &key, &toks[4..], &global(3)).unwrap();
+        assert_eq!(t.stats().written, written);
+        t.put(hs[0], 0, &key, &toks[..4], &layers(1)).unwrap();
+        assert_eq!(t.stats().written, written + 1);
+        assert!(t.whole(hs[0]));
+        drop(t);
+        let mut t = DiskTier::open(dir.as_path(), &g, 4, 8, 1 << 20).unwrap();
+        assert_eq!((t.stats().blocks, t.stats().bad_at_start), (2, 0));
+        assert!(t.whole(hs[0]) && t.whole(hs[1]));
+        assert_eq!(t.get(hs[0], &key, &toks[..4]).unwrap().layers, layers(1));
+        assert_eq!(t.get(hs[1], &key, &toks[4..]).unwrap().layers, layers(2));
+        drop(t);
+        // A model without sliding-window layers takes only whole blocks.
+        let dir2 = scratch("global");
+        let mut t = DiskTier::open(dir2.as_path(), &geometry(), 4, 8, 1 << 20).unwrap();
+        assert!(t.put(hs[0], 0, &key, &toks[..4], &global(1)).is_err());
+        drop(t);
+        for d in [dir, dir2] {
+            std::fs::remove_dir_all(d).unwrap();
+        }
+    }
+
     #[test]
     fn the_size_limit_drops_the_oldest_segments() {
         let dir = scratch("limit");
         let key = tier_key(42, "f16", None, None);
         let mut t = DiskTier::open(dir.as_path(), &geometry(), 4, 8, 1 << 20).unwrap();
-        let rec = t.record_bytes() as u64;
+        let rec = t.record_bytes(true) as u64;
         // A limit of about three records: every put past it starts over.
         t.limit = 3 * rec + t.header.len() as u64;
         let mut parent = 0;

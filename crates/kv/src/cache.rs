@@ -389,12 +389,26 @@ impl KvCache {
         let aged = self.tree.blocks_by_age();
         let behind = behind.into_iter().filter(|b| !in_tree[b.index()]);
         let mut freed = 0;
+        // With the tree's log on, a cached full block that loses sliding
+        // K/V it held whole is logged (a lower tier keeps it).
+        let mut places = None;
         for b in behind.chain(aged) {
             if freed >= n {
                 break;
             }
-            if !keep[b.index()] && self.pool.detach(b).is_some() {
-                freed += 1;
+            if keep[b.index()] {
+                continue;
+            }
+            let whole = self.pool.sliding_holds(b, 0);
+            let Some(s) = self.pool.detach(b) else {
+                continue;
+            };
+            freed += 1;
+            if whole && in_tree[b.index()] && self.tree.logging() {
+                let places = places.get_or_insert_with(|| self.tree.full_block_places());
+                if let Some(&(node, j)) = places.get(&b) {
+                    self.tree.log_sliding_removed(node, j, b, s);
+                }
             }
         }
         self.stats.evicted_sliding_blocks += freed as u64;

@@ -26,7 +26,7 @@
 //! Every node holds one reference on each of its blocks. Eviction removes
 //! least-recently-used unlocked leaves by a logical clock.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use crate::{BlockId, BlockPool, KvError, Namespace, NodeId, TokenId};
 
@@ -61,6 +61,11 @@ pub struct Demoted {
     pub tokens: Vec<TokenId>,
     pub first: usize,
     pub blocks: Vec<BlockId>,
+    /// Per block, the sliding-window layers' block that held all of its
+    /// positions when it was cut (`None` without one, or with one holding
+    /// only its later positions). Freed with it, it keeps its K/V until
+    /// the same next write.
+    pub sliding: Vec<Option<BlockId>>,
 }
 
 /// What the cached paths gained or lost, in the order it happened (see
@@ -78,6 +83,11 @@ pub enum TreeEvent {
     },
     /// Full blocks left it (eviction).
     Removed(Demoted),
+    /// A full block the tree keeps lost its sliding-window layers' block
+    /// (the sliding pool's eviction); `blocks` and `sliding` name the
+    /// one block and the sliding block that held it whole, freed but
+    /// holding its K/V until the same next write as a removed block's.
+    SlidingRemoved(Demoted),
 }
 
 /// One root-to-leaf path, as [`PrefixTree::paths`] lists them.
@@ -198,7 +208,13 @@ impl PrefixTree {
     /// still holds counts too: it is not written while shared (a writer
     /// copies it first), so it still holds this path's K/V, which goes
     /// with the node.
-    fn log_removed(&mut self, id: NodeId, first_index: usize, blocks: &[BlockId]) {
+    fn log_removed(
+        &mut self,
+        pool: &BlockPool,
+        id: NodeId,
+        first_index: usize,
+        blocks: &[BlockId],
+    ) {
         let bs = self.block_size;
         let end = self.n(id).end();
         let full: Vec<(usize, BlockId)> = blocks
@@ -219,7 +235,55 @@ impl PrefixTree {
             namespace: self.n(id).namespace,
             tokens,
             first: full[0].0,
+            sliding: full
+                .iter()
+                .map(|&(_, b)| pool.sliding_of(b).filter(|_| pool.sliding_holds(b, 0)))
+                .collect(),
             blocks: full.into_iter().map(|(_, b)| b).collect(),
+        }));
+    }
+
+    /// Whether [`set_log`](Self::set_log) is on.
+    pub fn logging(&self) -> bool {
+        self.logging
+    }
+
+    /// Where each block the tree holds full sits: its node and its index
+    /// in the path (a block is full in at most one node's path).
+    pub(crate) fn full_block_places(&self) -> HashMap<BlockId, (NodeId, usize)> {
+        let bs = self.block_size;
+        let mut out = HashMap::new();
+        for (i, node) in self.nodes.iter().enumerate() {
+            let Some(node) = node.as_ref().filter(|n| n.parent.is_some()) else {
+                continue;
+            };
+            let first = node.start / bs;
+            for (k, &b) in node.blocks.iter().enumerate() {
+                if (first + k + 1) * bs <= node.end() {
+                    out.insert(b, (NodeId(i as u32), first + k));
+                }
+            }
+        }
+        out
+    }
+
+    /// Logs that block `j` of `node`'s path (`block`, held full) lost
+    /// `sliding`, the sliding block that held all of it.
+    pub(crate) fn log_sliding_removed(
+        &mut self,
+        node: NodeId,
+        j: usize,
+        block: BlockId,
+        sliding: BlockId,
+    ) {
+        let mut tokens = self.path_of(node);
+        tokens.truncate((j + 1) * self.block_size);
+        self.log.push(TreeEvent::SlidingRemoved(Demoted {
+            namespace: self.n(node).namespace,
+            tokens,
+            first: j,
+            blocks: vec![block],
+            sliding: vec![Some(sliding)],
         }));
     }
 
@@ -868,7 +932,7 @@ impl PrefixTree {
         let first = node.start / bs + keep;
         let dropped = node.blocks[keep..].to_vec();
         if self.logging {
-            self.log_removed(id, first, &dropped);
+            self.log_removed(pool, id, first, &dropped);
         }
         for &b in &dropped {
             if pool.release(b)? {
@@ -892,7 +956,7 @@ impl PrefixTree {
         if self.logging {
             let node = self.n(id);
             let (first, blocks) = (node.start / self.block_size, node.blocks.clone());
-            self.log_removed(id, first, &blocks);
+            self.log_removed(pool, id, first, &blocks);
         }
         let node = self.nodes[id.index()].take().expect("leaf is live");
         self.free_ids.push(id);

@@ -321,7 +321,10 @@ impl Worker {
             let Some(partition) = self.partition_of(p.namespace) else {
                 continue;
             };
-            let ids: Vec<u32> = p.tokens.iter().map(|t| t.0).collect();
+            // With sliding-window layers, up to the last point a request
+            // can resume from (its window's K/V whole).
+            let n = self.sched.kv().cached_prefix_len(p.namespace, &p.tokens);
+            let ids: Vec<u32> = p.tokens[..n].iter().map(|t| t.0).collect();
             if ids.is_empty() {
                 continue;
             }

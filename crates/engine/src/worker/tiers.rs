@@ -8,7 +8,7 @@
 
 use std::collections::HashMap;
 
-use tessera_kv::{Demoted, Namespace, TokenId, TreeEvent};
+use tessera_kv::{BlockId, Demoted, Namespace, TokenId, TreeEvent};
 use tessera_sched::ReqId;
 use tracing::warn;
 
@@ -28,9 +28,7 @@ pub(super) struct Tier {
 }
 
 impl Tier {
-    /// Opens the tier of `cfg.cache_dir`, if it has one (a model with
-    /// sliding-window layers has none yet: its sliding layers' K/V is not
-    /// kept per block).
+    /// Opens the tier of `cfg.cache_dir`, if it has one.
     pub(super) fn open(
         cfg: &crate::EngineConfig,
         geometry: &Geometry,
@@ -40,14 +38,6 @@ impl Tier {
             return Ok(None);
         };
         if cfg.cache_dir_bytes == 0 || !cfg.prefix_cache {
-            return Ok(None);
-        }
-        if !geometry.windows.is_empty() {
-            warn!(
-                "the disk tier is not kept for models with sliding-window layers; \
-                 {} holds the prefix cache written at shutdown only",
-                dir.display()
-            );
             return Ok(None);
         }
         let disk = DiskTier::open(
@@ -118,12 +108,16 @@ impl Worker {
                 // by the events, removed ones by the events or the tier.
                 TreeEvent::Stored { .. } if !events => continue,
                 TreeEvent::Removed(_) if !events && !demote => continue,
+                // The pool's own business, but for the tier.
+                TreeEvent::SlidingRemoved(_) if !demote => continue,
                 TreeEvent::Stored {
                     namespace,
                     tokens,
                     first,
                 } => (*namespace, tokens, *first),
-                TreeEvent::Removed(d) => (d.namespace, &d.tokens, d.first),
+                TreeEvent::Removed(d) | TreeEvent::SlidingRemoved(d) => {
+                    (d.namespace, &d.tokens, d.first)
+                }
             };
             let Some(key) = self.block_key(ns) else {
                 continue;
@@ -149,6 +143,7 @@ impl Worker {
                         self.demote(&d, &key, &raw, &hashes);
                     }
                 }
+                TreeEvent::SlidingRemoved(d) => self.demote(&d, &key, &raw, &hashes),
             }
         }
     }
@@ -168,29 +163,37 @@ impl Worker {
     }
 
     /// Appends the evicted blocks of `d` (path `raw`, named by `hashes`)
-    /// that the disk tier lacks.
+    /// that the disk tier lacks, or holds without the sliding-window
+    /// layers' rows that come with them now. A block's sliding-window
+    /// rows go with it when its sliding block held all of them.
     fn demote(&mut self, d: &Demoted, key: &TierKey, raw: &[u32], hashes: &[u64]) {
         let bs = self.sched.kv().block_size();
         let row = self.runner.row_bytes() * bs;
         let tier = self.tier.as_mut().expect("checked by the caller");
-        let want: Vec<(usize, u32)> = d
+        // (path index, global block, sliding block)
+        let want: Vec<(usize, u32, Option<u32>)> = d
             .blocks
             .iter()
+            .zip(&d.sliding)
             .enumerate()
-            .map(|(i, b)| (d.first + i, b.0))
-            .filter(|&(j, _)| !tier.disk.contains(hashes[j]))
+            .map(|(i, (b, s))| (d.first + i, b.0, s.map(|s| s.0)))
+            .filter(|&(j, _, s)| {
+                !tier.disk.contains(hashes[j]) || (s.is_some() && !tier.disk.whole(hashes[j]))
+            })
             .collect();
         if want.is_empty() {
             return;
         }
-        let slots = want
-            .iter()
-            .flat_map(|&(_, b)| (0..bs as u32).map(move |o| b * bs as u32 + o))
-            .collect();
-        let layers = match self.runner.read_rows(&Rows {
-            slots,
-            sliding: Vec::new(),
-        }) {
+        let slots_of = |b: u32| (0..bs as u32).map(move |o| b * bs as u32 + o);
+        let rows = Rows {
+            slots: want.iter().flat_map(|&(_, b, _)| slots_of(b)).collect(),
+            sliding: want
+                .iter()
+                .filter_map(|&(_, _, s)| s)
+                .flat_map(slots_of)
+                .collect(),
+        };
+        let layers = match self.runner.read_rows(&rows) {
             Ok(l) => l,
             Err(e) => {
                 warn!("reading evicted blocks for the disk tier: {e}");
@@ -198,14 +201,25 @@ impl Worker {
             }
         };
         let tier = self.tier.as_mut().expect("checked by the caller");
-        for (i, &(j, _)) in want.iter().enumerate() {
+        // The next block's place among those with sliding rows.
+        let mut s_at = 0;
+        for (i, &(j, _, s)) in want.iter().enumerate() {
             let block: Vec<LayerBytes> = layers
                 .iter()
-                .map(|l| LayerBytes {
-                    k: l.k[i * row..(i + 1) * row].to_vec(),
-                    v: l.v[i * row..(i + 1) * row].to_vec(),
+                .enumerate()
+                .map(|(l, bytes)| {
+                    let at = match (self.runner.in_sliding(l), s) {
+                        (false, _) => i,
+                        (true, Some(_)) => s_at,
+                        (true, None) => return LayerBytes::default(),
+                    };
+                    LayerBytes {
+                        k: bytes.k[at * row..(at + 1) * row].to_vec(),
+                        v: bytes.v[at * row..(at + 1) * row].to_vec(),
+                    }
                 })
                 .collect();
+            s_at += usize::from(s.is_some());
             let parent = if j == 0 { 0 } else { hashes[j - 1] };
             let toks = &raw[j * bs..(j + 1) * bs];
             if let Err(e) = tier.disk.put(hashes[j], parent, key, toks, &block) {
@@ -271,6 +285,13 @@ impl Worker {
     /// of the prompt (placing them must not starve the request itself, nor
     /// evict everything cached only to fail); takes what it used from
     /// `free`.
+    ///
+    /// With sliding-window layers the pool's match stops where a window is
+    /// missing, while its global layers may hold the path further: the
+    /// blocks are then taken from the pool's global layers as far as they
+    /// hold them and from the tier after, and the point placed is the last
+    /// whose window (the sliding layers' rows a request resuming there
+    /// reads) the tier holds whole or the pool still has.
     fn promote_one(
         &mut self,
         ns: Namespace,
@@ -289,65 +310,152 @@ impl Worker {
         };
         let raw: Vec<u32> = toks[..full * bs].iter().map(|t| t.0).collect();
         let hashes = chain(&key, &raw, bs);
-        let tier = self.tier.as_ref().expect("a key means a tier");
+        let kv = self.sched.kv();
+        // The pool's global layers: its blocks of the path, whole ones
+        // `..g` (past `cached` only with sliding-window layers).
+        let held = kv.tree().peek_prefix(ns, &toks[..full * bs]);
+        let g = held.len / bs;
+        let pool = kv.pool();
+        let disk = &self.tier.as_ref().expect("a key means a tier").disk;
         let run = (j0..full)
-            .take_while(|&j| tier.disk.contains(hashes[j]))
+            .take_while(|&j| j < g || disk.contains(hashes[j]))
             .count();
+        // Block `j`'s sliding rows, whole, in the tier or the pool.
+        let windowed =
+            |j: usize| disk.whole(hashes[j]) || (j < g && pool.sliding_holds(held.blocks[j], 0));
+        let run = match kv.window() {
+            None => run,
+            Some(_) => (1..=run)
+                .rev()
+                .find(|&k| {
+                    let lo = kv.sliding_tail_start((j0 + k) * bs) / bs;
+                    (lo.max(j0)..j0 + k).all(windowed)
+                })
+                .unwrap_or(0),
+        };
         let end = (j0 + run) * bs;
         if end <= cached {
             return Ok(Promoted::Nothing);
         }
-        let kv = self.sched.kv();
         let need = kv.blocks_for(toks.len() + 1) - j0;
         if need > *free {
             return Ok(Promoted::NoRoom);
         }
+        // The sliding layers' rows from the window's first block on (0
+        // without them), written from position `first`.
+        let from = kv.sliding_tail_start(end);
+        let first = cached.max(from);
+        let jb = first / bs;
+        let blocks = j0..j0 + run;
+        // Where each block's rows come from, fixed before anything moves:
+        // the tier's, else the pool's (read now: making room may evict
+        // them).
+        let in_tier: Vec<bool> = blocks.clone().map(|j| disk.contains(hashes[j])).collect();
+        let whole_in_tier: Vec<bool> = blocks.clone().map(|j| disk.whole(hashes[j])).collect();
+        let at = |j: usize| j - j0;
+        let slots_of = |b: BlockId| (0..bs as u32).map(move |o| b.0 * bs as u32 + o);
+        let pool_global: Vec<usize> = blocks.clone().filter(|&j| !in_tier[at(j)]).collect();
+        let pool_sliding: Vec<usize> = (jb..j0 + run).filter(|&j| !whole_in_tier[at(j)]).collect();
+        let rows = Rows {
+            slots: pool_global
+                .iter()
+                .flat_map(|&j| slots_of(held.blocks[j]))
+                .collect(),
+            sliding: pool_sliding
+                .iter()
+                .flat_map(|&j| slots_of(pool.sliding_of(held.blocks[j]).expect("checked")))
+                .collect(),
+        };
+        let from_pool = if rows.slots.is_empty() && rows.sliding.is_empty() {
+            Vec::new()
+        } else {
+            self.runner.read_rows(&rows)?
+        };
         // Room for them may evict others (demoted before anything is
         // written).
-        let placed = self.sched.place_kv(ns, &toks[..end], end);
+        let placed = self.sched.place_kv(ns, &toks[..end], from);
         self.drain_tree_log(true);
         let Ok(placed) = placed else {
             return Ok(Promoted::NoRoom);
         };
         *free -= need;
         let tier = self.tier.as_mut().expect("a key means a tier");
-        let mut blocks = Vec::with_capacity(run);
-        for j in j0..j0 + run {
+        let mut read = HashMap::new();
+        for j in blocks.clone().filter(|&j| in_tier[at(j)]) {
             match tier.disk.get(hashes[j], &key, &raw[j * bs..(j + 1) * bs]) {
-                Some(b) => blocks.push(b),
-                None => break,
+                Some(b) if !whole_in_tier[at(j)] || b.whole => {
+                    read.insert(j, b);
+                }
+                _ => break,
             }
         }
-        if blocks.len() < run {
-            // A record went bad since it was listed: nothing is placed.
+        if placed.cached != cached || read.len() < in_tier.iter().filter(|&&t| t).count() {
+            // A record went bad (or was dropped) since it was listed:
+            // nothing is placed.
             self.sched
                 .end_placement(placed, false)
                 .map_err(super::sched_error)?;
             return Ok(Promoted::Nothing);
         }
-        let n_layers = blocks[0].layers.len();
+        let row = self.runner.row_bytes() * bs;
+        let n_layers = self.runner.model().config().n_layers;
+        // Global layers' rows of blocks `j0..`, sliding layers' of `jb..`.
         let layers: Vec<LayerBytes> = (0..n_layers)
-            .map(|l| LayerBytes {
-                k: blocks
-                    .iter()
-                    .flat_map(|b| b.layers[l].k.iter().copied())
-                    .collect(),
-                v: blocks
-                    .iter()
-                    .flat_map(|b| b.layers[l].v.iter().copied())
-                    .collect(),
+            .map(|l| {
+                let sliding = self.runner.in_sliding(l);
+                let (range, pooled) = if sliding {
+                    (jb..j0 + run, &pool_sliding)
+                } else {
+                    (j0..j0 + run, &pool_global)
+                };
+                let mut out = LayerBytes::default();
+                for j in range {
+                    let tiered = if sliding {
+                        whole_in_tier[at(j)]
+                    } else {
+                        in_tier[at(j)]
+                    };
+                    let (k, v) = if tiered {
+                        let b = &read[&j].layers[l];
+                        (&b.k[..], &b.v[..])
+                    } else {
+                        let i = pooled.iter().position(|&p| p == j).expect("read");
+                        let b = &from_pool[l];
+                        (&b.k[i * row..(i + 1) * row], &b.v[i * row..(i + 1) * row])
+                    };
+                    out.k.extend_from_slice(k);
+                    out.v.extend_from_slice(v);
+                }
+                out
             })
             .collect();
-        let skip = placed.cached - j0 * bs;
+        let skip = cached - j0 * bs;
         let result = self.apply_append(&placed.plan).and_then(|()| {
             let rows = Rows {
                 slots: placed.plan.slots.iter().map(|s| s.0).collect(),
-                sliding: Vec::new(),
+                sliding: placed
+                    .plan
+                    .sliding_slots
+                    .get(first - cached..)
+                    .unwrap_or_default()
+                    .iter()
+                    .map(|s| s.0)
+                    .collect(),
             };
-            self.runner.write_rows(&rows, &layers, skip, 0)
+            if rows.sliding.contains(&u32::MAX) {
+                return Err(crate::EngineError::Step(
+                    "a window read back from the disk tier has no sliding-window block".into(),
+                ));
+            }
+            self.runner
+                .write_rows(&rows, &layers, skip, first - jb * bs)
         });
         let ok = result.is_ok();
-        let gained = end - placed.cached;
+        // Tokens read from disk: the tier's blocks, past `cached`.
+        let gained = blocks
+            .filter(|&j| in_tier[at(j)])
+            .map(|j| (j + 1) * bs - cached.max(j * bs))
+            .sum();
         self.sched
             .end_placement(placed, ok)
             .map_err(super::sched_error)?;

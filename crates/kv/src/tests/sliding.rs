@@ -445,3 +445,86 @@ fn a_truncated_tail_gives_back_its_sliding_blocks() {
     kv.insert_sequence(seq).unwrap();
     checked(&kv, &sh);
 }
+
+#[test]
+fn an_evicted_block_names_the_sliding_block_that_held_it_whole() {
+    // Window 8, blocks of 4, 12 global blocks: a second long request
+    // evicts the first one's blocks, tail included.
+    let mut kv = cache(12, 4, 8, 12);
+    let mut sh = Shadow::new(&kv);
+    kv.set_log(true);
+    let prompt = run(1, 40);
+    let (a, _) = request(&mut kv, &mut sh, &prompt);
+    kv.free_sequence(a).unwrap();
+    let blocks = kv.tree().peek_prefix(NS, &toks(&prompt)).blocks;
+    let before: Vec<Option<crate::BlockId>> = blocks
+        .iter()
+        .map(|&b| {
+            kv.pool()
+                .sliding_of(b)
+                .filter(|_| kv.pool().sliding_holds(b, 0))
+        })
+        .collect();
+    // The tail (the window before position 40: blocks 8 and 9) has them.
+    assert!(before[8].is_some() && before[9].is_some(), "{before:?}");
+    kv.take_log();
+    let (b, _) = request(&mut kv, &mut sh, &run(1000, 30));
+    kv.free_sequence(b).unwrap();
+    let mut seen = 0;
+    for e in kv.take_log() {
+        let crate::TreeEvent::Removed(d) = e else {
+            continue;
+        };
+        assert_eq!(d.sliding.len(), d.blocks.len());
+        for (i, (&g, &s)) in d.blocks.iter().zip(&d.sliding).enumerate() {
+            let j = d.first + i;
+            assert_eq!(g, blocks[j], "block {j}");
+            // What held the block whole before, or nothing: never another
+            // block's sliding K/V.
+            assert!(s.is_none() || s == before[j], "block {j}: {s:?}");
+            if j >= 8 {
+                assert_eq!(s, before[j], "the tail's block {j}");
+                seen += 1;
+            }
+        }
+    }
+    assert_eq!(seen, 2, "the tail's two blocks were evicted");
+    checked(&kv, &sh);
+}
+
+#[test]
+fn a_cached_block_losing_its_sliding_block_is_logged() {
+    // 64 global blocks, 12 sliding: a second request takes the sliding
+    // blocks of the first one's cached blocks behind its tail.
+    let mut kv = cache(64, 4, 8, 12);
+    let mut sh = Shadow::new(&kv);
+    kv.set_log(true);
+    let prompt = run(1, 40);
+    let (a, _) = request(&mut kv, &mut sh, &prompt);
+    kv.free_sequence(a).unwrap();
+    let blocks = kv.tree().peek_prefix(NS, &toks(&prompt)).blocks;
+    let before: Vec<Option<crate::BlockId>> =
+        blocks.iter().map(|&b| kv.pool().sliding_of(b)).collect();
+    kv.take_log();
+    let (b, _) = request(&mut kv, &mut sh, &run(1000, 30));
+    kv.free_sequence(b).unwrap();
+    let lost: Vec<crate::Demoted> = kv
+        .take_log()
+        .into_iter()
+        .filter_map(|e| match e {
+            crate::TreeEvent::SlidingRemoved(d) => Some(d),
+            _ => None,
+        })
+        .collect();
+    assert!(!lost.is_empty());
+    for d in &lost {
+        let j = d.first;
+        assert!(j < 8, "the tail's blocks keep theirs: {j}");
+        assert_eq!(d.blocks, [blocks[j]]);
+        assert_eq!(d.sliding, [before[j]]);
+        assert_eq!(d.tokens, toks(&prompt[..(j + 1) * 4]));
+        // The global block is still cached; the sliding one is not.
+        assert_eq!(kv.pool().sliding_of(blocks[j]), None);
+    }
+    checked(&kv, &sh);
+}
