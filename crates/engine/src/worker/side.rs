@@ -367,21 +367,7 @@ impl Worker {
                 // Sliding rows of positions `first..` (the tail past what
                 // the cache held).
                 let first = cached.max(from);
-                let rows = Rows {
-                    slots: plan.slots.iter().map(|s| s.0).collect(),
-                    sliding: plan
-                        .sliding_slots
-                        .get(first - cached..)
-                        .unwrap_or_default()
-                        .iter()
-                        .map(|s| s.0)
-                        .collect(),
-                };
-                if rows.sliding.contains(&u32::MAX) {
-                    return Err(EngineError::Step(
-                        "a restored tail has no sliding-window block".into(),
-                    ));
-                }
+                let rows = placement_rows(plan, cached, first, "a restored tail")?;
                 self.runner
                     .write_rows(&rows, &snap.layers, cached, first - from)
             });
@@ -393,4 +379,33 @@ impl Worker {
         }
         Ok(total)
     }
+}
+
+/// The slots a placement of K/V that is written rather than computed
+/// fills: every new position's in the global layers, and in the
+/// sliding-window layers those from `first` on (the plan's positions
+/// begin at `cached`). `what` names the K/V when a position from `first`
+/// on has no sliding-window block.
+pub(super) fn placement_rows(
+    plan: &AppendPlan,
+    cached: usize,
+    first: usize,
+    what: &str,
+) -> Result<Rows> {
+    let rows = Rows {
+        slots: plan.slots.iter().map(|s| s.0).collect(),
+        sliding: plan
+            .sliding_slots
+            .get(first - cached..)
+            .unwrap_or_default()
+            .iter()
+            .map(|s| s.0)
+            .collect(),
+    };
+    if rows.sliding.contains(&u32::MAX) {
+        return Err(EngineError::Step(format!(
+            "{what} has no sliding-window block"
+        )));
+    }
+    Ok(rows)
 }

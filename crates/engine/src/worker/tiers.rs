@@ -431,22 +431,12 @@ impl Worker {
             .collect();
         let skip = cached - j0 * bs;
         let result = self.apply_append(&placed.plan).and_then(|()| {
-            let rows = Rows {
-                slots: placed.plan.slots.iter().map(|s| s.0).collect(),
-                sliding: placed
-                    .plan
-                    .sliding_slots
-                    .get(first - cached..)
-                    .unwrap_or_default()
-                    .iter()
-                    .map(|s| s.0)
-                    .collect(),
-            };
-            if rows.sliding.contains(&u32::MAX) {
-                return Err(crate::EngineError::Step(
-                    "a window read back from the disk tier has no sliding-window block".into(),
-                ));
-            }
+            let rows = super::side::placement_rows(
+                &placed.plan,
+                cached,
+                first,
+                "a window read back from the disk tier",
+            )?;
             self.runner
                 .write_rows(&rows, &layers, skip, first - jb * bs)
         });

@@ -446,30 +446,58 @@ fn a_truncated_tail_gives_back_its_sliding_blocks() {
     checked(&kv, &sh);
 }
 
-#[test]
-fn an_evicted_block_names_the_sliding_block_that_held_it_whole() {
-    // Window 8, blocks of 4, 12 global blocks: a second long request
-    // evicts the first one's blocks, tail included.
-    let mut kv = cache(12, 4, 8, 12);
+/// What [`logged_then_pressed`] leaves.
+struct Pressed {
+    kv: KvCache,
+    sh: Shadow,
+    prompt: Vec<u32>,
+    blocks: Vec<crate::BlockId>,
+    before: Vec<Option<crate::BlockId>>,
+}
+
+/// Window 8, blocks of 4, a sliding pool of 12 blocks and `global` global
+/// ones, the tree's log on: a 40-token prompt is cached, then a 30-token
+/// request presses on the pools. Returns the cache (its log holds what the
+/// second request did), the prompt, its blocks and, per block, the sliding
+/// block that held it whole before the second request.
+fn logged_then_pressed(global: usize) -> Pressed {
+    let mut kv = cache(global, 4, 8, 12);
     let mut sh = Shadow::new(&kv);
     kv.set_log(true);
     let prompt = run(1, 40);
     let (a, _) = request(&mut kv, &mut sh, &prompt);
     kv.free_sequence(a).unwrap();
     let blocks = kv.tree().peek_prefix(NS, &toks(&prompt)).blocks;
-    let before: Vec<Option<crate::BlockId>> = blocks
+    let pool = kv.pool();
+    let before = blocks
         .iter()
-        .map(|&b| {
-            kv.pool()
-                .sliding_of(b)
-                .filter(|_| kv.pool().sliding_holds(b, 0))
-        })
+        .map(|&b| pool.sliding_of(b).filter(|_| pool.sliding_holds(b, 0)))
         .collect();
-    // The tail (the window before position 40: blocks 8 and 9) has them.
-    assert!(before[8].is_some() && before[9].is_some(), "{before:?}");
     kv.take_log();
     let (b, _) = request(&mut kv, &mut sh, &run(1000, 30));
     kv.free_sequence(b).unwrap();
+    Pressed {
+        kv,
+        sh,
+        prompt,
+        blocks,
+        before,
+    }
+}
+
+#[test]
+fn an_evicted_block_names_the_sliding_block_that_held_it_whole() {
+    // Window 8, blocks of 4, 12 global blocks: a second long request
+    // evicts the first one's blocks, tail included.
+    let Pressed {
+        mut kv,
+        sh,
+        blocks,
+        before,
+        ..
+    } = logged_then_pressed(12);
+    // The tail (the window before position 40: blocks 8 and 9) had them.
+    assert!(before[8].is_some() && before[9].is_some(), "{before:?}");
     let mut seen = 0;
     for e in kv.take_log() {
         let crate::TreeEvent::Removed(d) = e else {
@@ -496,18 +524,13 @@ fn an_evicted_block_names_the_sliding_block_that_held_it_whole() {
 fn a_cached_block_losing_its_sliding_block_is_logged() {
     // 64 global blocks, 12 sliding: a second request takes the sliding
     // blocks of the first one's cached blocks behind its tail.
-    let mut kv = cache(64, 4, 8, 12);
-    let mut sh = Shadow::new(&kv);
-    kv.set_log(true);
-    let prompt = run(1, 40);
-    let (a, _) = request(&mut kv, &mut sh, &prompt);
-    kv.free_sequence(a).unwrap();
-    let blocks = kv.tree().peek_prefix(NS, &toks(&prompt)).blocks;
-    let before: Vec<Option<crate::BlockId>> =
-        blocks.iter().map(|&b| kv.pool().sliding_of(b)).collect();
-    kv.take_log();
-    let (b, _) = request(&mut kv, &mut sh, &run(1000, 30));
-    kv.free_sequence(b).unwrap();
+    let Pressed {
+        mut kv,
+        sh,
+        prompt,
+        blocks,
+        before,
+    } = logged_then_pressed(64);
     let lost: Vec<crate::Demoted> = kv
         .take_log()
         .into_iter()
