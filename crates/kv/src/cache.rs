@@ -392,6 +392,7 @@ impl KvCache {
         // With the tree's log on, a cached full block that loses sliding
         // K/V it held whole is logged (a lower tier keeps it).
         let mut places = None;
+        let mut lost = Vec::new();
         for b in behind.chain(aged) {
             if freed >= n {
                 break;
@@ -407,10 +408,11 @@ impl KvCache {
             if whole && in_tree[b.index()] && self.tree.logging() {
                 let places = places.get_or_insert_with(|| self.tree.full_block_places());
                 if let Some(&(node, j)) = places.get(&b) {
-                    self.tree.log_sliding_removed(node, j, b, s);
+                    lost.push((node, j, b, s));
                 }
             }
         }
+        self.tree.log_sliding_removed(&lost);
         self.stats.evicted_sliding_blocks += freed as u64;
         freed
     }

@@ -83,10 +83,10 @@ pub enum TreeEvent {
     },
     /// Full blocks left it (eviction).
     Removed(Demoted),
-    /// A full block the tree keeps lost its sliding-window layers' block
-    /// (the sliding pool's eviction); `blocks` and `sliding` name the
-    /// one block and the sliding block that held it whole, freed but
-    /// holding its K/V until the same next write as a removed block's.
+    /// Full blocks the tree keeps lost their sliding-window layers' blocks
+    /// (the sliding pool's eviction); `sliding` names the sliding blocks
+    /// that held them whole, freed but holding their K/V until the same
+    /// next write as a removed block's.
     SlidingRemoved(Demoted),
 }
 
@@ -267,24 +267,30 @@ impl PrefixTree {
         out
     }
 
-    /// Logs that block `j` of `node`'s path (`block`, held full) lost
-    /// `sliding`, the sliding block that held all of it.
-    pub(crate) fn log_sliding_removed(
-        &mut self,
-        node: NodeId,
-        j: usize,
-        block: BlockId,
-        sliding: BlockId,
-    ) {
-        let mut tokens = self.path_of(node);
-        tokens.truncate((j + 1) * self.block_size);
-        self.log.push(TreeEvent::SlidingRemoved(Demoted {
-            namespace: self.n(node).namespace,
-            tokens,
-            first: j,
-            blocks: vec![block],
-            sliding: vec![Some(sliding)],
-        }));
+    /// Logs that the full blocks `lost` lost the sliding blocks that held
+    /// them whole: `(node, j, block, sliding)`, block `j` of `node`'s path.
+    /// Consecutive blocks of one node make one event, whose path is hashed
+    /// once.
+    pub(crate) fn log_sliding_removed(&mut self, lost: &[(NodeId, usize, BlockId, BlockId)]) {
+        let mut rest = lost;
+        while let Some(&(node, first, _, _)) = rest.first() {
+            let n = rest
+                .iter()
+                .enumerate()
+                .take_while(|&(i, &(m, j, _, _))| m == node && j == first + i)
+                .count();
+            let (run, after) = rest.split_at(n);
+            rest = after;
+            let mut tokens = self.path_of(node);
+            tokens.truncate((first + n) * self.block_size);
+            self.log.push(TreeEvent::SlidingRemoved(Demoted {
+                namespace: self.n(node).namespace,
+                tokens,
+                first,
+                blocks: run.iter().map(|r| r.2).collect(),
+                sliding: run.iter().map(|r| Some(r.3)).collect(),
+            }));
+        }
     }
 
     /// Total tokens held by all edges.

@@ -8,7 +8,7 @@
 
 use std::collections::HashMap;
 
-use tessera_kv::{BlockId, Demoted, Namespace, TokenId, TreeEvent};
+use tessera_kv::{Demoted, Namespace, TokenId, TreeEvent};
 use tessera_sched::ReqId;
 use tracing::warn;
 
@@ -184,13 +184,15 @@ impl Worker {
         if want.is_empty() {
             return;
         }
-        let slots_of = |b: u32| (0..bs as u32).map(move |o| b * bs as u32 + o);
         let rows = Rows {
-            slots: want.iter().flat_map(|&(_, b, _)| slots_of(b)).collect(),
+            slots: want
+                .iter()
+                .flat_map(|&(_, b, _)| block_slots(b, bs))
+                .collect(),
             sliding: want
                 .iter()
                 .filter_map(|&(_, _, s)| s)
-                .flat_map(slots_of)
+                .flat_map(|s| block_slots(s, bs))
                 .collect(),
         };
         let layers = match self.runner.read_rows(&rows) {
@@ -353,17 +355,19 @@ impl Worker {
         let in_tier: Vec<bool> = blocks.clone().map(|j| disk.contains(hashes[j])).collect();
         let whole_in_tier: Vec<bool> = blocks.clone().map(|j| disk.whole(hashes[j])).collect();
         let at = |j: usize| j - j0;
-        let slots_of = |b: BlockId| (0..bs as u32).map(move |o| b.0 * bs as u32 + o);
         let pool_global: Vec<usize> = blocks.clone().filter(|&j| !in_tier[at(j)]).collect();
         let pool_sliding: Vec<usize> = (jb..j0 + run).filter(|&j| !whole_in_tier[at(j)]).collect();
         let rows = Rows {
             slots: pool_global
                 .iter()
-                .flat_map(|&j| slots_of(held.blocks[j]))
+                .flat_map(|&j| block_slots(held.blocks[j].0, bs))
                 .collect(),
             sliding: pool_sliding
                 .iter()
-                .flat_map(|&j| slots_of(pool.sliding_of(held.blocks[j]).expect("checked")))
+                .flat_map(|&j| {
+                    let s = pool.sliding_of(held.blocks[j]).expect("checked");
+                    block_slots(s.0, bs)
+                })
                 .collect(),
         };
         let from_pool = if rows.slots.is_empty() && rows.sliding.is_empty() {
@@ -409,6 +413,9 @@ impl Worker {
                     (j0..j0 + run, &pool_global)
                 };
                 let mut out = LayerBytes::default();
+                // The pool's rows come in `pooled`'s order, which is the
+                // range's less the tier's blocks.
+                let mut i = 0;
                 for j in range {
                     let tiered = if sliding {
                         whole_in_tier[at(j)]
@@ -419,9 +426,10 @@ impl Worker {
                         let b = &read[&j].layers[l];
                         (&b.k[..], &b.v[..])
                     } else {
-                        let i = pooled.iter().position(|&p| p == j).expect("read");
-                        let b = &from_pool[l];
-                        (&b.k[i * row..(i + 1) * row], &b.v[i * row..(i + 1) * row])
+                        debug_assert_eq!(pooled[i], j);
+                        let (b, off) = (&from_pool[l], i * row);
+                        i += 1;
+                        (&b.k[off..off + row], &b.v[off..off + row])
                     };
                     out.k.extend_from_slice(k);
                     out.v.extend_from_slice(v);
@@ -462,4 +470,9 @@ enum Promoted {
     Nothing,
     /// The pool has no room now: tried again at a later step.
     NoRoom,
+}
+
+/// The slots of block `b`'s positions (in its pool) for blocks of `bs`.
+fn block_slots(b: u32, bs: usize) -> impl Iterator<Item = u32> {
+    (0..bs as u32).map(move |o| b * bs as u32 + o)
 }

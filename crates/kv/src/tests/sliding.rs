@@ -540,14 +540,21 @@ fn a_cached_block_losing_its_sliding_block_is_logged() {
         })
         .collect();
     assert!(!lost.is_empty());
+    let mut seen = 0;
     for d in &lost {
-        let j = d.first;
-        assert!(j < 8, "the tail's blocks keep theirs: {j}");
-        assert_eq!(d.blocks, [blocks[j]]);
-        assert_eq!(d.sliding, [before[j]]);
-        assert_eq!(d.tokens, toks(&prompt[..(j + 1) * 4]));
-        // The global block is still cached; the sliding one is not.
-        assert_eq!(kv.pool().sliding_of(blocks[j]), None);
+        let end = d.first + d.blocks.len();
+        // Consecutive blocks of the path in one event.
+        assert_eq!(d.blocks, blocks[d.first..end]);
+        assert_eq!(d.sliding, before[d.first..end]);
+        assert_eq!(d.tokens, toks(&prompt[..end * 4]));
+        for (j, &b) in (d.first..end).zip(&d.blocks) {
+            assert!(j < 8, "the tail's blocks keep theirs: {j}");
+            // The global block is still cached; the sliding one is not.
+            assert_eq!(kv.pool().sliding_of(b), None);
+            seen += 1;
+        }
     }
+    // The 30-token request's 8 sliding blocks, of which 2 were free.
+    assert_eq!(seen, 6, "{lost:?}");
     checked(&kv, &sh);
 }
