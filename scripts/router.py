@@ -23,7 +23,8 @@ where its history is cached.
       KV-event gateway (scripts/kv_router.py); and two replicas whose pools
       differ (a third of the working set and all of it) behind
       `cache_aware` and the KV-event gateway. A fifth argument keeps only
-      the setups whose names contain one of its comma-separated words;
+      the setups whose names contain one of its `;`-separated parts
+      (`"small pools, kv_events;small pools, cache_aware"`);
       ROUTER_RUNS runs of the workload per setup (default 1).
 
 Each replica gets half the cores (RAYON_NUM_THREADS), one replica alone
@@ -194,7 +195,7 @@ def bench(binary, model):
               ("2 replicas, unequal pools, cache_aware", 2, "cache_aware", half, unequal),
               ("2 replicas, unequal pools, kv_events", 2, "kv_events", half, unequal)]
     if len(sys.argv) > 4:
-        setups = [s for s in setups if any(k in s[0] for k in sys.argv[4].split(","))]
+        setups = [s for s in setups if any(k.strip() in s[0] for k in sys.argv[4].split(";"))]
     results = {}
     for name, n, policy, threads, extra in setups:
         for d in (ROOT / "target").glob("router-tier-*"):
