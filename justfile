@@ -34,13 +34,14 @@ fuzz cases="20000":
 # Other targets and the portable kernel paths: aarch64 builds (cargo check; installs the
 # cross C compiler, qemu's user-mode emulator and the Rust target if missing), the kernel
 # tests on aarch64 under qemu (a CPU with NEON's dot product: the ARM kernels against the
-# scalar references), and the kernel tests with SIMD off.
+# scalar references), and the kernel tests with SIMD off (the workspace's test build of them,
+# run with TESSERA_ISA=portable: `cargo test -p tessera-kernels` would compile them again).
 check-portable:
     command -v aarch64-linux-gnu-gcc >/dev/null && command -v qemu-aarch64 >/dev/null || ($(command -v sudo || true) apt-get update && $(command -v sudo || true) apt-get install -y gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user)
     rustup target list --installed | grep -q aarch64-unknown-linux-gnu || rustup target add aarch64-unknown-linux-gnu
     cargo check --workspace --target aarch64-unknown-linux-gnu
     CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="qemu-aarch64 -L /usr/aarch64-linux-gnu -cpu max" cargo test -p tessera-kernels --target aarch64-unknown-linux-gnu
-    TESSERA_ISA=portable cargo test -p tessera-kernels
+    TESSERA_ISA=portable "$(python3 scripts/test_binary.py tessera_kernels)"
 
 # What a machine without a GPU can check of the GPU kernels: every .cu through nvcc and ptxas for
 # sm_80 and sm_90 (installs the pinned CUDA 13.0 nvcc wheels when missing), every .metal through

@@ -286,12 +286,13 @@ def check_launchers():
     time, with the whole binary). CUDA_COMPUTE_CAP is set since there is no GPU to ask."""
     env = cuda_env(ensure_nvcc(), CUDA_COMPUTE_CAP=os.environ.get("CUDA_COMPUTE_CAP", "80"),
                    CARGO_TARGET_DIR=os.path.join(ROOT, "target", "cuda"))
-    run(["cargo", "check", "-p", "tessera-kernels", "--features", "cuda", "--tests"], cwd=ROOT,
-        env=env)
-    # The model, engine and CLI with `--device cuda` (candle-nn's CUDA ops too).
-    run(["cargo", "check", "-p", "tessera", "--features", "cuda"], cwd=ROOT, env=env)
-    run(["cargo", "check", "-p", "tessera-model", "--features", "cuda", "--tests"], cwd=ROOT,
-        env=env)
+    # The kernels' and the model's tests, and the model, engine and CLI with
+    # `--device cuda` (candle-nn's CUDA ops too), in one invocation: one
+    # per package resolves features apart and checks most of the
+    # dependencies again (18 minutes against 11 on two cores).
+    run(["cargo", "check", "-p", "tessera", "-p", "tessera-kernels", "-p", "tessera-model",
+         "--features", "tessera/cuda,tessera-kernels/cuda,tessera-model/cuda", "--bins",
+         "--tests"], cwd=ROOT, env=env)
 
 
 APPLE = "aarch64-apple-darwin"
