@@ -289,7 +289,8 @@ def check_launchers():
     # The kernels' and the model's tests, and the model, engine and CLI with
     # `--device cuda` (candle-nn's CUDA ops too), in one invocation: one
     # per package resolves features apart and checks most of the
-    # dependencies again (18 minutes against 11 on two cores).
+    # dependencies again (three took 18 minutes in a CI run; one, 11 cold
+    # on a 2-core host about as fast).
     run(["cargo", "check", "-p", "tessera", "-p", "tessera-kernels", "-p", "tessera-model",
          "--features", "tessera/cuda,tessera-kernels/cuda,tessera-model/cuda", "--bins",
          "--tests"], cwd=ROOT, env=env)

@@ -207,68 +207,72 @@ fn weather_tools() -> Vec<tessera_engine::ToolSpec> {
 
 /// `required` and a named function always give calls that parse, on both
 /// real models (neither template renders tools: the tools go into a
-/// system message, the calls are Hermes-style), greedy and sampled.
+/// system message, the calls are Hermes-style), sampled. One test per
+/// model, so that the two run side by side.
 #[test]
-fn forced_tool_calls_always_parse_on_both_models() {
-    use tessera_engine::{ToolChoice, ToolSyntax};
-    let tools = weather_tools();
+fn forced_tool_calls_always_parse_on_smollm2() {
+    forced_tool_calls_always_parse(engine(EngineConfig::default()));
+}
+
+/// [`forced_tool_calls_always_parse_on_smollm2`] on Gemma 3.
+#[test]
+fn forced_tool_calls_always_parse_on_gemma3() {
     let gemma = tessera_model::Model::load(
         &super::models_file("gemma-3-270m-q4_k_m.gguf", " gemma3"),
         &mut |_, _| {},
     )
     .unwrap();
-    for e in [
-        engine(EngineConfig::default()),
-        Engine::from_model(gemma, EngineConfig::default()).unwrap(),
+    forced_tool_calls_always_parse(Engine::from_model(gemma, EngineConfig::default()).unwrap());
+}
+
+fn forced_tool_calls_always_parse(e: Engine) {
+    use tessera_engine::{ToolChoice, ToolSyntax};
+    let tools = weather_tools();
+    let syntax = ToolSyntax::of(&e.model().template, &e.model().tokenizer);
+    assert!(!syntax.native);
+    for (choice, parallel) in [
+        (ToolChoice::Required, true),
+        (ToolChoice::Required, false),
+        (ToolChoice::Named("get_time".into()), false),
     ] {
-        let syntax = ToolSyntax::of(&e.model().template, &e.model().tokenizer);
-        assert!(!syntax.native);
-        for (choice, parallel) in [
-            (ToolChoice::Required, true),
-            (ToolChoice::Required, false),
-            (ToolChoice::Named("get_time".into()), false),
-        ] {
-            let prompt = syntax.prompt(
-                vec![Message::new(
-                    "user",
-                    "What is the weather in Oslo, and the time there?",
-                )],
-                &tools,
-            );
-            let c = syntax.constraint(&tools, &choice, parallel).unwrap();
-            // Room for four calls of the longest arguments the schemas allow.
-            let req = GenerateRequest {
-                n: 2,
-                max_tokens: 800,
-                ..constrained(
-                    prompt,
-                    c.unwrap(),
-                    SamplingParams {
-                        temperature: 1.0,
-                        ..SamplingParams::default()
-                    },
-                )
-            };
-            for out in run(&e, &req) {
-                assert_eq!(out.finish_reason, FinishReason::Stop, "{}", out.text);
-                let (_, calls) = syntax.parse(&out.text).expect("the calls parse");
-                assert!(!calls.is_empty() && calls.len() <= tessera_engine::MAX_PARALLEL_CALLS);
-                if !parallel {
-                    assert_eq!(calls.len(), 1, "{}", out.text);
-                }
-                for call in calls {
-                    let a = call.arguments.as_object().unwrap();
-                    match call.name.as_str() {
-                        "get_weather" => {
-                            assert!(matches!(choice, ToolChoice::Required));
-                            assert_eq!(a.len(), 2, "strict: no other properties");
-                            assert!(
-                                ["celsius", "fahrenheit"].contains(&a["unit"].as_str().unwrap())
-                            );
-                        }
-                        "get_time" => assert!(a["timezone"].is_string()),
-                        other => panic!("called {other}"),
+        let prompt = syntax.prompt(
+            vec![Message::new(
+                "user",
+                "What is the weather in Oslo, and the time there?",
+            )],
+            &tools,
+        );
+        let c = syntax.constraint(&tools, &choice, parallel).unwrap();
+        // Room for four calls of the longest arguments the schemas allow.
+        let req = GenerateRequest {
+            n: 2,
+            max_tokens: 800,
+            ..constrained(
+                prompt,
+                c.unwrap(),
+                SamplingParams {
+                    temperature: 1.0,
+                    ..SamplingParams::default()
+                },
+            )
+        };
+        for out in run(&e, &req) {
+            assert_eq!(out.finish_reason, FinishReason::Stop, "{}", out.text);
+            let (_, calls) = syntax.parse(&out.text).expect("the calls parse");
+            assert!(!calls.is_empty() && calls.len() <= tessera_engine::MAX_PARALLEL_CALLS);
+            if !parallel {
+                assert_eq!(calls.len(), 1, "{}", out.text);
+            }
+            for call in calls {
+                let a = call.arguments.as_object().unwrap();
+                match call.name.as_str() {
+                    "get_weather" => {
+                        assert!(matches!(choice, ToolChoice::Required));
+                        assert_eq!(a.len(), 2, "strict: no other properties");
+                        assert!(["celsius", "fahrenheit"].contains(&a["unit"].as_str().unwrap()));
                     }
+                    "get_time" => assert!(a["timezone"].is_string()),
+                    other => panic!("called {other}"),
                 }
             }
         }
