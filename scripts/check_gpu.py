@@ -30,7 +30,6 @@ sees the sources.
 """
 import glob
 import importlib.util
-import json
 import os
 import re
 import shutil
@@ -38,6 +37,8 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+from test_binary import lib_test_binaries  # noqa: E402
 GPU = os.path.join(ROOT, "crates", "kernels", "gpu")
 OUT = os.path.join(ROOT, "target", "gpu")
 WHEEL = "cuda-toolkit[nvcc,cccl]==13.0.*"
@@ -184,15 +185,11 @@ def bundle(dest, xz_level="-6"):
     there). Builds on a machine without a GPU (libcuda is
     then the stub of `cuda_stub`)."""
     env = runtime_env(CUDA_COMPUTE_CAP=os.environ.get("CUDA_COMPUTE_CAP", "80"))
-    tests = ["cargo", "test", "--release", "-p", "tessera-kernels", "-p", "tessera-model",
-             "--features", "tessera-kernels/cuda,tessera-model/cuda", "--no-run"]
-    run(tests, cwd=ROOT, env=env)
-    made = run(tests + ["--message-format=json"], cwd=ROOT, env=env, capture_output=True).stdout
-    exes = {}
-    for line in made.splitlines():
-        m = json.loads(line)
-        if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["lib"]:
-            exes[m["target"]["name"]] = m["executable"]
+    tests = ["--release", "-p", "tessera-kernels", "-p", "tessera-model",
+             "--features", "tessera-kernels/cuda,tessera-model/cuda"]
+    # Built in view first (the JSON run below prints nothing while it builds).
+    run(["cargo", "test", *tests, "--no-run"], cwd=ROOT, env=env)
+    exes = lib_test_binaries(tests, cwd=ROOT, env=env)
     # With candle's baseline: the GPU table puts candle's quantized_llama
     # beside Tessera on the same GPU.
     run(["cargo", "build", "--release", "-p", "tessera", "--features", "cuda,candle-baseline"],

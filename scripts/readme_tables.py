@@ -330,8 +330,8 @@ def tiers():
     out = [
         f"`tessera bench --scenario tiers --json`, measured {datetime.date.today()} on {cpu()} "
         f"({os.cpu_count()} cores), commit `{commit()}`, f16 cache, default (portable) release "
-        f"build, {isa()} host. {r['conversations']} conversations (a distinct ~600-token system prompt each, "
-        f"~40-token user turns, 32-token greedy replies) take {r['rounds']} turns each, "
+        f"build, {isa()} host. {r['conversations']} conversations (a distinct ~600-token system "
+        f"prompt each, ~40-token user turns, 32-token greedy replies) take {r['rounds']} turns each, "
         f"round-robin, on a pool whose global layers hold a third of their final working set, so "
         f"each history is evicted before its next turn (Gemma 3's sliding-window layers have a "
         f"pool of their own, sized for one request's window, prompt chunk and system prompt). The "

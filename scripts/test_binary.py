@@ -13,21 +13,30 @@ import subprocess
 import sys
 
 
+def lib_test_binaries(cargo_test_args, **kw):
+    """The library test binaries `cargo test ARGS --no-run` builds, by crate
+    name (`kw` goes to subprocess.run: cwd, env)."""
+    out = subprocess.run(["cargo", "test", *cargo_test_args, "--no-run",
+                          "--message-format=json"], capture_output=True, text=True, **kw)
+    if out.returncode != 0:
+        sys.exit(out.stderr[-4000:])
+    exes = {}
+    for line in out.stdout.splitlines():
+        m = json.loads(line)
+        if (m.get("reason") == "compiler-artifact" and m.get("executable")
+                and m["target"]["kind"] == ["lib"]):
+            exes[m["target"]["name"]] = m["executable"]
+    return exes
+
+
 def main():
     if len(sys.argv) != 2:
         sys.exit(__doc__)
     name = sys.argv[1].replace("-", "_")
-    out = subprocess.run(["cargo", "test", "--workspace", "--no-run", "--message-format=json"],
-                         capture_output=True, text=True)
-    if out.returncode != 0:
-        sys.exit(out.stderr[-4000:])
-    for line in out.stdout.splitlines():
-        m = json.loads(line)
-        if (m.get("reason") == "compiler-artifact" and m["target"]["name"] == name
-                and "lib" in m["target"]["kind"] and m["profile"]["test"] and m.get("executable")):
-            print(m["executable"])
-            return
-    sys.exit(f"no library test binary of {name} in the workspace's test build")
+    exe = lib_test_binaries(["--workspace"]).get(name)
+    if exe is None:
+        sys.exit(f"no library test binary of {name} in the workspace's test build")
+    print(exe)
 
 
 if __name__ == "__main__":
