@@ -182,8 +182,19 @@ bench-spec-draft std="0.006" runs="3": model bench-deps
 bench-cpu models="SmolLM2-135M-Instruct.Q4_1,synth-1b-Q4_0,synth-1b-Q4_K_M,synth-3b-Q4_0,synth-3b-Q4_K_M" runs="3": (synth-model "1b 3b" "Q4_0,Q4_K_M")
     sh scripts/build_llama_tools.sh avx2
     if grep -q avx_vnni /proc/cpuinfo; then sh scripts/build_llama_tools.sh avxvnni; fi
+    if grep -q amx_int8 /proc/cpuinfo; then sh scripts/build_llama_tools.sh amx && sh scripts/build_llama_tools.sh avx512; fi
     cargo build --release -p tessera
     python3 scripts/bench_cpu.py --models {{models}} --runs {{runs}} --int8 --contention SmolLM2-135M-Instruct.Q4_1,synth-1b-Q4_0
+
+# On a CPU with AMX-INT8 (Xeon since Sapphire Rapids): the AMX and AVX-512 VNNI rows alone, Tessera's
+# AMX tiles beside llama.cpp's (native, clang) and both engines without AMX, into target/bench/cpu-amx.json
+# and its table in docs/benchmarks.md.
+bench-cpu-amx models="SmolLM2-135M-Instruct.Q4_1,synth-1b-Q4_0,synth-1b-Q4_K_M" runs="3": (synth-model "1b" "Q4_0,Q4_K_M")
+    grep -q amx_int8 /proc/cpuinfo || (echo "this CPU has no AMX-INT8" && exit 1)
+    sh scripts/build_llama_tools.sh amx
+    sh scripts/build_llama_tools.sh avx512
+    cargo build --release -p tessera
+    python3 scripts/bench_cpu.py --models {{models}} --isas amx,avx512 --runs {{runs}} --int8 --out cpu-amx.json
 
 # More formats of the generated 1B-class model beside llama-bench (as `bench-cpu`, each run's own
 # roofline), merged into target/bench/cpu.json and the table in docs/benchmarks.md.

@@ -25,7 +25,12 @@ process holds the other core), both engines, alternating: the share of its
 idle speed each keeps, and of its one-core speed. `--models ""` with
 `--merge` runs the contention rows alone.
 
-Writes target/bench/cpu.json, then the README's `bench-cpu` section.
+On a CPU with AMX the rows are AMX-INT8 (Tessera's `TESSERA_ISA=amx`,
+llama.cpp native, compiled by clang) and AVX-512 VNNI (Tessera's `avx512`,
+llama.cpp without AMX) above the 256-bit ones.
+
+Writes target/bench/cpu.json (or --out), then its section
+(`readme_tables.py cpu`, or `cpu-amx` for cpu-amx.json).
 """
 
 import argparse
@@ -42,7 +47,7 @@ from readme_tables import BENCH, ROOT  # noqa: E402
 TESSERA = ROOT / "target/release/tessera"
 LLAMA = ROOT / "target/llama-server"
 LLAMA_BENCH = {"avx512": LLAMA / "build/bin/llama-bench", "avxvnni": LLAMA / "build-avxvnni/bin/llama-bench",
-               "avx2": LLAMA / "build-avx2/bin/llama-bench"}
+               "avx2": LLAMA / "build-avx2/bin/llama-bench", "amx": LLAMA / "build-amx/bin/llama-bench"}
 GGUF_PY = LLAMA / "llama_cpp_python-0.3.36/vendor/llama.cpp/gguf-py"
 DEFAULT_MODELS = ["SmolLM2-135M-Instruct.Q4_1", "synth-1b-Q4_0", "synth-1b-Q4_K_M", "synth-3b-Q4_0",
                   "synth-3b-Q4_K_M"]
@@ -59,6 +64,8 @@ def flags():
 def host_isas():
     f = flags()
     out = []
+    if "avx512_vnni" in f and "amx_int8" in f:
+        out.append("amx")
     if "avx512_vnni" in f:
         out.append("avx512")
     if "avx_vnni" in f:
@@ -66,6 +73,15 @@ def host_isas():
     if "avx2" in f:
         out.append("avx2")
     return out
+
+
+def llama_binary(isa):
+    """The `llama-bench` of an ISA's rows. On a CPU with AMX the native build
+    has AMX (and GCC's dies of it, see build_llama_tools.sh), so the
+    AVX-512 rows take a build without it."""
+    if isa == "avx512" and "amx_int8" in flags():
+        return LLAMA / "build-avx512/bin/llama-bench"
+    return LLAMA_BENCH[isa]
 
 
 def model_paths(names):
@@ -124,7 +140,7 @@ def llama(model, isa, prompt=512, gen=128, threads=THREADS):
     the two per test: {"prefill": tok/s, "decode": tok/s} for the tests
     asked for."""
     best = {}
-    for (key, _), ts in llama_bench(LLAMA_BENCH[isa], model, prompt, gen, threads).items():
+    for (key, _), ts in llama_bench(llama_binary(isa), model, prompt, gen, threads).items():
         best[key] = max(best.get(key, 0.0), ts)
     return best
 
@@ -188,6 +204,8 @@ def main():
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--int8", action="store_true", help="also Tessera with --activations int8")
     ap.add_argument("--contention", default="", help="models to decode beside a busy process")
+    ap.add_argument("--out", default="cpu.json",
+                    help="results file in target/bench (cpu-amx.json: the AMX table, readme_tables.py cpu-amx)")
     ap.add_argument("--merge", action="store_true",
                     help="keep the other models' rows (and their runs' rooflines) of target/bench/cpu.json")
     args = ap.parse_args()
@@ -195,8 +213,10 @@ def main():
     for i in isas:
         if i not in host_isas():
             sys.exit(f"this host does not run {i} (it runs {', '.join(host_isas())})")
-        if not LLAMA_BENCH[i].exists():
-            sys.exit(f"{LLAMA_BENCH[i]} is missing: run scripts/build_llama_tools.sh {'' if i == 'avx512' else i}")
+        b = llama_binary(i)
+        if not b.exists():
+            flavour = "" if b.parent.parent.name == "build" else i
+            sys.exit(f"{b} is missing: run scripts/build_llama_tools.sh {flavour}")
     if not TESSERA.exists():
         sys.exit(f"{TESSERA} is missing: cargo build --release -p tessera")
     models = model_paths(args.models) if args.models else []
@@ -257,7 +277,7 @@ def main():
         row["commit"] = head
     result = {"commit": head, "rooflines": run, "threads": THREADS, "runs": args.runs, "rows": rows,
               "contention": busy_rows}
-    old = BENCH / "cpu.json"
+    old = BENCH / args.out
     if args.merge and old.exists():
         prev = json.loads(old.read_text())
         kept = [r for r in prev["rows"] if r["model"] not in names]
@@ -271,12 +291,13 @@ def main():
         ] + run
         result["contention"] = busy_rows or prev.get("contention", [])
         result["commit"] = prev.get("commit", head) if kept else head
-    (BENCH / "cpu.json").write_text(json.dumps(result, indent=1))
+    (BENCH / args.out).write_text(json.dumps(result, indent=1))
     for row in rows:
         extra = f", {row['tessera_roofline_share'] * 100:.0f}% of roofline" if "tessera_roofline_share" in row else ""
         print(f"{row['model']:<28} {row['isa']:<7} {row['scenario']:<8} tessera {row['tessera']:7.1f}  "
               f"llama.cpp {row['llama']:7.1f}  {row['ratio']:.2f}x{extra}")
-    subprocess.run([sys.executable, str(ROOT / "scripts/readme_tables.py"), "cpu"], check=True)
+    table = "cpu" if args.out == "cpu.json" else args.out.removesuffix(".json")
+    subprocess.run([sys.executable, str(ROOT / "scripts/readme_tables.py"), table], check=True)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,11 @@
 # Intel since Alder Lake, AMD since Zen 5) into build-avxvnni: the AVX-VNNI
 # row.
 #
+# With `amx`, `llama-bench` with AVX-512 VNNI and AMX-INT8, compiled by
+# clang, into build-amx (the AMX row on a CPU with AMX; see below why not
+# the native GCC build); with `avx512`, the same without AMX (GCC) into
+# build-avx512 (the AVX-512 row on such a CPU).
+#
 # With `harness`, `llama-bench` on the llama-cpp-sys-2 crate's llama.cpp
 # (the in-process harness's) into target/llama-server/build-harness-VERSION:
 # `scripts/harness_check.py` sets the two side by side.
@@ -65,6 +70,35 @@ print(p["manifest_path"].rsplit("/", 1)[0], p["version"])')
     cmake -S "$TREE" -B "$B" $COMMON -DLLAMA_BUILD_APP=OFF -DGGML_NATIVE=ON >/dev/null
     cmake --build "$B" --target llama-bench -j "$(nproc)"
     echo "built $B/bin/llama-bench (llama-cpp-sys-2 $SYSVER's llama.cpp)"
+    exit 0
+fi
+if [ "$FLAVOUR" = amx ] || [ "$FLAVOUR" = avx512 ]; then
+    # AVX-512 with VNNI, VBMI and BF16, into build-avx512 without AMX (the
+    # AVX-512 VNNI row on a CPU that has AMX), into build-amx with AMX-INT8
+    # and compiled by clang (the AMX row). The native GCC build is neither:
+    # on such a CPU -march=native turns AMX on, and GCC 12 (Debian 12's)
+    # drops the stores that fill the tile configuration on the stack (only
+    # the palette byte is written before `ldtilecfg`), so it dies of SIGILL
+    # at its first tile instruction; clang 14's -march=native does not turn
+    # AMX on for this CPU, hence the features named here, and it names the
+    # macro `__AMXINT8__` where ggml tests `__AMX_INT8__` (GCC's name), hence
+    # the definitions.
+    B=$OUT/build-$FLAVOUR
+    [ -x "$B/bin/llama-bench" ] && exit 0
+    AMX=OFF
+    CC_ARGS=
+    if [ "$FLAVOUR" = amx ]; then
+        AMX=ON
+        CC_ARGS="-DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++"
+        CC_ARGS="$CC_ARGS -DCMAKE_C_FLAGS=-D__AMX_INT8__=1 -DCMAKE_CXX_FLAGS=-D__AMX_INT8__=1"
+    fi
+    # shellcheck disable=SC2086
+    cmake -S "$SRC/vendor/llama.cpp" -B "$B" $COMMON $CC_ARGS -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON \
+        -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON \
+        -DGGML_AVX512_VBMI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=$AMX \
+        -DGGML_AMX_INT8=$AMX -DGGML_AMX_BF16=OFF >/dev/null
+    cmake --build "$B" --target llama-bench -j "$(nproc)"
+    echo "built $B/bin/llama-bench ($FLAVOUR)"
     exit 0
 fi
 if [ "$FLAVOUR" = avx2 ] || [ "$FLAVOUR" = avxvnni ]; then

@@ -13,7 +13,8 @@ in them is typed by hand. Each subcommand reads what its recipe wrote:
 - criterion: target/criterion (`just bench`);
 - llamacpp: target/bench/vs-llamacpp.json and vs-llamacpp-meta.json, the
   charts copied to docs/bench/ (`just bench-llamacpp`);
-- cpu: target/bench/cpu.json (`just bench-cpu`);
+- cpu: target/bench/cpu.json (`just bench-cpu`); cpu-amx: cpu-amx.json
+  (`just bench-cpu-amx`, on a CPU with AMX);
 - gpu, gpu-ab, gpu-families, gpu-forward, gpu-variants, gpu-fusion: what
   `scripts/cuda_device_run.sh` brings back from a GPU machine, copied to
   target/bench/gpu/, gpu/ab/, gpu-families/, gpu-forward/, gpu-variants/<call>/
@@ -23,7 +24,7 @@ in them is typed by hand. Each subcommand reads what its recipe wrote:
 Other scripts (bench_cpu.py, families_vs_llamacpp.py, ...) write their own
 sections through `splice` here.
 
-Usage: readme_tables.py model|engine|sessions|hangups|swa|soak|criterion|llamacpp|cpu|gpu|gpu-ab|gpu-families|gpu-forward|gpu-variants|gpu-fusion|summary
+Usage: readme_tables.py model|engine|sessions|hangups|swa|soak|criterion|llamacpp|cpu|cpu-amx|gpu|gpu-ab|gpu-families|gpu-forward|gpu-variants|gpu-fusion|summary
 """
 
 import datetime
@@ -212,6 +213,8 @@ def isa():
         if line.startswith("flags"):
             flags = set(line.split(":", 1)[1].split())
             break
+    if "amx_int8" in flags and "avx512_vnni" in flags:
+        return "AVX-512 VNNI and AMX-INT8"
     if "avx512_vnni" in flags:
         return "AVX-512 VNNI"
     if "avx512f" in flags:
@@ -770,13 +773,19 @@ def vs_llamacpp(runs, r):
     ]
 
 
-def cpu_table():
-    """`just bench-cpu`: Tessera beside llama-bench at real sizes, per ISA."""
-    path = BENCH / "cpu.json"
+def cpu_table(name="cpu.json"):
+    """`just bench-cpu` (cpu.json; `just bench-cpu-amx`, cpu-amx.json):
+    Tessera beside llama-bench at real sizes, per ISA."""
+    path = BENCH / name
     if not path.exists():
-        sys.exit(f"{path} is missing: run `just bench-cpu`")
+        sys.exit(f"{path} is missing: run `just bench-cpu`" + ("-amx" if name != "cpu.json" else ""))
     d = json.loads(path.read_text())
-    names = {"avx512": "AVX-512 VNNI", "avxvnni": "AVX-VNNI", "avx2": "AVX2"}
+    names = {"amx": "AMX-INT8", "avx512": "AVX-512 VNNI", "avxvnni": "AVX-VNNI", "avx2": "AVX2"}
+    builds = ("native for the AVX-512 rows, "
+              if "amx" not in {r["isa"] for r in d["rows"]} else
+              "native and compiled by clang for the AMX rows (GCC 12 drops the stores that fill AMX's tile "
+              "configuration, and its native build dies of SIGILL at its first tile instruction), "
+              "`GGML_NATIVE=OFF` with AVX-512, VNNI, VBMI and BF16 and no AMX for the AVX-512 rows, ")
     runs = d.get("rooflines") or [{"models": [], "gb_s": d["roofline_gb_s"], "commit": d.get("commit")}]
     if len(runs) == 1:
         bw = f"{' and '.join(f'{g:.1f}' for g in runs[0]['gb_s'])} GB/s before and after"
@@ -789,7 +798,7 @@ def cpu_table():
     out = [
         f"{measured(d.get('commit'))}, {isa()} host; `tessera bench` from the default (portable) build with `TESSERA_ISA` "
         "forced to each row's instruction set, beside llama.cpp's own `llama-bench` (llama.cpp as vendored by "
-        "llama-cpp-python 0.3.36, built by `scripts/build_llama_tools.sh`: native for the AVX-512 rows, "
+        f"llama-cpp-python 0.3.36, built by `scripts/build_llama_tools.sh`: {builds}"
         "`GGML_NATIVE=OFF` with AVX2 + FMA and no AVX-512 for the others, with `GGML_AVX_VNNI` for the "
         "AVX-VNNI rows (256-bit `vpdpbusd`) and without it for the AVX2 rows), best of flash attention "
         f"off and on, {d['threads']} threads each, the two alternating run by run, medians over {d['runs']} runs "
@@ -1166,6 +1175,7 @@ def main():
         "soak": soak,
         "criterion": criterion,
         "cpu": cpu_table,
+        "cpu-amx": lambda: cpu_table("cpu-amx.json"),
     }.get(which)
     if make is None:
         sys.exit(__doc__)

@@ -62,8 +62,8 @@ struct Cli {
 #[derive(Args)]
 struct TuningArgs {
     /// The highest instruction set the CPU kernels use: portable, avx2,
-    /// avxvnni or avx512 (default: the best this CPU runs). For comparing
-    /// with another engine on one ISA.
+    /// avxvnni, avx512 (AVX-512 without AMX) or amx (default: the best
+    /// this CPU runs). For comparing with another engine on one ISA.
     #[arg(long, global = true, value_parser = parse_isa)]
     isa: Option<IsaCap>,
     /// Which forward runs the model: fast (default) or reference (the
@@ -136,7 +136,8 @@ impl TuningArgs {
 }
 
 fn parse_isa(s: &str) -> Result<IsaCap, String> {
-    IsaCap::parse(s).ok_or_else(|| format!("`{s}`: expected portable, avx2, avxvnni or avx512"))
+    IsaCap::parse(s)
+        .ok_or_else(|| format!("`{s}`: expected portable, avx2, avxvnni, avx512 or amx"))
 }
 
 /// The `--device` of this invocation, for every model it loads.

@@ -358,7 +358,7 @@ fn tuning_flags_keep_the_tokens() {
     }
     fails_with(
         &tessera(&["--isa", "sse", "inspect", "--model", &m], None),
-        "expected portable, avx2, avxvnni or avx512",
+        "expected portable, avx2, avxvnni, avx512 or amx",
     );
 }
 

@@ -8,7 +8,7 @@
 //!
 //! | variable | values | knob |
 //! |---|---|---|
-//! | `TESSERA_ISA` | `portable`, `avx2`, `avxvnni`, `avx512` | [`Tuning::isa`] |
+//! | `TESSERA_ISA` | `portable`, `avx2`, `avxvnni`, `avx512`, `amx` | [`Tuning::isa`] |
 //! | `TESSERA_ACTIVATIONS` | `int8x2`, `f32`, `int8` | [`Tuning::activations`] |
 //! | `TESSERA_HUGE_PAGES` | `0` | [`Tuning::huge_pages`] off |
 //! | `TESSERA_FIXED_TEAM` | `1` | [`Tuning::fixed_team`] on |
@@ -32,15 +32,19 @@ pub enum IsaCap {
     Portable,
     Avx2,
     AvxVnni,
+    /// AVX-512 (F, BW, VL; VNNI for the integer products), without AMX.
     Avx512,
+    /// AVX-512 and AMX-INT8's tiles for many-input integer products.
+    Amx,
 }
 
 impl IsaCap {
-    pub const ALL: [IsaCap; 4] = [
+    pub const ALL: [IsaCap; 5] = [
         IsaCap::Portable,
         IsaCap::Avx2,
         IsaCap::AvxVnni,
         IsaCap::Avx512,
+        IsaCap::Amx,
     ];
 
     pub fn name(self) -> &'static str {
@@ -49,6 +53,7 @@ impl IsaCap {
             IsaCap::Avx2 => "avx2",
             IsaCap::AvxVnni => "avxvnni",
             IsaCap::Avx512 => "avx512",
+            IsaCap::Amx => "amx",
         }
     }
 
@@ -175,6 +180,7 @@ mod tests {
         }
         assert_eq!(IsaCap::parse("sse"), None);
         assert!(IsaCap::Portable < IsaCap::Avx2 && IsaCap::AvxVnni < IsaCap::Avx512);
+        assert!(IsaCap::Avx512 < IsaCap::Amx);
     }
 
     #[test]

@@ -64,7 +64,7 @@ impl Isa {
             capped(Isa::best(), |cap| match cap {
                 IsaCap::Portable => Isa::Portable,
                 IsaCap::Avx2 | IsaCap::AvxVnni => Isa::Avx2,
-                IsaCap::Avx512 => Isa::Avx512,
+                IsaCap::Avx512 | IsaCap::Amx => Isa::Avx512,
             })
         })
     }

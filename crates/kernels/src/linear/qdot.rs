@@ -95,8 +95,11 @@ macro_rules! dispatch_tiles {
      [$portable:ident, $avx512:ident, $avxvnni:ident, $avx2:ident, $neon:ident]) => {
         match $isa {
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: `QIsa` values above Portable come from CPU detection.
-            QIsa::Avx512Vnni => unsafe { tile_match!($avx512, $args, $two, $ni, $kinds, $what) },
+            // SAFETY: `QIsa` values above Portable come from CPU detection
+            // (AMX's few-input tiles are AVX-512's).
+            QIsa::Avx512Vnni | QIsa::Amx => unsafe {
+                tile_match!($avx512, $args, $two, $ni, $kinds, $what)
+            },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as above.
             QIsa::AvxVnni => unsafe { tile_match!($avxvnni, $args, $two, $ni, $kinds, $what) },
@@ -112,6 +115,9 @@ macro_rules! dispatch_tiles {
 }
 
 mod kquant;
+
+#[cfg(target_arch = "x86_64")]
+mod amx;
 
 /// Rows per tile.
 pub const GROUP: usize = 16;
@@ -178,12 +184,15 @@ pub enum QIsa {
     AvxVnni,
     /// AVX-512 VNNI (16 rows per register).
     Avx512Vnni,
+    /// AVX-512 VNNI, and AMX-INT8 tiles (16 inputs × 16 rows an
+    /// instruction) for products of 16 inputs or more.
+    Amx,
 }
 
 impl QIsa {
     /// Whether its tiles take [`MAX_NI`] inputs at a time (else four).
     fn wide_tiles(self) -> bool {
-        self == QIsa::Avx512Vnni
+        self >= QIsa::Avx512Vnni
     }
 
     /// The best this CPU runs, capped by the tuning's instruction set (on
@@ -196,6 +205,7 @@ impl QIsa {
                 IsaCap::Avx2 => QIsa::Avx2,
                 IsaCap::AvxVnni => QIsa::AvxVnni,
                 IsaCap::Avx512 => QIsa::Avx512Vnni,
+                IsaCap::Amx => QIsa::Amx,
             })
         })
     }
@@ -224,6 +234,9 @@ impl QIsa {
                 }
                 if base == Isa::Avx512 && has!("avx512vnni") {
                     v.push(QIsa::Avx512Vnni);
+                    if amx::usable() {
+                        v.push(QIsa::Amx);
+                    }
                 }
             }
         }
@@ -697,7 +710,7 @@ fn quantize_row_on(isa: QIsa, x: &[f32], levels: usize, out: &mut [ActBlock]) {
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `QIsa` values above Portable come from CPU detection.
-        QIsa::Avx512Vnni => unsafe { quantize_avx512(x, levels, out) },
+        QIsa::Avx512Vnni | QIsa::Amx => unsafe { quantize_avx512(x, levels, out) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
         QIsa::Avx2 | QIsa::AvxVnni => unsafe { quantize_avx2(x, levels, out) },
@@ -822,8 +835,29 @@ pub fn qmatvec<E: FnMut(usize, usize, &[f32])>(
     let (g0, g1) = (r0 / GROUP, r1.div_ceil(GROUP));
     for p0 in (0..t).step_by(PANEL) {
         let p1 = (p0 + PANEL).min(t);
+        // AMX's tiles take the panel's inputs 16 at a time, regrouped once
+        // for all its row groups; the rest go to AVX-512's.
+        #[cfg(target_arch = "x86_64")]
+        let amx_inputs = if isa == QIsa::Amx {
+            amx::regroup(&acts[p0 * nb..p1 * nb], p1 - p0, nb)
+        } else {
+            0
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        let amx_inputs = 0;
         for g in g0..g1 {
-            let mut i = p0;
+            let mut i = p0 + amx_inputs;
+            #[cfg(target_arch = "x86_64")]
+            if amx_inputs > 0 {
+                let base = g * GROUP;
+                let (lo, hi) = (r0.max(base), r1.min(base + GROUP));
+                // SAFETY: `QIsa::Amx` comes from CPU detection.
+                unsafe {
+                    amx::tiles(w, g, levels == 2, &mut |di, o| {
+                        emit(p0 + di, lo, &o[lo - base..hi - base])
+                    })
+                };
+            }
             while i < p1 {
                 let ni = match p1 - i {
                     n if n >= wide => wide,
@@ -1644,9 +1678,7 @@ mod x86 {
         let rec = kind.record();
         let tile = w.tile(g);
         let p = tile.as_ptr();
-        let nibble = _mm512_set1_epi8(0x0F);
         let flip = _mm512_set1_epi8(-128);
-        let fifth = _mm512_set1_epi8(0x10);
         let mut y = [_mm512_setzero_ps(); NI];
         for b in 0..w.nb {
             let t = p.add(b * rec);
@@ -1657,26 +1689,10 @@ mod x86 {
             } else {
                 _mm512_setzero_ps()
             };
-            let vals = t.add(kind.values_at());
-            let mut wv = [_mm512_setzero_si512(); 8];
+            let mut wv = block_values512(kind, t);
             if kind == Kind::Q8_0 {
-                for j in 0..8 {
-                    let raw = _mm512_loadu_si512(vals.add(64 * j) as *const _);
-                    wv[j] = _mm512_xor_si512(raw, flip);
-                }
-            } else {
-                for c in 0..4 {
-                    let raw = _mm512_loadu_si512(vals.add(64 * c) as *const _);
-                    wv[c] = _mm512_and_si512(raw, nibble);
-                    wv[c + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
-                }
-                if kind.high() {
-                    // One mask bit per byte of each register: its fifth bit.
-                    let masks = t.add(kind.masks_at()) as *const u64;
-                    for j in 0..8 {
-                        let k: __mmask64 = masks.add(j).read_unaligned();
-                        wv[j] = _mm512_mask_add_epi8(wv[j], k, wv[j], fifth);
-                    }
+                for v in &mut wv {
+                    *v = _mm512_xor_si512(*v, flip);
                 }
             }
             let level = |a: &ActBlock, l: usize| {
@@ -1702,6 +1718,38 @@ mod x86 {
         for i in 0..NI {
             _mm512_storeu_ps(out[i].as_mut_ptr(), y[i]);
         }
+    }
+
+    /// The 32 values of each of the 16 rows of the tile block at `t`, as
+    /// the kernels multiply them: register `j` holds values `4j..4j + 4`
+    /// of row `r` at bytes `4r..4r + 4` (the unsigned `n` of the 4- and
+    /// 5-bit formats, Q8_0's signed bytes as they are).
+    #[inline(always)]
+    pub(super) unsafe fn block_values512(kind: Kind, t: *const u8) -> [__m512i; 8] {
+        let vals = t.add(kind.values_at());
+        let mut wv = [_mm512_setzero_si512(); 8];
+        if kind == Kind::Q8_0 {
+            for j in 0..8 {
+                wv[j] = _mm512_loadu_si512(vals.add(64 * j) as *const _);
+            }
+            return wv;
+        }
+        let nibble = _mm512_set1_epi8(0x0F);
+        for c in 0..4 {
+            let raw = _mm512_loadu_si512(vals.add(64 * c) as *const _);
+            wv[c] = _mm512_and_si512(raw, nibble);
+            wv[c + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+        }
+        if kind.high() {
+            // One mask bit per byte of each register: its fifth bit.
+            let fifth = _mm512_set1_epi8(0x10);
+            let masks = t.add(kind.masks_at()) as *const u64;
+            for j in 0..8 {
+                let k: __mmask64 = masks.add(j).read_unaligned();
+                wv[j] = _mm512_mask_add_epi8(wv[j], k, wv[j], fifth);
+            }
+        }
+        wv
     }
 
     /// `init` plus the eight dot products `pair(j)` of a block's level

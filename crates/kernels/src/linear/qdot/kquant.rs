@@ -61,7 +61,7 @@ impl Kind {
         }
     }
 
-    fn sub_at(self, j: usize) -> usize {
+    pub(super) fn sub_at(self, j: usize) -> usize {
         self.header() + j * self.sub_bytes()
     }
 
@@ -526,7 +526,7 @@ mod arm {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(super) mod x86 {
     use std::arch::x86_64::*;
 
     use super::super::x86::{chains512, fifth_bits_256, prefetch_at, quad, Dot8, Maddubs, Vnni256};
@@ -582,6 +582,77 @@ mod x86 {
         _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), sc.1, lo)
     }
 
+    /// A tile record's f16 scales and negated minimums (Q4_K, Q5_K; the
+    /// second is unused for Q6_K), one lane per row.
+    #[inline(always)]
+    pub(in super::super) unsafe fn super_scales512(t: *const u8) -> (__m512, __m512) {
+        let d = _mm512_cvtph_ps(_mm256_loadu_si256(t as *const __m256i));
+        let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(t.add(32) as *const __m256i));
+        (d, neg512(dmin))
+    }
+
+    /// Sub-block `j`'s scale and minimum per row (`D`, `M` of the module
+    /// docs; Q6_K: `d` and no minimum) and Q6_K's half scales as f32,
+    /// from the record at `t` and its [`super_scales512`].
+    #[inline(always)]
+    pub(in super::super) unsafe fn sub_scales512(
+        kind: Kind,
+        t: *const u8,
+        j: usize,
+        (d, dmin): (__m512, __m512),
+    ) -> (__m512, __m512, (__m512, __m512)) {
+        let bytes = |at: usize| _mm_loadu_si128(t.add(at) as *const __m128i);
+        let z = _mm512_setzero_ps();
+        if kind == Kind::Q6K {
+            let f = |at: usize| _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes(at)));
+            let sc = (f(32 + 16 * 2 * j), f(32 + 16 * (2 * j + 1)));
+            (d, z, sc)
+        } else {
+            let f = |at: usize| _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes(at)));
+            (
+                _mm512_mul_ps(d, f(64 + 16 * j)),
+                _mm512_mul_ps(dmin, f(64 + 16 * GROUP / 2 + 16 * j)),
+                (z, z),
+            )
+        }
+    }
+
+    /// The unsigned values `n` of the sub-block at `sub` (4, 5 or 6 bits),
+    /// in the 32-value formats' registers (`super::super::x86::block_values512`).
+    #[inline(always)]
+    pub(in super::super) unsafe fn sub_values512(kind: Kind, sub: *const u8) -> [__m512i; 8] {
+        let nibble = _mm512_set1_epi8(0x0F);
+        let vals = if kind == Kind::Q5K { sub.add(64) } else { sub };
+        let mut wv = [_mm512_setzero_si512(); 8];
+        for c in 0..4 {
+            let raw = _mm512_loadu_si512(vals.add(64 * c) as *const _);
+            wv[c] = _mm512_and_si512(raw, nibble);
+            wv[c + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+        }
+        if kind == Kind::Q5K {
+            let fifth = _mm512_set1_epi8(0x10);
+            let masks = sub as *const u64;
+            for v in 0..8 {
+                let k: __mmask64 = masks.add(v).read_unaligned();
+                wv[v] = _mm512_mask_add_epi8(wv[v], k, wv[v], fifth);
+            }
+        }
+        if kind == Kind::Q6K {
+            let two_bits = _mm512_set1_epi8(3);
+            for c in 0..4 {
+                let mut h = _mm512_loadu_si512(sub.add(256 + 64 * (c / 2)) as *const _);
+                if c % 2 == 1 {
+                    h = _mm512_srli_epi16(h, 4);
+                }
+                let lo = _mm512_and_si512(h, two_bits);
+                let hi = _mm512_and_si512(_mm512_srli_epi16(h, 2), two_bits);
+                wv[c] = _mm512_or_si512(wv[c], _mm512_slli_epi16(lo, 4));
+                wv[c + 4] = _mm512_or_si512(wv[c + 4], _mm512_slli_epi16(hi, 4));
+            }
+        }
+        wv
+    }
+
     /// # Safety
     /// The CPU has AVX-512 F/BW/VL and VNNI.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
@@ -595,9 +666,6 @@ mod x86 {
         let q6 = kind == Kind::Q6K;
         let rec = kind.k_record();
         let p = w.tile(g).as_ptr();
-        let nibble = _mm512_set1_epi8(0x0F);
-        let two_bits = _mm512_set1_epi8(3);
-        let fifth = _mm512_set1_epi8(0x10);
         let mut y = [_mm512_setzero_ps(); NI];
         for sb in 0..w.k / QK {
             let t = p.add(sb * rec);
@@ -606,53 +674,12 @@ mod x86 {
             // tiles do.
             let dist = ahead(rec);
             prefetch_at(t, kind.header(), dist);
-            let d = _mm512_cvtph_ps(_mm256_loadu_si256(t as *const __m256i));
-            let dmin = neg512(_mm512_cvtph_ps(_mm256_loadu_si256(
-                t.add(32) as *const __m256i
-            )));
-            let bytes = |at: usize| _mm_loadu_si128(t.add(at) as *const __m128i);
+            let (d, dmin) = super_scales512(t);
             for j in 0..8 {
                 let sub = t.add(kind.sub_at(j));
                 prefetch_at(sub, kind.sub_bytes(), dist);
-                let vals = if kind == Kind::Q5K { sub.add(64) } else { sub };
-                let mut wv = [_mm512_setzero_si512(); 8];
-                for c in 0..4 {
-                    let raw = _mm512_loadu_si512(vals.add(64 * c) as *const _);
-                    wv[c] = _mm512_and_si512(raw, nibble);
-                    wv[c + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
-                }
-                if kind == Kind::Q5K {
-                    let masks = sub as *const u64;
-                    for v in 0..8 {
-                        let k: __mmask64 = masks.add(v).read_unaligned();
-                        wv[v] = _mm512_mask_add_epi8(wv[v], k, wv[v], fifth);
-                    }
-                }
-                if q6 {
-                    for c in 0..4 {
-                        let mut h = _mm512_loadu_si512(sub.add(256 + 64 * (c / 2)) as *const _);
-                        if c % 2 == 1 {
-                            h = _mm512_srli_epi16(h, 4);
-                        }
-                        let lo = _mm512_and_si512(h, two_bits);
-                        let hi = _mm512_and_si512(_mm512_srli_epi16(h, 2), two_bits);
-                        wv[c] = _mm512_or_si512(wv[c], _mm512_slli_epi16(lo, 4));
-                        wv[c + 4] = _mm512_or_si512(wv[c + 4], _mm512_slli_epi16(hi, 4));
-                    }
-                }
-                let (scale, min, sc) = if q6 {
-                    let f = |at: usize| _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes(at)));
-                    let sc = (f(32 + 16 * 2 * j), f(32 + 16 * (2 * j + 1)));
-                    (d, _mm512_setzero_ps(), sc)
-                } else {
-                    let f = |at: usize| _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes(at)));
-                    let z = _mm512_setzero_ps();
-                    (
-                        _mm512_mul_ps(d, f(64 + 16 * j)),
-                        _mm512_mul_ps(dmin, f(64 + 16 * GROUP / 2 + 16 * j)),
-                        (z, z),
-                    )
-                };
+                let wv = sub_values512(kind, sub);
+                let (scale, min, sc) = sub_scales512(kind, t, j, (d, dmin));
                 // Input by input, the sums in registers (as `tile_avx512`).
                 unrolled!(NI, |i| {
                     let a: &ActBlock = &ins[i][8 * sb + j];

@@ -1,0 +1,84 @@
+//! The integer tiles of a prompt chunk (many inputs) on each instruction
+//! set this CPU runs, alternating round by round on one thread: a 1B-class
+//! shape's weight (`--n` rows of `--k`) in one format against `--t`
+//! inputs quantized to `--levels`, in multiply-adds a second. What a
+//! prefill's linear layers can reach on one core, without the rest of the
+//! forward.
+//!
+//! `cargo run --release --example prefill_tiles -- [q4_0|q4_1|q8_0|q4_k|q6_k]
+//! [--n 2048] [--k 2048] [--t 128] [--levels 2] [--rounds 5]`
+
+use std::time::Instant;
+
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::DType;
+use tessera_kernels::{qmatvec, quantize_row, ActBlock, Packed, QIsa, WeightFormat, Weights};
+
+fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let value = |name: &str, default: usize| -> anyhow::Result<usize> {
+        match args.iter().position(|a| a == name) {
+            Some(i) => Ok(args
+                .get(i + 1)
+                .ok_or_else(|| anyhow::anyhow!("{name} needs a value"))?
+                .parse()?),
+            None => Ok(default),
+        }
+    };
+    let (n, k, t) = (value("--n", 2048)?, value("--k", 2048)?, value("--t", 128)?);
+    let levels = value("--levels", 2)?;
+    let rounds = value("--rounds", 5)?.max(1);
+    anyhow::ensure!((1..=2).contains(&levels), "--levels is 1 or 2");
+    let format = args
+        .first()
+        .filter(|a| !a.starts_with("--"))
+        .map_or("q4_0", String::as_str);
+    let dtype = match format {
+        "q4_0" => GgmlDType::Q4_0,
+        "q4_1" => GgmlDType::Q4_1,
+        "q8_0" => GgmlDType::Q8_0,
+        "q4_k" => GgmlDType::Q4K,
+        "q6_k" => GgmlDType::Q6K,
+        f => anyhow::bail!("unknown format {f} (q4_0, q4_1, q8_0, q4_k, q6_k)"),
+    };
+    let w = tessera_kernels::testing::seeded(&[n, k], 5, DType::F32)?;
+    let data = QTensor::quantize(&w, dtype)?.data()?.into_owned();
+    let weights = Weights::new(WeightFormat::from_ggml(dtype), &data, n, k)?;
+    let packed =
+        Packed::pack(&weights).ok_or_else(|| anyhow::anyhow!("{format} has no integer path"))?;
+    let x = tessera_kernels::testing::seeded(&[t, k], 6, DType::F32)?
+        .flatten_all()?
+        .to_vec1::<f32>()?;
+    let mut acts = vec![ActBlock::default(); t * k / 32];
+    for i in 0..t {
+        quantize_row(&x[i * k..(i + 1) * k], levels, &mut acts[i * k / 32..]);
+    }
+    let mut out = vec![0f32; t * n];
+    let isas: Vec<QIsa> = QIsa::available()
+        .into_iter()
+        .filter(|i| *i != QIsa::Portable)
+        .collect();
+    let mut best = vec![0f64; isas.len()];
+    let macs = (n * k * t) as f64;
+    for _ in 0..rounds {
+        for (j, &isa) in isas.iter().enumerate() {
+            let start = Instant::now();
+            let mut runs = 0;
+            while runs < 3 || start.elapsed().as_secs_f64() < 0.5 {
+                qmatvec(isa, &packed, &acts, t, levels, 0, n, &mut |i, r, v| {
+                    out[i * n + r..][..v.len()].copy_from_slice(v)
+                });
+                runs += 1;
+            }
+            let rate = macs * runs as f64 / start.elapsed().as_secs_f64() / 1e9;
+            best[j] = best[j].max(rate);
+        }
+    }
+    println!(
+        "{format} {n}x{k}, {t} inputs, {levels} level(s), one thread, best of {rounds} rounds:"
+    );
+    for (isa, rate) in isas.iter().zip(&best) {
+        println!("  {:<12} {rate:7.1} G multiply-adds/s", format!("{isa:?}"));
+    }
+    Ok(())
+}
