@@ -189,7 +189,7 @@ bench-cpu models="SmolLM2-135M-Instruct.Q4_1,synth-1b-Q4_0,synth-1b-Q4_K_M,synth
 # On a CPU with AMX-INT8 (Xeon since Sapphire Rapids): the AMX and AVX-512 VNNI rows alone, Tessera's
 # AMX tiles beside llama.cpp's (native, clang) and both engines without AMX, into target/bench/cpu-amx.json
 # and its table in docs/benchmarks.md.
-bench-cpu-amx models="SmolLM2-135M-Instruct.Q4_1,synth-1b-Q4_0,synth-1b-Q4_K_M" runs="3": (synth-model "1b" "Q4_0,Q4_K_M")
+bench-cpu-amx models="SmolLM2-135M-Instruct.Q4_1,synth-1b-Q4_0,synth-1b-Q4_K_M" runs="3": bench-deps (synth-model "1b" "Q4_0,Q4_K_M")
     grep -q amx_int8 /proc/cpuinfo || (echo "this CPU has no AMX-INT8" && exit 1)
     sh scripts/build_llama_tools.sh amx
     sh scripts/build_llama_tools.sh avx512
@@ -249,9 +249,9 @@ bench-families: (synth-model "llama-135m qwen3-0.6b granite-s smollm3-s phi3-s o
     cargo build --release -p tessera
     python3 scripts/families_vs_llamacpp.py
 
-# Packages the llama.cpp comparison needs (cmake, clang to build llama.cpp; a font for the charts), with apt if missing.
+# Packages the llama.cpp comparison needs (cmake, clang to build llama.cpp, with OpenMP for its AMX build; a font for the charts), with apt if missing.
 bench-deps:
-    command -v cmake >/dev/null && command -v clang >/dev/null && test -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf || ($(command -v sudo || true) apt-get update && $(command -v sudo || true) apt-get install -y cmake clang libclang-dev fonts-dejavu-core)
+    command -v cmake >/dev/null && command -v clang >/dev/null && test -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf && (! grep -q amx_int8 /proc/cpuinfo || ls /usr/lib/llvm-*/lib/libomp.so >/dev/null 2>&1) || ($(command -v sudo || true) apt-get update && $(command -v sudo || true) apt-get install -y cmake clang libclang-dev libomp-dev fonts-dejavu-core)
 
 # Regenerate tests/fixtures/llamacpp_tokens.json (and _gemma3.json) with llama.cpp's tokenizer.
 tokenizer-fixture: model bench-deps

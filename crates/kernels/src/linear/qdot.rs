@@ -833,12 +833,19 @@ pub fn qmatvec<E: FnMut(usize, usize, &[f32])>(
         run_tile(isa, w, g, &ins, ni, levels == 2, out);
     };
     let (g0, g1) = (r0 / GROUP, r1.div_ceil(GROUP));
+    #[cfg(target_arch = "x86_64")]
+    let amx = isa == QIsa::Amx && t >= amx::INPUTS;
+    #[cfg(target_arch = "x86_64")]
+    if amx {
+        // SAFETY: `QIsa::Amx` comes from CPU detection.
+        unsafe { amx::configure(w) };
+    }
     for p0 in (0..t).step_by(PANEL) {
         let p1 = (p0 + PANEL).min(t);
         // AMX's tiles take the panel's inputs 16 at a time, regrouped once
         // for all its row groups; the rest go to AVX-512's.
         #[cfg(target_arch = "x86_64")]
-        let amx_inputs = if isa == QIsa::Amx {
+        let amx_inputs = if amx {
             amx::regroup(&acts[p0 * nb..p1 * nb], p1 - p0, nb)
         } else {
             0
@@ -851,7 +858,8 @@ pub fn qmatvec<E: FnMut(usize, usize, &[f32])>(
             if amx_inputs > 0 {
                 let base = g * GROUP;
                 let (lo, hi) = (r0.max(base), r1.min(base + GROUP));
-                // SAFETY: `QIsa::Amx` comes from CPU detection.
+                // SAFETY: `QIsa::Amx` comes from CPU detection, and the
+                // tiles are configured for `w`.
                 unsafe {
                     amx::tiles(w, g, levels == 2, &mut |di, o| {
                         emit(p0 + di, lo, &o[lo - base..hi - base])
@@ -873,6 +881,11 @@ pub fn qmatvec<E: FnMut(usize, usize, &[f32])>(
                 i += ni;
             }
         }
+    }
+    #[cfg(target_arch = "x86_64")]
+    if amx {
+        // SAFETY: as above.
+        unsafe { amx::release() };
     }
 }
 

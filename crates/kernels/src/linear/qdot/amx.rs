@@ -208,7 +208,8 @@ pub(super) fn regroup(acts: &[ActBlock], t: usize, nb: usize) -> usize {
 /// `emit(input, values)` for each, the 16 rows' values.
 ///
 /// # Safety
-/// [`usable`], and the CPU has AVX-512 F/BW/VL and F16C.
+/// [`usable`], the CPU has AVX-512 F/BW/VL and F16C, and [`configure`]
+/// was called for `w` on this thread.
 pub(super) unsafe fn tiles(
     w: &Packed,
     g: usize,
@@ -226,10 +227,6 @@ pub(super) unsafe fn tiles(
         UNITS.with(|units| {
             let mut units = units.borrow_mut();
             stage(w, g, &mut units);
-            let cfg = Config::new(halves);
-            // SAFETY: AMX is usable (the caller's contract); the config is
-            // valid for palette 1.
-            asm!("ldtilecfg [{}]", in(reg) &cfg, options(nostack, readonly, preserves_flags));
             let mut out = [[0f32; GROUP]; INPUTS];
             for (j, ins) in panel.chunks_exact(w.nb).enumerate() {
                 match (halves, min, two) {
@@ -244,9 +241,28 @@ pub(super) unsafe fn tiles(
                     emit(j * INPUTS + i, o);
                 }
             }
-            asm!("tilerelease", options(nostack, nomem, preserves_flags));
         })
     })
+}
+
+/// Loads the tile configuration for `w`'s format on this thread, for the
+/// [`tiles`] calls up to [`release`].
+///
+/// # Safety
+/// [`usable`].
+pub(super) unsafe fn configure(w: &Packed) {
+    let cfg = Config::new(w.kind == Kind::Q6K);
+    // SAFETY: AMX is usable (the caller's contract); the config is valid
+    // for palette 1.
+    asm!("ldtilecfg [{}]", in(reg) &cfg, options(nostack, readonly, preserves_flags));
+}
+
+/// Gives the tiles back (their state no longer saved with the thread).
+///
+/// # Safety
+/// [`usable`].
+pub(super) unsafe fn release() {
+    asm!("tilerelease", options(nostack, nomem, preserves_flags));
 }
 
 /// Unpacks group `g`'s tile records into `units`, one a 32-value block.
