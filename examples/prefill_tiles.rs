@@ -10,37 +10,30 @@
 
 use std::time::Instant;
 
+#[path = "common/args.rs"]
+mod args;
+use args::Args;
+
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::DType;
 use tessera_kernels::{qmatvec, quantize_row, ActBlock, Packed, QIsa, WeightFormat, Weights};
 
 fn main() -> anyhow::Result<()> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let value = |name: &str, default: usize| -> anyhow::Result<usize> {
-        match args.iter().position(|a| a == name) {
-            Some(i) => Ok(args
-                .get(i + 1)
-                .ok_or_else(|| anyhow::anyhow!("{name} needs a value"))?
-                .parse()?),
-            None => Ok(default),
-        }
-    };
-    let (n, k, t) = (value("--n", 2048)?, value("--k", 2048)?, value("--t", 128)?);
-    let levels = value("--levels", 2)?;
-    let rounds = value("--rounds", 5)?.max(1);
-    anyhow::ensure!((1..=2).contains(&levels), "--levels is 1 or 2");
-    let format = args
-        .first()
-        .filter(|a| !a.starts_with("--"))
-        .map_or("q4_0", String::as_str);
-    let dtype = match format {
-        "q4_0" => GgmlDType::Q4_0,
-        "q4_1" => GgmlDType::Q4_1,
-        "q8_0" => GgmlDType::Q8_0,
-        "q4_k" => GgmlDType::Q4K,
-        "q6_k" => GgmlDType::Q6K,
-        f => anyhow::bail!("unknown format {f} (q4_0, q4_1, q8_0, q4_k, q6_k)"),
-    };
+    let args = Args::new();
+    let (n, k, t) = (
+        args.value("--n", 2048)?,
+        args.value("--k", 2048)?,
+        args.value("--t", 128)?,
+    );
+    let levels = args.levels()?;
+    let rounds = args.value("--rounds", 5)?.max(1);
+    let (format, dtype) = args.format(&[
+        ("q4_0", GgmlDType::Q4_0),
+        ("q4_1", GgmlDType::Q4_1),
+        ("q8_0", GgmlDType::Q8_0),
+        ("q4_k", GgmlDType::Q4K),
+        ("q6_k", GgmlDType::Q6K),
+    ])?;
     let w = tessera_kernels::testing::seeded(&[n, k], 5, DType::F32)?;
     let data = QTensor::quantize(&w, dtype)?.data()?.into_owned();
     let weights = Weights::new(WeightFormat::from_ggml(dtype), &data, n, k)?;

@@ -15,6 +15,10 @@
 
 use std::time::Instant;
 
+#[path = "common/args.rs"]
+mod args;
+use args::Args;
+
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::DType;
 use tessera_kernels::{
@@ -22,32 +26,17 @@ use tessera_kernels::{
 };
 
 fn main() -> anyhow::Result<()> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let value = |name: &str, default: usize| -> anyhow::Result<usize> {
-        match args.iter().position(|a| a == name) {
-            Some(i) => Ok(args
-                .get(i + 1)
-                .ok_or_else(|| anyhow::anyhow!("{name} needs a value"))?
-                .parse()?),
-            None => Ok(default),
-        }
-    };
-    let threads = value("--threads", 2)?.max(1);
-    let levels = value("--levels", 2)?;
-    let mib = value("--mib", 512)?;
-    let rounds = value("--rounds", 15)?.max(1);
-    anyhow::ensure!((1..=2).contains(&levels), "--levels is 1 or 2");
-    let format = args
-        .first()
-        .filter(|a| !a.starts_with("--"))
-        .map_or("q4_0", String::as_str);
-    let dtype = match format {
-        "q4_0" => GgmlDType::Q4_0,
-        "q4_k" => GgmlDType::Q4K,
-        "q6_k" => GgmlDType::Q6K,
-        "q8_0" => GgmlDType::Q8_0,
-        f => anyhow::bail!("unknown format {f} (q4_0, q4_k, q6_k, q8_0)"),
-    };
+    let args = Args::new();
+    let threads = args.value("--threads", 2)?.max(1);
+    let levels = args.levels()?;
+    let mib = args.value("--mib", 512)?;
+    let rounds = args.value("--rounds", 15)?.max(1);
+    let (format, dtype) = args.format(&[
+        ("q4_0", GgmlDType::Q4_0),
+        ("q4_k", GgmlDType::Q4K),
+        ("q6_k", GgmlDType::Q6K),
+        ("q8_0", GgmlDType::Q8_0),
+    ])?;
     let (n, k) = (8192, 2048);
     let w = tessera_kernels::testing::seeded(&[n, k], 5, DType::F32)?;
     let data = QTensor::quantize(&w, dtype)?.data()?.into_owned();
