@@ -187,7 +187,7 @@ bench-cpu models="SmolLM2-135M-Instruct.Q4_1,synth-1b-Q4_0,synth-1b-Q4_K_M,synth
     python3 scripts/bench_cpu.py --models {{models}} --runs {{runs}} --int8 --contention SmolLM2-135M-Instruct.Q4_1,synth-1b-Q4_0
 
 # On a CPU with AMX-INT8 (Xeon since Sapphire Rapids): the AMX and AVX-512 VNNI rows alone, Tessera's
-# AMX tiles beside llama.cpp's (native, clang) and both engines without AMX, into target/bench/cpu-amx.json
+# AMX tiles beside llama.cpp's (built with AMX by clang) and both engines without AMX, into target/bench/cpu-amx.json
 # and its table in docs/benchmarks.md.
 bench-cpu-amx models="SmolLM2-135M-Instruct.Q4_1,synth-1b-Q4_0,synth-1b-Q4_K_M" runs="3": bench-deps (synth-model "1b" "Q4_0,Q4_K_M")
     grep -q amx_int8 /proc/cpuinfo || (echo "this CPU has no AMX-INT8" && exit 1)

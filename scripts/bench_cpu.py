@@ -26,7 +26,7 @@ idle speed each keeps, and of its one-core speed. `--models ""` with
 `--merge` runs the contention rows alone.
 
 On a CPU with AMX the rows are AMX-INT8 (Tessera's `TESSERA_ISA=amx`,
-llama.cpp native, compiled by clang) and AVX-512 VNNI (Tessera's `avx512`,
+llama.cpp built with AMX by clang) and AVX-512 VNNI (Tessera's `avx512`,
 llama.cpp without AMX) above the 256-bit ones.
 
 Writes target/bench/cpu.json (or --out), then its section

@@ -783,9 +783,10 @@ def cpu_table(name="cpu.json"):
     names = {"amx": "AMX-INT8", "avx512": "AVX-512 VNNI", "avxvnni": "AVX-VNNI", "avx2": "AVX2"}
     builds = ("native for the AVX-512 rows, "
               if "amx" not in {r["isa"] for r in d["rows"]} else
-              "native and compiled by clang for the AMX rows (GCC 12 drops the stores that fill AMX's tile "
-              "configuration, and its native build dies of SIGILL at its first tile instruction), "
-              "`GGML_NATIVE=OFF` with AVX-512, VNNI, VBMI and BF16 and no AMX for the AVX-512 rows, ")
+              "`GGML_NATIVE=OFF` with AVX-512, VNNI, VBMI, BF16 and AMX-INT8, compiled by clang, for the AMX "
+              "rows (GCC 12 drops the stores that fill AMX's tile configuration, so its build dies of SIGILL "
+              "at its first tile instruction; clang 14 needs `__AMX_INT8__` defined for ggml to compile its "
+              "AMX kernels), the same without AMX, compiled by GCC, for the AVX-512 rows, ")
     runs = d.get("rooflines") or [{"models": [], "gb_s": d["roofline_gb_s"], "commit": d.get("commit")}]
     if len(runs) == 1:
         bw = f"{' and '.join(f'{g:.1f}' for g in runs[0]['gb_s'])} GB/s before and after"
