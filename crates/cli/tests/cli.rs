@@ -320,7 +320,9 @@ fn tuning_flags_keep_the_tokens() {
             "--model",
             &m,
             "--prompt",
-            "The capital of France is",
+            // Longer than 16 tokens, so that the prompt takes AMX's tiles
+            // where the CPU has them.
+            "Rome, Berlin, Madrid, Vienna and Lisbon are capitals in Europe. The capital of France is",
             "--max-tokens",
             "8",
             "--temperature",
@@ -336,6 +338,7 @@ fn tuning_flags_keep_the_tokens() {
     for flags in [
         &["--isa", "portable"][..],
         &["--isa", "avx2", "--no-huge-pages"],
+        &["--isa", "avx512"],
         &["--fixed-team"],
         // Prompt chunks of 3 tokens: the logits are the same bits.
         &[
