@@ -6,7 +6,8 @@
 //! forward.
 //!
 //! `cargo run --release --example prefill_tiles -- [q4_0|q4_1|q8_0|q4_k|q6_k]
-//! [--n 2048] [--k 2048] [--t 128] [--levels 2] [--rounds 5]`
+//! [--n 2048] [--k 2048] [--t 128] [--levels 2] [--rounds 5] [--isas amx,avx512vnni]`
+//! (`--isas`: only these, by their names below, lower case)
 
 use std::time::Instant;
 
@@ -47,10 +48,16 @@ fn main() -> anyhow::Result<()> {
         quantize_row(&x[i * k..(i + 1) * k], levels, &mut acts[i * k / 32..]);
     }
     let mut out = vec![0f32; t * n];
+    let only = args.words("--isas")?;
     let isas: Vec<QIsa> = QIsa::available()
         .into_iter()
         .filter(|i| *i != QIsa::Portable)
+        .filter(|i| {
+            only.as_ref()
+                .is_none_or(|o| o.contains(&format!("{i:?}").to_lowercase()))
+        })
         .collect();
+    anyhow::ensure!(!isas.is_empty(), "no instruction set of --isas runs here");
     let mut best = vec![0f64; isas.len()];
     let macs = (n * k * t) as f64;
     for _ in 0..rounds {

@@ -22,6 +22,21 @@ impl Args {
         }
     }
 
+    /// The comma-separated words after `name`, if given.
+    pub fn words(&self, name: &str) -> anyhow::Result<Option<Vec<String>>> {
+        match self.0.iter().position(|a| a == name) {
+            Some(i) => Ok(Some(
+                self.0
+                    .get(i + 1)
+                    .ok_or_else(|| anyhow::anyhow!("{name} needs a value"))?
+                    .split(',')
+                    .map(|w| w.trim().to_lowercase())
+                    .collect(),
+            )),
+            None => Ok(None),
+        }
+    }
+
     /// `--levels` (1 or 2; 2 by default).
     pub fn levels(&self) -> anyhow::Result<usize> {
         let levels = self.value("--levels", 2)?;

@@ -71,7 +71,8 @@ pub use kv::shift::{rotate_k, rotate_k_slow, shift_kv, shift_kv_slow};
 pub use kv::write::{write_kv, write_kv_raw, write_kv_slow};
 pub use linear::matvec::{f16_to_f32, matvec, matvec_slow, Isa, WeightFormat, Weights};
 pub use linear::qdot::{
-    qmatvec, qmatvec_slow, quantize_row, ActBlock, Activations, Packed, QIsa, GROUP,
+    qmatvec, qmatvec_keyed, qmatvec_slow, quantize_row, ActBlock, Activations, ActsKey, Packed,
+    QIsa, GROUP,
 };
 pub use mem::{advise_huge_pages, read_buffer, timed_read, zeroed_huge};
 pub use norm::{act_mul, act_mul_slow, rms_norm, rms_norm_in_place, rms_norm_slow, Activation};

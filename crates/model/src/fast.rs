@@ -50,8 +50,8 @@ use candle_core::Tensor;
 use tessera_kernels::pool::{split as team_split, Shared, StepPool, Team};
 use tessera_kernels::quant::hadamard64;
 use tessera_kernels::{
-    act_mul, attend_item, cache_geometry, cache_raw, matvec, merge, qmatvec, quantize_row,
-    rms_norm, rms_norm_in_place, rotate_pairs, ActBlock, Activations, AttnInput, AttnPlan,
+    act_mul, attend_item, cache_geometry, cache_raw, matvec, merge, qmatvec_keyed, quantize_row,
+    rms_norm, rms_norm_in_place, rotate_pairs, ActBlock, Activations, ActsKey, AttnInput, AttnPlan,
     AttnScratch, AttnShape, CacheRaw, Isa, Packed, QIsa, WeightFormat, Weights, GROUP,
 };
 
@@ -160,14 +160,14 @@ impl Lin {
         isa: (Isa, QIsa, usize),
         w: &Weights,
         x: &[f32],
-        q: &[ActBlock],
+        q: QIn,
         t: usize,
         (r0, r1): (usize, usize),
         deq: &mut Vec<f32>,
         emit: &mut E,
     ) {
         match &self.packed {
-            Some(p) => qmatvec(isa.1, p, q, t, isa.2, r0, r1, emit),
+            Some(p) => qmatvec_keyed(isa.1, p, q.0, q.1, t, isa.2, r0, r1, emit),
             None => matvec(isa.0, w, x, t, r0, r1, deq, &mut |i, r, v| {
                 emit(i, r, std::slice::from_ref(&v))
             }),
@@ -407,10 +407,16 @@ fn pack(lins: &mut [(&mut Lin, &QLinear)]) -> Result<()> {
 /// itself; larger ones in shares, behind a barrier.
 const QUANTIZE_ALONE: usize = 4096;
 
+/// A layer's quantized inputs, with the key that names them for the
+/// products that share them (each worker's own: fresh at each
+/// quantization).
+#[derive(Clone, Copy)]
+struct QIn<'a>(&'a [ActBlock], Option<ActsKey>);
+
 /// The first `t` rows of `src` (each `k` wide) quantized for the integer
 /// path, if `wanted`: a small batch into the worker's own buffer, a large
 /// one in shares into `shared` (then a barrier). Every worker gets the
-/// same values either way.
+/// same values either way, each under a fresh key of its own.
 #[allow(clippy::too_many_arguments)]
 fn quantize<'a>(
     team: &Team,
@@ -421,10 +427,10 @@ fn quantize<'a>(
     k: usize,
     own: &'a mut Vec<ActBlock>,
     shared: &'a Shared<ActBlock>,
-) -> &'a [ActBlock] {
+) -> QIn<'a> {
     let nb = k / 32;
     if !wanted {
-        return &[];
+        return QIn(&[], None);
     }
     if t * k <= QUANTIZE_ALONE {
         grow(own, t * nb);
@@ -435,7 +441,7 @@ fn quantize<'a>(
                 &mut own[r * nb..(r + 1) * nb],
             );
         }
-        return &own[..t * nb];
+        return QIn(&own[..t * nb], Some(ActsKey::fresh()));
     }
     let (i0, i1) = team.share(t);
     for r in i0..i1 {
@@ -447,7 +453,7 @@ fn quantize<'a>(
     // SAFETY: written before the barrier, not written again until the
     // next quantization, which every worker reaches after its last read
     // (each phase ends in a barrier).
-    unsafe { &shared.all()[..t * nb] }
+    QIn(unsafe { &shared.all()[..t * nb] }, Some(ActsKey::fresh()))
 }
 
 /// The fewest weight bytes a worker takes at a time while decoding
@@ -923,7 +929,7 @@ impl Llama {
             let residual = |lc: &LayerConsts,
                             w: &[Weights; 7],
                             which: usize,
-                            (y, qy): (&[f32], &[ActBlock]),
+                            (y, qy): (&[f32], QIn),
                             post: &Option<Vec<f32>>,
                             deq: &mut Vec<f32>,
                             row: &mut Vec<f32>,

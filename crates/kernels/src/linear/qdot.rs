@@ -619,6 +619,13 @@ pub struct ActBlock {
 }
 
 impl ActBlock {
+    /// `q₁` then `q₂`, 64 bytes.
+    #[inline(always)]
+    pub(crate) fn levels(&self) -> [i8; 64] {
+        // SAFETY: `[[i8; 32]; 2]` is 64 bytes, laid out as `[i8; 64]`.
+        unsafe { std::mem::transmute(self.q) }
+    }
+
     /// The values this block stands for: `d₁·q₁ + d₂·q₂`.
     pub fn values(&self) -> [f32; 32] {
         std::array::from_fn(|j| {
@@ -819,6 +826,43 @@ pub fn qmatvec<E: FnMut(usize, usize, &[f32])>(
     r1: usize,
     emit: &mut E,
 ) {
+    qmatvec_keyed(isa, w, acts, None, t, levels, r0, r1, emit)
+}
+
+/// Names the contents of a batch of quantized inputs for the products
+/// that share it ([`qmatvec_keyed`]): a fresh key each time the inputs are
+/// written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ActsKey(std::num::NonZeroU64);
+
+impl ActsKey {
+    /// A key no other call of this process has had.
+    pub fn fresh() -> ActsKey {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        let k = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        ActsKey(std::num::NonZeroU64::new(k).expect("fewer than 2^64 keys"))
+    }
+}
+
+/// [`qmatvec`] for inputs named by `key`: what is done to the inputs
+/// themselves (AMX's regrouping of a prompt chunk's inputs, the same work
+/// for every row range) is done once per thread for all the calls with
+/// the same key, such as a layer's row ranges taken head by head. Every
+/// call with a key must pass the same inputs (values, `t`, width) as the
+/// calls before it with that key on the same thread; the results are then
+/// the same bits as without one.
+#[allow(clippy::too_many_arguments)]
+pub fn qmatvec_keyed<E: FnMut(usize, usize, &[f32])>(
+    isa: QIsa,
+    w: &Packed,
+    acts: &[ActBlock],
+    key: Option<ActsKey>,
+    t: usize,
+    levels: usize,
+    r0: usize,
+    r1: usize,
+    emit: &mut E,
+) {
     assert!(
         acts.len() >= t * w.nb && r0 <= r1 && r1 <= w.n && (1..=2).contains(&levels),
         "qmatvec: bad shapes"
@@ -840,15 +884,24 @@ pub fn qmatvec<E: FnMut(usize, usize, &[f32])>(
         // SAFETY: `QIsa::Amx` comes from CPU detection.
         unsafe { amx::configure(w) };
     }
-    for p0 in (0..t).step_by(PANEL) {
-        let p1 = (p0 + PANEL).min(t);
+    // AMX: a keyed batch regrouped once, whole (`Some`), or panel by panel.
+    #[cfg(target_arch = "x86_64")]
+    let whole = if amx { amx::prepare(acts, t, nb, key) } else { None };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = key;
+    #[cfg(target_arch = "x86_64")]
+    let panel = if amx { amx::panel(nb) } else { PANEL };
+    #[cfg(not(target_arch = "x86_64"))]
+    let panel = PANEL;
+    for p0 in (0..t).step_by(panel) {
+        let p1 = (p0 + panel).min(t);
         // AMX's tiles take the panel's inputs 16 at a time, regrouped once
         // for all its row groups; the rest go to AVX-512's.
         #[cfg(target_arch = "x86_64")]
-        let amx_inputs = if amx {
-            amx::regroup(&acts[p0 * nb..p1 * nb], p1 - p0, nb)
-        } else {
-            0
+        let (amx_inputs, c0) = match whole {
+            Some(full) => (full.min(p1).saturating_sub(p0), p0 / amx::INPUTS),
+            None if amx => (amx::regroup(&acts[p0 * nb..p1 * nb], p1 - p0, nb), 0),
+            None => (0, 0),
         };
         #[cfg(not(target_arch = "x86_64"))]
         let amx_inputs = 0;
@@ -861,7 +914,8 @@ pub fn qmatvec<E: FnMut(usize, usize, &[f32])>(
                 // SAFETY: `QIsa::Amx` comes from CPU detection, and the
                 // tiles are configured for `w`.
                 unsafe {
-                    amx::tiles(w, g, levels == 2, &mut |di, o| {
+                    let chunks = (c0, c0 + amx_inputs / amx::INPUTS);
+                    amx::tiles(w, g, levels == 2, chunks, &mut |di, o| {
                         emit(p0 + di, lo, &o[lo - base..hi - base])
                     })
                 };
@@ -2203,6 +2257,44 @@ mod tests {
                     let tol = if levels == 2 { 2e-3 } else { 3e-1 } * (k as f32 / 160.0);
                     for (a, b) in want.iter().zip(&exact) {
                         assert!((a - b).abs() < tol, "{d:?} {levels}: {a} vs {b}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// Keyed products (a layer's rows taken range by range, as the model
+    /// takes q/k/v head by head): the same bits as the reference on every
+    /// path, over more inputs than one panel holds, and a batch written
+    /// anew under a fresh key in the same buffer gives its own results,
+    /// not the regrouping of the one before.
+    #[test]
+    fn keyed_products_equal_the_reference_and_follow_new_inputs() {
+        let n = 37;
+        for (d, k) in [(GgmlDType::Q4_0, 160), (GgmlDType::Q4K, 256), (GgmlDType::Q6K, 256)] {
+            let data = quantized(n, k, d, 4);
+            let w = Weights::new(WeightFormat::from_ggml(d), &data, n, k).unwrap();
+            let p = Packed::pack(&w).unwrap();
+            let t = 300;
+            let mut acts = vec![ActBlock::default(); t * k / 32];
+            for seed in [31u64, 32] {
+                let x = seeded(&[t, k], seed, DType::F32).unwrap();
+                let x = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                for i in 0..t {
+                    quantize_row(&x[i * k..(i + 1) * k], 2, &mut acts[i * k / 32..(i + 1) * k / 32]);
+                }
+                let want = qmatvec_slow(&w, &acts, t, 2);
+                let key = ActsKey::fresh();
+                for isa in QIsa::available() {
+                    let mut got = vec![f32::NAN; t * n];
+                    for r0 in (0..n).step_by(16) {
+                        let r1 = (r0 + 16).min(n);
+                        qmatvec_keyed(isa, &p, &acts, Some(key), t, 2, r0, r1, &mut |i, r, v| {
+                            got[i * n + r..][..v.len()].copy_from_slice(v)
+                        });
+                    }
+                    for (a, b) in got.iter().zip(&want) {
+                        assert_eq!(a.to_bits(), b.to_bits(), "{d:?} seed {seed} {isa:?}");
                     }
                 }
             }
