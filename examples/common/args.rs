@@ -22,7 +22,9 @@ impl Args {
         }
     }
 
-    /// The comma-separated words after `name`, if given.
+    /// The comma-separated words after `name`, if given (`prefill_tiles`'
+    /// `--isas`; `tile_stream` has no such option).
+    #[allow(dead_code)]
     pub fn words(&self, name: &str) -> anyhow::Result<Option<Vec<String>>> {
         match self.0.iter().position(|a| a == name) {
             Some(i) => Ok(Some(

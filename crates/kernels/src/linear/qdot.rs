@@ -620,6 +620,7 @@ pub struct ActBlock {
 
 impl ActBlock {
     /// `q₁` then `q₂`, 64 bytes.
+    #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     pub(crate) fn levels(&self) -> [i8; 64] {
         // SAFETY: `[[i8; 32]; 2]` is 64 bytes, laid out as `[i8; 64]`.
@@ -886,7 +887,11 @@ pub fn qmatvec_keyed<E: FnMut(usize, usize, &[f32])>(
     }
     // AMX: a keyed batch regrouped once, whole (`Some`), or panel by panel.
     #[cfg(target_arch = "x86_64")]
-    let whole = if amx { amx::prepare(acts, t, nb, key) } else { None };
+    let whole = if amx {
+        amx::prepare(acts, t, nb, key)
+    } else {
+        None
+    };
     #[cfg(not(target_arch = "x86_64"))]
     let _ = key;
     #[cfg(target_arch = "x86_64")]
@@ -2271,7 +2276,11 @@ mod tests {
     #[test]
     fn keyed_products_equal_the_reference_and_follow_new_inputs() {
         let n = 37;
-        for (d, k) in [(GgmlDType::Q4_0, 160), (GgmlDType::Q4K, 256), (GgmlDType::Q6K, 256)] {
+        for (d, k) in [
+            (GgmlDType::Q4_0, 160),
+            (GgmlDType::Q4K, 256),
+            (GgmlDType::Q6K, 256),
+        ] {
             let data = quantized(n, k, d, 4);
             let w = Weights::new(WeightFormat::from_ggml(d), &data, n, k).unwrap();
             let p = Packed::pack(&w).unwrap();
@@ -2281,7 +2290,11 @@ mod tests {
                 let x = seeded(&[t, k], seed, DType::F32).unwrap();
                 let x = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
                 for i in 0..t {
-                    quantize_row(&x[i * k..(i + 1) * k], 2, &mut acts[i * k / 32..(i + 1) * k / 32]);
+                    quantize_row(
+                        &x[i * k..(i + 1) * k],
+                        2,
+                        &mut acts[i * k / 32..(i + 1) * k / 32],
+                    );
                 }
                 let want = qmatvec_slow(&w, &acts, t, 2);
                 let key = ActsKey::fresh();

@@ -207,7 +207,12 @@ const KEEP_BYTES: usize = 8 << 20;
 /// all of them if `key` names them and they fit [`KEEP_BYTES`] (then
 /// later calls with the same key find them done: `Some(count)`), else
 /// none (`None`: [`regroup`] a panel at a time).
-pub(super) fn prepare(acts: &[ActBlock], t: usize, nb: usize, key: Option<ActsKey>) -> Option<usize> {
+pub(super) fn prepare(
+    acts: &[ActBlock],
+    t: usize,
+    nb: usize,
+    key: Option<ActsKey>,
+) -> Option<usize> {
     let full = t / INPUTS * INPUTS;
     let key = key?;
     if full * nb * std::mem::size_of::<Inputs>() / INPUTS > KEEP_BYTES {
@@ -302,10 +307,18 @@ pub(super) unsafe fn tiles(
                 match (halves, min, two) {
                     (true, _, true) => run::<true, false, true>(&units, ins, &mut sums, &mut out),
                     (true, _, false) => run::<true, false, false>(&units, ins, &mut sums, &mut out),
-                    (false, true, true) => run::<false, true, true>(&units, ins, &mut sums, &mut out),
-                    (false, true, false) => run::<false, true, false>(&units, ins, &mut sums, &mut out),
-                    (false, false, true) => run::<false, false, true>(&units, ins, &mut sums, &mut out),
-                    (false, false, false) => run::<false, false, false>(&units, ins, &mut sums, &mut out),
+                    (false, true, true) => {
+                        run::<false, true, true>(&units, ins, &mut sums, &mut out)
+                    }
+                    (false, true, false) => {
+                        run::<false, true, false>(&units, ins, &mut sums, &mut out)
+                    }
+                    (false, false, true) => {
+                        run::<false, false, true>(&units, ins, &mut sums, &mut out)
+                    }
+                    (false, false, false) => {
+                        run::<false, false, false>(&units, ins, &mut sums, &mut out)
+                    }
                 }
                 for (i, o) in out.iter().enumerate() {
                     emit(j * INPUTS + i, o);
