@@ -298,6 +298,8 @@ def main():
               f"llama.cpp {row['llama']:7.1f}  {row['ratio']:.2f}x{extra}")
     table = "cpu" if args.out == "cpu.json" else args.out.removesuffix(".json")
     subprocess.run([sys.executable, str(ROOT / "scripts/readme_tables.py"), table], check=True)
+    # The README's summary takes its CPU rows from cpu.json and its AMX rows from cpu-amx.json.
+    subprocess.run([sys.executable, str(ROOT / "scripts/readme_tables.py"), "summary"], check=True)
 
 
 if __name__ == "__main__":
