@@ -566,15 +566,21 @@ unsafe fn run<const HALVES: bool, const MIN: bool, const TWO: bool>(
                 get(now, l, i)
             }
         };
+        // The inputs' scales as vectors, each broadcast in registers: 32
+        // to 48 broadcasts from memory a block cost 1.24–1.63× (Q4_0).
         let a = &ins[b];
+        let d1 = _mm512_load_ps(a.d1.as_ptr());
+        let d2 = _mm512_load_ps(a.d2.as_ptr());
+        let xs = _mm512_load_ps(a.xsum.as_ptr());
+        let lane = |v: __m512, i: usize| _mm512_permutexvar_ps(_mm512_set1_epi32(i as i32), v);
         each_input!(|i| {
-            let mut s = _mm512_mul_ps(level(0, i), _mm512_set1_ps(a.d1[i]));
+            let mut s = _mm512_mul_ps(level(0, i), lane(d1, i));
             if TWO {
-                s = _mm512_fmadd_ps(level(1, i), _mm512_set1_ps(a.d2[i]), s);
+                s = _mm512_fmadd_ps(level(1, i), lane(d2, i), s);
             }
             y[i] = _mm512_fmadd_ps(d, s, y[i]);
             if MIN {
-                y[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.xsum[i]), y[i]);
+                y[i] = _mm512_fmadd_ps(m, lane(xs, i), y[i]);
             }
         });
     }
