@@ -48,8 +48,12 @@ pub(super) const INPUTS: usize = 16;
 /// inputs 1.2× 128 or 256.
 pub(super) fn panel(nb: usize) -> usize {
     const BUDGET: usize = 1280 << 10;
-    let per_input = nb * std::mem::size_of::<Inputs>() / INPUTS;
-    (BUDGET / per_input.max(1) / INPUTS * INPUTS).clamp(64, 256)
+    (BUDGET / input_bytes(nb).max(1) / INPUTS * INPUTS).clamp(64, 256)
+}
+
+/// Bytes one input of `nb` blocks takes regrouped.
+fn input_bytes(nb: usize) -> usize {
+    nb * std::mem::size_of::<Inputs>() / INPUTS
 }
 
 /// Whether this CPU has AMX-INT8 and the OS lets this process use the
@@ -215,7 +219,7 @@ pub(super) fn prepare(
 ) -> Option<usize> {
     let full = t / INPUTS * INPUTS;
     let key = key?;
-    if full * nb * std::mem::size_of::<Inputs>() / INPUTS > KEEP_BYTES {
+    if full * input_bytes(nb) > KEEP_BYTES {
         return None;
     }
     REGROUPED.with(|r| {
@@ -251,7 +255,6 @@ pub(super) fn regroup(acts: &[ActBlock], t: usize, nb: usize) -> usize {
 unsafe fn fill(r: &mut Regrouped, acts: &[ActBlock], full: usize, nb: usize) {
     let n = full / INPUTS * nb;
     r.records.resize(n, EMPTY_INPUTS);
-    r.records.truncate(n);
     (r.nb, r.chunks) = (nb, full / INPUTS);
     for (c, chunk) in r.records.chunks_exact_mut(nb).enumerate() {
         let rows = &acts[c * INPUTS * nb..(c + 1) * INPUTS * nb];
