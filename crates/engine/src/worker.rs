@@ -905,7 +905,8 @@ impl Worker {
                 .all(|i| i.tokens.len() == 1 + i.draft && !self.exports.contains_key(&i.req));
         if decoding_only && !plan.items.is_empty() {
             let rows = plan.items.iter().map(|i| i.tokens.len()).sum();
-            self.cost.step(rows, now.elapsed().as_secs_f64());
+            self.cost
+                .step(rows, plan.items.len(), now.elapsed().as_secs_f64());
         }
         self.draft_model_drafts();
         self.pace_background(now.elapsed().as_secs_f64(), plain, background, beside);
