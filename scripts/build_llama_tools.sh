@@ -21,6 +21,10 @@
 # (the in-process harness's) into target/llama-server/build-harness-VERSION:
 # `scripts/harness_check.py` sets the two side by side.
 #
+# On a CPU with AMX the native builds (the default and `harness`) are
+# compiled by clang with AMX-INT8 named, since GCC 12's die of SIGILL there
+# (see the `amx` flavour).
+#
 # The llama-cpp-sys-2 crate ships llama.cpp without its tools, so the
 # source comes from the sdist of the llama-cpp-python package on PyPI (a
 # package registry), which vendors the whole llama.cpp tree; pinned so
@@ -43,6 +47,31 @@ fi
 command -v cmake >/dev/null || python3 -m pip install --quiet cmake
 COMMON="-DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON"
+# Whether this CPU has AMX-INT8.
+amx_cpu() { grep -qw amx_int8 /proc/cpuinfo 2>/dev/null; }
+# Configures a native build of the tree $1 into $2 (more cmake arguments
+# after them). On a CPU with AMX clang compiles it, with AMX-INT8 named as
+# the amx flavour names it, since GCC 12's native builds die of SIGILL
+# there (see the amx flavour); a GCC build left in $2 from before is
+# configured again from scratch.
+native_cmake() {
+    src=$1
+    build=$2
+    shift 2
+    if amx_cpu; then
+        grep -q "CMAKE_CXX_COMPILER:.*clang" "$build/CMakeCache.txt" 2>/dev/null || rm -rf "$build"
+        F="-mamx-tile -mamx-int8 -D__AMX_TILE__=1 -D__AMX_INT8__=1"
+        # shellcheck disable=SC2086
+        cmake -S "$src" -B "$build" $COMMON -DGGML_NATIVE=ON "$@" \
+            -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \
+            "-DCMAKE_C_FLAGS=$F" "-DCMAKE_CXX_FLAGS=$F" >/dev/null
+    else
+        # shellcheck disable=SC2086
+        cmake -S "$src" -B "$build" $COMMON -DGGML_NATIVE=ON "$@" >/dev/null
+    fi
+}
+# Whether the native build in $1 is one to keep: on a CPU with AMX, clang's.
+native_kept() { ! amx_cpu || grep -q "CMAKE_CXX_COMPILER:.*clang" "$1/CMakeCache.txt" 2>/dev/null; }
 if [ "$FLAVOUR" = harness ]; then
     # `llama-bench` on the llama.cpp library that `just bench-llamacpp`'s
     # in-process harness links: the tree the llama-cpp-sys-2 crate ships
@@ -58,7 +87,7 @@ print(p["manifest_path"].rsplit("/", 1)[0], p["version"])')
     SYSVER=${SYS##* }
     TREE=$OUT/llama-cpp-sys-2-$SYSVER
     B=$OUT/build-harness-$SYSVER
-    [ -x "$B/bin/llama-bench" ] && exit 0
+    native_kept "$B" && [ -x "$B/bin/llama-bench" ] && exit 0
     if [ ! -d "$TREE" ]; then
         rm -rf "$TREE.tmp"
         cp -r "$SYSDIR/llama.cpp" "$TREE.tmp"
@@ -66,8 +95,7 @@ print(p["manifest_path"].rsplit("/", 1)[0], p["version"])')
         cp -r "$SRC/vendor/llama.cpp/tools" "$SRC/vendor/llama.cpp/app" "$TREE.tmp/"
         mv "$TREE.tmp" "$TREE"
     fi
-    # shellcheck disable=SC2086
-    cmake -S "$TREE" -B "$B" $COMMON -DLLAMA_BUILD_APP=OFF -DGGML_NATIVE=ON >/dev/null
+    native_cmake "$TREE" "$B" -DLLAMA_BUILD_APP=OFF
     cmake --build "$B" --target llama-bench -j "$(nproc)"
     echo "built $B/bin/llama-bench (llama-cpp-sys-2 $SYSVER's llama.cpp)"
     exit 0
@@ -116,10 +144,10 @@ if [ "$FLAVOUR" = avx2 ] || [ "$FLAVOUR" = avxvnni ]; then
 fi
 TOOLS="llama-server llama-perplexity llama-bench llama-quantize"
 missing=
+native_kept "$OUT/build" || missing=1
 for t in $TOOLS; do [ -x "$BIN/$t" ] || missing=1; done
 [ -z "$missing" ] && exit 0
-# shellcheck disable=SC2086
-cmake -S "$SRC/vendor/llama.cpp" -B "$OUT/build" $COMMON -DGGML_NATIVE=ON >/dev/null
+native_cmake "$SRC/vendor/llama.cpp" "$OUT/build"
 # shellcheck disable=SC2086
 cmake --build "$OUT/build" --target $TOOLS -j "$(nproc)"
 echo "built $TOOLS into $BIN"

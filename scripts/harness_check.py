@@ -107,14 +107,20 @@ def main():
     (BENCH / "harness-check.json").write_text(json.dumps(results, indent=1) + "\n")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=ROOT).stdout.strip()
+    # On a CPU with AMX build_llama_tools.sh compiles the native tools with
+    # clang (GCC 12's die of SIGILL there); the crate's library is GCC's.
+    amx = "amx_int8" in Path("/proc/cpuinfo").read_text().split()
+    how = ("native, compiled by clang, where the harness's library is compiled by GCC as the crate "
+           "builds it" if amx else "native")
     lines = [
         f"`python3 scripts/harness_check.py` at `{commit}` on {time.strftime('%Y-%m-%d', time.gmtime())}, "
         f"{cpu()} ({isa()} host), {THREADS} threads: llama.cpp inside the harness (examples/vs_llamacpp.rs through `llama-cpp-2`, "
         f"its own medians of 5 prefill and 3 decode runs) and `llama-bench` built from the same library "
-        f"(llama-cpp-sys-2 {tree}'s llama.cpp, native), alternating, medians of {args.runs} rounds. "
+        f"(llama-cpp-sys-2 {tree}'s llama.cpp, {how}), alternating, medians of {args.runs} rounds. "
         "Prefill: 512 tokens; decode: 128 (the harness's after a 16-token prompt, llama-bench's "
         "from an empty context). The last column: `llama-bench` of the tree the other baselines use "
-        "(llama-cpp-python 0.3.36's, `scripts/build_llama_tools.sh`, native), in the same rounds.",
+        f"(llama-cpp-python 0.3.36's, `scripts/build_llama_tools.sh`, {'native, clang' if amx else 'native'}), "
+        "in the same rounds.",
         "",
         "| model | scenario | in process (tok/s) | llama-bench, flash attention auto | off | on "
         "| in process ÷ llama-bench, same setting | ÷ llama-bench's best "
