@@ -21,9 +21,10 @@
 # (the in-process harness's) into target/llama-server/build-harness-VERSION:
 # `scripts/harness_check.py` sets the two side by side.
 #
-# On a CPU with AMX the native builds (the default and `harness`) are
-# compiled by clang with AMX-INT8 named, since GCC 12's die of SIGILL there
-# (see the `amx` flavour).
+# On a CPU with AMX the default native build is compiled by clang with
+# AMX-INT8 named, since GCC 12's dies of SIGILL there (see the `amx`
+# flavour), and the `harness` one by GCC without dead-store elimination
+# (see harness_kept below).
 #
 # The llama-cpp-sys-2 crate ships llama.cpp without its tools, so the
 # source comes from the sdist of the llama-cpp-python package on PyPI (a
@@ -72,6 +73,15 @@ native_cmake() {
 }
 # Whether the native build in $1 is one to keep: on a CPU with AMX, clang's.
 native_kept() { ! amx_cpu || grep -q "CMAKE_CXX_COMPILER:.*clang" "$1/CMakeCache.txt" 2>/dev/null; }
+# The harness flavour's build instead stays with GCC, as the crate builds
+# the harness's library (a like-for-like check), with dead-store
+# elimination off on a CPU with AMX: the stores GCC 12 drops are those of
+# the tile configuration before `ldtilecfg` (measured 2026-12-02: the
+# shared-library build kept only the palette byte and died at its first
+# `tileloadd`; with -fno-dse -fno-tree-dse it runs; the crate's static
+# build happens to keep them).
+NO_DSE="-fno-dse -fno-tree-dse"
+harness_kept() { ! amx_cpu || grep -q "CMAKE_CXX_FLAGS:.*-fno-dse" "$1/CMakeCache.txt" 2>/dev/null; }
 if [ "$FLAVOUR" = harness ]; then
     # `llama-bench` on the llama.cpp library that `just bench-llamacpp`'s
     # in-process harness links: the tree the llama-cpp-sys-2 crate ships
@@ -87,7 +97,8 @@ print(p["manifest_path"].rsplit("/", 1)[0], p["version"])')
     SYSVER=${SYS##* }
     TREE=$OUT/llama-cpp-sys-2-$SYSVER
     B=$OUT/build-harness-$SYSVER
-    native_kept "$B" && [ -x "$B/bin/llama-bench" ] && exit 0
+    harness_kept "$B" || rm -rf "$B"
+    [ -x "$B/bin/llama-bench" ] && exit 0
     if [ ! -d "$TREE" ]; then
         rm -rf "$TREE.tmp"
         cp -r "$SYSDIR/llama.cpp" "$TREE.tmp"
@@ -95,7 +106,14 @@ print(p["manifest_path"].rsplit("/", 1)[0], p["version"])')
         cp -r "$SRC/vendor/llama.cpp/tools" "$SRC/vendor/llama.cpp/app" "$TREE.tmp/"
         mv "$TREE.tmp" "$TREE"
     fi
-    native_cmake "$TREE" "$B" -DLLAMA_BUILD_APP=OFF
+    if amx_cpu; then
+        # shellcheck disable=SC2086
+        cmake -S "$TREE" -B "$B" $COMMON -DLLAMA_BUILD_APP=OFF -DGGML_NATIVE=ON \
+            "-DCMAKE_C_FLAGS=$NO_DSE" "-DCMAKE_CXX_FLAGS=$NO_DSE" >/dev/null
+    else
+        # shellcheck disable=SC2086
+        cmake -S "$TREE" -B "$B" $COMMON -DLLAMA_BUILD_APP=OFF -DGGML_NATIVE=ON >/dev/null
+    fi
     cmake --build "$B" --target llama-bench -j "$(nproc)"
     echo "built $B/bin/llama-bench (llama-cpp-sys-2 $SYSVER's llama.cpp)"
     exit 0

@@ -107,11 +107,12 @@ def main():
     (BENCH / "harness-check.json").write_text(json.dumps(results, indent=1) + "\n")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=ROOT).stdout.strip()
-    # On a CPU with AMX build_llama_tools.sh compiles the native tools with
-    # clang (GCC 12's die of SIGILL there); the crate's library is GCC's.
+    # On a CPU with AMX build_llama_tools.sh builds this llama-bench with
+    # GCC's dead-store elimination off and the other tree's with clang
+    # (GCC 12's native builds die of SIGILL there otherwise).
     amx = "amx_int8" in Path("/proc/cpuinfo").read_text().split()
-    how = ("native, compiled by clang, where the harness's library is compiled by GCC as the crate "
-           "builds it" if amx else "native")
+    how = ("native, by GCC with `-fno-dse -fno-tree-dse` as on every CPU with AMX, where GCC 12 "
+           "otherwise drops the tile configuration's stores" if amx else "native")
     lines = [
         f"`python3 scripts/harness_check.py` at `{commit}` on {time.strftime('%Y-%m-%d', time.gmtime())}, "
         f"{cpu()} ({isa()} host), {THREADS} threads: llama.cpp inside the harness (examples/vs_llamacpp.rs through `llama-cpp-2`, "
