@@ -59,17 +59,14 @@ native_cmake() {
     src=$1
     build=$2
     shift 2
+    native_kept "$build" || rm -rf "$build"
     if amx_cpu; then
-        grep -q "CMAKE_CXX_COMPILER:.*clang" "$build/CMakeCache.txt" 2>/dev/null || rm -rf "$build"
         F="-mamx-tile -mamx-int8 -D__AMX_TILE__=1 -D__AMX_INT8__=1"
-        # shellcheck disable=SC2086
-        cmake -S "$src" -B "$build" $COMMON -DGGML_NATIVE=ON "$@" \
-            -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \
-            "-DCMAKE_C_FLAGS=$F" "-DCMAKE_CXX_FLAGS=$F" >/dev/null
-    else
-        # shellcheck disable=SC2086
-        cmake -S "$src" -B "$build" $COMMON -DGGML_NATIVE=ON "$@" >/dev/null
+        set -- "$@" -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \
+            "-DCMAKE_C_FLAGS=$F" "-DCMAKE_CXX_FLAGS=$F"
     fi
+    # shellcheck disable=SC2086
+    cmake -S "$src" -B "$build" $COMMON -DGGML_NATIVE=ON "$@" >/dev/null
 }
 # Whether the native build in $1 is one to keep: on a CPU with AMX, clang's.
 native_kept() { ! amx_cpu || grep -q "CMAKE_CXX_COMPILER:.*clang" "$1/CMakeCache.txt" 2>/dev/null; }
@@ -106,14 +103,10 @@ print(p["manifest_path"].rsplit("/", 1)[0], p["version"])')
         cp -r "$SRC/vendor/llama.cpp/tools" "$SRC/vendor/llama.cpp/app" "$TREE.tmp/"
         mv "$TREE.tmp" "$TREE"
     fi
-    if amx_cpu; then
-        # shellcheck disable=SC2086
-        cmake -S "$TREE" -B "$B" $COMMON -DLLAMA_BUILD_APP=OFF -DGGML_NATIVE=ON \
-            "-DCMAKE_C_FLAGS=$NO_DSE" "-DCMAKE_CXX_FLAGS=$NO_DSE" >/dev/null
-    else
-        # shellcheck disable=SC2086
-        cmake -S "$TREE" -B "$B" $COMMON -DLLAMA_BUILD_APP=OFF -DGGML_NATIVE=ON >/dev/null
-    fi
+    set --
+    amx_cpu && set -- "-DCMAKE_C_FLAGS=$NO_DSE" "-DCMAKE_CXX_FLAGS=$NO_DSE"
+    # shellcheck disable=SC2086
+    cmake -S "$TREE" -B "$B" $COMMON -DLLAMA_BUILD_APP=OFF -DGGML_NATIVE=ON "$@" >/dev/null
     cmake --build "$B" --target llama-bench -j "$(nproc)"
     echo "built $B/bin/llama-bench (llama-cpp-sys-2 $SYSVER's llama.cpp)"
     exit 0

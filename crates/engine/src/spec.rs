@@ -229,8 +229,8 @@ const WAKE: usize = 6;
 /// through recent decoding steps' times against their rows (older steps
 /// weighing less), plus what the plain steps in the wake of a step with
 /// guesses take beyond the line (a checked draft slows the steps after
-/// it: on a host whose cores lower their clock under a dense step, the
-/// next few plain steps ran 20–30% slower), plus the draft model's time
+/// it: on one host the next few plain steps ran 20–30% slower, every part
+/// of the forward alike, for a cause not found), plus the draft model's time
 /// per guess, against the time of a plain step per sample at the step's
 /// batch size. The wake's steps stay out of the line, which would
 /// otherwise take their slowness for a plain step's and make a row look
