@@ -29,8 +29,14 @@ On a CPU with AMX the rows are AMX-INT8 (Tessera's `TESSERA_ISA=amx`,
 llama.cpp built with AMX by clang) and AVX-512 VNNI (Tessera's `avx512`,
 llama.cpp without AMX) above the 256-bit ones.
 
-Writes target/bench/cpu.json (or --out), then its section
-(`readme_tables.py cpu`, or `cpu-amx` for cpu-amx.json).
+On a CPU with AVX2 alone (no AVX-512, no VNNI: most laptops before Zen 4
+and Alder Lake, many cloud VMs) the rows are that CPU's own, not a wider
+CPU's forced down, and go to cpu-avx2.json and their own section, so that
+the table of the wider host stays.
+
+Writes target/bench/cpu.json (or --out; cpu-avx2.json on an AVX2-only
+CPU), then its section (`readme_tables.py cpu`, `cpu-amx` for
+cpu-amx.json, `cpu-avx2` for cpu-avx2.json).
 """
 
 import argparse
@@ -204,8 +210,9 @@ def main():
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--int8", action="store_true", help="also Tessera with --activations int8")
     ap.add_argument("--contention", default="", help="models to decode beside a busy process")
-    ap.add_argument("--out", default="cpu.json",
-                    help="results file in target/bench (cpu-amx.json: the AMX table, readme_tables.py cpu-amx)")
+    ap.add_argument("--out", default="cpu-avx2.json" if host_isas() == ["avx2"] else "cpu.json",
+                    help="results file in target/bench (cpu-amx.json: the AMX table, readme_tables.py cpu-amx; "
+                         "cpu-avx2.json, the default on an AVX2-only CPU: readme_tables.py cpu-avx2)")
     ap.add_argument("--merge", action="store_true",
                     help="keep the other models' rows (and their runs' rooflines) of target/bench/cpu.json")
     args = ap.parse_args()

@@ -14,7 +14,8 @@ in them is typed by hand. Each subcommand reads what its recipe wrote:
 - llamacpp: target/bench/vs-llamacpp.json and vs-llamacpp-meta.json, the
   charts copied to docs/bench/ (`just bench-llamacpp`);
 - cpu: target/bench/cpu.json (`just bench-cpu`); cpu-amx: cpu-amx.json
-  (`just bench-cpu-amx`, on a CPU with AMX);
+  (`just bench-cpu-amx`, on a CPU with AMX); cpu-avx2: cpu-avx2.json
+  (`just bench-cpu` on a CPU with AVX2 alone);
 - gpu, gpu-ab, gpu-families, gpu-forward, gpu-variants, gpu-fusion: what
   `scripts/cuda_device_run.sh` brings back from a GPU machine, copied to
   target/bench/gpu/, gpu/ab/, gpu-families/, gpu-forward/, gpu-variants/<call>/
@@ -24,7 +25,7 @@ in them is typed by hand. Each subcommand reads what its recipe wrote:
 Other scripts (bench_cpu.py, families_vs_llamacpp.py, ...) write their own
 sections through `splice` here.
 
-Usage: readme_tables.py model|engine|sessions|hangups|swa|soak|criterion|llamacpp|cpu|cpu-amx|gpu|gpu-ab|gpu-families|gpu-forward|gpu-variants|gpu-fusion|summary
+Usage: readme_tables.py model|engine|sessions|hangups|swa|soak|criterion|llamacpp|cpu|cpu-amx|cpu-avx2|gpu|gpu-ab|gpu-families|gpu-forward|gpu-variants|gpu-fusion|summary
 """
 
 import datetime
@@ -778,7 +779,8 @@ def cpu_table(name="cpu.json"):
     Tessera beside llama-bench at real sizes, per ISA."""
     path = BENCH / name
     if not path.exists():
-        sys.exit(f"{path} is missing: run `just bench-cpu`" + ("-amx" if name != "cpu.json" else ""))
+        sys.exit(f"{path} is missing: run `just bench-cpu`" + ("-amx" if name == "cpu-amx.json" else "")
+                 + (" on a CPU with AVX2 alone" if name == "cpu-avx2.json" else ""))
     d = json.loads(path.read_text())
     names = {"amx": "AMX-INT8", "avx512": "AVX-512 VNNI", "avxvnni": "AVX-VNNI", "avx2": "AVX2"}
     builds = ("native for the AVX-512 rows, "
@@ -787,6 +789,8 @@ def cpu_table(name="cpu.json"):
               "rows (GCC 12 drops the stores that fill AMX's tile configuration, so its build dies of SIGILL "
               "at its first tile instruction; clang 14 needs `__AMX_INT8__` defined for ggml to compile its "
               "AMX kernels), the same without AMX, compiled by GCC, for the AVX-512 rows, ")
+    # A CPU whose widest set is AVX2 (cpu-avx2.json): its own rows, nothing forced down.
+    avx2_only = {r["isa"] for r in d["rows"]} == {"avx2"} and name == "cpu-avx2.json"
     runs = d.get("rooflines") or [{"models": [], "gb_s": d["roofline_gb_s"], "commit": d.get("commit")}]
     if len(runs) == 1:
         bw = f"{' and '.join(f'{g:.1f}' for g in runs[0]['gb_s'])} GB/s before and after"
@@ -798,10 +802,15 @@ def cpu_table(name="cpu.json"):
         )
     out = [
         f"{measured(d.get('commit'))}, {isa()} host; `tessera bench` from the default (portable) build with `TESSERA_ISA` "
-        "forced to each row's instruction set, beside llama.cpp's own `llama-bench` (llama.cpp as vendored by "
-        f"llama-cpp-python 0.3.36, built by `scripts/build_llama_tools.sh`: {builds}"
-        "`GGML_NATIVE=OFF` with AVX2 + FMA and no AVX-512 for the others, with `GGML_AVX_VNNI` for the "
-        "AVX-VNNI rows (256-bit `vpdpbusd`) and without it for the AVX2 rows), best of flash attention "
+        + ("forced to each row's instruction set" if not avx2_only else "set to `avx2`, this CPU's widest set,")
+        + " beside llama.cpp's own `llama-bench` (llama.cpp as vendored by "
+        f"llama-cpp-python 0.3.36, built by `scripts/build_llama_tools.sh`: "
+        + (builds + "`GGML_NATIVE=OFF` with AVX2 + FMA and no AVX-512 for the others, with `GGML_AVX_VNNI` for the "
+           "AVX-VNNI rows (256-bit `vpdpbusd`) and without it for the AVX2 rows), "
+           if not avx2_only else
+           "`GGML_NATIVE=OFF` with AVX2 + FMA + F16C, this CPU's own instruction set, so the same kernels as its "
+           "native build), ")
+        + "best of flash attention "
         f"off and on, {d['threads']} threads each, the two alternating run by run, medians over {d['runs']} runs "
         "(min–max in brackets: this host's memory bandwidth is shared, and decode moves with it by ±15% from run "
         "to run). "
@@ -884,33 +893,47 @@ def kept_rows(before, where):
     return [line for line in before.splitlines() if line.startswith("| ") and f"| {where}" in line]
 
 
-def amx_summary(before):
-    """The summary's AMX rows from cpu-amx.json (`just bench-cpu-amx`), with
-    their sentence; without that file, both as last generated (`before`:
-    the summary's text)."""
-    f = BENCH / "cpu-amx.json"
+def host_summary(before, table, where, lead, isas, says):
+    """The summary's rows of one host's own table (`table`: cpu-amx or
+    cpu-avx2, target/bench/TABLE.json), `where` naming them, with their
+    sentence (`lead` and `says`); without that file, both as last generated
+    (`before`: the summary's text)."""
+    f = BENCH / f"{table}.json"
     if not f.exists():
-        said = [line for line in before.splitlines() if line.startswith("AMX rows:")]
-        return (said[0] if said else None), kept_rows(before, "CPU with AMX")
+        said = [line for line in before.splitlines() if line.startswith(lead)]
+        return (said[0] if said else None), kept_rows(before, where)
     d = json.loads(f.read_text())
     ratio = {(r["model"], r["isa"], r["scenario"]): r["ratio"] for r in d["rows"]}
-    page = marked_file("<!-- bench-cpu-amx:start (generated by scripts/readme_tables.py) -->").read_text()
-    when = re.search(r"<!-- bench-cpu-amx:start.*?measured (\d{4}-\d\d-\d\d) on ([^,]+)", page, re.S)
+    page = marked_file(f"<!-- bench-{table}:start (generated by scripts/readme_tables.py) -->").read_text()
+    when = re.search(rf"<!-- bench-{table}:start.*?measured (\d{{4}}-\d\d-\d\d) on ([^,]+)", page, re.S)
     host = f"{when.group(2)}, {when.group(1)}" if when else "see docs/benchmarks.md"
     models = [("SmolLM2-135M-Instruct.Q4_1", "SmolLM2-135M Q4_1"), ("synth-1b-Q4_0", "1B Llama Q4_0"),
-              ("synth-1b-Q4_K_M", "1B Llama Q4_K_M")]
-    isas = [("amx", "AMX-INT8"), ("avx512", "AVX-512 VNNI")]
+              ("synth-1b-Q4_K_M", "1B Llama Q4_K_M"), ("synth-3b-Q4_K_M", "3B Llama Q4_K_M")]
     rows = []
     for key, name in models:
-        if (key, "amx", "prefill") not in ratio:
+        if (key, isas[0][0], "prefill") not in ratio:
             continue
         cell = lambda sc: " / ".join(f"{ratio[(key, i, sc)]:.2f}×" if (key, i, sc) in ratio else "—"  # noqa: E731
                                      for i, _ in isas)
-        rows.append(f"| {name} | CPU with AMX, {'/'.join(n for _, n in isas)} | {cell('prefill')} | "
+        rows.append(f"| {name} | {where}, {'/'.join(n for _, n in isas)} | {cell('prefill')} | "
                     f"{cell('decode')} |")
-    sentence = (f"AMX rows: {host}, commit `{d.get('commit')}`, both engines with AMX-INT8 and both "
-                f"without it, {d['threads']} threads each (`just bench-cpu-amx`).")
-    return sentence, rows
+    return f"{lead} {host}, commit `{d.get('commit')}`, {says(d)}", rows
+
+
+def amx_summary(before):
+    """The summary's AMX rows from cpu-amx.json (`just bench-cpu-amx`)."""
+    return host_summary(before, "cpu-amx", "CPU with AMX", "AMX rows:",
+                        [("amx", "AMX-INT8"), ("avx512", "AVX-512 VNNI")],
+                        lambda d: f"both engines with AMX-INT8 and both without it, {d['threads']} threads each "
+                                  "(`just bench-cpu-amx`).")
+
+
+def avx2_summary(before):
+    """The summary's rows of a CPU with AVX2 alone, from cpu-avx2.json
+    (`just bench-cpu` there)."""
+    return host_summary(before, "cpu-avx2", "CPU with AVX2 only", "AVX2-only rows:", [("avx2", "AVX2")],
+                        lambda d: f"the CPU's own instruction set, {d['threads']} threads each (`just bench-cpu` "
+                                  "on it).")
 
 
 def summary():
@@ -927,12 +950,16 @@ def summary():
         # The CPU table's run was on another host: its sentence and rows
         # stay as last generated.
         paragraph = [line for line in before.strip().splitlines()
-                     if line.strip() and not line.startswith("|") and "AMX rows:" not in line]
+                     if line.strip() and not line.startswith("|") and "AMX rows:" not in line
+                     and "AVX2-only rows:" not in line]
         out = paragraph[:1] + ["", *SUMMARY_HEADER] + kept_rows(before, "CPU, ")
-    amx_sentence, amx_rows = amx_summary(before)
-    if amx_sentence:
-        out.insert(1, amx_sentence)
-    out += amx_rows
+    at = 1
+    for part in (amx_summary, avx2_summary):
+        sentence, rows = part(before)
+        if sentence:
+            out.insert(at, sentence)
+            at += 1
+        out += rows
     g = BENCH / "gpu-forward"
     gpu_run = (g / "synth.jsonl").exists() and (g / "llama.jsonl").exists()
     if not gpu_run:
@@ -1231,6 +1258,7 @@ def main():
         "criterion": criterion,
         "cpu": cpu_table,
         "cpu-amx": lambda: cpu_table("cpu-amx.json"),
+        "cpu-avx2": lambda: cpu_table("cpu-avx2.json"),
     }.get(which)
     if make is None:
         sys.exit(__doc__)
