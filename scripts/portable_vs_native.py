@@ -9,7 +9,9 @@ instruction set this host has (`TESSERA_ISA` forced to the same one in
 both binaries, so the rows compare the dispatch, not the kernels; the
 native binary's code around the kernels is still compiled for this CPU),
 so that both see the same machine. Writes target/bench/portable.json and
-the README's `bench-portable` section.
+the README's `bench-portable` section; on a CPU with AVX2 alone, where
+`native` is an AVX2 build with 16 registers, portable-avx2-cpu.json and
+its own section, so that a wider host's rows stay.
 
     python3 scripts/portable_vs_native.py [--models SmolLM2-135M-Instruct.Q4_1,synth-1b-Q4_K_M]
                                           [--isas avx512,avxvnni,avx2] [--runs 7]
@@ -97,7 +99,9 @@ def main():
                 })
     BENCH.mkdir(parents=True, exist_ok=True)
     native = args.against == "native"
-    out = BENCH / ("portable.json" if native else f"portable-{args.against}.json")
+    section = ("portable" if host_isas() != ["avx2"] else "portable-avx2-cpu") if native \
+        else f"portable-{args.against}"
+    out = BENCH / f"{section}.json"
     out.write_text(json.dumps({"runs": args.runs, "against": args.against, "rows": rows},
                               indent=1) + "\n")
     what = "one for this CPU" if native else f"one for the {args.against} level"
@@ -117,7 +121,7 @@ def main():
             f"| {r['model']} | {NAMES.get(r['isa'], r['isa'])} | {r['scenario']} | {r['portable']:.1f} tok/s "
             f"{span('portable')} | {r['native']:.1f} tok/s {span('native')} | {r['ratio']:.3f} |"
         )
-    splice("portable" if native else f"portable-{args.against}", "portable_vs_native.py", lines)
+    splice(section, "portable_vs_native.py", lines)
     print("\n".join(lines))
 
 
