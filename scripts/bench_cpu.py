@@ -29,8 +29,8 @@ On a CPU with AMX the rows are AMX-INT8 (Tessera's `TESSERA_ISA=amx`,
 llama.cpp built with AMX by clang) and AVX-512 VNNI (Tessera's `avx512`,
 llama.cpp without AMX) above the 256-bit ones.
 
-On a CPU with AVX2 alone (no AVX-512, no VNNI: most laptops before Zen 4
-and Alder Lake, many cloud VMs) the rows are that CPU's own, not a wider
+On a CPU with AVX2 alone (no AVX-512, no VNNI: AMD before Zen 4, Intel from Haswell to
+Comet Lake, many cloud VMs) the rows are that CPU's own, not a wider
 CPU's forced down, and go to cpu-avx2.json and their own section, so that
 the table of the wider host stays.
 
