@@ -81,6 +81,11 @@ def host_isas():
     return out
 
 
+def avx2_only():
+    """Whether AVX2 is this CPU's widest set (its rows go to their own table)."""
+    return host_isas() == ["avx2"]
+
+
 def llama_binary(isa):
     """The `llama-bench` of an ISA's rows. On a CPU with AMX the native build
     has AMX (and GCC's dies of it, see build_llama_tools.sh), so the
@@ -210,7 +215,7 @@ def main():
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--int8", action="store_true", help="also Tessera with --activations int8")
     ap.add_argument("--contention", default="", help="models to decode beside a busy process")
-    ap.add_argument("--out", default="cpu-avx2.json" if host_isas() == ["avx2"] else "cpu.json",
+    ap.add_argument("--out", default="cpu-avx2.json" if avx2_only() else "cpu.json",
                     help="results file in target/bench (cpu-amx.json: the AMX table, readme_tables.py cpu-amx; "
                          "cpu-avx2.json, the default on an AVX2-only CPU: readme_tables.py cpu-avx2)")
     ap.add_argument("--merge", action="store_true",

@@ -34,7 +34,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_cpu import host_isas, model_paths  # noqa: E402
+from bench_cpu import avx2_only, host_isas, model_paths  # noqa: E402
 from readme_tables import BENCH, ROOT, measured, splice  # noqa: E402
 
 # The builds the default one is compared with: this CPU's, or the x86-64-v3
@@ -99,7 +99,7 @@ def main():
                 })
     BENCH.mkdir(parents=True, exist_ok=True)
     native = args.against == "native"
-    section = ("portable" if host_isas() != ["avx2"] else "portable-avx2-cpu") if native \
+    section = ("portable-avx2-cpu" if avx2_only() else "portable") if native \
         else f"portable-{args.against}"
     out = BENCH / f"{section}.json"
     out.write_text(json.dumps({"runs": args.runs, "against": args.against, "rows": rows},

@@ -789,8 +789,9 @@ def cpu_table(name="cpu.json"):
               "rows (GCC 12 drops the stores that fill AMX's tile configuration, so its build dies of SIGILL "
               "at its first tile instruction; clang 14 needs `__AMX_INT8__` defined for ggml to compile its "
               "AMX kernels), the same without AMX, compiled by GCC, for the AVX-512 rows, ")
-    # A CPU whose widest set is AVX2 (cpu-avx2.json): its own rows, nothing forced down.
-    avx2_only = {r["isa"] for r in d["rows"]} == {"avx2"} and name == "cpu-avx2.json"
+    # A CPU whose widest set is AVX2 (bench_cpu.py writes cpu-avx2.json only
+    # there): its own rows, nothing forced down.
+    avx2_only = name == "cpu-avx2.json"
     runs = d.get("rooflines") or [{"models": [], "gb_s": d["roofline_gb_s"], "commit": d.get("commit")}]
     if len(runs) == 1:
         bw = f"{' and '.join(f'{g:.1f}' for g in runs[0]['gb_s'])} GB/s before and after"
@@ -893,6 +894,10 @@ def kept_rows(before, where):
     return [line for line in before.splitlines() if line.startswith("| ") and f"| {where}" in line]
 
 
+# The sentences that open the summary's rows of one host's own table.
+AMX_LEAD, AVX2_LEAD = "AMX rows:", "AVX2-only rows:"
+
+
 def host_summary(before, table, where, lead, isas, says):
     """The summary's rows of one host's own table (`table`: cpu-amx or
     cpu-avx2, target/bench/TABLE.json), `where` naming them, with their
@@ -922,7 +927,7 @@ def host_summary(before, table, where, lead, isas, says):
 
 def amx_summary(before):
     """The summary's AMX rows from cpu-amx.json (`just bench-cpu-amx`)."""
-    return host_summary(before, "cpu-amx", "CPU with AMX", "AMX rows:",
+    return host_summary(before, "cpu-amx", "CPU with AMX", AMX_LEAD,
                         [("amx", "AMX-INT8"), ("avx512", "AVX-512 VNNI")],
                         lambda d: f"both engines with AMX-INT8 and both without it, {d['threads']} threads each "
                                   "(`just bench-cpu-amx`).")
@@ -931,7 +936,7 @@ def amx_summary(before):
 def avx2_summary(before):
     """The summary's rows of a CPU with AVX2 alone, from cpu-avx2.json
     (`just bench-cpu` there)."""
-    return host_summary(before, "cpu-avx2", "CPU with AVX2 only", "AVX2-only rows:", [("avx2", "AVX2")],
+    return host_summary(before, "cpu-avx2", "CPU with AVX2 only", AVX2_LEAD, [("avx2", "AVX2")],
                         lambda d: f"the CPU's own instruction set, {d['threads']} threads each (`just bench-cpu` "
                                   "on it).")
 
@@ -950,8 +955,8 @@ def summary():
         # The CPU table's run was on another host: its sentence and rows
         # stay as last generated.
         paragraph = [line for line in before.strip().splitlines()
-                     if line.strip() and not line.startswith("|") and "AMX rows:" not in line
-                     and "AVX2-only rows:" not in line]
+                     if line.strip() and not line.startswith("|")
+                     and not any(lead in line for lead in (AMX_LEAD, AVX2_LEAD))]
         out = paragraph[:1] + ["", *SUMMARY_HEADER] + kept_rows(before, "CPU, ")
     at = 1
     for part in (amx_summary, avx2_summary):
