@@ -179,7 +179,8 @@ bench-spec-draft std="0.006" runs="3": model bench-deps
 # Tessera beside llama.cpp's own llama-bench (standalone; native, and built for AVX2 and AVX-VNNI alone) at real
 # sizes on each instruction set this host has, TESSERA_ISA forced to match, alternating, with the
 # host's read bandwidth in the same run; then the table in docs/benchmarks.md (target/bench/cpu.json; on a CPU
-# with AVX2 alone, its own rows in target/bench/cpu-avx2.json and their own table).
+# with AVX2 alone, its own rows in target/bench/cpu-avx2.json and their own table; on one with AVX-512 VNNI
+# but no AVX-VNNI, such as Zen 4, in target/bench/cpu-avx512.json and theirs).
 bench-cpu models="SmolLM2-135M-Instruct.Q4_1,synth-1b-Q4_0,synth-1b-Q4_K_M,synth-3b-Q4_0,synth-3b-Q4_K_M" runs="3": (synth-model "1b 3b" "Q4_0,Q4_K_M")
     sh scripts/build_llama_tools.sh avx2
     if grep -q avx_vnni /proc/cpuinfo; then sh scripts/build_llama_tools.sh avxvnni; fi

@@ -32,11 +32,14 @@ llama.cpp without AMX) above the 256-bit ones.
 On a CPU with AVX2 alone (no AVX-512, no VNNI: AMD before Zen 4, Intel from Haswell to
 Comet Lake, many cloud VMs) the rows are that CPU's own, not a wider
 CPU's forced down, and go to cpu-avx2.json and their own section, so that
-the table of the wider host stays.
+the table of the wider host stays. Likewise a CPU with AVX-512 VNNI but
+without AVX-VNNI or AMX (AMD's Zen 4, Intel's Cascade Lake to Rocket Lake):
+its AVX-512 VNNI and AVX2 rows go to cpu-avx512.json and their own section.
 
 Writes target/bench/cpu.json (or --out; cpu-avx2.json on an AVX2-only
-CPU), then its section (`readme_tables.py cpu`, `cpu-amx` for
-cpu-amx.json, `cpu-avx2` for cpu-avx2.json).
+CPU, cpu-avx512.json on one with AVX-512 VNNI and no AVX-VNNI), then its
+section (`readme_tables.py cpu`, `cpu-amx` for cpu-amx.json, `cpu-avx2`
+for cpu-avx2.json, `cpu-avx512` for cpu-avx512.json).
 """
 
 import argparse
@@ -84,6 +87,20 @@ def host_isas():
 def avx2_only():
     """Whether AVX2 is this CPU's widest set (its rows go to their own table)."""
     return host_isas() == ["avx2"]
+
+
+def default_out():
+    """The results file of this CPU's rows: the main table (cpu.json) is a
+    CPU that runs all three of AVX-512 VNNI, AVX-VNNI and AVX2; a CPU whose
+    widest set is AVX2 has cpu-avx2.json, and one with AVX-512 VNNI but
+    neither AVX-VNNI nor AMX (AMD's Zen 4, Intel's Cascade Lake to Rocket
+    Lake) cpu-avx512.json, each with its own table, so that the others
+    stay as they were."""
+    if avx2_only():
+        return "cpu-avx2.json"
+    if host_isas() == ["avx512", "avx2"]:
+        return "cpu-avx512.json"
+    return "cpu.json"
 
 
 def llama_binary(isa):
@@ -215,9 +232,11 @@ def main():
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--int8", action="store_true", help="also Tessera with --activations int8")
     ap.add_argument("--contention", default="", help="models to decode beside a busy process")
-    ap.add_argument("--out", default="cpu-avx2.json" if avx2_only() else "cpu.json",
+    ap.add_argument("--out", default=default_out(),
                     help="results file in target/bench (cpu-amx.json: the AMX table, readme_tables.py cpu-amx; "
-                         "cpu-avx2.json, the default on an AVX2-only CPU: readme_tables.py cpu-avx2)")
+                         "cpu-avx2.json, the default on an AVX2-only CPU: readme_tables.py cpu-avx2; "
+                         "cpu-avx512.json, the default on a CPU with AVX-512 VNNI and no AVX-VNNI: "
+                         "readme_tables.py cpu-avx512)")
     ap.add_argument("--merge", action="store_true",
                     help="keep the other models' rows (and their runs' rooflines) of target/bench/cpu.json")
     args = ap.parse_args()

@@ -15,7 +15,8 @@ in them is typed by hand. Each subcommand reads what its recipe wrote:
   charts copied to docs/bench/ (`just bench-llamacpp`);
 - cpu: target/bench/cpu.json (`just bench-cpu`); cpu-amx: cpu-amx.json
   (`just bench-cpu-amx`, on a CPU with AMX); cpu-avx2: cpu-avx2.json
-  (`just bench-cpu` on a CPU with AVX2 alone);
+  (`just bench-cpu` on a CPU with AVX2 alone); cpu-avx512: cpu-avx512.json
+  (`just bench-cpu` on a CPU with AVX-512 VNNI and no AVX-VNNI);
 - gpu, gpu-ab, gpu-families, gpu-forward, gpu-variants, gpu-fusion: what
   `scripts/cuda_device_run.sh` brings back from a GPU machine, copied to
   target/bench/gpu/, gpu/ab/, gpu-families/, gpu-forward/, gpu-variants/<call>/
@@ -25,7 +26,7 @@ in them is typed by hand. Each subcommand reads what its recipe wrote:
 Other scripts (bench_cpu.py, families_vs_llamacpp.py, ...) write their own
 sections through `splice` here.
 
-Usage: readme_tables.py model|engine|sessions|hangups|swa|soak|criterion|llamacpp|cpu|cpu-amx|cpu-avx2|gpu|gpu-ab|gpu-families|gpu-forward|gpu-variants|gpu-fusion|summary
+Usage: readme_tables.py model|engine|sessions|hangups|swa|soak|criterion|llamacpp|cpu|cpu-amx|cpu-avx2|cpu-avx512|gpu|gpu-ab|gpu-families|gpu-forward|gpu-variants|gpu-fusion|summary
 """
 
 import datetime
@@ -780,11 +781,13 @@ def cpu_table(name="cpu.json"):
     path = BENCH / name
     if not path.exists():
         sys.exit(f"{path} is missing: run `just bench-cpu`" + ("-amx" if name == "cpu-amx.json" else "")
-                 + (" on a CPU with AVX2 alone" if name == "cpu-avx2.json" else ""))
+                 + (" on a CPU with AVX2 alone" if name == "cpu-avx2.json" else "")
+                 + (" on a CPU with AVX-512 VNNI and no AVX-VNNI" if name == "cpu-avx512.json" else ""))
     d = json.loads(path.read_text())
     names = {"amx": "AMX-INT8", "avx512": "AVX-512 VNNI", "avxvnni": "AVX-VNNI", "avx2": "AVX2"}
+    row_isas = {r["isa"] for r in d["rows"]}
     builds = ("native for the AVX-512 rows, "
-              if "amx" not in {r["isa"] for r in d["rows"]} else
+              if "amx" not in row_isas else
               "`GGML_NATIVE=OFF` with AVX-512, VNNI, VBMI, BF16 and AMX-INT8, compiled by clang, for the AMX "
               "rows (GCC 12 drops the stores that fill AMX's tile configuration, so its build dies of SIGILL "
               "at its first tile instruction; clang 14 needs `__AMX_INT8__` defined for ggml to compile its "
@@ -808,6 +811,9 @@ def cpu_table(name="cpu.json"):
         f"llama-cpp-python 0.3.36, built by `scripts/build_llama_tools.sh`: "
         + (builds + "`GGML_NATIVE=OFF` with AVX2 + FMA and no AVX-512 for the others, with `GGML_AVX_VNNI` for the "
            "AVX-VNNI rows (256-bit `vpdpbusd`) and without it for the AVX2 rows), "
+           if not avx2_only and "avxvnni" in row_isas else
+           builds + "`GGML_NATIVE=OFF` with AVX2 + FMA and no AVX-512 for the AVX2 rows; this CPU has no AVX-VNNI, "
+           "so no such rows), "
            if not avx2_only else
            "`GGML_NATIVE=OFF` with AVX2 + FMA + F16C, this CPU's own instruction set, so the same kernels as its "
            "native build), ")
@@ -895,7 +901,7 @@ def kept_rows(before, where):
 
 
 # The sentences that open the summary's rows of one host's own table.
-AMX_LEAD, AVX2_LEAD = "AMX rows:", "AVX2-only rows:"
+AMX_LEAD, AVX2_LEAD, AVX512_LEAD = "AMX rows:", "AVX2-only rows:", "AVX-512-without-AVX-VNNI rows:"
 
 
 def host_summary(before, table, where, lead, isas, says):
@@ -941,6 +947,15 @@ def avx2_summary(before):
                                   "on it).")
 
 
+def avx512_summary(before):
+    """The summary's rows of a CPU with AVX-512 VNNI and no AVX-VNNI, from
+    cpu-avx512.json (`just bench-cpu` there)."""
+    return host_summary(before, "cpu-avx512", "CPU with AVX-512 but no AVX-VNNI", AVX512_LEAD,
+                        [("avx512", "AVX-512 VNNI"), ("avx2", "AVX2")],
+                        lambda d: f"both engines on AVX-512 VNNI and both forced to AVX2, {d['threads']} threads "
+                                  "each (`just bench-cpu` on it).")
+
+
 def summary():
     """The README's results in brief: Tessera against llama.cpp at prefill
     and decode, from the CPU table (`just bench-cpu`), the AMX table (`just
@@ -956,10 +971,10 @@ def summary():
         # stay as last generated.
         paragraph = [line for line in before.strip().splitlines()
                      if line.strip() and not line.startswith("|")
-                     and not any(lead in line for lead in (AMX_LEAD, AVX2_LEAD))]
+                     and not any(lead in line for lead in (AMX_LEAD, AVX2_LEAD, AVX512_LEAD))]
         out = paragraph[:1] + ["", *SUMMARY_HEADER] + kept_rows(before, "CPU, ")
     at = 1
-    for part in (amx_summary, avx2_summary):
+    for part in (amx_summary, avx2_summary, avx512_summary):
         sentence, rows = part(before)
         if sentence:
             out.insert(at, sentence)
@@ -1264,6 +1279,7 @@ def main():
         "cpu": cpu_table,
         "cpu-amx": lambda: cpu_table("cpu-amx.json"),
         "cpu-avx2": lambda: cpu_table("cpu-avx2.json"),
+        "cpu-avx512": lambda: cpu_table("cpu-avx512.json"),
     }.get(which)
     if make is None:
         sys.exit(__doc__)
