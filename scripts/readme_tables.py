@@ -775,14 +775,20 @@ def vs_llamacpp(runs, r):
     ]
 
 
+# Which recipe on which CPU writes each CPU table's file (cpu.json: `just bench-cpu`).
+CPU_RECIPES = {
+    "cpu-amx.json": "`just bench-cpu-amx`",
+    "cpu-avx2.json": "`just bench-cpu` on a CPU with AVX2 alone",
+    "cpu-avx512.json": "`just bench-cpu` on a CPU with AVX-512 VNNI and no AVX-VNNI",
+}
+
+
 def cpu_table(name="cpu.json"):
     """`just bench-cpu` (cpu.json; `just bench-cpu-amx`, cpu-amx.json):
     Tessera beside llama-bench at real sizes, per ISA."""
     path = BENCH / name
     if not path.exists():
-        sys.exit(f"{path} is missing: run `just bench-cpu`" + ("-amx" if name == "cpu-amx.json" else "")
-                 + (" on a CPU with AVX2 alone" if name == "cpu-avx2.json" else "")
-                 + (" on a CPU with AVX-512 VNNI and no AVX-VNNI" if name == "cpu-avx512.json" else ""))
+        sys.exit(f"{path} is missing: run " + CPU_RECIPES.get(name, "`just bench-cpu`"))
     d = json.loads(path.read_text())
     names = {"amx": "AMX-INT8", "avx512": "AVX-512 VNNI", "avxvnni": "AVX-VNNI", "avx2": "AVX2"}
     row_isas = {r["isa"] for r in d["rows"]}
@@ -795,6 +801,13 @@ def cpu_table(name="cpu.json"):
     # A CPU whose widest set is AVX2 (bench_cpu.py writes cpu-avx2.json only
     # there): its own rows, nothing forced down.
     avx2_only = name == "cpu-avx2.json"
+    if avx2_only:
+        llama_builds = ("`GGML_NATIVE=OFF` with AVX2 + FMA + F16C, this CPU's own instruction set, so the same "
+                        "kernels as its native build), ")
+    else:
+        llama_builds = builds + "`GGML_NATIVE=OFF` with AVX2 + FMA and no AVX-512 for the " + (
+            "others, with `GGML_AVX_VNNI` for the AVX-VNNI rows (256-bit `vpdpbusd`) and without it for the AVX2 "
+            "rows), " if "avxvnni" in row_isas else "AVX2 rows; this CPU has no AVX-VNNI, so no such rows), ")
     runs = d.get("rooflines") or [{"models": [], "gb_s": d["roofline_gb_s"], "commit": d.get("commit")}]
     if len(runs) == 1:
         bw = f"{' and '.join(f'{g:.1f}' for g in runs[0]['gb_s'])} GB/s before and after"
@@ -809,14 +822,7 @@ def cpu_table(name="cpu.json"):
         + ("forced to each row's instruction set" if not avx2_only else "set to `avx2`, this CPU's widest set,")
         + " beside llama.cpp's own `llama-bench` (llama.cpp as vendored by "
         f"llama-cpp-python 0.3.36, built by `scripts/build_llama_tools.sh`: "
-        + (builds + "`GGML_NATIVE=OFF` with AVX2 + FMA and no AVX-512 for the others, with `GGML_AVX_VNNI` for the "
-           "AVX-VNNI rows (256-bit `vpdpbusd`) and without it for the AVX2 rows), "
-           if not avx2_only and "avxvnni" in row_isas else
-           builds + "`GGML_NATIVE=OFF` with AVX2 + FMA and no AVX-512 for the AVX2 rows; this CPU has no AVX-VNNI, "
-           "so no such rows), "
-           if not avx2_only else
-           "`GGML_NATIVE=OFF` with AVX2 + FMA + F16C, this CPU's own instruction set, so the same kernels as its "
-           "native build), ")
+        + llama_builds
         + "best of flash attention "
         f"off and on, {d['threads']} threads each, the two alternating run by run, medians over {d['runs']} runs "
         "(min–max in brackets: this host's memory bandwidth is shared, and decode moves with it by ±15% from run "
