@@ -118,6 +118,8 @@ mod kquant;
 
 #[cfg(target_arch = "x86_64")]
 mod amx;
+#[cfg(target_arch = "x86_64")]
+mod panel;
 
 /// Rows per tile.
 pub const GROUP: usize = 16;
@@ -868,6 +870,14 @@ pub fn qmatvec_keyed<E: FnMut(usize, usize, &[f32])>(
         acts.len() >= t * w.nb && r0 <= r1 && r1 <= w.n && (1..=2).contains(&levels),
         "qmatvec: bad shapes"
     );
+    // AVX2 with a prompt chunk: weights unpacked once per panel (see
+    // `panel`).
+    #[cfg(target_arch = "x86_64")]
+    if isa == QIsa::Avx2 && t >= panel::MIN_INPUTS && w.kind != Kind::Q8_0 {
+        // SAFETY: `QIsa::Avx2` comes from CPU detection (AVX2, FMA, F16C).
+        unsafe { panel::products(w, acts, t, levels == 2, r0, r1, emit) };
+        return;
+    }
     let nb = w.nb;
     let mut out = [[0f32; GROUP]; MAX_NI];
     let wide = if isa.wide_tiles() { MAX_NI } else { 4 };
@@ -1881,7 +1891,7 @@ mod x86 {
     /// activation levels never take −128), at most `2·(2^bits − 1)·127`,
     /// so 4-bit weights allow eight (30,480 < 32,767), 5-bit four
     /// (31,496), 6-bit two (32,004), and Q8_0's `|w| ≤ 128` one.
-    const fn i16_group(bits: u32) -> usize {
+    pub(super) const fn i16_group(bits: u32) -> usize {
         match bits {
             0..=4 => 8,
             5 => 4,
@@ -2228,7 +2238,7 @@ mod tests {
             let data = quantized(n, k, d, 3);
             let w = Weights::new(WeightFormat::from_ggml(d), &data, n, k).unwrap();
             let p = Packed::pack(&w).unwrap();
-            for t in [1, 3, 4, 9, 70] {
+            for t in [1, 3, 4, 9, 17, 70] {
                 let x = seeded(&[t, k], 20 + t as u64, DType::F32).unwrap();
                 let x = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
                 let exact = crate::matvec_slow(&w, &x, t);
