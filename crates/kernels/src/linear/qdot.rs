@@ -2000,6 +2000,29 @@ mod x86 {
         })
     }
 
+    /// The unsigned values of half `half` (8 rows) of a 4- or 5-bit
+    /// block's tile record `t` (not Q8_0), as the 256-bit tiles hold them:
+    /// register `j`, byte `4r + e`: value `4j + e` of row `r`.
+    #[inline(always)]
+    pub(super) unsafe fn block_values256(kind: Kind, t: *const u8, half: usize) -> [__m256i; 8] {
+        let nibble = _mm256_set1_epi8(0x0F);
+        let vals = t.add(kind.values_at() + 32 * half);
+        let mut wv = [_mm256_setzero_si256(); 8];
+        for c in 0..4 {
+            let raw = _mm256_loadu_si256(vals.add(64 * c) as *const __m256i);
+            wv[c] = _mm256_and_si256(raw, nibble);
+            wv[c + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+        }
+        if kind.high() {
+            let masks = t.add(kind.masks_at()) as *const u64;
+            for j in 0..8 {
+                let k = (masks.add(j).read_unaligned() >> (32 * half)) as u32;
+                wv[j] = _mm256_or_si256(wv[j], fifth_bits_256(k));
+            }
+        }
+        wv
+    }
+
     /// `0x10` in byte `i` of the register where bit `i` of `k` is set.
     #[inline(always)]
     pub(super) unsafe fn fifth_bits_256(k: u32) -> __m256i {
@@ -2087,7 +2110,6 @@ mod x86 {
         let rec = kind.record();
         let tile = w.tile(g);
         let p = tile.as_ptr();
-        let nibble = _mm256_set1_epi8(0x0F);
         let flip = _mm256_set1_epi8(-128);
         let off = if kind == Kind::Q8_0 && !D::FLIP {
             0
@@ -2125,18 +2147,7 @@ mod x86 {
                         };
                     }
                 } else {
-                    for c in 0..4 {
-                        let raw = _mm256_loadu_si256(vals.add(64 * c) as *const __m256i);
-                        wv[c] = _mm256_and_si256(raw, nibble);
-                        wv[c + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
-                    }
-                    if kind.high() {
-                        let masks = t.add(kind.masks_at()) as *const u64;
-                        for j in 0..8 {
-                            let k = (masks.add(j).read_unaligned() >> (32 * half)) as u32;
-                            wv[j] = _mm256_or_si256(wv[j], fifth_bits_256(k));
-                        }
-                    }
+                    wv = block_values256(kind, t, half);
                 }
                 // Q8_0 without VNNI: |w| unsigned, the sign moved to q.
                 let signed = kind == Kind::Q8_0 && !D::FLIP;

@@ -533,6 +533,48 @@ pub(super) mod x86 {
     use super::super::{kind_of, ActBlock, Kind, Packed, GROUP, MAX_NI};
     use super::QK;
 
+    /// The unsigned values of half `half` (8 rows) of the K-quant
+    /// sub-block at `sub` (Q4_K, Q5_K with its fifth bits, Q6_K with its
+    /// two high bits), as the 256-bit tiles hold them: register `j`, byte
+    /// `4r + e`: value `4j + e` of row `r`.
+    #[inline(always)]
+    pub(in super::super) unsafe fn sub_values256(
+        kind: Kind,
+        sub: *const u8,
+        half: usize,
+    ) -> [__m256i; 8] {
+        let nibble = _mm256_set1_epi8(0x0F);
+        let vals = if kind == Kind::Q5K { sub.add(64) } else { sub };
+        let mut wv = [_mm256_setzero_si256(); 8];
+        for c in 0..4 {
+            let raw = _mm256_loadu_si256(vals.add(64 * c + 32 * half) as *const _);
+            wv[c] = _mm256_and_si256(raw, nibble);
+            wv[c + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+        }
+        if kind == Kind::Q5K {
+            let masks = sub as *const u64;
+            for v in 0..8 {
+                let k = (masks.add(v).read_unaligned() >> (32 * half)) as u32;
+                wv[v] = _mm256_or_si256(wv[v], fifth_bits_256(k));
+            }
+        }
+        if kind == Kind::Q6K {
+            let two_bits = _mm256_set1_epi8(3);
+            for c in 0..4 {
+                let at = 256 + 64 * (c / 2) + 32 * half;
+                let mut h = _mm256_loadu_si256(sub.add(at) as *const _);
+                if c % 2 == 1 {
+                    h = _mm256_srli_epi16(h, 4);
+                }
+                let lo = _mm256_and_si256(h, two_bits);
+                let hi = _mm256_and_si256(_mm256_srli_epi16(h, 2), two_bits);
+                wv[c] = _mm256_or_si256(wv[c], _mm256_slli_epi16(lo, 4));
+                wv[c + 4] = _mm256_or_si256(wv[c + 4], _mm256_slli_epi16(hi, 4));
+            }
+        }
+        wv
+    }
+
     /// How far ahead in a tile's stream the K-quant tiles hint records
     /// into L2: 6 KiB, in whole records (three of Q4_K's, two of Q6_K's).
     /// Measured with `examples/tile_stream.rs` against the read loop
@@ -765,8 +807,6 @@ pub(super) mod x86 {
         let q6 = kind == Kind::Q6K;
         let rec = kind.k_record();
         let p = w.tile(g).as_ptr();
-        let nibble = _mm256_set1_epi8(0x0F);
-        let two_bits = _mm256_set1_epi8(3);
         let sign = _mm256_set1_epi32(i32::MIN);
         let mut y = [[_mm256_setzero_ps(); NI]; 2];
         for sb in 0..w.k / QK {
@@ -786,35 +826,9 @@ pub(super) mod x86 {
                 // Spread over the sub-blocks: a burst of a whole record's
                 // lines overflows the miss buffers.
                 prefetch_at(sub, kind.sub_bytes(), dist);
-                let vals = if kind == Kind::Q5K { sub.add(64) } else { sub };
                 for half in 0..2 {
                     let eight = |at: usize| _mm_loadl_epi64(t.add(at + 8 * half) as *const __m128i);
-                    let mut wv = [_mm256_setzero_si256(); 8];
-                    for c in 0..4 {
-                        let raw = _mm256_loadu_si256(vals.add(64 * c + 32 * half) as *const _);
-                        wv[c] = _mm256_and_si256(raw, nibble);
-                        wv[c + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
-                    }
-                    if kind == Kind::Q5K {
-                        let masks = sub as *const u64;
-                        for v in 0..8 {
-                            let k = (masks.add(v).read_unaligned() >> (32 * half)) as u32;
-                            wv[v] = _mm256_or_si256(wv[v], fifth_bits_256(k));
-                        }
-                    }
-                    if q6 {
-                        for c in 0..4 {
-                            let at = 256 + 64 * (c / 2) + 32 * half;
-                            let mut h = _mm256_loadu_si256(sub.add(at) as *const _);
-                            if c % 2 == 1 {
-                                h = _mm256_srli_epi16(h, 4);
-                            }
-                            let lo = _mm256_and_si256(h, two_bits);
-                            let hi = _mm256_and_si256(_mm256_srli_epi16(h, 2), two_bits);
-                            wv[c] = _mm256_or_si256(wv[c], _mm256_slli_epi16(lo, 4));
-                            wv[c + 4] = _mm256_or_si256(wv[c + 4], _mm256_slli_epi16(hi, 4));
-                        }
-                    }
+                    let wv = sub_values256(kind, sub, half);
                     let (scale, min, sc) = if q6 {
                         let f = |at: usize| _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight(at)));
                         let sc = (f(32 + 16 * 2 * j), f(32 + 16 * (2 * j + 1)));

@@ -35,7 +35,8 @@
 
 use std::arch::x86_64::*;
 
-use super::x86::{fifth_bits_256, i16_group, Dot8, Maddubs};
+use super::kquant::x86::sub_values256;
+use super::x86::{block_values256, i16_group, Dot8, Maddubs};
 use super::{kind_of, ActBlock, Kind, Packed, GROUP};
 
 /// Blocks of 32 values per chunk: one K-quant super-block.
@@ -227,48 +228,23 @@ unsafe fn unpack<const K: u8>(
     units: &mut [[Unit; RR]; CH],
 ) {
     let kind = kind_of(K);
-    let nibble = _mm256_set1_epi8(0x0F);
-    let two_bits = _mm256_set1_epi8(3);
     let c = _mm256_set1_epi8(centre(kind) as i8);
     for tile in 0..tiles {
         let p = w.tile(gp + tile).as_ptr();
         for blk in 0..len {
             for half in 0..2 {
                 let u = &mut units[blk][2 * tile + half];
-                let mut wv = [_mm256_setzero_si256(); 8];
+                let mut wv;
                 let f16s = |at: *const u8| _mm256_cvtph_ps(_mm_loadu_si128(at as *const __m128i));
                 if kind.super_block() {
                     // Super-block `b0 / 8`, sub-block `blk` (b0 is a
                     // multiple of 8 and len is 8: k is a multiple of 256).
                     let t = p.add(b0 / CH * kind.k_record());
                     let sub = t.add(kind.sub_at(blk));
-                    let vals = if kind == Kind::Q5K { sub.add(64) } else { sub };
-                    for c in 0..4 {
-                        let raw = _mm256_loadu_si256(vals.add(64 * c + 32 * half) as *const _);
-                        wv[c] = _mm256_and_si256(raw, nibble);
-                        wv[c + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
-                    }
-                    if kind == Kind::Q5K {
-                        let masks = sub as *const u64;
-                        for v in 0..8 {
-                            let k = (masks.add(v).read_unaligned() >> (32 * half)) as u32;
-                            wv[v] = _mm256_or_si256(wv[v], fifth_bits_256(k));
-                        }
-                    }
+                    wv = sub_values256(kind, sub, half);
                     let eight = |at: usize| _mm_loadl_epi64(t.add(at + 8 * half) as *const __m128i);
                     let d = f16s(t.add(16 * half));
                     if kind == Kind::Q6K {
-                        for c in 0..4 {
-                            let at = 256 + 64 * (c / 2) + 32 * half;
-                            let mut h = _mm256_loadu_si256(sub.add(at) as *const _);
-                            if c % 2 == 1 {
-                                h = _mm256_srli_epi16(h, 4);
-                            }
-                            let lo = _mm256_and_si256(h, two_bits);
-                            let hi = _mm256_and_si256(_mm256_srli_epi16(h, 2), two_bits);
-                            wv[c] = _mm256_or_si256(wv[c], _mm256_slli_epi16(lo, 4));
-                            wv[c + 4] = _mm256_or_si256(wv[c + 4], _mm256_slli_epi16(hi, 4));
-                        }
                         let f = |at: usize| _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight(at)));
                         _mm256_store_ps(u.d.as_mut_ptr(), d);
                         _mm256_store_ps(u.m.as_mut_ptr(), f(32 + 16 * 2 * blk));
@@ -287,19 +263,7 @@ unsafe fn unpack<const K: u8>(
                     }
                 } else {
                     let t = p.add((b0 + blk) * kind.record());
-                    let vals = t.add(kind.values_at() + 32 * half);
-                    for c in 0..4 {
-                        let raw = _mm256_loadu_si256(vals.add(64 * c) as *const __m256i);
-                        wv[c] = _mm256_and_si256(raw, nibble);
-                        wv[c + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
-                    }
-                    if kind.high() {
-                        let masks = t.add(kind.masks_at()) as *const u64;
-                        for j in 0..8 {
-                            let k = (masks.add(j).read_unaligned() >> (32 * half)) as u32;
-                            wv[j] = _mm256_or_si256(wv[j], fifth_bits_256(k));
-                        }
-                    }
+                    wv = block_values256(kind, t, half);
                     _mm256_store_ps(u.d.as_mut_ptr(), f16s(t.add(16 * half)));
                     if kind.has_min() {
                         _mm256_store_ps(u.m.as_mut_ptr(), f16s(t.add(32 + 16 * half)));
