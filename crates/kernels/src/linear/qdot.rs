@@ -870,12 +870,19 @@ pub fn qmatvec_keyed<E: FnMut(usize, usize, &[f32])>(
         acts.len() >= t * w.nb && r0 <= r1 && r1 <= w.n && (1..=2).contains(&levels),
         "qmatvec: bad shapes"
     );
-    // AVX2 with a prompt chunk: weights unpacked once per panel (see
-    // `panel`).
+    // AVX2 or AVX-VNNI with a prompt chunk: weights unpacked once per
+    // panel (see `panel`).
     #[cfg(target_arch = "x86_64")]
-    if isa == QIsa::Avx2 && t >= panel::MIN_INPUTS && w.kind != Kind::Q8_0 {
-        // SAFETY: `QIsa::Avx2` comes from CPU detection (AVX2, FMA, F16C).
-        unsafe { panel::products(w, acts, t, levels == 2, r0, r1, emit) };
+    if matches!(isa, QIsa::Avx2 | QIsa::AvxVnni) && t >= panel::MIN_INPUTS && w.kind != Kind::Q8_0 {
+        // SAFETY: `QIsa::Avx2` and `QIsa::AvxVnni` come from CPU detection
+        // (AVX2, FMA, F16C; AVX-VNNI).
+        unsafe {
+            if isa == QIsa::AvxVnni {
+                panel::products_avxvnni(w, acts, t, levels == 2, r0, r1, emit)
+            } else {
+                panel::products(w, acts, t, levels == 2, r0, r1, emit)
+            }
+        };
         return;
     }
     let nb = w.nb;
@@ -956,6 +963,40 @@ pub fn qmatvec_keyed<E: FnMut(usize, usize, &[f32])>(
         // SAFETY: as above.
         unsafe { amx::release() };
     }
+}
+
+/// The AVX-VNNI panels' code (the prompt chunks' products on an AVX-VNNI
+/// CPU, `t ≥ 16` inputs and every kind but Q8_0) in AVX-512 VNNI's
+/// encoding of the same 256-bit `vpdpbusd`, on a CPU with AVX-512 F, VL
+/// and VNNI: for the every-path test and `examples/prefill_tiles` where
+/// AVX-VNNI itself is missing (AMD Zen 4). `None` where it cannot run.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+pub fn qmatvec_vnni_evex_panels<E: FnMut(usize, usize, &[f32])>(
+    w: &Packed,
+    acts: &[ActBlock],
+    t: usize,
+    levels: usize,
+    r0: usize,
+    r1: usize,
+    emit: &mut E,
+) -> Option<()> {
+    let runs = std::arch::is_x86_feature_detected!("avx512f")
+        && std::arch::is_x86_feature_detected!("avx512vl")
+        && std::arch::is_x86_feature_detected!("avx512vnni")
+        && std::arch::is_x86_feature_detected!("avx2")
+        && std::arch::is_x86_feature_detected!("fma")
+        && std::arch::is_x86_feature_detected!("f16c");
+    if !runs || t < panel::MIN_INPUTS || w.kind == Kind::Q8_0 {
+        return None;
+    }
+    assert!(
+        acts.len() >= t * w.nb && r0 <= r1 && r1 <= w.n && (1..=2).contains(&levels),
+        "qmatvec: bad shapes"
+    );
+    // SAFETY: the features were detected above.
+    unsafe { panel::products_vnni_evex(w, acts, t, levels == 2, r0, r1, emit) };
+    Some(())
 }
 
 /// One tile (16 rows of group `g`) against `ni` (1, 4 or, on AVX-512, 8) inputs.
@@ -1884,6 +1925,9 @@ mod x86 {
         /// GB/s from L2 on one Zen 5 core against 40–41; with `maddubs`
         /// (AVX2) 32–33 against 27–35, so AVX2 keeps the shared loop.
         const ONE_INPUT: bool;
+        /// Whether its products come as i16 pairs to be widened (`maddubs`)
+        /// rather than added into 32-bit lanes (`vpdpbusd`).
+        const I16_SUMS: bool;
     }
 
     /// Products of `maddubs` that may be added in i16 before widening:
@@ -1902,6 +1946,20 @@ mod x86 {
 
     pub(super) struct Maddubs;
     pub(super) struct Vnni256;
+    /// [`Vnni256`]'s instruction in AVX-512 VNNI's encoding (for CPUs that
+    /// have AVX-512 VNNI and VL but not AVX-VNNI): the panels' AVX-VNNI
+    /// code run and timed there.
+    pub(super) struct VnniEvex256;
+
+    impl Dot8 for VnniEvex256 {
+        #[inline(always)]
+        unsafe fn dot(acc: __m256i, w: __m256i, q: __m256i) -> __m256i {
+            _mm256_dpbusd_epi32(acc, w, q)
+        }
+        const FLIP: bool = true;
+        const ONE_INPUT: bool = true;
+        const I16_SUMS: bool = false;
+    }
 
     impl Dot8 for Maddubs {
         #[inline(always)]
@@ -1945,6 +2003,7 @@ mod x86 {
         }
         const FLIP: bool = false;
         const ONE_INPUT: bool = false;
+        const I16_SUMS: bool = true;
     }
 
     impl Dot8 for Vnni256 {
@@ -1954,6 +2013,7 @@ mod x86 {
         }
         const FLIP: bool = true;
         const ONE_INPUT: bool = true;
+        const I16_SUMS: bool = false;
     }
 
     /// # Safety
@@ -2256,16 +2316,50 @@ mod tests {
                 for levels in [1, 2] {
                     let acts = acts_of(&x, t, k, levels);
                     let want = qmatvec_slow(&w, &acts, t, levels);
-                    for isa in QIsa::available() {
+                    // Each instruction set, and (`None`) the AVX-VNNI panels'
+                    // code in AVX-512 VNNI's encoding where that runs.
+                    let paths = QIsa::available().into_iter().map(Some).chain([None]);
+                    for isa in paths {
+                        #[cfg(target_arch = "x86_64")]
+                        if isa.is_none()
+                            && crate::testing::qmatvec_vnni_evex_panels(
+                                &p,
+                                &acts,
+                                t,
+                                levels,
+                                0,
+                                0,
+                                &mut |_, _, _| {},
+                            )
+                            .is_none()
+                        {
+                            continue;
+                        }
+                        #[cfg(not(target_arch = "x86_64"))]
+                        if isa.is_none() {
+                            continue;
+                        }
                         for splits in [&[][..], &[5][..], &[16, 17, 32][..]] {
                             let mut got = vec![f32::NAN; t * n];
                             let mut bounds = vec![0];
                             bounds.extend(splits);
                             bounds.push(n);
                             for pr in bounds.windows(2) {
-                                qmatvec(isa, &p, &acts, t, levels, pr[0], pr[1], &mut |i, r, v| {
+                                let mut emit = |i: usize, r: usize, v: &[f32]| {
                                     got[i * n + r..][..v.len()].copy_from_slice(v)
-                                });
+                                };
+                                match isa {
+                                    Some(isa) => {
+                                        qmatvec(isa, &p, &acts, t, levels, pr[0], pr[1], &mut emit)
+                                    }
+                                    #[cfg(target_arch = "x86_64")]
+                                    None => crate::testing::qmatvec_vnni_evex_panels(
+                                        &p, &acts, t, levels, pr[0], pr[1], &mut emit,
+                                    )
+                                    .unwrap(),
+                                    #[cfg(not(target_arch = "x86_64"))]
+                                    None => unreachable!(),
+                                }
                             }
                             for (a, b) in got.iter().zip(&want) {
                                 assert_eq!(

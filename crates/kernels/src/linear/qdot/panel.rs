@@ -1,5 +1,5 @@
-//! AVX2 products of many inputs (a prompt chunk) with weights unpacked
-//! once per panel.
+//! AVX2 and AVX-VNNI products of many inputs (a prompt chunk) with
+//! weights unpacked once per panel.
 //!
 //! The tiles ([`super::x86`]'s `tile_256`) hold a weight register in each
 //! product and broadcast the activations, four bytes at a time: `maddubs`
@@ -32,11 +32,19 @@
 //! order, so the results are the same bits (tested with every other path
 //! against [`super::qmatvec_slow`]). Q8_0 (signed bytes that do not fit
 //! the trick's pairs) keeps the tiles.
+//!
+//! AVX-VNNI's `vpdpbusd` takes the same operands (unsigned from a
+//! register, signed from memory) and adds each lane's four products
+//! straight into i32, so the same panels run on it without the i16 sums
+//! and their widening `madd` (one instruction in 16 for 4-bit weights, and
+//! the i16 adds: 14 of them). On one Zen 4 core, where the instruction runs
+//! in AVX-512 VNNI's encoding ([`products_vnni_evex`]), the panels ran
+//! 1.2–1.4× their `maddubs` form at the 1B model's shapes.
 
 use std::arch::x86_64::*;
 
 use super::kquant::x86::sub_values256;
-use super::x86::{block_values256, i16_group, Dot8, Maddubs};
+use super::x86::{block_values256, i16_group, Dot8, Maddubs, Vnni256, VnniEvex256};
 use super::{kind_of, ActBlock, Kind, Packed, GROUP};
 
 /// Blocks of 32 values per chunk: one K-quant super-block.
@@ -88,8 +96,8 @@ const fn centre(kind: Kind) -> i32 {
 }
 
 /// Rows `[r0, r1)` of `w` times `t ≥ MIN_INPUTS` inputs, as
-/// [`super::qmatvec_keyed`] (which calls it for AVX2 and every kind but
-/// Q8_0).
+/// [`super::qmatvec_keyed`] (which calls it, or [`products_avxvnni`], for
+/// AVX2 or AVX-VNNI and every kind but Q8_0).
 ///
 /// # Safety
 /// The CPU has AVX2, FMA and F16C.
@@ -104,11 +112,67 @@ pub(super) unsafe fn products<E: FnMut(usize, usize, &[f32])>(
     r1: usize,
     emit: &mut E,
 ) {
+    by_kind::<Maddubs, E>(w, acts, t, two, r0, r1, emit)
+}
+
+/// [`products`] with AVX-VNNI's `vpdpbusd`, which takes the flipped
+/// activations as its unsigned operand and the signed weights from memory
+/// as `maddubs` does, and adds its four products a lane straight into
+/// i32: no i16 sums to widen.
+///
+/// # Safety
+/// The CPU has AVX-VNNI, AVX2, FMA and F16C.
+#[target_feature(enable = "avxvnni,avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn products_avxvnni<E: FnMut(usize, usize, &[f32])>(
+    w: &Packed,
+    acts: &[ActBlock],
+    t: usize,
+    two: bool,
+    r0: usize,
+    r1: usize,
+    emit: &mut E,
+) {
+    by_kind::<Vnni256, E>(w, acts, t, two, r0, r1, emit)
+}
+
+/// [`products_avxvnni`] in AVX-512 VNNI's encoding of the same 256-bit
+/// instruction, for CPUs with AVX-512 VNNI and without AVX-VNNI (AMD Zen
+/// 4): the every-path test runs the AVX-VNNI panels' code there, and
+/// `examples/prefill_tiles --isas avxvnni-evex` times it.
+///
+/// # Safety
+/// The CPU has AVX-512 F, VL and VNNI, AVX2, FMA and F16C.
+#[target_feature(enable = "avx512f,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn products_vnni_evex<E: FnMut(usize, usize, &[f32])>(
+    w: &Packed,
+    acts: &[ActBlock],
+    t: usize,
+    two: bool,
+    r0: usize,
+    r1: usize,
+    emit: &mut E,
+) {
+    by_kind::<VnniEvex256, E>(w, acts, t, two, r0, r1, emit)
+}
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn by_kind<D: Dot8, E: FnMut(usize, usize, &[f32])>(
+    w: &Packed,
+    acts: &[ActBlock],
+    t: usize,
+    two: bool,
+    r0: usize,
+    r1: usize,
+    emit: &mut E,
+) {
     macro_rules! kinds {
         ($($k:ident $n:literal),*) => {
             match (w.kind, two) {
-                $((Kind::$k, false) => panels::<$n, false, E>(w, acts, t, r0, r1, emit),
-                  (Kind::$k, true) => panels::<$n, true, E>(w, acts, t, r0, r1, emit),)*
+                $((Kind::$k, false) => panels::<D, $n, false, E>(w, acts, t, r0, r1, emit),
+                  (Kind::$k, true) => panels::<D, $n, true, E>(w, acts, t, r0, r1, emit),)*
                 (Kind::Q8_0, _) => unreachable!("Q8_0 keeps the tiles"),
             }
         };
@@ -117,7 +181,7 @@ pub(super) unsafe fn products<E: FnMut(usize, usize, &[f32])>(
 }
 
 #[inline(always)]
-unsafe fn panels<const K: u8, const TWO: bool, E: FnMut(usize, usize, &[f32])>(
+unsafe fn panels<D: Dot8, const K: u8, const TWO: bool, E: FnMut(usize, usize, &[f32])>(
     w: &Packed,
     acts: &[ActBlock],
     t: usize,
@@ -164,9 +228,9 @@ unsafe fn panels<const K: u8, const TWO: bool, E: FnMut(usize, usize, &[f32])>(
                     let s = sums[i..i + 2].as_mut_ptr();
                     let s = [&mut *s, &mut *s.add(1)];
                     if tiles == 2 {
-                        run2::<K, TWO, RR>(&units, [a(i), a(i + 1)], [f(i), f(i + 1)], s);
+                        run2::<D, K, TWO, RR>(&units, [a(i), a(i + 1)], [f(i), f(i + 1)], s);
                     } else {
-                        run2::<K, TWO, 2>(&units, [a(i), a(i + 1)], [f(i), f(i + 1)], s);
+                        run2::<D, K, TWO, 2>(&units, [a(i), a(i + 1)], [f(i), f(i + 1)], s);
                     }
                     i += 2;
                 }
@@ -174,9 +238,9 @@ unsafe fn panels<const K: u8, const TWO: bool, E: FnMut(usize, usize, &[f32])>(
                     let a = &acts[(p0 + i) * nb + b0..][..len];
                     let f = &flipped[i * nb + b0..][..len];
                     if tiles == 2 {
-                        run::<K, TWO, RR>(&units, a, f, s);
+                        run::<D, K, TWO, RR>(&units, a, f, s);
                     } else {
-                        run::<K, TWO, 2>(&units, a, f, s);
+                        run::<D, K, TWO, 2>(&units, a, f, s);
                     }
                 }
             }
@@ -287,7 +351,7 @@ unsafe fn unpack<const K: u8>(
 /// One input's blocks `a` (a chunk) against its unpacked units, added to
 /// its sums `s` for the first `R` registers of rows.
 #[inline(always)]
-unsafe fn run<const K: u8, const TWO: bool, const R: usize>(
+unsafe fn run<D: Dot8, const K: u8, const TWO: bool, const R: usize>(
     units: &[[Unit; RR]; CH],
     a: &[ActBlock],
     flipped: &[[[u8; 32]; 2]],
@@ -320,14 +384,14 @@ unsafe fn run<const K: u8, const TWO: bool, const R: usize>(
                     let mut lo = ld(&u[r].c0);
                     let mut hi = ld(&u[r].c1);
                     for j in [0, 2] {
-                        lo = Maddubs::dot2(lo, (q[j], wj(r, j)), (q[j + 1], wj(r, j + 1)));
-                        hi = Maddubs::dot2(hi, (q[j + 4], wj(r, j + 4)), (q[j + 5], wj(r, j + 5)));
+                        lo = D::dot2(lo, (q[j], wj(r, j)), (q[j + 1], wj(r, j + 1)));
+                        hi = D::dot2(hi, (q[j + 4], wj(r, j + 4)), (q[j + 5], wj(r, j + 5)));
                     }
                     let lo = _mm256_mul_ps(_mm256_cvtepi32_ps(lo), ldf(&u[r].m));
                     _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), ldf(&u[r].sc1), lo)
                 } else {
                     let init = _mm256_add_epi32(ld(&u[r].c0), e);
-                    _mm256_cvtepi32_ps(Maddubs::chains(init, bits, |j| (q[j], wj(r, j))))
+                    _mm256_cvtepi32_ps(D::chains(init, bits, |j| (q[j], wj(r, j))))
                 };
                 f[r] = if l == 0 {
                     _mm256_mul_ps(v, dl)
@@ -351,10 +415,13 @@ unsafe fn run<const K: u8, const TWO: bool, const R: usize>(
 /// [`run`] for two inputs at once and the kinds other than Q6_K: per
 /// 32-bit quad of values, the `R` weight registers loaded once and each
 /// met by both inputs' broadcasts, the `2·R` sums added in i16 in the
-/// tiles' groups. (One load for every 1.3 products instead of one for
+/// tiles' groups (`maddubs`) or in i32 (`vpdpbusd`: from zero, the
+/// corrections added after the products: started from the corrections,
+/// Q4_0 ran at 50 G a second on Zen 4 against 66–71 this way, the cause
+/// not found). (One load for every 1.3 products instead of one for
 /// each: the loads into the vector unit, two a cycle, bound [`run`].)
 #[inline(always)]
-unsafe fn run2<const K: u8, const TWO: bool, const R: usize>(
+unsafe fn run2<D: Dot8, const K: u8, const TWO: bool, const R: usize>(
     units: &[[Unit; RR]; CH],
     a: [&[ActBlock]; 2],
     flipped: [&[[[u8; 32]; 2]]; 2],
@@ -376,45 +443,79 @@ unsafe fn run2<const K: u8, const TWO: bool, const R: usize>(
                 flipped[0][blk][l].as_ptr() as *const i32,
                 flipped[1][blk][l].as_ptr() as *const i32,
             ];
-            let mut sum = [[_mm256_setzero_si256(); 2]; R];
-            for g in 0..8 / group {
-                let mut acc = [[_mm256_setzero_si256(); 2]; R];
-                for jj in 0..group {
-                    let j = g * group + jj;
-                    let q = [
-                        _mm256_set1_epi32(fq[0].add(j).read_unaligned()),
-                        _mm256_set1_epi32(fq[1].add(j).read_unaligned()),
-                    ];
+            // The integer sums, corrections included: the same integers
+            // either way.
+            let sum = if D::I16_SUMS {
+                let mut sum = [[_mm256_setzero_si256(); 2]; R];
+                for g in 0..8 / group {
+                    let mut acc = [[_mm256_setzero_si256(); 2]; R];
+                    for jj in 0..group {
+                        let j = g * group + jj;
+                        let q = [
+                            _mm256_set1_epi32(fq[0].add(j).read_unaligned()),
+                            _mm256_set1_epi32(fq[1].add(j).read_unaligned()),
+                        ];
+                        for r in 0..R {
+                            // Volatile: loaded again for the second level, not
+                            // kept (or copied to the stack) from the first.
+                            let w = (u[r].w[j].as_ptr() as *const __m256i).read_volatile();
+                            for i in 0..2 {
+                                let p = _mm256_maddubs_epi16(q[i], w);
+                                acc[r][i] = if jj == 0 {
+                                    p
+                                } else {
+                                    _mm256_add_epi16(acc[r][i], p)
+                                };
+                            }
+                        }
+                    }
                     for r in 0..R {
-                        // Volatile: loaded again for the second level, not
-                        // kept (or copied to the stack) from the first.
-                        let w = (u[r].w[j].as_ptr() as *const __m256i).read_volatile();
                         for i in 0..2 {
-                            let p = _mm256_maddubs_epi16(q[i], w);
-                            acc[r][i] = if jj == 0 {
-                                p
+                            let w = _mm256_madd_epi16(acc[r][i], ones);
+                            sum[r][i] = if g == 0 {
+                                w
                             } else {
-                                _mm256_add_epi16(acc[r][i], p)
+                                _mm256_add_epi32(sum[r][i], w)
                             };
                         }
                     }
                 }
                 for r in 0..R {
+                    let c = ld(&u[r].c0);
                     for i in 0..2 {
-                        let w = _mm256_madd_epi16(acc[r][i], ones);
-                        sum[r][i] = if g == 0 {
-                            w
-                        } else {
-                            _mm256_add_epi32(sum[r][i], w)
-                        };
+                        let e = _mm256_set1_epi32(cs * ab[i].s[l]);
+                        sum[r][i] = _mm256_add_epi32(sum[r][i], _mm256_add_epi32(c, e));
                     }
                 }
-            }
+                sum
+            } else {
+                // `vpdpbusd`: each product of four added into the lane,
+                // from the corrections on.
+                let mut acc = [[_mm256_setzero_si256(); 2]; R];
+                for j in 0..8 {
+                    let q = [
+                        _mm256_set1_epi32(fq[0].add(j).read_unaligned()),
+                        _mm256_set1_epi32(fq[1].add(j).read_unaligned()),
+                    ];
+                    for r in 0..R {
+                        let w = (u[r].w[j].as_ptr() as *const __m256i).read_volatile();
+                        for i in 0..2 {
+                            acc[r][i] = D::dot(acc[r][i], q[i], w);
+                        }
+                    }
+                }
+                for r in 0..R {
+                    let c = ld(&u[r].c0);
+                    for i in 0..2 {
+                        let e = _mm256_set1_epi32(cs * ab[i].s[l]);
+                        acc[r][i] = _mm256_add_epi32(acc[r][i], _mm256_add_epi32(c, e));
+                    }
+                }
+                acc
+            };
             for r in 0..R {
-                let c = ld(&u[r].c0);
                 for i in 0..2 {
-                    let e = _mm256_set1_epi32(cs * ab[i].s[l]);
-                    let v = _mm256_cvtepi32_ps(_mm256_add_epi32(sum[r][i], _mm256_add_epi32(c, e)));
+                    let v = _mm256_cvtepi32_ps(sum[r][i]);
                     let dl = _mm256_set1_ps(ab[i].d[l]);
                     f[r][i] = if l == 0 {
                         _mm256_mul_ps(v, dl)
