@@ -9,7 +9,8 @@
 //! [--n 2048] [--k 2048] [--t 128] [--levels 2] [--rounds 5] [--isas amx,avx512vnni]`
 //! (`--isas`: only these, by their names below, lower case; on a CPU
 //! with AVX-512 VNNI, `avxvnni-evex` adds the AVX-VNNI panels' code in
-//! AVX-512 VNNI's encoding, for CPUs without AVX-VNNI)
+//! AVX-512 VNNI's encoding, for CPUs without AVX-VNNI, and for the
+//! 32-value block formats the AVX-VNNI tiles' code in that encoding)
 
 use std::time::Instant;
 
@@ -67,7 +68,10 @@ fn main() -> anyhow::Result<()> {
     #[cfg(not(target_arch = "x86_64"))]
     let evex = false;
     if evex {
-        names.push("AvxVnni-evex".into());
+        names.push("AvxVnni-evex panels".into());
+        if !matches!(dtype, GgmlDType::Q4K | GgmlDType::Q6K | GgmlDType::Q8_0) {
+            names.push("AvxVnni-evex tiles".into());
+        }
     }
     anyhow::ensure!(!names.is_empty(), "no instruction set of --isas runs here");
     let mut best = vec![0f64; names.len()];
@@ -81,6 +85,11 @@ fn main() -> anyhow::Result<()> {
                     |i: usize, r: usize, v: &[f32]| out[i * n + r..][..v.len()].copy_from_slice(v);
                 match isas.get(j) {
                     Some(&isa) => qmatvec(isa, &packed, &acts, t, levels, 0, n, &mut emit),
+                    #[cfg(target_arch = "x86_64")]
+                    None if j > isas.len() => tessera_kernels::testing::qmatvec_vnni_evex_tiles(
+                        &packed, &acts, t, levels, &mut emit,
+                    )
+                    .ok_or_else(|| anyhow::anyhow!("the evex tiles did not run"))?,
                     #[cfg(target_arch = "x86_64")]
                     None => tessera_kernels::testing::qmatvec_vnni_evex_panels(
                         &packed, &acts, t, levels, 0, n, &mut emit,

@@ -102,7 +102,7 @@ pub fn cache_geometry(cache: &Tensor) -> Result<(usize, usize, usize, usize)> {
 /// Deterministic tensors for tests and benches, and an allocation counter.
 pub mod testing {
     #[cfg(target_arch = "x86_64")]
-    pub use crate::linear::qdot::qmatvec_vnni_evex_panels;
+    pub use crate::linear::qdot::{qmatvec_vnni_evex_panels, qmatvec_vnni_evex_tiles};
     /// The largest single allocation made on the calling thread, for fuzz
     /// tests that check a loader allocates no more than its input justifies.
     /// Counted only in binaries that install [`CountingAlloc`].

@@ -999,6 +999,61 @@ pub fn qmatvec_vnni_evex_panels<E: FnMut(usize, usize, &[f32])>(
     Some(())
 }
 
+/// The AVX-VNNI tiles of the 32-value block formats (but Q8_0) in AVX-512
+/// VNNI's encoding, four inputs at a time, all rows: what
+/// [`qmatvec_vnni_evex_panels`] is timed against in
+/// `examples/prefill_tiles`. `None` where it cannot run.
+#[cfg(target_arch = "x86_64")]
+pub fn qmatvec_vnni_evex_tiles<E: FnMut(usize, usize, &[f32])>(
+    w: &Packed,
+    acts: &[ActBlock],
+    t: usize,
+    levels: usize,
+    emit: &mut E,
+) -> Option<()> {
+    let runs = std::arch::is_x86_feature_detected!("avx512f")
+        && std::arch::is_x86_feature_detected!("avx512vl")
+        && std::arch::is_x86_feature_detected!("avx512vnni")
+        && std::arch::is_x86_feature_detected!("fma")
+        && std::arch::is_x86_feature_detected!("f16c");
+    if !runs || w.kind.super_block() || w.kind == Kind::Q8_0 {
+        return None;
+    }
+    assert!(
+        acts.len() >= t * w.nb && (1..=2).contains(&levels),
+        "qmatvec: bad shapes"
+    );
+    let nb = w.nb;
+    let mut out = [[0f32; GROUP]; MAX_NI];
+    for g in 0..w.n.div_ceil(GROUP) {
+        let mut i = 0;
+        while i < t {
+            let ni = if t - i >= 4 { 4 } else { 1 };
+            let ins: [&[ActBlock]; MAX_NI] = std::array::from_fn(|j| {
+                let at = i + j.min(ni - 1);
+                &acts[at * nb..(at + 1) * nb]
+            });
+            // SAFETY: the features were detected above.
+            unsafe {
+                tile_match!(
+                    tile_vnni_evex,
+                    (w, g, &ins, &mut out),
+                    levels == 2,
+                    ni,
+                    [Q4_0 0, Q4_1 1, Q5_0 3, Q5_1 4],
+                    "a 32-value block format"
+                )
+            };
+            let (lo, hi) = (g * GROUP, ((g + 1) * GROUP).min(w.n));
+            for (di, o) in out[..ni].iter().enumerate() {
+                emit(i + di, lo, &o[..hi - lo]);
+            }
+            i += ni;
+        }
+    }
+    Some(())
+}
+
 /// One tile (16 rows of group `g`) against `ni` (1, 4 or, on AVX-512, 8) inputs.
 fn run_tile(
     isa: QIsa,
@@ -1103,7 +1158,7 @@ fn tile_portable<const K: u8, const TWO: bool, const NI: usize>(
 }
 
 #[cfg(target_arch = "x86_64")]
-use x86::{quantize_avx2, quantize_avx512, tile_avx2, tile_avx512, tile_avxvnni};
+use x86::{quantize_avx2, quantize_avx512, tile_avx2, tile_avx512, tile_avxvnni, tile_vnni_evex};
 
 #[cfg(target_arch = "aarch64")]
 use arm::{quantize_neon, tile_neon};
@@ -2038,6 +2093,21 @@ mod x86 {
         out: &mut [[f32; GROUP]; MAX_NI],
     ) {
         tile_256::<Vnni256, K, TWO, NI>(w, g, ins, out)
+    }
+
+    /// [`tile_avxvnni`] in AVX-512 VNNI's encoding (the tiles the AVX-VNNI
+    /// panels are timed against where AVX-VNNI is missing).
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F, VL and VNNI, AVX2, FMA and F16C.
+    #[target_feature(enable = "avx512f,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub(super) unsafe fn tile_vnni_evex<const K: u8, const TWO: bool, const NI: usize>(
+        w: &Packed,
+        g: usize,
+        ins: &[&[ActBlock]; MAX_NI],
+        out: &mut [[f32; GROUP]; MAX_NI],
+    ) {
+        tile_256::<VnniEvex256, K, TWO, NI>(w, g, ins, out)
     }
 
     /// One level's integer sums for 8 rows.
