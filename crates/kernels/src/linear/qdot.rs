@@ -870,10 +870,17 @@ pub fn qmatvec_keyed<E: FnMut(usize, usize, &[f32])>(
         acts.len() >= t * w.nb && r0 <= r1 && r1 <= w.n && (1..=2).contains(&levels),
         "qmatvec: bad shapes"
     );
-    // AVX2 or AVX-VNNI with a prompt chunk: weights unpacked once per
-    // panel (see `panel`).
+    // AVX2 or AVX-VNNI with a prompt chunk at two levels: weights
+    // unpacked once per panel (see `panel`). One level keeps the tiles:
+    // on the panels the `--activations int8` prefill of a 1B model (Zen 4
+    // forced to AVX2) fell from 113–117 tok/s to 75–101 (Q4_0), the
+    // unpacking and float steps not halving with the products.
     #[cfg(target_arch = "x86_64")]
-    if matches!(isa, QIsa::Avx2 | QIsa::AvxVnni) && t >= panel::MIN_INPUTS && w.kind != Kind::Q8_0 {
+    if matches!(isa, QIsa::Avx2 | QIsa::AvxVnni)
+        && levels == 2
+        && t >= panel::MIN_INPUTS
+        && w.kind != Kind::Q8_0
+    {
         // SAFETY: `QIsa::Avx2` and `QIsa::AvxVnni` come from CPU detection
         // (AVX2, FMA, F16C; AVX-VNNI).
         unsafe {

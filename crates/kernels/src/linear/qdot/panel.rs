@@ -97,7 +97,7 @@ const fn centre(kind: Kind) -> i32 {
 
 /// Rows `[r0, r1)` of `w` times `t ≥ MIN_INPUTS` inputs, as
 /// [`super::qmatvec_keyed`] (which calls it, or [`products_avxvnni`], for
-/// AVX2 or AVX-VNNI and every kind but Q8_0).
+/// AVX2 or AVX-VNNI, two levels and every kind but Q8_0).
 ///
 /// # Safety
 /// The CPU has AVX2, FMA and F16C.
