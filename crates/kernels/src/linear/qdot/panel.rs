@@ -415,10 +415,7 @@ unsafe fn run<D: Dot8, const K: u8, const TWO: bool, const R: usize>(
 /// [`run`] for two inputs at once and the kinds other than Q6_K: per
 /// 32-bit quad of values, the `R` weight registers loaded once and each
 /// met by both inputs' broadcasts, the `2·R` sums added in i16 in the
-/// tiles' groups (`maddubs`) or in i32 (`vpdpbusd`: from zero, the
-/// corrections added after the products: started from the corrections,
-/// Q4_0 ran at 50 G a second on Zen 4 against 66–71 this way, the cause
-/// not found). (One load for every 1.3 products instead of one for
+/// tiles' groups (`maddubs`) or in i32 (`vpdpbusd`). (One load for every 1.3 products instead of one for
 /// each: the loads into the vector unit, two a cycle, bound [`run`].)
 #[inline(always)]
 unsafe fn run2<D: Dot8, const K: u8, const TWO: bool, const R: usize>(
@@ -429,7 +426,7 @@ unsafe fn run2<D: Dot8, const K: u8, const TWO: bool, const R: usize>(
 ) {
     let kind = kind_of(K);
     let bits = kind.bits();
-    let group = i16_group(bits);
+    let group = if D::I16_SUMS { i16_group(bits) } else { 8 };
     let cs = centre(kind) + kind.bias();
     let ones = _mm256_set1_epi16(1);
     let mut y: [[__m256; 2]; R] =
@@ -443,76 +440,58 @@ unsafe fn run2<D: Dot8, const K: u8, const TWO: bool, const R: usize>(
                 flipped[0][blk][l].as_ptr() as *const i32,
                 flipped[1][blk][l].as_ptr() as *const i32,
             ];
-            // The integer sums, corrections included: the same integers
-            // either way.
-            let sum = if D::I16_SUMS {
-                let mut sum = [[_mm256_setzero_si256(); 2]; R];
-                for g in 0..8 / group {
-                    let mut acc = [[_mm256_setzero_si256(); 2]; R];
-                    for jj in 0..group {
-                        let j = g * group + jj;
-                        let q = [
-                            _mm256_set1_epi32(fq[0].add(j).read_unaligned()),
-                            _mm256_set1_epi32(fq[1].add(j).read_unaligned()),
-                        ];
-                        for r in 0..R {
-                            // Volatile: loaded again for the second level, not
-                            // kept (or copied to the stack) from the first.
-                            let w = (u[r].w[j].as_ptr() as *const __m256i).read_volatile();
-                            for i in 0..2 {
-                                let p = _mm256_maddubs_epi16(q[i], w);
-                                acc[r][i] = if jj == 0 {
-                                    p
-                                } else {
-                                    _mm256_add_epi16(acc[r][i], p)
-                                };
-                            }
-                        }
-                    }
-                    for r in 0..R {
-                        for i in 0..2 {
-                            let w = _mm256_madd_epi16(acc[r][i], ones);
-                            sum[r][i] = if g == 0 {
-                                w
-                            } else {
-                                _mm256_add_epi32(sum[r][i], w)
-                            };
-                        }
-                    }
-                }
-                for r in 0..R {
-                    let c = ld(&u[r].c0);
-                    for i in 0..2 {
-                        let e = _mm256_set1_epi32(cs * ab[i].s[l]);
-                        sum[r][i] = _mm256_add_epi32(sum[r][i], _mm256_add_epi32(c, e));
-                    }
-                }
-                sum
-            } else {
-                // `vpdpbusd`: each product of four added into the lane,
-                // from the corrections on.
+            // The integer sums: with `maddubs` the products of a group added
+            // in i16 and widened by `madd`; with `vpdpbusd` one group of all
+            // eight, added into i32 as they come. Then the corrections.
+            let mut sum = [[_mm256_setzero_si256(); 2]; R];
+            for g in 0..8 / group {
                 let mut acc = [[_mm256_setzero_si256(); 2]; R];
-                for j in 0..8 {
+                for jj in 0..group {
+                    let j = g * group + jj;
                     let q = [
                         _mm256_set1_epi32(fq[0].add(j).read_unaligned()),
                         _mm256_set1_epi32(fq[1].add(j).read_unaligned()),
                     ];
                     for r in 0..R {
+                        // Volatile: loaded again for the second level, not
+                        // kept (or copied to the stack) from the first.
                         let w = (u[r].w[j].as_ptr() as *const __m256i).read_volatile();
                         for i in 0..2 {
-                            acc[r][i] = D::dot(acc[r][i], q[i], w);
+                            acc[r][i] = if !D::I16_SUMS {
+                                D::dot(acc[r][i], q[i], w)
+                            } else if jj == 0 {
+                                _mm256_maddubs_epi16(q[i], w)
+                            } else {
+                                _mm256_add_epi16(acc[r][i], _mm256_maddubs_epi16(q[i], w))
+                            };
                         }
                     }
                 }
                 for r in 0..R {
-                    let c = ld(&u[r].c0);
                     for i in 0..2 {
-                        let e = _mm256_set1_epi32(cs * ab[i].s[l]);
-                        acc[r][i] = _mm256_add_epi32(acc[r][i], _mm256_add_epi32(c, e));
+                        let w = if D::I16_SUMS {
+                            _mm256_madd_epi16(acc[r][i], ones)
+                        } else {
+                            acc[r][i]
+                        };
+                        sum[r][i] = if g == 0 {
+                            w
+                        } else {
+                            _mm256_add_epi32(sum[r][i], w)
+                        };
                     }
                 }
-                acc
-            };
+            }
+            // The corrections after the products (started from them, the
+            // `vpdpbusd` chains ran Q4_0 at 50 G a second on Zen 4 against
+            // 66–71 this way, the cause not found).
+            for r in 0..R {
+                let c = ld(&u[r].c0);
+                for i in 0..2 {
+                    let e = _mm256_set1_epi32(cs * ab[i].s[l]);
+                    sum[r][i] = _mm256_add_epi32(sum[r][i], _mm256_add_epi32(c, e));
+                }
+            }
             for r in 0..R {
                 for i in 0..2 {
                     let v = _mm256_cvtepi32_ps(sum[r][i]);
