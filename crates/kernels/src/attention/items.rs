@@ -259,6 +259,8 @@ impl AttnPlan {
 #[derive(Debug, Default)]
 pub struct AttnScratch {
     k: Vec<f32>,
+    /// A tile's keys transposed in blocks of sixteen (see [`tile_kt`]).
+    kt: Vec<f32>,
     v: Vec<f32>,
     s: Vec<f32>,
     rec: Vec<f32>,
@@ -834,25 +836,37 @@ unsafe fn item_one_nc<L: Lanes, R: Rows>(
     }
 }
 
-/// [`values_lanes`] for two queries over the same values: eight chains of
-/// fused sums instead of four, each query's in its own order as there.
+/// [`values_lanes`] for `Q` queries over the same values: `4·Q` chains of
+/// fused sums, each query's in its own order as there (so the same bits).
 #[inline(always)]
-unsafe fn values_lanes2<L: Lanes>(p: [&[f32]; 2], v: &[f32], hd: usize, mut acc: [&mut [f32]; 2]) {
+unsafe fn values_lanes_q<L: Lanes, const Q: usize>(
+    p: [&[f32]; Q],
+    v: &[f32],
+    hd: usize,
+    mut acc: [&mut [f32]; Q],
+) {
     let nc = hd / 16;
     let n = p[0].len();
-    assert!(p[1].len() == n && v.len() >= n * hd && acc[0].len() >= hd && acc[1].len() >= hd);
+    assert!(v.len() >= n * hd);
+    for q in 0..Q {
+        assert!(p[q].len() == n && acc[q].len() >= hd);
+    }
     let vp = v.as_ptr();
     let mut g = 0;
     while g < nc {
         let m = (nc - g).min(4);
-        let mut a = [[L::zero(); 4]; 2];
+        let mut a = [[L::zero(); 4]; Q];
         for i in 0..n {
-            let pv = [L::splat(p[0][i]), L::splat(p[1][i])];
+            let mut pv = [L::zero(); Q];
+            for q in 0..Q {
+                pv[q] = L::splat(*p[q].get_unchecked(i));
+            }
             let row = vp.add(i * hd + g * 16);
             for c in 0..m {
                 let x = L::load(at16(row.add(16 * c)));
-                a[0][c] = L::fma(pv[0], x, a[0][c]);
-                a[1][c] = L::fma(pv[1], x, a[1][c]);
+                for q in 0..Q {
+                    a[q][c] = L::fma(pv[q], x, a[q][c]);
+                }
             }
         }
         for (a, out) in a.iter().zip(acc.iter_mut()) {
@@ -864,6 +878,111 @@ unsafe fn values_lanes2<L: Lanes>(p: [&[f32]; 2], v: &[f32], hd: usize, mut acc:
             }
         }
         g += m;
+    }
+}
+
+/// [`scores_kt`]'s `v4(l4) = (a(l4) + a(l4 + 8)) + (a(l4 + 4) + a(l4 +
+/// 12))` for each query (no closures: a closure called through library
+/// code loses the caller's target features).
+#[inline(always)]
+unsafe fn scores_kt_v4<L: Lanes, const Q: usize>(
+    q: [*const f32; Q],
+    kt: *const f32,
+    nc: usize,
+    l4: usize,
+) -> [L; Q] {
+    let mut a = [[L::zero(); Q]; 4];
+    for c in 0..nc {
+        for k in 0..4 {
+            let d = 16 * c + l4 + 4 * k;
+            let x = L::load(at16(kt.add(16 * d)));
+            for j in 0..Q {
+                a[k][j] = L::fma(L::splat(*q[j].add(d)), x, a[k][j]);
+            }
+        }
+    }
+    let mut v = [L::zero(); Q];
+    for j in 0..Q {
+        v[j] = L::add(L::add(a[0][j], a[2][j]), L::add(a[1][j], a[3][j]));
+    }
+    v
+}
+
+/// Scores of `Q` queries against sixteen keys held transposed (`kt[16·d +
+/// r]`: dimension `d` of key `r`), lanes over keys: lane `r` of chain `l`
+/// is the fused sum over `c` of `q[16c + l] · k_r[16c + l]` from zero,
+/// which is lane `l` of [`scores_nc`]'s accumulator for key `r`; the
+/// sixteen chains are then added by the same fixed tree as
+/// [`Lanes::reduce`] (`v8(l) = a(l) + a(l+8)`, `v4(l) = v8(l) + v8(l+4)`,
+/// `(v4(0) + v4(2)) + (v4(1) + v4(3))`) and scaled: the same bits as the
+/// row-major path, with no shuffles and each key load shared by the
+/// queries.
+#[inline(always)]
+unsafe fn scores_kt<L: Lanes, const Q: usize>(
+    q: [*const f32; Q],
+    kt: *const f32,
+    nc: usize,
+    scale: L,
+    out: [*mut f32; Q],
+) {
+    let v0 = scores_kt_v4::<L, Q>(q, kt, nc, 0);
+    let v2 = scores_kt_v4::<L, Q>(q, kt, nc, 2);
+    let mut t02 = [L::zero(); Q];
+    for j in 0..Q {
+        t02[j] = L::add(v0[j], v2[j]);
+    }
+    let v1 = scores_kt_v4::<L, Q>(q, kt, nc, 1);
+    let v3 = scores_kt_v4::<L, Q>(q, kt, nc, 3);
+    for j in 0..Q {
+        let s = L::add(t02[j], L::add(v1[j], v3[j]));
+        L::mul(s, scale).store(&mut *(out[j] as *mut [f32; 16]));
+    }
+}
+
+/// `Q` query heads (from `h0`) of token `t` over the chunk's transposed
+/// keys `kt` and values `v` (rows from the copy's start): scores for the
+/// blocks of sixteen keys that hold the token's rows `off..off + n`, then
+/// softmax and values as [`item_head`]'s row-major path.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn heads_kt<L: Lanes, const Q: usize>(
+    inp: &AttnInput,
+    t: usize,
+    h0: usize,
+    (off, n): (usize, usize),
+    (kt, v): (&[f32], &[f32]),
+    (s, rec): (&mut [f32], &mut [f32]),
+    mut write: impl FnMut(usize, &[f32]),
+) {
+    let sh = inp.shape;
+    let (nh, hd) = (sh.n_heads, sh.head_dim);
+    let nc = hd / 16;
+    let (b0, b1) = (off / 16, (off + n).div_ceil(16));
+    assert!(kt.len() >= b1 * 16 * hd && v.len() >= (off + n) * hd);
+    assert!(s.len() >= Q * CHUNK && rec.len() >= Q * (hd + 2) && b1 * 16 <= CHUNK);
+    assert!((t * nh + h0 + Q) * hd <= inp.q.len());
+    let qp: [*const f32; Q] = std::array::from_fn(|j| inp.q.as_ptr().add((t * nh + h0 + j) * hd));
+    let scale = L::splat(sh.scale);
+    for b in b0..b1 {
+        let out: [*mut f32; Q] = std::array::from_fn(|j| s.as_mut_ptr().add(j * CHUNK + 16 * b));
+        scores_kt::<L, Q>(qp, kt.as_ptr().add(b * 16 * hd), nc, scale, out);
+    }
+    let mut ss = s.chunks_exact_mut(CHUNK);
+    let mut ps: [&mut [f32]; Q] = std::array::from_fn(|_| &mut ss.next().expect("Q")[off..off + n]);
+    let mut stats = [(0f32, 0f32); Q];
+    for j in 0..Q {
+        stats[j] = softmax::<L>(&mut *ps[j]);
+    }
+    {
+        let p: [&[f32]; Q] = std::array::from_fn(|j| &*ps[j]);
+        let mut rs = rec.chunks_exact_mut(hd + 2);
+        let acc: [&mut [f32]; Q] = std::array::from_fn(|_| rs.next().expect("Q"));
+        values_lanes_q::<L, Q>(p, &v[off * hd..], hd, acc);
+    }
+    for j in 0..Q {
+        let r = &mut rec[j * (hd + 2)..(j + 1) * (hd + 2)];
+        (r[hd], r[hd + 1]) = stats[j];
+        write(h0 + j, r);
     }
 }
 
@@ -936,6 +1055,9 @@ unsafe fn item_head<L: Lanes>(
         return;
     }
     let n_max = (last + 1).min(end) - start;
+    if L::FAST_TRANSPOSE && hd.is_multiple_of(16) && hd <= 256 {
+        return tile_kt::<L>(inp, item, table, (start, n_max), sc, write);
+    }
     sc.k.resize(sc.k.len().max(CHUNK * hd), 0.0);
     sc.v.resize(sc.v.len().max(CHUNK * hd), 0.0);
     for i in 0..n_max {
@@ -980,7 +1102,7 @@ unsafe fn item_head<L: Lanes>(
                 scores_lanes::<L>(q, kc, hd, sh.scale, s);
             }
             let stats = [softmax::<L>(s0), softmax::<L>(s1)];
-            values_lanes2::<L>([s0, s1], vc, hd, [&mut r0[..hd], &mut r1[..hd]]);
+            values_lanes_q::<L, 2>([s0, s1], vc, hd, [&mut r0[..hd], &mut r1[..hd]]);
             for (j, r) in [r0, r1].into_iter().enumerate() {
                 (r[hd], r[hd + 1]) = stats[j];
                 write(t, rc * nh + g * group + h + j, r);
@@ -1015,6 +1137,95 @@ unsafe fn item_head<L: Lanes>(
             rec[hd] = mx;
             rec[hd + 1] = l;
             write(t, rc * nh + head, rec);
+        }
+    }
+}
+
+/// [`item_head`] where `L` transposes cheaply: the chunk's K rows are
+/// converted sixteen at a time into a small buffer and turned into
+/// columns (zero keys past the last row), so that scores take sixteen
+/// keys in the lanes for up to four query heads at once ([`heads_kt`]);
+/// the same bits as the row-major path.
+///
+/// # Safety
+/// The CPU has `L`'s instruction set.
+#[inline(always)]
+unsafe fn tile_kt<L: Lanes>(
+    inp: &AttnInput,
+    item: Item,
+    table: &[u32],
+    (start, n_max): (usize, usize),
+    sc: &mut AttnScratch,
+    write: &mut dyn FnMut(usize, usize, &[f32]),
+) {
+    let sh = inp.shape;
+    let (nh, kvh, hd, bs) = (sh.n_heads, sh.n_kv_heads, sh.head_dim, sh.block_size);
+    let group = nh / kvh;
+    let (t0, nt, g, c) = (
+        item.t0 as usize,
+        item.nt as usize,
+        item.g as usize,
+        item.chunk as usize,
+    );
+    let end = c * CHUNK + CHUNK;
+    let nb = n_max.div_ceil(16);
+    sc.k.resize(sc.k.len().max(16 * hd), 0.0);
+    sc.kt.resize(sc.kt.len().max(CHUNK * hd), 0.0);
+    sc.v.resize(sc.v.len().max(CHUNK * hd), 0.0);
+    for b in 0..nb {
+        for r in 0..16 {
+            let i = 16 * b + r;
+            let dst = &mut sc.k[r * hd..(r + 1) * hd];
+            if i >= n_max {
+                dst.fill(0.0);
+                continue;
+            }
+            let p = start + i;
+            let slot = table[p / bs] as usize * bs + p % bs;
+            let at = (slot * kvh + g) * hd;
+            if i + bs < n_max {
+                let q = p + bs;
+                let ahead = (table[q / bs] as usize * bs + q % bs) * kvh + g;
+                inp.k.prefetch::<L>(ahead * hd, hd);
+                inp.v.prefetch::<L>(ahead * hd, hd);
+            }
+            inp.k.load_lanes::<L>(at, dst);
+            inp.v.load_lanes::<L>(at, &mut sc.v[i * hd..(i + 1) * hd]);
+        }
+        for d in (0..hd).step_by(16) {
+            L::transpose16(
+                sc.k.as_ptr().add(d),
+                hd,
+                sc.kt.as_mut_ptr().add((b * hd + d) * 16),
+            );
+        }
+    }
+    sc.rec.resize(sc.rec.len().max(4 * (hd + 2)), 0.0);
+    sc.s.resize(sc.s.len().max(4 * CHUNK), 0.0);
+    for ti in 0..nt {
+        let t = t0 + ti;
+        let pos = inp.positions[t] as usize;
+        let (c0, _) = sh.chunks(pos);
+        if pos < c * CHUNK || c < c0 {
+            continue;
+        }
+        let off = (c * CHUNK).max(sh.first_key(pos)) - start;
+        let n = (pos + 1).min(end) - start - off;
+        let rc = c - c0;
+        let bufs = (&sc.kt[..], &sc.v[..]);
+        let mut w = |head: usize, r: &[f32]| write(t, rc * nh + head, r);
+        let mut h = 0;
+        while h < group {
+            let q = (group - h).min(4);
+            let at = g * group + h;
+            let sr = (&mut sc.s[..], &mut sc.rec[..]);
+            match q {
+                4 => heads_kt::<L, 4>(inp, t, at, (off, n), bufs, sr, &mut w),
+                3 => heads_kt::<L, 3>(inp, t, at, (off, n), bufs, sr, &mut w),
+                2 => heads_kt::<L, 2>(inp, t, at, (off, n), bufs, sr, &mut w),
+                _ => heads_kt::<L, 1>(inp, t, at, (off, n), bufs, sr, &mut w),
+            }
+            h += q;
         }
     }
 }
@@ -1142,12 +1353,20 @@ mod tests {
         ]
         .into_iter()
         .flat_map(|c| [KvType::F16, KvType::Q8_0, KvType::Q4_0].map(|t| (c, t)))
-        {
-            let ((hd, window), kind) = case;
+        // Query heads per KV head 3, 4, 7 and 1 (the tile path's groups
+        // of four, three, two and one heads), all with f16 rows.
+        .flat_map(|(c, t)| {
+            let heads: &[(usize, usize)] = match t {
+                KvType::F16 => &[(6, 2), (8, 2), (7, 1), (2, 2)],
+                _ => &[(6, 2)],
+            };
+            heads.iter().map(move |&h| (c, t, h))
+        }) {
+            let ((hd, window), kind, (nh, kvh)) = case;
             if kind.is_quantized() && hd % crate::quant::ROT != 0 {
                 continue;
             }
-            let (nh, kvh, bs, nb) = (6, 2, 16, 96);
+            let (bs, nb) = (16, 96);
             let k = seeded_cache(&[nb, bs, kvh, hd], 1, kind).unwrap();
             let v = seeded_cache(&[nb, bs, kvh, hd], 2, kind).unwrap();
             let max_blocks = 40;
@@ -1227,7 +1446,7 @@ mod tests {
                     got.iter()
                         .zip(&want)
                         .all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "{isa:?} {kind} hd={hd} window={window}"
+                    "{isa:?} {kind} hd={hd} window={window} heads={nh}/{kvh}"
                 );
                 let row = nh * hd;
                 for i in 0..t {

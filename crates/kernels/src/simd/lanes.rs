@@ -52,6 +52,49 @@ pub(crate) trait Lanes: Copy {
     /// # Safety
     /// As [`Lanes::zero`].
     unsafe fn splat(x: f32) -> Self;
+    /// `a + b` lane by lane, rounded once.
+    /// # Safety
+    /// As [`Lanes::zero`].
+    #[inline(always)]
+    unsafe fn add(a: Self, b: Self) -> Self {
+        let (mut x, mut y) = ([0f32; 16], [0f32; 16]);
+        a.store(&mut x);
+        b.store(&mut y);
+        for j in 0..16 {
+            x[j] += y[j];
+        }
+        Self::load(&x)
+    }
+    /// `a · b` lane by lane, rounded once.
+    /// # Safety
+    /// As [`Lanes::zero`].
+    #[inline(always)]
+    unsafe fn mul(a: Self, b: Self) -> Self {
+        let (mut x, mut y) = ([0f32; 16], [0f32; 16]);
+        a.store(&mut x);
+        b.store(&mut y);
+        for j in 0..16 {
+            x[j] *= y[j];
+        }
+        Self::load(&x)
+    }
+    /// Whether [`Lanes::transpose16`] is a few shuffles (else a scalar
+    /// loop, and callers keep a layout that needs none).
+    const FAST_TRANSPOSE: bool = false;
+    /// `dst[16·j + r] = src[r·stride + j]` for `r, j < 16`: sixteen rows of
+    /// sixteen values turned into sixteen columns (moves only, no
+    /// arithmetic).
+    /// # Safety
+    /// As [`Lanes::zero`]; `src` holds 15 · `stride` + 16 values and `dst`
+    /// 256.
+    #[inline(always)]
+    unsafe fn transpose16(src: *const f32, stride: usize, dst: *mut f32) {
+        for r in 0..16 {
+            for j in 0..16 {
+                *dst.add(16 * j + r) = *src.add(r * stride + j);
+            }
+        }
+    }
     /// The fixed reduction tree of [`crate::matvec`]: `v8[j] = v[j] +
     /// v[j+8]`, `v4[j] = v8[j] + v8[j+4]`, `(v4[0] + v4[2]) + (v4[1] +
     /// v4[3])`.
@@ -307,6 +350,65 @@ pub(crate) mod x86 {
         #[inline(always)]
         unsafe fn splat(x: f32) -> Self {
             Avx512(_mm512_set1_ps(x))
+        }
+        #[inline(always)]
+        unsafe fn add(a: Self, b: Self) -> Self {
+            Avx512(_mm512_add_ps(a.0, b.0))
+        }
+        #[inline(always)]
+        unsafe fn mul(a: Self, b: Self) -> Self {
+            Avx512(_mm512_mul_ps(a.0, b.0))
+        }
+        const FAST_TRANSPOSE: bool = true;
+        /// Pairs of 32-bit values, then of 64-bit ones, then 128-bit
+        /// quarters twice: 64 shuffles for 256 values.
+        #[inline(always)]
+        unsafe fn transpose16(src: *const f32, stride: usize, dst: *mut f32) {
+            let mut r = [_mm512_setzero_ps(); 16];
+            for (i, r) in r.iter_mut().enumerate() {
+                *r = _mm512_loadu_ps(src.add(i * stride));
+            }
+            // t[2i] / t[2i + 1]: rows 2i and 2i + 1 interleaved by 32 bits.
+            let mut t = [_mm512_setzero_ps(); 16];
+            for i in 0..8 {
+                t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+                t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+            }
+            // u: each 128-bit lane now holds one column of four rows.
+            let mut u = [_mm512_setzero_ps(); 16];
+            for q in 0..4 {
+                let (a, b) = (_mm512_castps_pd(t[4 * q]), _mm512_castps_pd(t[4 * q + 2]));
+                let (c, d) = (
+                    _mm512_castps_pd(t[4 * q + 1]),
+                    _mm512_castps_pd(t[4 * q + 3]),
+                );
+                u[4 * q] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+                u[4 * q + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+                u[4 * q + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+                u[4 * q + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+            }
+            // u[4q + c], 128-bit lane l: column 4l + c of rows 4q..4q + 4.
+            let mut v = [_mm512_setzero_ps(); 16];
+            for c in 0..4 {
+                v[c] = _mm512_shuffle_f32x4::<0x88>(u[c], u[4 + c]);
+                v[4 + c] = _mm512_shuffle_f32x4::<0xdd>(u[c], u[4 + c]);
+                v[8 + c] = _mm512_shuffle_f32x4::<0x88>(u[8 + c], u[12 + c]);
+                v[12 + c] = _mm512_shuffle_f32x4::<0xdd>(u[8 + c], u[12 + c]);
+            }
+            for c in 0..4 {
+                for h in 0..2 {
+                    let (a, b) = (v[4 * h + c], v[8 + 4 * h + c]);
+                    // Columns c + 4h (their lanes 0 and 2) and c + 4h + 8.
+                    _mm512_storeu_ps(
+                        dst.add(16 * (c + 4 * h)),
+                        _mm512_shuffle_f32x4::<0x88>(a, b),
+                    );
+                    _mm512_storeu_ps(
+                        dst.add(16 * (c + 4 * h + 8)),
+                        _mm512_shuffle_f32x4::<0xdd>(a, b),
+                    );
+                }
+            }
         }
         #[inline(always)]
         unsafe fn max(a: Self, b: Self) -> Self {
@@ -575,12 +677,33 @@ mod tests {
                 }
                 let top = x.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
                 assert_eq!(L::load(&x).reduce_max(), top, "{name}: reduce_max");
+                let (mut sum, mut prod) = ([0f32; 16], [0f32; 16]);
+                L::add(L::load(&x), L::load(&y)).store(&mut sum);
+                L::mul(L::load(&x), L::load(&y)).store(&mut prod);
+                for j in 0..16 {
+                    assert_eq!(sum[j].to_bits(), (x[j] + y[j]).to_bits(), "{name}: add");
+                    assert_eq!(prod[j].to_bits(), (x[j] * y[j]).to_bits(), "{name}: mul");
+                }
+            }
+        }
+        // Sixteen rows 19 apart (a stride that is no row length) turned
+        // into columns.
+        let src: Vec<f32> = (0..16 * 19).map(|i| i as f32).collect();
+        let mut dst = [0f32; 256];
+        L::transpose16(src.as_ptr(), 19, dst.as_mut_ptr());
+        for r in 0..16 {
+            for j in 0..16 {
+                assert_eq!(
+                    dst[16 * j + r],
+                    src[19 * r + j],
+                    "{name}: transpose16 ({r}, {j})"
+                );
             }
         }
     }
 
     #[test]
-    fn vector_exp_and_max_equal_the_scalar_ones() {
+    fn vector_exp_max_add_mul_and_transpose_equal_the_scalar_ones() {
         unsafe { check::<Portable>("portable") };
         #[cfg(target_arch = "x86_64")]
         {
