@@ -968,7 +968,7 @@ unsafe fn heads_kt<L: Lanes, const Q: usize>(
         scores_kt::<L, Q>(qp, kt.as_ptr().add(b * 16 * hd), nc, scale, out);
     }
     let mut ss = s.chunks_exact_mut(CHUNK);
-    let mut ps: [&mut [f32]; Q] = std::array::from_fn(|_| &mut ss.next().expect("Q")[off..off + n]);
+    let ps: [&mut [f32]; Q] = std::array::from_fn(|_| &mut ss.next().expect("Q")[off..off + n]);
     let mut stats = [(0f32, 0f32); Q];
     for j in 0..Q {
         stats[j] = softmax::<L>(&mut *ps[j]);
