@@ -184,6 +184,16 @@ pub struct Item {
     pub chunk: u32,
 }
 
+impl Item {
+    /// `(t0, nt, g, chunk)`: its first token, its token count, its first KV
+    /// head and its chunk.
+    #[inline(always)]
+    fn span(&self) -> (usize, usize, usize, usize) {
+        let w = |x: u32| x as usize;
+        (w(self.t0), w(self.nt), w(self.g), w(self.chunk))
+    }
+}
+
 /// The items of a batch and where each token's partial states go.
 #[derive(Debug, Default)]
 pub struct AttnPlan {
@@ -1028,14 +1038,9 @@ unsafe fn item_head<L: Lanes>(
     write: &mut dyn FnMut(usize, usize, &[f32]),
 ) {
     let sh = inp.shape;
-    let (nh, kvh, hd, bs) = (sh.n_heads, sh.n_kv_heads, sh.head_dim, sh.block_size);
+    let (nh, kvh, hd) = (sh.n_heads, sh.n_kv_heads, sh.head_dim);
     let group = nh / kvh;
-    let (t0, nt, g, c) = (
-        item.t0 as usize,
-        item.nt as usize,
-        item.g as usize,
-        item.chunk as usize,
-    );
+    let (t0, nt, g, c) = item.span();
     let seq = inp.token_seq[t0] as usize;
     let table = &inp.block_tables[seq * inp.max_blocks..(seq + 1) * inp.max_blocks];
     let end = c * CHUNK + CHUNK;
@@ -1061,35 +1066,21 @@ unsafe fn item_head<L: Lanes>(
     sc.k.resize(sc.k.len().max(CHUNK * hd), 0.0);
     sc.v.resize(sc.v.len().max(CHUNK * hd), 0.0);
     for i in 0..n_max {
-        let p = start + i;
-        let slot = table[p / bs] as usize * bs + p % bs;
-        let at = (slot * kvh + g) * hd;
-        // The same row a block further on: blocks lie anywhere in the
-        // pool, so the hardware prefetchers lose the stream at each one.
-        if i + bs < n_max {
-            let q = p + bs;
-            let ahead = (table[q / bs] as usize * bs + q % bs) * kvh + g;
-            inp.k.prefetch::<L>(ahead * hd, hd);
-            inp.v.prefetch::<L>(ahead * hd, hd);
-        }
-        inp.k.load_lanes::<L>(at, &mut sc.k[i * hd..(i + 1) * hd]);
-        inp.v.load_lanes::<L>(at, &mut sc.v[i * hd..(i + 1) * hd]);
+        let (k, v) = (
+            &mut sc.k[i * hd..(i + 1) * hd],
+            &mut sc.v[i * hd..(i + 1) * hd],
+        );
+        kv_row::<L>(inp, table, g, (start, i, n_max), k, v);
     }
     sc.rec.resize(sc.rec.len().max(2 * (hd + 2)), 0.0);
     sc.s.resize(sc.s.len().max(2 * CHUNK), 0.0);
     let lanes = hd.is_multiple_of(16) && hd <= 256;
     for ti in 0..nt {
         let t = t0 + ti;
-        let pos = inp.positions[t] as usize;
-        let (c0, _) = sh.chunks(pos);
-        if pos < c * CHUNK || c < c0 {
+        let Some((off, n, rc)) = token_keys(&sh, inp.positions[t] as usize, c, start) else {
             continue;
-        }
-        // This token's keys: rows `off..off + n` of the chunk's copy.
-        let off = (c * CHUNK).max(sh.first_key(pos)) - start;
-        let n = (pos + 1).min(end) - start - off;
+        };
         let (kc, vc) = (&sc.k[off * hd..], &sc.v[off * hd..]);
-        let rc = c - c0;
         let mut h = 0;
         // Two heads at a time share the value rows.
         while lanes && h + 2 <= group {
@@ -1141,6 +1132,51 @@ unsafe fn item_head<L: Lanes>(
     }
 }
 
+/// Converts the K and V rows of position `start + i` (KV head `g`) to f32
+/// into `k` and `v`, hinting the same rows a block further on (below
+/// `start + n_max`): blocks lie anywhere in the pool, so the hardware
+/// prefetchers lose the stream at each one.
+///
+/// # Safety
+/// The CPU has `L`'s instruction set.
+#[inline(always)]
+unsafe fn kv_row<L: Lanes>(
+    inp: &AttnInput,
+    table: &[u32],
+    g: usize,
+    (start, i, n_max): (usize, usize, usize),
+    k: &mut [f32],
+    v: &mut [f32],
+) {
+    let sh = inp.shape;
+    let (kvh, hd, bs) = (sh.n_kv_heads, sh.head_dim, sh.block_size);
+    let p = start + i;
+    let at = ((table[p / bs] as usize * bs + p % bs) * kvh + g) * hd;
+    if i + bs < n_max {
+        let q = p + bs;
+        let ahead = ((table[q / bs] as usize * bs + q % bs) * kvh + g) * hd;
+        inp.k.prefetch::<L>(ahead, hd);
+        inp.v.prefetch::<L>(ahead, hd);
+    }
+    inp.k.load_lanes::<L>(at, k);
+    inp.v.load_lanes::<L>(at, v);
+}
+
+/// The keys of a query at `pos` in chunk `c`, as rows of the chunk's copy
+/// from position `start`: `(off, n, rc)`, rows `off..off + n`, and `rc`
+/// the chunk's index among the query's (its partial state's); `None`
+/// where the query has no keys in the chunk.
+#[inline(always)]
+fn token_keys(sh: &AttnShape, pos: usize, c: usize, start: usize) -> Option<(usize, usize, usize)> {
+    let (c0, _) = sh.chunks(pos);
+    if pos < c * CHUNK || c < c0 {
+        return None;
+    }
+    let off = (c * CHUNK).max(sh.first_key(pos)) - start;
+    let n = (pos + 1).min(c * CHUNK + CHUNK) - start - off;
+    Some((off, n, c - c0))
+}
+
 /// [`item_head`] where `L` transposes cheaply: the chunk's K rows are
 /// converted sixteen at a time into a small buffer and turned into
 /// columns (zero keys past the last row), so that scores take sixteen
@@ -1159,15 +1195,9 @@ unsafe fn tile_kt<L: Lanes>(
     write: &mut dyn FnMut(usize, usize, &[f32]),
 ) {
     let sh = inp.shape;
-    let (nh, kvh, hd, bs) = (sh.n_heads, sh.n_kv_heads, sh.head_dim, sh.block_size);
+    let (nh, kvh, hd) = (sh.n_heads, sh.n_kv_heads, sh.head_dim);
     let group = nh / kvh;
-    let (t0, nt, g, c) = (
-        item.t0 as usize,
-        item.nt as usize,
-        item.g as usize,
-        item.chunk as usize,
-    );
-    let end = c * CHUNK + CHUNK;
+    let (t0, nt, g, c) = item.span();
     let nb = n_max.div_ceil(16);
     sc.k.resize(sc.k.len().max(16 * hd), 0.0);
     sc.kt.resize(sc.kt.len().max(CHUNK * hd), 0.0);
@@ -1180,17 +1210,14 @@ unsafe fn tile_kt<L: Lanes>(
                 dst.fill(0.0);
                 continue;
             }
-            let p = start + i;
-            let slot = table[p / bs] as usize * bs + p % bs;
-            let at = (slot * kvh + g) * hd;
-            if i + bs < n_max {
-                let q = p + bs;
-                let ahead = (table[q / bs] as usize * bs + q % bs) * kvh + g;
-                inp.k.prefetch::<L>(ahead * hd, hd);
-                inp.v.prefetch::<L>(ahead * hd, hd);
-            }
-            inp.k.load_lanes::<L>(at, dst);
-            inp.v.load_lanes::<L>(at, &mut sc.v[i * hd..(i + 1) * hd]);
+            kv_row::<L>(
+                inp,
+                table,
+                g,
+                (start, i, n_max),
+                dst,
+                &mut sc.v[i * hd..(i + 1) * hd],
+            );
         }
         for d in (0..hd).step_by(16) {
             L::transpose16(
@@ -1204,14 +1231,9 @@ unsafe fn tile_kt<L: Lanes>(
     sc.s.resize(sc.s.len().max(4 * CHUNK), 0.0);
     for ti in 0..nt {
         let t = t0 + ti;
-        let pos = inp.positions[t] as usize;
-        let (c0, _) = sh.chunks(pos);
-        if pos < c * CHUNK || c < c0 {
+        let Some((off, n, rc)) = token_keys(&sh, inp.positions[t] as usize, c, start) else {
             continue;
-        }
-        let off = (c * CHUNK).max(sh.first_key(pos)) - start;
-        let n = (pos + 1).min(end) - start - off;
-        let rc = c - c0;
+        };
         let bufs = (&sc.kt[..], &sc.v[..]);
         let mut w = |head: usize, r: &[f32]| write(t, rc * nh + head, r);
         let mut h = 0;
