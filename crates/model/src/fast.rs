@@ -43,6 +43,7 @@
 #![allow(clippy::needless_range_loop)]
 
 use std::borrow::Cow;
+use std::ops::Range;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
@@ -695,12 +696,33 @@ fn norm_rows(
     }
 }
 
-/// `h = rmsnorm(x)` for the `t` rows of `x` (all of it), or `h = x` in a
-/// block without pre-norms.
-fn pre_norm(isa: Isa, x: &[f32], t: usize, w: &Option<Vec<f32>>, eps: f32, h: &mut [f32]) {
+/// `h = rmsnorm(x)`, or `h = x` in a block without pre-norms, for the
+/// `rows` of `x` (`hidden` wide) into the same rows of `h`.
+fn pre_norm(
+    isa: Isa,
+    x: &[f32],
+    (hidden, rows): (usize, Range<usize>),
+    w: &Option<Vec<f32>>,
+    eps: f32,
+    h: &mut [f32],
+) {
+    let (a, b) = (rows.start * hidden, rows.end * hidden);
     match w {
-        Some(w) => norm_rows(isa, x, 0..t, w, eps, h),
-        None => h[..x.len()].copy_from_slice(x),
+        Some(w) => norm_rows(isa, x, rows, w, eps, &mut h[a..b]),
+        None => h[a..b].copy_from_slice(&x[a..b]),
+    }
+}
+
+/// The rows of a layer's normed input (`t` rows, `k` wide) that a worker
+/// reads in f32: only those it quantizes when every linear that takes the
+/// input reads it quantized and [`quantize`] shares the rows out (the
+/// products then read every row quantized), else all of them.
+fn f32_rows(team: &Team, all_packed: bool, t: usize, k: usize) -> Range<usize> {
+    if all_packed && t * k > QUANTIZE_ALONE {
+        let (i0, i1) = team.share(t);
+        i0..i1
+    } else {
+        0..t
     }
 }
 
@@ -882,6 +904,8 @@ impl Llama {
         let logits = Shared::new(&mut fast.logits[..picks * vocab]);
         let qx = Shared::new(&mut fast.qx[..]);
         let packed = |l: &LayerConsts, i: &[usize]| i.iter().any(|&i| l.lins[i].packed.is_some());
+        let all_packed =
+            |l: &LayerConsts, i: &[usize]| i.iter().all(|&i| l.lins[i].packed.is_some());
         let (cos, sin) = (&fast.cos, &fast.sin);
         let plans = &fast.plans;
         let ngroups = groups.len();
@@ -969,7 +993,11 @@ impl Llama {
                 // SAFETY (all `Shared` accesses below): each phase writes
                 // disjoint ranges (split by worker or by item), and phases
                 // that read what another wrote are separated by barriers.
-                pre_norm(isa.0, unsafe { x.all() }, t, &lc.attn_norm, eps, h);
+                let span = (
+                    hidden,
+                    f32_rows(team, all_packed(lc, &[0, 1, 2]), t, hidden),
+                );
+                pre_norm(isa.0, unsafe { x.all() }, span, &lc.attn_norm, eps, h);
                 let qh = quantize(
                     team,
                     packed(lc, &[0, 1, 2]),
@@ -1158,7 +1186,8 @@ impl Llama {
                 residual(lc, w, 3, (av, qa), &lc.post_attn, deq, nrow, phase);
                 team.barrier();
                 laps.lap(Part::Output, bytes(&w[3..4]));
-                pre_norm(isa.0, unsafe { x.all() }, t, &lc.ffn_norm, eps, h);
+                let span = (hidden, f32_rows(team, all_packed(lc, &[4, 5]), t, hidden));
+                pre_norm(isa.0, unsafe { x.all() }, span, &lc.ffn_norm, eps, h);
                 let qh = quantize(team, packed(lc, &[4, 5]), levels, h, t, hidden, qown, &qx);
                 for_rows(
                     team,

@@ -1367,6 +1367,11 @@ mod tests {
             (24, 0),
             (128, 0),
             (256, 0),
+            // Head sizes whose values take passes of three, two and one
+            // sixteens (Phi-3's 96 among them).
+            (48, 0),
+            (96, 0),
+            (80, 0),
             (64, 1),
             (64, 100),
             (256, 200),
