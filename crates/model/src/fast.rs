@@ -408,6 +408,13 @@ fn pack(lins: &mut [(&mut Lin, &QLinear)]) -> Result<()> {
 /// itself; larger ones in shares, behind a barrier.
 const QUANTIZE_ALONE: usize = 4096;
 
+/// Whether [`quantize`] shares a `t`-row, `k`-wide input's rows out among
+/// the workers (each its [`Team::share`], behind a barrier) rather than
+/// have every worker quantize all of it for itself.
+fn quantized_in_shares(t: usize, k: usize) -> bool {
+    t * k > QUANTIZE_ALONE
+}
+
 /// A layer's quantized inputs, with the key that names them for the
 /// products that share them (each worker's own: fresh at each
 /// quantization).
@@ -433,7 +440,7 @@ fn quantize<'a>(
     if !wanted {
         return QIn(&[], None);
     }
-    if t * k <= QUANTIZE_ALONE {
+    if !quantized_in_shares(t, k) {
         grow(own, t * nb);
         for r in 0..t {
             quantize_row(
@@ -718,7 +725,7 @@ fn pre_norm(
 /// input reads it quantized and [`quantize`] shares the rows out (the
 /// products then read every row quantized), else all of them.
 fn f32_rows(team: &Team, all_packed: bool, t: usize, k: usize) -> Range<usize> {
-    if all_packed && t * k > QUANTIZE_ALONE {
+    if all_packed && quantized_in_shares(t, k) {
         let (i0, i1) = team.share(t);
         i0..i1
     } else {
