@@ -11,7 +11,9 @@ native binary's code around the kernels is still compiled for this CPU),
 so that both see the same machine. Writes target/bench/portable.json and
 the README's `bench-portable` section; on a CPU with AVX2 alone, where
 `native` is an AVX2 build with 16 registers, portable-avx2-cpu.json and
-its own section, so that a wider host's rows stay.
+its own section, so that a wider host's rows stay; on a CPU with AMX-INT8
+(whose prompt chunks take AMX's tiles), portable-amx-cpu.json and its
+own section likewise.
 
     python3 scripts/portable_vs_native.py [--models SmolLM2-135M-Instruct.Q4_1,synth-1b-Q4_K_M]
                                           [--isas avx512,avxvnni,avx2] [--runs 7]
@@ -50,11 +52,22 @@ AGAINST = {
                        "-C target-cpu=x86-64-v3 -C target-feature=+avxvnni"),
 }
 PORTABLE = ROOT / "target" / "release" / "tessera"
-NAMES = {"avx512": "AVX-512 VNNI", "avxvnni": "AVX-VNNI", "avx2": "AVX2"}
+NAMES = {"amx": "AMX-INT8", "avx512": "AVX-512 VNNI", "avxvnni": "AVX-VNNI", "avx2": "AVX2"}
 # One binary's runs spread by about ±10% on a shared host (AMD EPYC,
 # 2026-11-25: prefill 885 to 1,062 tok/s over 5 runs), so the medians need
 # several runs, alternating.
 RUNS = 7
+
+
+def host_section():
+    """The section of this CPU's rows against its own build: the main one,
+    or one of a CPU with AVX2 alone or with AMX-INT8, so that each kind of
+    host keeps its own."""
+    if avx2_only():
+        return "portable-avx2-cpu"
+    if "amx" in host_isas():
+        return "portable-amx-cpu"
+    return "portable"
 
 
 def run(binary, model, scenario, isa):
@@ -99,8 +112,7 @@ def main():
                 })
     BENCH.mkdir(parents=True, exist_ok=True)
     native = args.against == "native"
-    section = ("portable-avx2-cpu" if avx2_only() else "portable") if native \
-        else f"portable-{args.against}"
+    section = host_section() if native else f"portable-{args.against}"
     out = BENCH / f"{section}.json"
     out.write_text(json.dumps({"runs": args.runs, "against": args.against, "rows": rows},
                               indent=1) + "\n")
