@@ -355,8 +355,13 @@ pub(super) unsafe fn release() {
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 unsafe fn stage(w: &Packed, g: usize, units: &mut Vec<Unit>) {
     let kind = w.kind;
-    units.clear();
-    units.resize(w.nb, EMPTY);
+    // Every field the float steps read for this kind is written below, so
+    // a group staged after another of the same width keeps the vector as
+    // it is (filling it first doubled the stores a unit takes).
+    if units.len() != w.nb {
+        units.clear();
+        units.resize(w.nb, EMPTY);
+    }
     let p = w.tile(g).as_ptr();
     let put = |u: &mut Unit, wv: [__m512i; 8], bias: i8| {
         let b = _mm512_set1_epi8(bias);
