@@ -804,6 +804,9 @@ def cpu_table(name="cpu.json"):
     if avx2_only:
         llama_builds = ("`GGML_NATIVE=OFF` with AVX2 + FMA + F16C, this CPU's own instruction set, so the same "
                         "kernels as its native build), ")
+    elif not row_isas & {"avxvnni", "avx2"}:
+        # The AMX table's rows (`just bench-cpu-amx`): AMX and AVX-512 VNNI alone.
+        llama_builds = builds.removesuffix(", ") + "), "
     else:
         llama_builds = builds + "`GGML_NATIVE=OFF` with AVX2 + FMA and no AVX-512 for the " + (
             "others, with `GGML_AVX_VNNI` for the AVX-VNNI rows (256-bit `vpdpbusd`) and without it for the AVX2 "
