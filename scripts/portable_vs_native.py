@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cpu import avx2_only, host_isas, model_paths  # noqa: E402
-from readme_tables import BENCH, ROOT, measured, splice  # noqa: E402
+from readme_tables import BENCH, ISA_NAMES, ROOT, measured, splice  # noqa: E402
 
 # The builds the default one is compared with: this CPU's, or the x86-64-v3
 # level (AVX2 + FMA, 16 vector registers), a faithful AVX2 build on a host
@@ -52,7 +52,6 @@ AGAINST = {
                        "-C target-cpu=x86-64-v3 -C target-feature=+avxvnni"),
 }
 PORTABLE = ROOT / "target" / "release" / "tessera"
-NAMES = {"amx": "AMX-INT8", "avx512": "AVX-512 VNNI", "avxvnni": "AVX-VNNI", "avx2": "AVX2"}
 # One binary's runs spread by about ±10% on a shared host (AMD EPYC,
 # 2026-11-25: prefill 885 to 1,062 tok/s over 5 runs), so the medians need
 # several runs, alternating.
@@ -130,7 +129,7 @@ def main():
     for r in rows:
         span = lambda b: f"({min(r[b + '_runs']):.0f}–{max(r[b + '_runs']):.0f})"  # noqa: E731
         lines.append(
-            f"| {r['model']} | {NAMES.get(r['isa'], r['isa'])} | {r['scenario']} | {r['portable']:.1f} tok/s "
+            f"| {r['model']} | {ISA_NAMES.get(r['isa'], r['isa'])} | {r['scenario']} | {r['portable']:.1f} tok/s "
             f"{span('portable')} | {r['native']:.1f} tok/s {span('native')} | {r['ratio']:.3f} |"
         )
     splice(section, "portable_vs_native.py", lines)

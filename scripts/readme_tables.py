@@ -41,6 +41,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "target" / "bench"
+# The instruction sets' names in the tables (TESSERA_ISA's values as keys).
+ISA_NAMES = {"amx": "AMX-INT8", "avx512": "AVX-512 VNNI", "avxvnni": "AVX-VNNI", "avx2": "AVX2"}
 
 
 def cpu():
@@ -790,7 +792,6 @@ def cpu_table(name="cpu.json"):
     if not path.exists():
         sys.exit(f"{path} is missing: run " + CPU_RECIPES.get(name, "`just bench-cpu`"))
     d = json.loads(path.read_text())
-    names = {"amx": "AMX-INT8", "avx512": "AVX-512 VNNI", "avxvnni": "AVX-VNNI", "avx2": "AVX2"}
     row_isas = {r["isa"] for r in d["rows"]}
     builds = ("native for the AVX-512 rows, "
               if "amx" not in row_isas else
@@ -867,7 +868,7 @@ def cpu_table(name="cpu.json"):
         i8 = f"{r['tessera_int8']:.1f}" if "tessera_int8" in r else "—"
         span = lambda k: f" ({min(r[k]):.1f}–{max(r[k]):.1f})" if len(r.get(k, [])) > 1 else ""  # noqa: E731
         out.append(
-            f"| {r['model']} | {names.get(r['isa'], r['isa'])} | {r['scenario']} | {r['tessera']:.1f} tok/s"
+            f"| {r['model']} | {ISA_NAMES.get(r['isa'], r['isa'])} | {r['scenario']} | {r['tessera']:.1f} tok/s"
             f"{span('tessera_runs')} | {r['llama']:.1f}{span('llama_runs')} | {r['ratio']:.2f}× | {i8} | "
             f"{share('tessera_roofline_share')} | "
             f"{share('llama_roofline_share')} | {close(r)} |"
@@ -877,7 +878,7 @@ def cpu_table(name="cpu.json"):
             "",
             "Decode with one busy process beside it (a shell loop spinning on one of the cores, as a browser "
             "or a build would), against the same decode idle, alternating, both engines at "
-            f"{d['threads']} threads, {names.get(d['contention'][0]['isa'], '')}"
+            f"{d['threads']} threads, {ISA_NAMES.get(d['contention'][0]['isa'], '')}"
             + (f", commit `{d['contention'][0]['commit']}`" if d["contention"][0].get("commit") else "")
             + ":",
             "",
