@@ -108,9 +108,9 @@ impl Engine {
             model.llama.set_activations(a);
         }
         let device = model.llama.device();
-        if !device.is_cpu() && cfg.cache_dtype.is_quantized() {
+        if device.is_metal() && cfg.cache_dtype.is_quantized() {
             return Err(EngineError::Invalid(format!(
-                "cache dtype {} runs on the CPU only; on {} use f16, bf16 or f32",
+                "cache dtype {} runs on the CPU and CUDA only; on {} use f16, bf16 or f32",
                 cfg.cache_dtype,
                 tessera_model::device_name(device)
             )));

@@ -22,7 +22,8 @@
 // - tessera_fwd_rms_norm: one block per row, rows optionally gathered.
 // - tessera_fwd_qkv_<cache>: per token and head, the q/k/v biases, the
 //   per-head q/k norms, RoPE (both pair layouts), q into its buffer and k/v
-//   into the paged cache at the token's slot.
+//   into the paged cache at the token's slot (a quantized cache's rows
+//   rotated and quantized, kv_elem.h).
 // - tessera_fwd_act_mul: act(gate) * up.
 // - tessera_fwd_residual: x += s * norm(y) (post-norms, residual scales).
 //
@@ -341,8 +342,7 @@ __device__ void ts_qkv(const float* __restrict__ qkv, uint32_t stride,
     if (part == 2) {
         uint32_t slot = slots[t];
         if (slot == TS_NO_SLOT) return;
-        typename E::Raw* o = vc + ((size_t)slot * kvh + h) * hd;
-        for (uint32_t d = lane; d < hd; d += 32) o[d] = E::store(v[d]);
+        E::store_row(v, vc + E::units(((ts_u64)slot * kvh + h) * hd), hd, lane, 32);
         return;
     }
     uint32_t half = hd / 2;
@@ -371,8 +371,12 @@ __device__ void ts_qkv(const float* __restrict__ qkv, uint32_t stride,
     } else {
         uint32_t slot = slots[t];
         if (slot == TS_NO_SLOT) return;
-        typename E::Raw* o = kc + ((size_t)slot * kvh + h) * hd;
-        for (uint32_t d = lane; d < hd; d += 32, n++) o[d] = E::store(out[n]);
+        // The rotated row back into shared memory, then stored (a
+        // quantized row: a lane per 64 values).
+        __syncwarp();
+        for (uint32_t d = lane; d < hd; d += 32, n++) v[d] = out[n];
+        __syncwarp();
+        E::store_row(v, kc + E::units(((ts_u64)slot * kvh + h) * hd), hd, lane, 32);
     }
 }
 
@@ -392,3 +396,5 @@ __device__ void ts_qkv(const float* __restrict__ qkv, uint32_t stride,
 TS_QKV(f32, TsF32)
 TS_QKV(f16, TsF16)
 TS_QKV(bf16, TsBf16)
+TS_QKV(q8_0, TsKvQ8_0)
+TS_QKV(q4_0, TsKvQ4_0)

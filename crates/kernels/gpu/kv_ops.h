@@ -1,5 +1,8 @@
 // The KV kernels whose logic is the same on every target: write_kv,
-// copy_blocks and the gather-and-rotate half of shift_kv / rotate_k.
+// copy_blocks and the gather-and-rotate half of shift_kv / rotate_k, for
+// every cache type (the quantized ones' rows rotated and quantized as
+// kv_elem.h says), and the 64-value rotation attention over a quantized
+// cache applies to its queries and output.
 // Written once over a small vocabulary that a prelude defines per target:
 //
 //   TS_KERNEL(name, params...)  an entry point
@@ -24,15 +27,15 @@
 // (crates/kernels/src/gpu/mod.rs, KERNELS); a test checks both against this file.
 
 // One block per new token: its row of f32 values stored at its slot,
-// converted to the cache type. A slot of TS_NO_SLOT (padding) is skipped.
+// converted to the cache type (a quantized row: rotated and quantized, a
+// thread per 64 values). A slot of TS_NO_SLOT (padding) is skipped.
 template <typename E>
 TS_INLINE void ts_write_kv(TS_DEV const float* src, TS_DEV typename E::Raw* cache,
                            TS_DEV const uint32_t* slots, uint32_t row, TsIdx ix) {
     uint32_t slot = slots[ix.blk];
     if (slot == TS_NO_SLOT) return;
-    TS_DEV const float* from = src + (ts_u64)ix.blk * row;
-    TS_DEV typename E::Raw* to = cache + (ts_u64)slot * row;
-    for (uint32_t i = ix.tid; i < row; i += ix.nthreads) to[i] = E::store(from[i]);
+    E::store_row(src + (ts_u64)ix.blk * row, cache + E::units((ts_u64)slot * row), row, ix.tid,
+                 ix.nthreads);
 }
 
 // One block per (source, destination) pair: `units` 16-bit units copied.
@@ -79,6 +82,67 @@ TS_INLINE void ts_rope_gather(TS_DEV const typename E::Raw* cache, TS_DEV float*
     }
 }
 
+// One block per row of a quantized cache: the row at slots[block] read
+// back as f32 into out[block] (each 64 values dequantized and rotated back
+// by ts_hadamard64), each head then rotated by RoPE as ts_rope_gather
+// rotates it; a thread per head.
+template <typename E>
+TS_INLINE void ts_rope_gather_q(TS_DEV const uint8_t* cache, TS_DEV float* out,
+                                TS_DEV const uint32_t* slots, TS_DEV const uint32_t* tables,
+                                TS_DEV const float* cos_t, TS_DEV const float* sin_t,
+                                uint32_t heads, uint32_t head_dim, uint32_t neox, TsIdx ix) {
+    uint32_t row = heads * head_dim;
+    uint32_t half_d = head_dim / 2;
+    TS_DEV const uint8_t* from = cache + E::units((ts_u64)slots[ix.blk] * row);
+    uint32_t table = tables[ix.blk];
+    for (uint32_t h = ix.tid; h < heads; h += ix.nthreads) {
+        TS_DEV float* to = out + (ts_u64)ix.blk * row + h * head_dim;
+        TS_DEV const uint8_t* head = from + E::units(h * head_dim);
+        for (uint32_t c = 0; c < head_dim; c += 64) {
+            float t[64];
+            TS_UNROLL
+            for (uint32_t i = 0; i < 64; i++) t[i] = E::at(head, c + i);
+            ts_hadamard64(t);
+            TS_UNROLL
+            for (uint32_t i = 0; i < 64; i++) to[c + i] = t[i];
+        }
+        if (table == TS_NO_SLOT) continue;
+        for (uint32_t i = 0; i < half_d; i++) {
+            uint32_t a = neox ? i : 2 * i;
+            uint32_t b = neox ? a + half_d : a + 1;
+            float x0 = to[a];
+            float x1 = to[b];
+            float c = cos_t[(ts_u64)table * half_d + i];
+            float s = sin_t[(ts_u64)table * half_d + i];
+            to[a] = TS_SUB(TS_MUL(x0, c), TS_MUL(x1, s));
+            to[b] = TS_ADD(TS_MUL(x0, s), TS_MUL(x1, c));
+        }
+    }
+}
+
+// Rows moved as they are (a quantized cache's V rows in a context shift):
+// one block per row, `units` 16-bit units; gather: row idx[block] of src
+// to row block of dst; scatter: row block of src to row idx[block] of dst.
+TS_INLINE void ts_move_units(TS_DEV const uint16_t* src, TS_DEV uint16_t* dst,
+                             ts_u64 from, ts_u64 to, uint32_t units, TsIdx ix) {
+    for (uint32_t i = ix.tid; i < units; i += ix.nthreads)
+        dst[to * units + i] = src[from * units + i];
+}
+
+// ts_hadamard64 over `chunks` runs of 64 values of x, a thread each
+// (queries rotated into a quantized cache's basis, attention's output
+// rotated back).
+TS_INLINE void ts_hadamard_rows(TS_DEV float* x, uint32_t chunks, TsIdx ix) {
+    uint32_t c = ix.blk * ix.nthreads + ix.tid;
+    if (c >= chunks) return;
+    float t[64];
+    TS_UNROLL
+    for (uint32_t i = 0; i < 64; i++) t[i] = x[(ts_u64)c * 64 + i];
+    ts_hadamard64(t);
+    TS_UNROLL
+    for (uint32_t i = 0; i < 64; i++) x[(ts_u64)c * 64 + i] = t[i];
+}
+
 // The entry points, one per cache type.
 
 TS_KERNEL(tessera_write_kv_f32, TS_BUF(const float, src, 0), TS_BUF(float, cache, 1),
@@ -92,6 +156,15 @@ TS_KERNEL(tessera_write_kv_f16, TS_BUF(const float, src, 0), TS_BUF(uint16_t, ca
 TS_KERNEL(tessera_write_kv_bf16, TS_BUF(const float, src, 0), TS_BUF(uint16_t, cache, 1),
           TS_BUF(const uint32_t, slots, 2), TS_ARG(uint32_t, row, 3)) {
     ts_write_kv<TsBf16>(src, cache, slots, row, TS_IDX);
+}
+
+TS_KERNEL(tessera_write_kv_q8_0, TS_BUF(const float, src, 0), TS_BUF(uint8_t, cache, 1),
+          TS_BUF(const uint32_t, slots, 2), TS_ARG(uint32_t, row, 3)) {
+    ts_write_kv<TsKvQ8_0>(src, cache, slots, row, TS_IDX);
+}
+TS_KERNEL(tessera_write_kv_q4_0, TS_BUF(const float, src, 0), TS_BUF(uint8_t, cache, 1),
+          TS_BUF(const uint32_t, slots, 2), TS_ARG(uint32_t, row, 3)) {
+    ts_write_kv<TsKvQ4_0>(src, cache, slots, row, TS_IDX);
 }
 
 TS_KERNEL(tessera_copy_blocks, TS_BUF(uint16_t, cache, 0), TS_BUF(const uint32_t, pairs, 1),
@@ -116,4 +189,33 @@ TS_KERNEL(tessera_rope_gather_bf16, TS_BUF(const uint16_t, cache, 0), TS_BUF(flo
           TS_BUF(const float, cos_t, 4), TS_BUF(const float, sin_t, 5),
           TS_ARG(uint32_t, heads, 6), TS_ARG(uint32_t, head_dim, 7), TS_ARG(uint32_t, neox, 8)) {
     ts_rope_gather<TsBf16>(cache, out, slots, tables, cos_t, sin_t, heads, head_dim, neox, TS_IDX);
+}
+TS_KERNEL(tessera_rope_gather_q8_0, TS_BUF(const uint8_t, cache, 0), TS_BUF(float, out, 1),
+          TS_BUF(const uint32_t, slots, 2), TS_BUF(const uint32_t, tables, 3),
+          TS_BUF(const float, cos_t, 4), TS_BUF(const float, sin_t, 5),
+          TS_ARG(uint32_t, heads, 6), TS_ARG(uint32_t, head_dim, 7), TS_ARG(uint32_t, neox, 8)) {
+    ts_rope_gather_q<TsKvQ8_0>(cache, out, slots, tables, cos_t, sin_t, heads, head_dim, neox,
+                             TS_IDX);
+}
+TS_KERNEL(tessera_rope_gather_q4_0, TS_BUF(const uint8_t, cache, 0), TS_BUF(float, out, 1),
+          TS_BUF(const uint32_t, slots, 2), TS_BUF(const uint32_t, tables, 3),
+          TS_BUF(const float, cos_t, 4), TS_BUF(const float, sin_t, 5),
+          TS_ARG(uint32_t, heads, 6), TS_ARG(uint32_t, head_dim, 7), TS_ARG(uint32_t, neox, 8)) {
+    ts_rope_gather_q<TsKvQ4_0>(cache, out, slots, tables, cos_t, sin_t, heads, head_dim, neox,
+                             TS_IDX);
+}
+
+TS_KERNEL(tessera_gather_rows, TS_BUF(const uint16_t, src, 0), TS_BUF(uint16_t, dst, 1),
+          TS_BUF(const uint32_t, idx, 2), TS_ARG(uint32_t, units, 3)) {
+    TsIdx ix = TS_IDX;
+    ts_move_units(src, dst, idx[ix.blk], ix.blk, units, ix);
+}
+TS_KERNEL(tessera_scatter_rows, TS_BUF(const uint16_t, src, 0), TS_BUF(uint16_t, dst, 1),
+          TS_BUF(const uint32_t, idx, 2), TS_ARG(uint32_t, units, 3)) {
+    TsIdx ix = TS_IDX;
+    ts_move_units(src, dst, ix.blk, idx[ix.blk], units, ix);
+}
+
+TS_KERNEL(tessera_hadamard_rows, TS_BUF(float, x, 0), TS_ARG(uint32_t, chunks, 1)) {
+    ts_hadamard_rows(x, chunks, TS_IDX);
 }

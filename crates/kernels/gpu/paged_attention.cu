@@ -1,4 +1,7 @@
 // Paged attention on CUDA: the contract of crates/kernels/src/attention.rs.
+// Over a quantized cache (q8_0, q4_0: kv_elem.h) the kernels read values in
+// the cache's rotated basis; the launcher rotates the queries into it
+// before and the output back after (tessera_hadamard_rows).
 // Query token t of sequence s at position p attends to positions
 // window_start(p)..=p of s, read through s's block table; query head h reads
 // KV head h / (n_heads / n_kv_heads). f32 accumulation whatever the cache
@@ -97,9 +100,9 @@ __device__ void ts_paged_attention(
 #pragma unroll 4
     for (uint32_t j = from + warp; j < to; j += TS_ATT_WARPS) {
         ts_u64 slot = (ts_u64)table[j / block_size] * block_size + j % block_size;
-        const typename E::Raw* kr = k_cache + slot * row + (ts_u64)g * head_dim;
+        const typename E::Raw* kr = k_cache + E::units(slot * row + (ts_u64)g * head_dim);
         float s = 0.0f;
-        for (uint32_t d = lane; d < head_dim; d += 32) s += qs[d] * E::load(kr[d]);
+        for (uint32_t d = lane; d < head_dim; d += 32) s += qs[d] * E::at(kr, d);
         s = ts_warp_sum(s) * scale;
         if (lane == 0) scores[j - from] = s;
         best = fmaxf(best, s);
@@ -122,12 +125,12 @@ __device__ void ts_paged_attention(
 #pragma unroll 2
     for (uint32_t j = from + warp; j < to; j += TS_ATT_WARPS) {
         ts_u64 slot = (ts_u64)table[j / block_size] * block_size + j % block_size;
-        const typename E::Raw* vr = v_cache + slot * row + (ts_u64)g * head_dim;
+        const typename E::Raw* vr = v_cache + E::units(slot * row + (ts_u64)g * head_dim);
         float p = scores[j - from];
 #pragma unroll
         for (int i = 0; i < TS_ATT_MAX_HEAD_DIM / 32; i++) {
             uint32_t d = lane + 32 * i;
-            if (d < head_dim) acc[i] += p * E::load(vr[d]);
+            if (d < head_dim) acc[i] += p * E::at(vr, d);
         }
     }
 #pragma unroll
@@ -238,6 +241,8 @@ __device__ void ts_paged_attention_merged(
 TS_ATTENTION(f32, TsF32)
 TS_ATTENTION(f16, TsF16)
 TS_ATTENTION(bf16, TsBf16)
+TS_ATTENTION(q8_0, TsKvQ8_0)
+TS_ATTENTION(q4_0, TsKvQ4_0)
 
 // Tiled attention for prefill chunks (the launcher's attention_tiles plan,
 // crates/kernels/src/gpu/mod.rs): one thread block per (tile, partition),
@@ -322,9 +327,9 @@ __device__ void ts_tiled_attention(
             uint32_t j = i / D, d = i % D;
             float kx = 0.0f, vx = 0.0f;
             if (c + j < b) {
-                ts_u64 at = key_slot[j] * row + (ts_u64)g * D + d;
-                kx = E::load(k_cache[at]);
-                vx = E::load(v_cache[at]);
+                ts_u64 at = E::units(key_slot[j] * row + (ts_u64)g * D);
+                kx = E::at(k_cache + at, d);
+                vx = E::at(v_cache + at, d);
             }
             ks[j * KS + d] = kx;
             vs[j * D + d] = vx;
@@ -408,6 +413,10 @@ TS_TILED(bf16, TsBf16, 64)
 TS_TILED(f32, TsF32, 128)
 TS_TILED(f16, TsF16, 128)
 TS_TILED(bf16, TsBf16, 128)
+TS_TILED(q8_0, TsKvQ8_0, 64)
+TS_TILED(q4_0, TsKvQ4_0, 64)
+TS_TILED(q8_0, TsKvQ8_0, 128)
+TS_TILED(q4_0, TsKvQ4_0, 128)
 
 // One thread block per (query head, token): its partitions merged by
 // log-sum-exp into out [tokens, n_heads, head_dim].

@@ -24,6 +24,13 @@ struct TsIdx {
 #define TS_MUL(a, b) __fmul_rn(a, b)
 #define TS_ADD(a, b) __fadd_rn(a, b)
 #define TS_SUB(a, b) __fsub_rn(a, b)
+#define TS_DIV(a, b) __fdiv_rn(a, b)
+#define TS_THREAD
+#define TS_UNROLL _Pragma("unroll")
+TS_INLINE float ts_fmax(float a, float b) { return fmaxf(a, b); }
+TS_INLINE float ts_fabs(float x) { return fabsf(x); }
+// Halfway cases away from zero (Rust's f32::round).
+TS_INLINE float ts_round(float x) { return roundf(x); }
 
 TS_INLINE uint32_t ts_float_bits(float f) { return __float_as_uint(f); }
 TS_INLINE float ts_bits_float(uint32_t u) { return __uint_as_float(u); }
@@ -32,7 +39,6 @@ TS_INLINE uint16_t ts_f32_to_f16(float f) { return __half_as_ushort(__float2half
 
 // Loads at 2-, 4- and 16-byte aligned addresses, the byte permutation
 // (PRMT), and loops unrolled (gemv_formats.h).
-#define TS_UNROLL _Pragma("unroll")
 TS_INLINE uint32_t ts_load_u16(const uint8_t* p) { return *(const uint16_t*)p; }
 TS_INLINE uint32_t ts_load_u32(const uint8_t* p) { return *(const uint32_t*)p; }
 TS_INLINE uint4 ts_load_u128(const uint8_t* p) { return *(const uint4*)p; }

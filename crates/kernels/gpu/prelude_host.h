@@ -5,6 +5,7 @@
 // -ffp-contract=off so no multiply and add fuse.
 #pragma once
 #include <stdint.h>
+#include <math.h>
 #include <string.h>
 
 typedef uint64_t ts_u64;
@@ -24,6 +25,13 @@ struct TsIdx {
 #define TS_MUL(a, b) ((a) * (b))
 #define TS_ADD(a, b) ((a) + (b))
 #define TS_SUB(a, b) ((a) - (b))
+#define TS_DIV(a, b) ((a) / (b))
+#define TS_THREAD
+#define TS_UNROLL
+TS_INLINE float ts_fmax(float a, float b) { return fmaxf(a, b); }
+TS_INLINE float ts_fabs(float x) { return fabsf(x); }
+// Halfway cases away from zero (Rust's f32::round).
+TS_INLINE float ts_round(float x) { return roundf(x); }
 
 TS_INLINE uint32_t ts_float_bits(float f) {
     uint32_t u;
@@ -76,7 +84,6 @@ TS_INLINE uint16_t ts_f32_to_f16(float f) {
     return (uint16_t)(sign | (r >> 13));
 }
 
-#define TS_UNROLL
 // CUDA's vector of four words, the loads at 2-, 4- and 16-byte aligned
 // addresses, and the byte permutation of __byte_perm (PRMT): byte i of the
 // result is byte s[4i..4i+3] of the eight of (y:x) (gemv_formats.h).

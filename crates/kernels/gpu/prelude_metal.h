@@ -4,6 +4,8 @@
 #include <metal_stdlib>
 using namespace metal;
 
+typedef unsigned char uint8_t;
+typedef signed char int8_t;
 typedef ushort uint16_t;
 typedef uint uint32_t;
 typedef ulong ts_u64;
@@ -27,6 +29,13 @@ struct TsIdx {
 #define TS_MUL(a, b) ((a) * (b))
 #define TS_ADD(a, b) ((a) + (b))
 #define TS_SUB(a, b) ((a) - (b))
+#define TS_DIV(a, b) ((a) / (b))
+#define TS_THREAD thread
+#define TS_UNROLL
+TS_INLINE float ts_fmax(float a, float b) { return fmax(a, b); }
+TS_INLINE float ts_fabs(float x) { return fabs(x); }
+// Halfway cases away from zero (Rust's f32::round).
+TS_INLINE float ts_round(float x) { return round(x); }
 
 TS_INLINE uint32_t ts_float_bits(float f) { return as_type<uint32_t>(f); }
 TS_INLINE float ts_bits_float(uint32_t u) { return as_type<float>(u); }

@@ -1332,7 +1332,8 @@ fn gpu_forward_follows_the_cpu_reference_on_every_family() {
 /// f16 cache. The forward must be
 /// the CUDA one (not the reference it falls back to); the first logits
 /// agree to within 1e-3 of the largest, the first token is the same, and
-/// the greedy tokens before the first difference are printed.
+/// the greedy tokens before the first difference are printed. Then q8_0
+/// and q4_0 caches against the CPU reference over the same cache type.
 #[cfg(feature = "cuda")]
 #[test]
 fn cuda_forward_follows_the_cpu_reference_in_every_format() {
@@ -1376,6 +1377,27 @@ fn cuda_forward_follows_the_cpu_reference_in_every_format() {
                 "CUDA forward {arch} {dtype:?}: {same} of {} greedy tokens before the first difference",
                 want.0.len()
             );
+            // Quantized caches (rows rotated and quantized by the K/V
+            // store, read in place by attention) against the CPU reference
+            // over the same cache type: a K or V that differs in its last
+            // bit may round to the neighbouring step (1/127 of a block's
+            // largest value in q8_0, 1/8 in q4_0), as between the CPU's
+            // own two forwards.
+            for (kind, tol) in [(KvType::Q8_0, 2e-2), (KvType::Q4_0, 1e-1)] {
+                let label = format!("{label}, {kind} cache");
+                let want = run(&cpu, kind, true);
+                let got = run(&gpu, kind, false);
+                assert_eq!(
+                    gpu.llama.cuda_forward_status(),
+                    Some(Ok(())),
+                    "{label}: the CUDA forward did not run"
+                );
+                let same = first_logits_agree(&label, &got, &want, tol);
+                eprintln!(
+                    "CUDA forward {arch} {dtype:?} {kind} cache: {same} of {} greedy tokens before the first difference",
+                    want.0.len()
+                );
+            }
         }
     }
 }

@@ -12,13 +12,13 @@ use std::rc::Rc;
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaSlice, CudaView, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::{CudaStorageSlice as S, DeviceId, WrapErr};
 use candle_core::{bail, CudaDevice, CudaStorage, Layout, Result, Shape};
 
-use super::{Launch, RopeTables};
-use crate::{PagedMeta, RopeStyle};
+use super::{gather_launch, hadamard_launch, kv_type_of, write_launch, Launch, RopeTables};
+use crate::{KvType, PagedMeta, RopeStyle};
 
 const KV_OPS_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/kv_ops.ptx"));
 const ATTENTION_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/paged_attention.ptx"));
@@ -68,33 +68,36 @@ fn upload(dev: &CudaDevice, host: &[u32]) -> Result<Rc<CudaSlice<u32>>> {
     })
 }
 
-/// A float cache's device slice (its layout's range) and kernel suffix.
-macro_rules! with_float_cache {
-    ($s:expr, $l:expr, |$c:ident, $suffix:ident| $body:expr) => {{
+/// A cache's device slice (its layout's range), type and kernel suffix.
+macro_rules! with_cache {
+    ($s:expr, $l:expr, |$c:ident, $t:ident, $suffix:ident| $body:expr) => {{
         let r = range($l, "KV cache")?;
-        let dtype = $s.dtype();
+        let $t = kv_type_of($s.dtype(), $l.dims())?;
+        let $suffix = $t.name();
         match &mut $s.slice {
             S::F32(c) => {
-                let $suffix = "f32";
                 let mut $c = c.slice_mut(r);
                 $body
             }
             S::F16(c) => {
-                let $suffix = "f16";
                 let mut $c = c.slice_mut(r);
                 $body
             }
             S::BF16(c) => {
-                let $suffix = "bf16";
                 let mut $c = c.slice_mut(r);
                 $body
             }
-            _ => bail!("the CUDA KV kernels support f32, f16 and bf16 caches, not {dtype:?}"),
+            S::U8(c) => {
+                let mut $c = c.slice_mut(r);
+                $body
+            }
+            _ => bail!("the CUDA KV kernels take no {:?} cache", $s.dtype()),
         }
     }};
 }
 
-/// Stores f32 rows (`slots.len()` rows of `row` values) at `slots`.
+/// Stores f32 rows (`slots.len()` rows of `row` values) at `slots`
+/// (quantized: rotated and quantized).
 fn scatter(
     s: &mut CudaStorage,
     l: &Layout,
@@ -104,9 +107,9 @@ fn scatter(
 ) -> Result<()> {
     let dev = s.device.clone();
     let slots_d = upload(&dev, slots)?;
+    let n = slots.len();
     let row = row as u32;
-    let launch = Launch::per_item(slots.len(), row as usize);
-    with_float_cache!(s, l, |cache, suffix| {
+    with_cache!(s, l, |cache, t, suffix| {
         let f = dev.get_or_load_custom_func(
             &format!("tessera_write_kv_{suffix}"),
             "tessera_kv_ops",
@@ -119,7 +122,7 @@ fn scatter(
         b.arg(&row);
         // SAFETY: the op checked the slots against the cache, and `rows`
         // holds a row per slot.
-        unsafe { b.launch(config(launch)) }.w()?;
+        unsafe { b.launch(config(write_launch(t, n, row as usize))) }.w()?;
     });
     Ok(())
 }
@@ -196,6 +199,12 @@ pub(crate) fn move_rows(
     }
     let dev = s.device.clone();
     let row = heads * head_dim;
+    let t_cache = kv_type_of(s.dtype(), l.dims())?;
+    if t_cache.is_quantized() && t.tables.iter().all(|&x| x == super::NO_TABLE) {
+        // Quantized rows that turn by nothing move as they are (a context
+        // shift's V): dequantized and quantized again they could differ.
+        return move_raw(s, l, slots, dst, t_cache.bytes_for(row) / 2);
+    }
     let out = dev.alloc_zeros::<f32>(slots.len() * row)?;
     let slots_d = dev.clone_htod(slots)?;
     let tables_d = dev.clone_htod(&t.tables)?;
@@ -215,9 +224,9 @@ pub(crate) fn move_rows(
         head_dim as u32,
         (style == RopeStyle::Neox) as u32,
     );
-    let launch = Launch::per_item(slots.len(), row / 2);
+    let launch = gather_launch(t_cache, slots.len(), heads, head_dim);
     let mut out = out;
-    with_float_cache!(s, l, |cache, suffix| {
+    with_cache!(s, l, |cache, _t, suffix| {
         let f = dev.get_or_load_custom_func(
             &format!("tessera_rope_gather_{suffix}"),
             "tessera_kv_ops",
@@ -240,12 +249,93 @@ pub(crate) fn move_rows(
     scatter(s, l, &out.slice(..), dst, row)
 }
 
+/// `write_kv_raw`: rows of a quantized cache's own bytes (`row` bytes each,
+/// an even number) stored at `slots` as they are.
+pub(crate) fn write_raw(
+    s: &mut CudaStorage,
+    l: &Layout,
+    rows: &[u8],
+    slots: &[u32],
+    row: usize,
+) -> Result<()> {
+    if slots.is_empty() {
+        return Ok(());
+    }
+    let dev = s.device.clone();
+    let r = range(l, "KV cache")?;
+    let S::U8(c) = &mut s.slice else {
+        bail!("write_kv_raw: not a quantized cache")
+    };
+    let mut cache = c.slice_mut(r);
+    let stream = dev.cuda_stream();
+    let (base, _b) = cache.device_ptr_mut(&stream);
+    let units: Vec<u16> = rows
+        .chunks_exact(2)
+        .map(|b| u16::from_le_bytes([b[0], b[1]]))
+        .collect();
+    let src = dev.clone_htod(&units)?;
+    let src_p = addr(&dev, &src);
+    let idx = dev.clone_htod(slots)?;
+    let u = (row / 2) as u32;
+    let f = dev.get_or_load_custom_func("tessera_scatter_rows", "tessera_kv_ops", KV_OPS_PTX)?;
+    let mut b = f.builder();
+    b.arg(&src_p);
+    b.arg(&base);
+    b.arg(&idx);
+    b.arg(&u);
+    // SAFETY: the op checked the slots against the cache and `rows` holds
+    // a row per slot.
+    unsafe { b.launch(config(Launch::per_item(slots.len(), row / 2))) }.w()?;
+    Ok(())
+}
+
+/// Rows of `units` 16-bit units moved from `slots` to `dst` as they are:
+/// all gathered into a scratch buffer before any is written.
+fn move_raw(
+    s: &mut CudaStorage,
+    l: &Layout,
+    slots: &[u32],
+    dst: &[u32],
+    units: usize,
+) -> Result<()> {
+    let dev = s.device.clone();
+    let r = range(l, "KV cache")?;
+    let S::U8(c) = &mut s.slice else {
+        bail!("move_raw: not a quantized cache")
+    };
+    let mut cache = c.slice_mut(r);
+    let stream = dev.cuda_stream();
+    let (base, _b) = cache.device_ptr_mut(&stream);
+    let tmp = dev.alloc_zeros::<u16>(slots.len() * units)?;
+    let tmp_p = addr(&dev, &tmp);
+    let (src_d, dst_d) = (dev.clone_htod(slots)?, dev.clone_htod(dst)?);
+    let u = units as u32;
+    let launch = config(Launch::per_item(slots.len(), units));
+    for (name, from, to, idx) in [
+        ("tessera_gather_rows", base, tmp_p, &src_d),
+        ("tessera_scatter_rows", tmp_p, base, &dst_d),
+    ] {
+        let f = dev.get_or_load_custom_func(name, "tessera_kv_ops", KV_OPS_PTX)?;
+        let mut b = f.builder();
+        b.arg(&from);
+        b.arg(&to);
+        b.arg(idx);
+        b.arg(&u);
+        // SAFETY: the op checked both index lists against the cache; the
+        // scratch holds a row per index; rows are whole 16-bit units.
+        unsafe { b.launch(launch) }.w()?;
+    }
+    Ok(())
+}
+
 const ATT_THREADS: u32 = super::ATT_THREADS as u32;
 
 /// Device addresses of one paged attention launch: queries (f32,
 /// `[tokens, n_heads, head_dim]`), the K and V caches (of the element type
-/// `cache` names: "f32", "f16" or "bf16") and the output (f32, as the
-/// queries).
+/// `cache` names: "f32", "f16", "bf16", "q8_0" or "q4_0") and the output
+/// (f32, as the queries). Over a quantized cache the launch rotates the
+/// queries in place into the cache's basis (they are scratch to it) and
+/// the output back.
 pub(crate) struct AttnBuffers {
     pub q: u64,
     pub k: u64,
@@ -283,9 +373,31 @@ pub(crate) fn paged_attention(
     // SAFETY: the merge writes every output value before anything reads it.
     let out = unsafe { dev.alloc::<f32>(tokens * n_heads * head_dim)? };
     let stream = dev.cuda_stream();
-    let (qp, _q) = qs.device_ptr(&stream);
+    let kt = kv_type_of(k.0.dtype(), k.1.dims())?;
+    if kt != kv_type_of(v.0.dtype(), v.1.dims())? {
+        bail!(
+            "paged_attention on CUDA: K and V caches of different types ({:?}, {:?})",
+            k.1.dims(),
+            v.1.dims()
+        )
+    }
+    // Over a quantized cache the launch rotates the queries in place: a
+    // copy of them.
+    let rotated = match kt.is_quantized() {
+        true => {
+            // SAFETY: filled from the queries just below, before any read.
+            let mut c = unsafe { dev.alloc::<f32>(qs.len())? };
+            stream.memcpy_dtod(&qs, &mut c).w()?;
+            Some(c)
+        }
+        false => None,
+    };
+    let (qp, _q) = match &rotated {
+        Some(c) => c.device_ptr(&stream),
+        None => qs.device_ptr(&stream),
+    };
     macro_rules! go {
-        ($suffix:literal, $k:expr, $v:expr) => {{
+        ($suffix:expr, $k:expr, $v:expr) => {{
             let kc = $k.slice(range(k.1, "K cache")?);
             let vc = $v.slice(range(v.1, "V cache")?);
             let (kp, _k) = kc.device_ptr(&stream);
@@ -304,8 +416,9 @@ pub(crate) fn paged_attention(
         (S::F32(kc), S::F32(vc)) => go!("f32", kc, vc),
         (S::F16(kc), S::F16(vc)) => go!("f16", kc, vc),
         (S::BF16(kc), S::BF16(vc)) => go!("bf16", kc, vc),
+        (S::U8(kc), S::U8(vc)) => go!(kt.name(), kc, vc),
         _ => bail!(
-            "paged_attention on CUDA: K/V caches must share an f32/f16/bf16 dtype, got {:?}/{:?}",
+            "paged_attention on CUDA: K/V caches must share a dtype, got {:?}/{:?}",
             k.0.dtype(),
             v.0.dtype()
         ),
@@ -435,6 +548,11 @@ pub(crate) fn launch_attention(dev: &CudaDevice, a: &AttnLaunch) -> Result<()> {
         Some(c) if a.tiles.is_none() && a.parts > 1 => Some(c),
         _ => None,
     };
+    let quantized = KvType::parse(a.bufs.cache).is_some_and(|t| t.is_quantized());
+    let values = a.tokens * n_heads * head_dim;
+    if quantized {
+        hadamard(dev, a.bufs.q, values)?;
+    }
     let f = dev.get_or_load_custom_func(
         &format!(
             "tessera_{kind}_attention_{}{}{dims}",
@@ -481,6 +599,9 @@ pub(crate) fn launch_attention(dev: &CudaDevice, a: &AttnLaunch) -> Result<()> {
     // here) are a zeroed u32 per (token, head).
     unsafe { l.launch(cfg) }.w()?;
     if direct || merged.is_some() {
+        if quantized {
+            hadamard(dev, a.bufs.out, values)?;
+        }
         return Ok(());
     }
     let f = dev.get_or_load_custom_func(
@@ -503,5 +624,22 @@ pub(crate) fn launch_attention(dev: &CudaDevice, a: &AttnLaunch) -> Result<()> {
     };
     // SAFETY: the partial states cover every (token, head, partition).
     unsafe { l.launch(merge) }.w()?;
+    if quantized {
+        hadamard(dev, a.bufs.out, values)?;
+    }
+    Ok(())
+}
+
+/// `values` f32 values at `x` (a multiple of 64) rotated in place, 64 at
+/// a time (`tessera_hadamard_rows`; it is its own inverse). Allocates
+/// nothing, so a graph capture may hold it.
+fn hadamard(dev: &CudaDevice, x: u64, values: usize) -> Result<()> {
+    let f = dev.get_or_load_custom_func("tessera_hadamard_rows", "tessera_kv_ops", KV_OPS_PTX)?;
+    let chunks = (values / 64) as u32;
+    let mut b = f.builder();
+    b.arg(&x);
+    b.arg(&chunks);
+    // SAFETY: the caller's buffer holds `values` f32 values.
+    unsafe { b.launch(config(hadamard_launch(values))) }.w()?;
     Ok(())
 }

@@ -5,7 +5,7 @@
 
 use candle_core::{DType, Result, Tensor};
 
-use super::{elem_suffix, moved_rows, Launch, RopeTables};
+use super::{gather_launch, hadamard_launch, moved_rows, write_launch, Launch, RopeTables};
 use crate::{cache_raw, CacheRaw, KvType, Rotation};
 
 #[repr(C)]
@@ -16,32 +16,66 @@ struct TsIdx {
     nthreads: u32,
 }
 
+/// `write_kv`'s entry point: (thread, src, cache, slots, row).
+type WriteFn = unsafe extern "C" fn(TsIdx, *const f32, *mut u8, *const u32, u32);
+/// `rope_gather`'s: (thread, cache, out, slots, tables, cos, sin, heads,
+/// head_dim, neox).
+type GatherFn = unsafe extern "C" fn(
+    TsIdx,
+    *const u8,
+    *mut f32,
+    *const u32,
+    *const u32,
+    *const f32,
+    *const f32,
+    u32,
+    u32,
+    u32,
+);
+
+// The caches' element pointers are declared as bytes here: the C entry
+// points take typed pointers of the same address (every cache buffer is
+// aligned for its element type).
 extern "C" {
     fn tessera_write_kv_f32(
         ix: TsIdx,
         src: *const f32,
-        cache: *mut f32,
+        cache: *mut u8,
         slots: *const u32,
         row: u32,
     );
     fn tessera_write_kv_f16(
         ix: TsIdx,
         src: *const f32,
-        cache: *mut u16,
+        cache: *mut u8,
         slots: *const u32,
         row: u32,
     );
     fn tessera_write_kv_bf16(
         ix: TsIdx,
         src: *const f32,
-        cache: *mut u16,
+        cache: *mut u8,
+        slots: *const u32,
+        row: u32,
+    );
+    fn tessera_write_kv_q8_0(
+        ix: TsIdx,
+        src: *const f32,
+        cache: *mut u8,
+        slots: *const u32,
+        row: u32,
+    );
+    fn tessera_write_kv_q4_0(
+        ix: TsIdx,
+        src: *const f32,
+        cache: *mut u8,
         slots: *const u32,
         row: u32,
     );
     fn tessera_copy_blocks(ix: TsIdx, cache: *mut u16, pairs: *const u32, units: u32);
     fn tessera_rope_gather_f32(
         ix: TsIdx,
-        cache: *const f32,
+        cache: *const u8,
         out: *mut f32,
         slots: *const u32,
         tables: *const u32,
@@ -53,7 +87,7 @@ extern "C" {
     );
     fn tessera_rope_gather_f16(
         ix: TsIdx,
-        cache: *const u16,
+        cache: *const u8,
         out: *mut f32,
         slots: *const u32,
         tables: *const u32,
@@ -65,7 +99,7 @@ extern "C" {
     );
     fn tessera_rope_gather_bf16(
         ix: TsIdx,
-        cache: *const u16,
+        cache: *const u8,
         out: *mut f32,
         slots: *const u32,
         tables: *const u32,
@@ -75,6 +109,33 @@ extern "C" {
         head_dim: u32,
         neox: u32,
     );
+    fn tessera_rope_gather_q8_0(
+        ix: TsIdx,
+        cache: *const u8,
+        out: *mut f32,
+        slots: *const u32,
+        tables: *const u32,
+        cos_t: *const f32,
+        sin_t: *const f32,
+        heads: u32,
+        head_dim: u32,
+        neox: u32,
+    );
+    fn tessera_rope_gather_q4_0(
+        ix: TsIdx,
+        cache: *const u8,
+        out: *mut f32,
+        slots: *const u32,
+        tables: *const u32,
+        cos_t: *const f32,
+        sin_t: *const f32,
+        heads: u32,
+        head_dim: u32,
+        neox: u32,
+    );
+    fn tessera_gather_rows(ix: TsIdx, src: *const u16, dst: *mut u16, idx: *const u32, units: u32);
+    fn tessera_scatter_rows(ix: TsIdx, src: *const u16, dst: *mut u16, idx: *const u32, units: u32);
+    fn tessera_hadamard_rows(ix: TsIdx, x: *mut f32, chunks: u32);
 }
 
 /// Every thread of the grid, block after block.
@@ -90,41 +151,67 @@ fn run(l: Launch, mut thread: impl FnMut(TsIdx)) {
     }
 }
 
-/// The cache's float elements; quantized caches are refused as on the GPU.
-fn float_cache(cache: &Tensor) -> Result<CacheRaw> {
-    elem_suffix(KvType::of(cache)?)?;
-    cache_raw(cache)
+/// A cache's type and the address of its storage.
+#[derive(Clone, Copy)]
+struct Cache {
+    t: KvType,
+    base: *mut u8,
+}
+
+fn cache_of(cache: &Tensor) -> Result<Cache> {
+    let t = KvType::of(cache)?;
+    let base = match cache_raw(cache)? {
+        CacheRaw::F32(p, _) => p as *mut u8,
+        CacheRaw::F16(p, _) | CacheRaw::Bf16(p, _) => p as *mut u8,
+        CacheRaw::Q8_0(p, _) => p as *mut u8,
+        CacheRaw::Q4_0(p, _) => p as *mut u8,
+    };
+    Ok(Cache { t, base })
+}
+
+fn write_fn(t: KvType) -> WriteFn {
+    match t {
+        KvType::F32 => tessera_write_kv_f32,
+        KvType::F16 => tessera_write_kv_f16,
+        KvType::Bf16 => tessera_write_kv_bf16,
+        KvType::Q8_0 => tessera_write_kv_q8_0,
+        KvType::Q4_0 => tessera_write_kv_q4_0,
+    }
+}
+
+fn gather_fn(t: KvType) -> GatherFn {
+    match t {
+        KvType::F32 => tessera_rope_gather_f32,
+        KvType::F16 => tessera_rope_gather_f16,
+        KvType::Bf16 => tessera_rope_gather_bf16,
+        KvType::Q8_0 => tessera_rope_gather_q8_0,
+        KvType::Q4_0 => tessera_rope_gather_q4_0,
+    }
 }
 
 /// Stores f32 `rows` (`slots.len()` rows of `row` values) at `slots`.
-fn scatter(raw: CacheRaw, rows: &[f32], slots: &[u32], row: usize) {
-    let l = Launch::per_item(slots.len(), row);
+fn scatter(c: Cache, rows: &[f32], slots: &[u32], row: usize) {
+    let f = write_fn(c.t);
     let (src, s, r) = (rows.as_ptr(), slots.as_ptr(), row as u32);
     // SAFETY: `rows` holds `slots.len() * row` values, every slot was checked
     // to lie inside the cache, and nothing else touches the cache meanwhile.
-    run(l, |ix| unsafe {
-        match raw {
-            CacheRaw::F32(c, _) => tessera_write_kv_f32(ix, src, c, s, r),
-            CacheRaw::F16(c, _) => tessera_write_kv_f16(ix, src, c, s, r),
-            CacheRaw::Bf16(c, _) => tessera_write_kv_bf16(ix, src, c, s, r),
-            CacheRaw::Q8_0(..) | CacheRaw::Q4_0(..) => unreachable!("refused by float_cache"),
-        }
+    run(write_launch(c.t, slots.len(), row), |ix| unsafe {
+        f(ix, src, c.base, s, r)
     });
 }
 
 /// The rows at `slots` as f32, rotated per `t`.
 fn gather(
-    raw: CacheRaw,
+    c: Cache,
     slots: &[u32],
     t: &RopeTables,
     heads: usize,
     head_dim: usize,
     neox: bool,
 ) -> Vec<f32> {
-    let row = heads * head_dim;
-    let mut out = vec![0f32; slots.len() * row];
-    let l = Launch::per_item(slots.len(), row / 2);
-    let (o, s, tb, c, sn) = (
+    let mut out = vec![0f32; slots.len() * heads * head_dim];
+    let f = gather_fn(c.t);
+    let (o, s, tb, cs, sn) = (
         out.as_mut_ptr(),
         slots.as_ptr(),
         t.tables.as_ptr(),
@@ -134,23 +221,36 @@ fn gather(
     let (h, d, n) = (heads as u32, head_dim as u32, neox as u32);
     // SAFETY: `out` holds a row per slot, the slots were checked, and every
     // table index points at a whole table of `head_dim / 2` values.
-    run(l, |ix| unsafe {
-        match raw {
-            CacheRaw::F32(c0, _) => tessera_rope_gather_f32(ix, c0, o, s, tb, c, sn, h, d, n),
-            CacheRaw::F16(c0, _) => tessera_rope_gather_f16(ix, c0, o, s, tb, c, sn, h, d, n),
-            CacheRaw::Bf16(c0, _) => tessera_rope_gather_bf16(ix, c0, o, s, tb, c, sn, h, d, n),
-            CacheRaw::Q8_0(..) | CacheRaw::Q4_0(..) => unreachable!("refused by float_cache"),
-        }
-    });
+    run(
+        gather_launch(c.t, slots.len(), heads, head_dim),
+        |ix| unsafe { f(ix, c.base, o, s, tb, cs, sn, h, d, n) },
+    );
     out
+}
+
+/// Rows moved as they are (every row read before any is written), `units`
+/// 16-bit units each: a quantized cache's V rows in a context shift.
+fn move_raw(c: Cache, src: &[u32], dst: &[u32], units: usize) {
+    let mut tmp = vec![0u16; src.len() * units];
+    let l = Launch::per_item(src.len(), units);
+    let (base, u) = (c.base as *mut u16, units as u32);
+    // SAFETY: both index lists were checked against the cache, `tmp` holds
+    // a row per index, and the rows are 16-bit aligned (even row bytes).
+    run(l, |ix| unsafe {
+        tessera_gather_rows(ix, base, tmp.as_mut_ptr(), src.as_ptr(), u)
+    });
+    // SAFETY: as above.
+    run(l, |ix| unsafe {
+        tessera_scatter_rows(ix, tmp.as_ptr(), base, dst.as_ptr(), u)
+    });
 }
 
 /// [`crate::write_kv`] through the GPU kernel source.
 pub fn write_kv(cache: &Tensor, new: &Tensor, slots: &[u32]) -> Result<()> {
     crate::kv::write::check(cache, new, slots)?;
-    let raw = float_cache(cache)?;
+    let c = cache_of(cache)?;
     let rows = new.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-    scatter(raw, &rows, slots, rows.len() / slots.len().max(1));
+    scatter(c, &rows, slots, rows.len() / slots.len().max(1));
     Ok(())
 }
 
@@ -160,12 +260,7 @@ pub fn copy_blocks(cache: &Tensor, pairs: &[(u32, u32)]) -> Result<()> {
     let values = crate::kv::copy::check(cache, pairs)?;
     let units = (KvType::of(cache)?.bytes_for(values) / 2) as u32;
     let flat: Vec<u32> = pairs.iter().flat_map(|&(s, d)| [s, d]).collect();
-    let base = match cache_raw(cache)? {
-        CacheRaw::F32(p, _) => p as *mut u16,
-        CacheRaw::F16(p, _) | CacheRaw::Bf16(p, _) => p,
-        CacheRaw::Q8_0(p, _) => p as *mut u16,
-        CacheRaw::Q4_0(p, _) => p as *mut u16,
-    };
+    let base = cache_of(cache)?.base as *mut u16;
     // SAFETY: the pairs were checked to name blocks inside the cache.
     run(Launch::per_item(pairs.len(), units as usize), |ix| unsafe {
         tessera_copy_blocks(ix, base, flat.as_ptr(), units)
@@ -174,7 +269,8 @@ pub fn copy_blocks(cache: &Tensor, pairs: &[(u32, u32)]) -> Result<()> {
 }
 
 /// [`crate::shift_kv`] through the GPU kernel source: every source row
-/// gathered (K rotated) before any is written.
+/// gathered (K rotated) before any is written; a quantized cache's V rows
+/// move as they are.
 pub fn shift_kv(
     k_cache: &Tensor,
     v_cache: &Tensor,
@@ -182,7 +278,7 @@ pub fn shift_kv(
     rotation: &Rotation,
 ) -> Result<()> {
     let (heads, head_dim) = crate::kv::shift::check(k_cache, v_cache, moves, rotation)?;
-    let (k, v) = (float_cache(k_cache)?, float_cache(v_cache)?);
+    let (k, v) = (cache_of(k_cache)?, cache_of(v_cache)?);
     let (src, dst): (Vec<u32>, Vec<u32>) = moves.iter().copied().unzip();
     let neox = rotation.style == crate::RopeStyle::Neox;
     let row = heads * head_dim;
@@ -195,8 +291,12 @@ pub fn shift_kv(
         neox,
     );
     scatter(k, &moved, &dst, row);
-    let moved = gather(v, &src, &RopeTables::none(src.len()), heads, head_dim, neox);
-    scatter(v, &moved, &dst, row);
+    if v.t.is_quantized() {
+        move_raw(v, &src, &dst, v.t.bytes_for(row) / 2);
+    } else {
+        let moved = gather(v, &src, &RopeTables::none(src.len()), heads, head_dim, neox);
+        scatter(v, &moved, &dst, row);
+    }
     Ok(())
 }
 
@@ -208,7 +308,7 @@ pub fn rotate_k(
     rotation: &Rotation,
 ) -> Result<()> {
     let (heads, head_dim) = crate::kv::shift::check_rotate(k_cache, slots, deltas, rotation)?;
-    let k = float_cache(k_cache)?;
+    let k = cache_of(k_cache)?;
     let (slots, deltas) = moved_rows(slots, deltas);
     let neox = rotation.style == crate::RopeStyle::Neox;
     let rows = gather(
@@ -221,6 +321,17 @@ pub fn rotate_k(
     );
     scatter(k, &rows, &slots, heads * head_dim);
     Ok(())
+}
+
+/// `x` (a multiple of 64 values) rotated by `tessera_hadamard_rows`, as
+/// attention rotates its queries and output over a quantized cache.
+pub fn hadamard_rows(x: &mut [f32]) {
+    let chunks = (x.len() / 64) as u32;
+    let p = x.as_mut_ptr();
+    // SAFETY: the kernel touches the first `chunks * 64` values of `x`.
+    run(hadamard_launch(x.len()), |ix| unsafe {
+        tessera_hadamard_rows(ix, p, chunks)
+    });
 }
 
 #[cfg(test)]
@@ -505,16 +616,33 @@ mod tests {
     }
 
     #[test]
-    fn padded_slots_are_skipped_and_quantized_caches_refused() -> Result<()> {
-        let cache = seeded_cache(&[2, 4, 1, 64], 1, KvType::F16)?;
-        let before = cache.copy()?;
-        scatter(
-            float_cache(&cache)?,
-            &[1.0; 64],
-            &[super::super::NO_TABLE],
-            64,
-        );
-        assert_eq!(max_abs_diff(&cache, &before)?, 0.0);
-        parity::quantized_caches_refused(&Emu)
+    fn padded_slots_are_skipped() -> Result<()> {
+        for t in KvType::ALL {
+            let cache = seeded_cache(&[2, 4, 1, 64], 1, t)?;
+            let before = cache.copy()?;
+            scatter(cache_of(&cache)?, &[1.0; 64], &[super::super::NO_TABLE], 64);
+            assert_eq!(max_abs_diff(&cache, &before)?, 0.0, "{t}");
+        }
+        Ok(())
+    }
+
+    /// The rotation kernel is the CPU's, bit for bit, and its own inverse
+    /// up to rounding.
+    #[test]
+    fn hadamard_rows_equal_the_cpu_transform() -> Result<()> {
+        let x = crate::testing::seeded(&[5 * 64], 7, DType::F32)?.to_vec1::<f32>()?;
+        let mut want = x.clone();
+        crate::quant::hadamard64(&mut want);
+        let mut got = x.clone();
+        hadamard_rows(&mut got);
+        assert_eq!(got, want);
+        hadamard_rows(&mut got);
+        let err = got
+            .iter()
+            .zip(&x)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(err < 1e-6, "{err}");
+        Ok(())
     }
 }

@@ -288,7 +288,8 @@ impl Forward {
             .iter()
             .map(|&g| Ok((g, f(&format!("tessera_fwd_dequant_{}", g.name()))?)))
             .collect::<Result<Vec<_>>>()?;
-        let qkv = ["f32", "f16", "bf16"]
+        let qkv = crate::KvType::ALL
+            .map(|t| t.name())
             .into_iter()
             .map(|c| Ok((c, f(&format!("tessera_fwd_qkv_{c}"))?)))
             .collect::<Result<Vec<_>>>()?;
@@ -679,8 +680,9 @@ pub struct CacheRef {
 }
 
 impl CacheRef {
-    /// Contiguous f32, f16 or bf16 caches of one shape
-    /// `[blocks, block_size, kv_heads, head_dim]` on the GPU.
+    /// Contiguous caches of one type and shape on the GPU: f32, f16 or bf16
+    /// `[blocks, block_size, kv_heads, head_dim]`, or quantized (q8_0,
+    /// q4_0: [`crate::quant`]'s layout).
     pub fn new(k_cache: &Tensor, v_cache: &Tensor) -> Result<CacheRef> {
         if k_cache.shape() != v_cache.shape() {
             bail!(
@@ -805,8 +807,9 @@ impl Forward {
 }
 
 /// A contiguous f32, f16 or bf16 tensor's device address (at its layout's
-/// start) and element type ("f32", "f16" or "bf16"): K/V caches, and the
-/// model's norm and bias vectors.
+/// start) and element type ("f32", "f16" or "bf16"): K/V caches (also
+/// quantized ones, "q8_0" or "q4_0": bytes whose last dimension is the
+/// block's size), and the model's norm and bias vectors.
 pub fn tensor_addr(t: &Tensor) -> Result<(u64, &'static str)> {
     let (st, l) = t.storage_and_layout();
     let Storage::Cuda(cs) = &*st else {
@@ -821,6 +824,13 @@ pub fn tensor_addr(t: &Tensor) -> Result<(u64, &'static str)> {
         S::F32(c) => (at(addr(dev, c), 4), "f32"),
         S::F16(c) => (at(addr(dev, c), 2), "f16"),
         S::BF16(c) => (at(addr(dev, c), 2), "bf16"),
+        S::U8(c) => match super::kv_type_of(t.dtype(), t.dims()) {
+            Ok(k) => (at(addr(dev, c), 1), k.name()),
+            Err(_) => bail!(
+                "the CUDA forward takes no u8 tensor of shape {:?}",
+                t.dims()
+            ),
+        },
         _ => bail!(
             "the CUDA forward supports f32, f16 and bf16 tensors, not {:?}",
             t.dtype()

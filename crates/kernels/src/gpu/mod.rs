@@ -74,49 +74,83 @@ const WRITE: &[&str] = &["src", "cache", "slots", "row"];
 const GATHER: &[&str] = &[
     "cache", "out", "slots", "tables", "cos_t", "sin_t", "heads", "head_dim", "neox",
 ];
+const MOVE: &[&str] = &["src", "dst", "idx", "units"];
+
+macro_rules! sigs {
+    ($($name:literal: $params:expr),* $(,)?) => {
+        &[$(KernelSig { name: $name, params: $params }),*]
+    };
+}
 
 /// Every entry point the launchers bind.
-pub const KERNELS: &[KernelSig] = &[
-    KernelSig {
-        name: "tessera_write_kv_f32",
-        params: WRITE,
-    },
-    KernelSig {
-        name: "tessera_write_kv_f16",
-        params: WRITE,
-    },
-    KernelSig {
-        name: "tessera_write_kv_bf16",
-        params: WRITE,
-    },
-    KernelSig {
-        name: "tessera_copy_blocks",
-        params: &["cache", "pairs", "units"],
-    },
-    KernelSig {
-        name: "tessera_rope_gather_f32",
-        params: GATHER,
-    },
-    KernelSig {
-        name: "tessera_rope_gather_f16",
-        params: GATHER,
-    },
-    KernelSig {
-        name: "tessera_rope_gather_bf16",
-        params: GATHER,
-    },
+pub const KERNELS: &[KernelSig] = sigs![
+    "tessera_write_kv_f32": WRITE,
+    "tessera_write_kv_f16": WRITE,
+    "tessera_write_kv_bf16": WRITE,
+    "tessera_write_kv_q8_0": WRITE,
+    "tessera_write_kv_q4_0": WRITE,
+    "tessera_copy_blocks": &["cache", "pairs", "units"],
+    "tessera_rope_gather_f32": GATHER,
+    "tessera_rope_gather_f16": GATHER,
+    "tessera_rope_gather_bf16": GATHER,
+    "tessera_rope_gather_q8_0": GATHER,
+    "tessera_rope_gather_q4_0": GATHER,
+    "tessera_gather_rows": MOVE,
+    "tessera_scatter_rows": MOVE,
+    "tessera_hadamard_rows": &["x", "chunks"],
 ];
 
-/// The name suffix of a cache type's kernels; quantized caches have none.
-pub fn elem_suffix(t: KvType) -> Result<&'static str> {
-    Ok(match t {
-        KvType::F32 => "f32",
-        KvType::F16 => "f16",
-        KvType::Bf16 => "bf16",
-        KvType::Q8_0 | KvType::Q4_0 => {
-            bail!("the GPU KV kernels support f32, f16 and bf16 caches, not {t}")
-        }
-    })
+/// The name suffix of a cache type's kernels.
+pub fn elem_suffix(t: KvType) -> &'static str {
+    t.name()
+}
+
+/// The cache type of a GPU cache tensor's storage: its dtype, and for
+/// bytes (quantized blocks) the block size, the last dimension of its
+/// layout (see [`crate::quant`]).
+pub fn kv_type_of(dtype: candle_core::DType, dims: &[usize]) -> Result<KvType> {
+    if let Some(t) = KvType::from_dtype(dtype) {
+        return Ok(t);
+    }
+    match (dtype, dims.last()) {
+        (candle_core::DType::U8, Some(34)) => Ok(KvType::Q8_0),
+        (candle_core::DType::U8, Some(18)) => Ok(KvType::Q4_0),
+        _ => bail!("not a KV cache: {dtype:?} {dims:?}"),
+    }
+}
+
+/// The launch that stores `rows` rows of `row` values into a cache of
+/// type `t`: a block per row, its threads over the row's values (a
+/// quantized row's groups of 64).
+pub fn write_launch(t: KvType, rows: usize, row: usize) -> Launch {
+    Launch::per_item(rows, if t.is_quantized() { row / 64 } else { row })
+}
+
+/// The launch that gathers `rows` rows of `heads` heads of `head_dim`
+/// from a cache of type `t` (a thread per RoPE pair, or, quantized, per
+/// head).
+pub fn gather_launch(t: KvType, rows: usize, heads: usize, head_dim: usize) -> Launch {
+    Launch::per_item(
+        rows,
+        if t.is_quantized() {
+            heads
+        } else {
+            heads * head_dim / 2
+        },
+    )
+}
+
+/// Threads per block of [`hadamard_launch`].
+const HADAMARD_THREADS: usize = 64;
+
+/// The launch of `tessera_hadamard_rows` over `values` values (a multiple
+/// of 64): a thread per 64.
+pub fn hadamard_launch(values: usize) -> Launch {
+    let chunks = values / 64;
+    Launch {
+        blocks: chunks.div_ceil(HADAMARD_THREADS).max(1) as u32,
+        threads: HADAMARD_THREADS as u32,
+    }
 }
 
 /// A one-dimensional launch: one block per item (token, pair or row), its

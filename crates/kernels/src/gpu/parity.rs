@@ -25,8 +25,13 @@ pub(crate) trait Backend {
         r: &Rotation,
     ) -> Result<(Tensor, Tensor)>;
     fn rotate_k(&self, k: &Tensor, slots: &[u32], deltas: &[i64], r: &Rotation) -> Result<Tensor>;
+    /// The cache types its KV kernels take (the rest it refuses).
+    fn types(&self) -> &'static [KvType] {
+        &KvType::ALL
+    }
 }
 
+#[cfg(any(feature = "cuda", all(feature = "metal", target_vendor = "apple")))]
 pub(crate) const FLOATS: [KvType; 3] = [KvType::F32, KvType::F16, KvType::Bf16];
 
 /// Geometries `[blocks, block_size, kv heads, head_dim]`: head dims 64,
@@ -48,8 +53,10 @@ fn rotation(style: RopeStyle, hd: usize, delta: i64) -> Rotation {
     }
 }
 
+/// Every cache type the backend takes, bit for bit (a quantized row:
+/// rotated and quantized as the CPU does).
 pub(crate) fn write_kv(b: &dyn Backend) -> Result<()> {
-    for t in FLOATS {
+    for &t in b.types() {
         for (n, shape) in SHAPES.iter().enumerate() {
             let cache = seeded_cache(shape, n as u64, t)?;
             let slots: Vec<u32> = (0..5)
@@ -81,7 +88,7 @@ pub(crate) fn copy_blocks(b: &dyn Backend) -> Result<()> {
 /// Overlapping moves (everything after slot 3 slides left by 2) and
 /// per-slot rotations, both RoPE pair layouts; then composition.
 pub(crate) fn shift_and_rotate(b: &dyn Backend) -> Result<()> {
-    for t in FLOATS {
+    for &t in b.types() {
         for style in [RopeStyle::Neox, RopeStyle::Interleaved] {
             for shape in SHAPES {
                 let n = shape[0] * shape[1];
@@ -115,8 +122,13 @@ pub(crate) fn shift_and_rotate(b: &dyn Backend) -> Result<()> {
     Ok(())
 }
 
-/// Quantized caches are refused (except by `copy_blocks`) with a message.
+/// A backend that takes only float caches refuses the quantized ones
+/// (except in `copy_blocks`) with a message.
+#[cfg(any(feature = "cuda", all(feature = "metal", target_vendor = "apple")))]
 pub(crate) fn quantized_caches_refused(b: &dyn Backend) -> Result<()> {
+    if b.types().contains(&KvType::Q8_0) {
+        return Ok(());
+    }
     let q = seeded_cache(&[2, 4, 1, 64], 1, KvType::Q8_0)?;
     let new = seeded(&[1, 1, 64], 2, DType::F32)?;
     let err = b.write_kv(&q, &new, &[0]).unwrap_err().to_string();
@@ -168,6 +180,20 @@ impl Backend for OnDevice {
         crate::rotate_k(&k, slots, deltas, r)?;
         down(&k)
     }
+    fn types(&self) -> &'static [KvType] {
+        device_types(&self.0)
+    }
+}
+
+/// The cache types a device's KV kernels and attention take: every one on
+/// CUDA, the float ones on Metal.
+#[cfg(any(feature = "cuda", all(feature = "metal", target_vendor = "apple")))]
+fn device_types(dev: &Device) -> &'static [KvType] {
+    if dev.is_cuda() {
+        &KvType::ALL
+    } else {
+        &FLOATS
+    }
 }
 
 /// The largest difference between paged attention on `dev` and the slow
@@ -192,8 +218,8 @@ fn attention_diff(
 
 /// Paged attention on `dev` against the slow reference: decode and
 /// prefill chunks, several partitions (on CUDA, of 64 and of 256
-/// positions), GQA, a sliding window, head dims 64–256, every float cache
-/// type.
+/// positions), GQA, a sliding window, head dims 64–256, every cache type
+/// the device takes (quantized ones on CUDA).
 #[cfg(any(feature = "cuda", all(feature = "metal", target_vendor = "apple")))]
 pub(crate) fn paged_attention_on(dev: &Device) -> Result<()> {
     // (n_heads, n_kv_heads, head_dim, block_size, context, new tokens, window)
@@ -210,7 +236,7 @@ pub(crate) fn paged_attention_on(dev: &Device) -> Result<()> {
         (40, 1, 64, 8, 60, 16, 0),  // a group wider than a tile
         (4, 4, 256, 8, 100, 20, 0), // a chunk with head dim 256 (per query)
     ];
-    for t in FLOATS {
+    for &t in device_types(dev) {
         for (i, &(nh, kvh, hd, bs, ctx, new, window)) in cases.iter().enumerate() {
             let blocks = ctx.div_ceil(bs) + 2;
             let k = seeded_cache(&[blocks, bs, kvh, hd], 10 + i as u64, t)?;

@@ -136,6 +136,10 @@ pub fn write_kv_raw(cache: &Tensor, rows: &[u8], slots: &[u32]) -> Result<()> {
             }
             Ok(())
         }
+        #[cfg(feature = "cuda")]
+        fn cuda_fwd(&self, s: &mut candle_core::CudaStorage, l: &Layout) -> Result<()> {
+            crate::gpu::cuda::write_raw(s, l, self.0, self.1, self.2)
+        }
     }
     cache.inplace_op1(&Raw(rows, slots, row))
 }
