@@ -235,6 +235,11 @@ bench --scenario shared-prefix
 bench --scenario decode-long --runs 3
 bench --scenario decode-batch --runs 3
 bench --scenario shift
+# Quantized caches (q8_0, q4_0): decode deep in a context over the blocks
+# read in place, and context shifts that rotate them.
+bench --scenario decode-long --runs 3 --cache-dtype q8_0
+bench --scenario decode-long --runs 3 --cache-dtype q4_0
+bench --scenario shift --cache-dtype q8_0
 # Defragmentation, sessions, pool resizes, context shifts and injected step
 # faults on the GPU's K/V.
 bench --scenario soak --requests 300
