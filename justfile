@@ -198,6 +198,15 @@ bench-cpu-amx models="SmolLM2-135M-Instruct.Q4_1,synth-1b-Q4_0,synth-1b-Q4_K_M" 
     cargo build --release -p tessera
     python3 scripts/bench_cpu.py --models {{models}} --isas amx,avx512 --runs {{runs}} --int8 --out cpu-amx.json
 
+# The 256-bit rows alone (AVX-VNNI where this CPU has it, and AVX2), both engines forced down to them, into
+# target/bench/cpu-256.json and their own table in docs/benchmarks.md: on a wider CPU (AVX-512, AMX) whose
+# main table (`bench-cpu`) is another host's, the rows a laptop's instruction sets get.
+bench-cpu-256 models="SmolLM2-135M-Instruct.Q4_1,synth-1b-Q4_0,synth-1b-Q4_K_M" runs="3": bench-deps (synth-model "1b" "Q4_0,Q4_K_M")
+    sh scripts/build_llama_tools.sh avx2
+    if grep -q avx_vnni /proc/cpuinfo; then sh scripts/build_llama_tools.sh avxvnni; fi
+    cargo build --release -p tessera
+    python3 scripts/bench_cpu.py --models {{models}} --isas $(grep -q avx_vnni /proc/cpuinfo && echo avxvnni,avx2 || echo avx2) --runs {{runs}} --int8 --out cpu-256.json
+
 # More formats of the generated 1B-class model beside llama-bench (as `bench-cpu`, each run's own
 # roofline), merged into target/bench/cpu.json and the table in docs/benchmarks.md.
 bench-cpu-formats formats="Q5_K_M,Q6_K,Q8_0" runs="3": (synth-model "1b" formats)

@@ -236,7 +236,8 @@ def main():
                     help="results file in target/bench (cpu-amx.json: the AMX table, readme_tables.py cpu-amx; "
                          "cpu-avx2.json, the default on an AVX2-only CPU: readme_tables.py cpu-avx2; "
                          "cpu-avx512.json, the default on a CPU with AVX-512 VNNI and no AVX-VNNI: "
-                         "readme_tables.py cpu-avx512)")
+                         "readme_tables.py cpu-avx512; cpu-256.json, a wider CPU's 256-bit rows alone "
+                         "(just bench-cpu-256): readme_tables.py cpu-256)")
     ap.add_argument("--merge", action="store_true",
                     help="keep the other models' rows (and their runs' rooflines) of target/bench/cpu.json")
     args = ap.parse_args()

@@ -16,7 +16,8 @@ in them is typed by hand. Each subcommand reads what its recipe wrote:
 - cpu: target/bench/cpu.json (`just bench-cpu`); cpu-amx: cpu-amx.json
   (`just bench-cpu-amx`, on a CPU with AMX); cpu-avx2: cpu-avx2.json
   (`just bench-cpu` on a CPU with AVX2 alone); cpu-avx512: cpu-avx512.json
-  (`just bench-cpu` on a CPU with AVX-512 VNNI and no AVX-VNNI);
+  (`just bench-cpu` on a CPU with AVX-512 VNNI and no AVX-VNNI); cpu-256:
+  cpu-256.json (`just bench-cpu-256`: a wider CPU's 256-bit rows alone);
 - gpu, gpu-ab, gpu-families, gpu-forward, gpu-variants, gpu-fusion: what
   `scripts/cuda_device_run.sh` brings back from a GPU machine, copied to
   target/bench/gpu/, gpu/ab/, gpu-families/, gpu-forward/, gpu-variants/<call>/
@@ -26,7 +27,7 @@ in them is typed by hand. Each subcommand reads what its recipe wrote:
 Other scripts (bench_cpu.py, families_vs_llamacpp.py, ...) write their own
 sections through `splice` here.
 
-Usage: readme_tables.py model|engine|sessions|hangups|swa|soak|criterion|llamacpp|cpu|cpu-amx|cpu-avx2|cpu-avx512|gpu|gpu-ab|gpu-families|gpu-forward|gpu-variants|gpu-fusion|summary
+Usage: readme_tables.py model|engine|sessions|hangups|swa|soak|criterion|llamacpp|cpu|cpu-amx|cpu-avx2|cpu-avx512|cpu-256|gpu|gpu-ab|gpu-families|gpu-forward|gpu-variants|gpu-fusion|summary
 """
 
 import datetime
@@ -782,6 +783,7 @@ CPU_RECIPES = {
     "cpu-amx.json": "`just bench-cpu-amx`",
     "cpu-avx2.json": "`just bench-cpu` on a CPU with AVX2 alone",
     "cpu-avx512.json": "`just bench-cpu` on a CPU with AVX-512 VNNI and no AVX-VNNI",
+    "cpu-256.json": "`just bench-cpu-256`",
 }
 
 
@@ -808,6 +810,10 @@ def cpu_table(name="cpu.json"):
     elif not row_isas & {"avxvnni", "avx2"}:
         # The AMX table's rows (`just bench-cpu-amx`): AMX and AVX-512 VNNI alone.
         llama_builds = builds.removesuffix(", ") + "), "
+    elif not row_isas & {"avx512", "amx"}:
+        # The 256-bit rows alone (`just bench-cpu-256`) of a wider CPU.
+        llama_builds = ("`GGML_NATIVE=OFF` with AVX2 + FMA and no AVX-512, with `GGML_AVX_VNNI` for the AVX-VNNI "
+                        "rows (256-bit `vpdpbusd`) and without it for the AVX2 rows), ")
     else:
         llama_builds = builds + "`GGML_NATIVE=OFF` with AVX2 + FMA and no AVX-512 for the " + (
             "others, with `GGML_AVX_VNNI` for the AVX-VNNI rows (256-bit `vpdpbusd`) and without it for the AVX2 "
@@ -1290,6 +1296,7 @@ def main():
         "cpu-amx": lambda: cpu_table("cpu-amx.json"),
         "cpu-avx2": lambda: cpu_table("cpu-avx2.json"),
         "cpu-avx512": lambda: cpu_table("cpu-avx512.json"),
+        "cpu-256": lambda: cpu_table("cpu-256.json"),
     }.get(which)
     if make is None:
         sys.exit(__doc__)
