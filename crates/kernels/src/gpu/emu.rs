@@ -36,103 +36,35 @@ type GatherFn = unsafe extern "C" fn(
 // The caches' element pointers are declared as bytes here: the C entry
 // points take typed pointers of the same address (every cache buffer is
 // aligned for its element type).
+macro_rules! entry_points {
+    (write: $($w:ident),*; gather: $($g:ident),*) => {
+        extern "C" {
+            $(fn $w(ix: TsIdx, src: *const f32, cache: *mut u8, slots: *const u32, row: u32);)*
+            $(fn $g(
+                ix: TsIdx,
+                cache: *const u8,
+                out: *mut f32,
+                slots: *const u32,
+                tables: *const u32,
+                cos_t: *const f32,
+                sin_t: *const f32,
+                heads: u32,
+                head_dim: u32,
+                neox: u32,
+            );)*
+        }
+    };
+}
+
+entry_points!(
+    write: tessera_write_kv_f32, tessera_write_kv_f16, tessera_write_kv_bf16,
+        tessera_write_kv_q8_0, tessera_write_kv_q4_0;
+    gather: tessera_rope_gather_f32, tessera_rope_gather_f16, tessera_rope_gather_bf16,
+        tessera_rope_gather_q8_0, tessera_rope_gather_q4_0
+);
+
 extern "C" {
-    fn tessera_write_kv_f32(
-        ix: TsIdx,
-        src: *const f32,
-        cache: *mut u8,
-        slots: *const u32,
-        row: u32,
-    );
-    fn tessera_write_kv_f16(
-        ix: TsIdx,
-        src: *const f32,
-        cache: *mut u8,
-        slots: *const u32,
-        row: u32,
-    );
-    fn tessera_write_kv_bf16(
-        ix: TsIdx,
-        src: *const f32,
-        cache: *mut u8,
-        slots: *const u32,
-        row: u32,
-    );
-    fn tessera_write_kv_q8_0(
-        ix: TsIdx,
-        src: *const f32,
-        cache: *mut u8,
-        slots: *const u32,
-        row: u32,
-    );
-    fn tessera_write_kv_q4_0(
-        ix: TsIdx,
-        src: *const f32,
-        cache: *mut u8,
-        slots: *const u32,
-        row: u32,
-    );
     fn tessera_copy_blocks(ix: TsIdx, cache: *mut u16, pairs: *const u32, units: u32);
-    fn tessera_rope_gather_f32(
-        ix: TsIdx,
-        cache: *const u8,
-        out: *mut f32,
-        slots: *const u32,
-        tables: *const u32,
-        cos_t: *const f32,
-        sin_t: *const f32,
-        heads: u32,
-        head_dim: u32,
-        neox: u32,
-    );
-    fn tessera_rope_gather_f16(
-        ix: TsIdx,
-        cache: *const u8,
-        out: *mut f32,
-        slots: *const u32,
-        tables: *const u32,
-        cos_t: *const f32,
-        sin_t: *const f32,
-        heads: u32,
-        head_dim: u32,
-        neox: u32,
-    );
-    fn tessera_rope_gather_bf16(
-        ix: TsIdx,
-        cache: *const u8,
-        out: *mut f32,
-        slots: *const u32,
-        tables: *const u32,
-        cos_t: *const f32,
-        sin_t: *const f32,
-        heads: u32,
-        head_dim: u32,
-        neox: u32,
-    );
-    fn tessera_rope_gather_q8_0(
-        ix: TsIdx,
-        cache: *const u8,
-        out: *mut f32,
-        slots: *const u32,
-        tables: *const u32,
-        cos_t: *const f32,
-        sin_t: *const f32,
-        heads: u32,
-        head_dim: u32,
-        neox: u32,
-    );
-    fn tessera_rope_gather_q4_0(
-        ix: TsIdx,
-        cache: *const u8,
-        out: *mut f32,
-        slots: *const u32,
-        tables: *const u32,
-        cos_t: *const f32,
-        sin_t: *const f32,
-        heads: u32,
-        head_dim: u32,
-        neox: u32,
-    );
     fn tessera_gather_rows(ix: TsIdx, src: *const u16, dst: *mut u16, idx: *const u32, units: u32);
     fn tessera_scatter_rows(ix: TsIdx, src: *const u16, dst: *mut u16, idx: *const u32, units: u32);
     fn tessera_hadamard_rows(ix: TsIdx, x: *mut f32, chunks: u32);
