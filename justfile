@@ -47,7 +47,8 @@ check-portable:
 # sm_80 and sm_90 (installs the pinned CUDA 13.0 nvcc wheels when missing), every .metal through
 # clang -fsyntax-only against our metal_stdlib shim, and the kernel-emu tests (the shared kernel
 # source compiled for the CPU against the slow references), then the CUDA launchers type-checked
-# (target/cuda) and the Metal ones through clippy for aarch64-apple-darwin (target/metal).
+# (target/cuda-check, with scripts/nvcc_check.sh standing in for nvcc: nothing there runs a kernel) and
+# the Metal ones through clippy for aarch64-apple-darwin (target/metal).
 check-gpu:
     command -v clang++ >/dev/null || ($(command -v sudo || true) apt-get update && $(command -v sudo || true) apt-get install -y clang)
     python3 scripts/check_gpu.py

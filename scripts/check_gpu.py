@@ -17,7 +17,8 @@ llama.cpp's CUDA llama-bench: see scripts/cuda_lent_call.sh.)
    indices the Rust side binds checked against the source.
 4. The CUDA launchers, the GPU tests and the `tessera` binary with its
    `cuda` feature type-checked against candle's CUDA backend (in
-   target/cuda; about 20 minutes the first time on 2 cores).
+   target/cuda-check), with scripts/nvcc_check.sh as nvcc: a type-check
+   reads no kernel, so candle's CUDA files are not compiled for it.
 5. The Metal launchers and GPU tests (tessera-kernels and tessera-model with
    their `metal` feature) type-checked with clippy for aarch64-apple-darwin
    against candle's Metal backend (in target/metal; the target's standard
@@ -278,11 +279,18 @@ def cuda_env(nvcc, **extra):
 
 def check_launchers():
     """The CUDA launchers and GPU tests type-checked against
-    candle's `cuda` feature, in target/cuda; no GPU needed, but
-    candle's own kernels are compiled to PTX (about 20 minutes the first
-    time, with the whole binary). CUDA_COMPUTE_CAP is set since there is no GPU to ask."""
-    env = cuda_env(ensure_nvcc(), CUDA_COMPUTE_CAP=os.environ.get("CUDA_COMPUTE_CAP", "80"),
-                   CARGO_TARGET_DIR=os.path.join(ROOT, "target", "cuda"))
+    candle's `cuda` feature, in target/cuda-check; no GPU needed, and no
+    kernel compiled (scripts/nvcc_check.sh stands in for nvcc's compiles).
+    CUDA_COMPUTE_CAP is set since there is no GPU to ask."""
+    nvcc = ensure_nvcc()
+    # nvcc_check.sh writes empty kernels where candle's build script would
+    # compile its CUDA files (a type-check reads none; ours went through the
+    # real nvcc and ptxas above), in a target folder of its own so that no
+    # build that runs ever holds them.
+    env = cuda_env(nvcc, CUDA_COMPUTE_CAP=os.environ.get("CUDA_COMPUTE_CAP", "80"),
+                   CARGO_TARGET_DIR=os.path.join(ROOT, "target", "cuda-check"),
+                   NVCC=os.path.join(ROOT, "scripts", "nvcc_check.sh"),
+                   TESSERA_REAL_NVCC=os.path.abspath(nvcc) if os.path.isabs(nvcc) else shutil.which(nvcc) or nvcc)
     # The kernels' and the model's tests, and the model, engine and CLI with
     # `--device cuda` (candle-nn's CUDA ops too), in one invocation: one
     # per package resolves features apart and checks most of the
