@@ -17,7 +17,7 @@ use candle_core::cuda_backend::cudarc::driver::{
 use candle_core::cuda_backend::{CudaStorageSlice as S, DeviceId, WrapErr};
 use candle_core::{bail, CudaDevice, CudaStorage, Layout, Result, Shape};
 
-use super::{gather_launch, hadamard_launch, kv_type_of, write_launch, Launch, RopeTables};
+use super::{gather_launch, hadamard_launch, write_launch, Launch, RopeTables};
 use crate::{KvType, PagedMeta, RopeStyle};
 
 const KV_OPS_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/kv_ops.ptx"));
@@ -72,7 +72,7 @@ fn upload(dev: &CudaDevice, host: &[u32]) -> Result<Rc<CudaSlice<u32>>> {
 macro_rules! with_cache {
     ($s:expr, $l:expr, |$c:ident, $t:ident, $suffix:ident| $body:expr) => {{
         let r = range($l, "KV cache")?;
-        let $t = kv_type_of($s.dtype(), $l.dims())?;
+        let $t = KvType::of_dims($s.dtype(), $l.dims())?;
         let $suffix = $t.name();
         match &mut $s.slice {
             S::F32(c) => {
@@ -199,7 +199,7 @@ pub(crate) fn move_rows(
     }
     let dev = s.device.clone();
     let row = heads * head_dim;
-    let t_cache = kv_type_of(s.dtype(), l.dims())?;
+    let t_cache = KvType::of_dims(s.dtype(), l.dims())?;
     if t_cache.is_quantized() && t.tables.iter().all(|&x| x == super::NO_TABLE) {
         // Quantized rows that turn by nothing move as they are (a context
         // shift's V): dequantized and quantized again they could differ.
@@ -373,8 +373,8 @@ pub(crate) fn paged_attention(
     // SAFETY: the merge writes every output value before anything reads it.
     let out = unsafe { dev.alloc::<f32>(tokens * n_heads * head_dim)? };
     let stream = dev.cuda_stream();
-    let kt = kv_type_of(k.0.dtype(), k.1.dims())?;
-    if kt != kv_type_of(v.0.dtype(), v.1.dims())? {
+    let kt = KvType::of_dims(k.0.dtype(), k.1.dims())?;
+    if kt != KvType::of_dims(v.0.dtype(), v.1.dims())? {
         bail!(
             "paged_attention on CUDA: K and V caches of different types ({:?}, {:?})",
             k.1.dims(),

@@ -824,7 +824,7 @@ pub fn tensor_addr(t: &Tensor) -> Result<(u64, &'static str)> {
         S::F32(c) => (at(addr(dev, c), 4), "f32"),
         S::F16(c) => (at(addr(dev, c), 2), "f16"),
         S::BF16(c) => (at(addr(dev, c), 2), "bf16"),
-        S::U8(c) => match super::kv_type_of(t.dtype(), t.dims()) {
+        S::U8(c) => match crate::KvType::of_dims(t.dtype(), t.dims()) {
             Ok(k) => (at(addr(dev, c), 1), k.name()),
             Err(_) => bail!(
                 "the CUDA forward takes no u8 tensor of shape {:?}",

@@ -105,20 +105,6 @@ pub fn elem_suffix(t: KvType) -> &'static str {
     t.name()
 }
 
-/// The cache type of a GPU cache tensor's storage: its dtype, and for
-/// bytes (quantized blocks) the block size, the last dimension of its
-/// layout (see [`crate::quant`]).
-pub fn kv_type_of(dtype: candle_core::DType, dims: &[usize]) -> Result<KvType> {
-    if let Some(t) = KvType::from_dtype(dtype) {
-        return Ok(t);
-    }
-    match (dtype, dims.last()) {
-        (candle_core::DType::U8, Some(34)) => Ok(KvType::Q8_0),
-        (candle_core::DType::U8, Some(18)) => Ok(KvType::Q4_0),
-        _ => bail!("not a KV cache: {dtype:?} {dims:?}"),
-    }
-}
-
 /// The launch that stores `rows` rows of `row` values into a cache of
 /// type `t`: a block per row, its threads over the row's values (a
 /// quantized row's groups of 64).
