@@ -918,6 +918,7 @@ def kept_rows(before, where):
 
 # The sentences that open the summary's rows of one host's own table.
 AMX_LEAD, AVX2_LEAD, AVX512_LEAD = "AMX rows:", "AVX2-only rows:", "AVX-512-without-AVX-VNNI rows:"
+AVX256_LEAD = "An AMX CPU's 256-bit rows:"
 
 
 def host_summary(before, table, where, lead, isas, says):
@@ -972,6 +973,15 @@ def avx512_summary(before):
                                   "each (`just bench-cpu` on it).")
 
 
+def avx256_summary(before):
+    """The summary's rows of a wider CPU forced down to 256 bits, from
+    cpu-256.json (`just bench-cpu-256`)."""
+    return host_summary(before, "cpu-256", "AMX CPU forced to 256 bits", AVX256_LEAD,
+                        [("avxvnni", "AVX-VNNI"), ("avx2", "AVX2")],
+                        lambda d: f"both engines forced to AVX-VNNI and to AVX2, {d['threads']} threads each "
+                                  "(`just bench-cpu-256`).")
+
+
 def summary():
     """The README's results in brief: Tessera against llama.cpp at prefill
     and decode, from the CPU table (`just bench-cpu`), the AMX table (`just
@@ -987,10 +997,10 @@ def summary():
         # stay as last generated.
         paragraph = [line for line in before.strip().splitlines()
                      if line.strip() and not line.startswith("|")
-                     and not any(lead in line for lead in (AMX_LEAD, AVX2_LEAD, AVX512_LEAD))]
+                     and not any(lead in line for lead in (AMX_LEAD, AVX2_LEAD, AVX512_LEAD, AVX256_LEAD))]
         out = paragraph[:1] + ["", *SUMMARY_HEADER] + kept_rows(before, "CPU, ")
     at = 1
-    for part in (amx_summary, avx2_summary, avx512_summary):
+    for part in (amx_summary, avx256_summary, avx2_summary, avx512_summary):
         sentence, rows = part(before)
         if sentence:
             out.insert(at, sentence)
