@@ -6,7 +6,8 @@
 # the GPU that saves and reloads its session and its prefix cache on disk,
 # and `tessera bench --device cuda` (each scenario beside its baseline in the
 # same run). Everything it prints and measures goes to $OUT (default
-# target/gpu-run): tests.log, gpu.jsonl (one bench object a line) and
+# target/gpu-run): tests.log, gpu.jsonl (one bench object a line; with
+# q8_0 and q4_0 caches, gpu-q8_0.jsonl and gpu-q4_0.jsonl) and
 # meta.json (GPU, driver, date), which `scripts/readme_tables.py gpu` turns
 # into the README's GPU table; with PROFILE=1, ncu's per-kernel times too;
 # with OLD=<previous tessera>, the two alternating (ab.jsonl).
@@ -236,10 +237,15 @@ bench --scenario decode-long --runs 3
 bench --scenario decode-batch --runs 3
 bench --scenario shift
 # Quantized caches (q8_0, q4_0): decode deep in a context over the blocks
-# read in place, and context shifts that rotate them.
-bench --scenario decode-long --runs 3 --cache-dtype q8_0
-bench --scenario decode-long --runs 3 --cache-dtype q4_0
-bench --scenario shift --cache-dtype q8_0
+# read in place, and context shifts that rotate them; each type's lines in
+# gpu-TYPE.jsonl (gpu.jsonl keeps the f16 cache's).
+for kv in q8_0 q4_0; do
+    J=$OUT/gpu-$kv.jsonl
+    : >"$J"
+    bench --scenario decode-long --runs 3 --cache-dtype $kv
+    bench --scenario shift --cache-dtype $kv
+done
+J=$OUT/gpu.jsonl
 # Defragmentation, sessions, pool resizes, context shifts and injected step
 # faults on the GPU's K/V.
 bench --scenario soak --requests 300

@@ -483,6 +483,26 @@ def gpu():
         f"{sh['agreement'] * 100:.1f}% of the greedy tokens after a shift equal a fresh prefill's "
         f"(the CPU's figure is in [KV-cache scenarios](#kv-cache-scenarios-just-bench-engine)).",
     ]
+    # The same scenarios over quantized caches (their own files: the bench
+    # objects do not name the cache type).
+    kv = [(t, rows(f"gpu/gpu-{t}.jsonl")) for t in ("q8_0", "q4_0") if (d / f"gpu-{t}.jsonl").exists()]
+    if kv:
+        out += [
+            "",
+            "Quantized caches on the GPU (`--cache-dtype`, blocks read in place by attention):",
+            "",
+            "| cache | decode-long: 128 tokens after the context | short context | ratio | shift: greedy tokens "
+            "equal to a fresh prefill's |",
+            "|---|---|---|---|---|",
+            f"| f16 | {lg['tessera']:,.1f} tok/s | {lg['short_tessera']:,.1f} tok/s | {lg['ratio_to_short']:.2f}× | "
+            f"{sh['agreement'] * 100:.1f}% |",
+        ]
+        for t, q in kv:
+            ql, qs = q.get("decode-long"), q.get("shift")
+            long_cells = (f"{ql['tessera']:,.1f} tok/s | {ql['short_tessera']:,.1f} tok/s | "
+                          f"{ql['ratio_to_short']:.2f}×" if ql else "did not finish | — | —")
+            out.append(f"| {t} | {long_cells} | "
+                       + (f"{qs['agreement'] * 100:.1f}% |" if qs else "did not finish |"))
     if "soak" in r:
         k = r["soak"]
         out += [
