@@ -383,14 +383,13 @@ pub(crate) fn paged_attention(
     }
     // Over a quantized cache the launch rotates the queries in place: a
     // copy of them.
-    let rotated = match kt.is_quantized() {
-        true => {
-            // SAFETY: filled from the queries just below, before any read.
-            let mut c = unsafe { dev.alloc::<f32>(qs.len())? };
-            stream.memcpy_dtod(&qs, &mut c).w()?;
-            Some(c)
-        }
-        false => None,
+    let rotated = if kt.is_quantized() {
+        // SAFETY: filled from the queries just below, before any read.
+        let mut c = unsafe { dev.alloc::<f32>(qs.len())? };
+        stream.memcpy_dtod(&qs, &mut c).w()?;
+        Some(c)
+    } else {
+        None
     };
     let (qp, _q) = match &rotated {
         Some(c) => c.device_ptr(&stream),
