@@ -43,6 +43,16 @@ import zmq
 # What a block held by a request in flight weighs against a block to
 # compute (KV_ROUTER_LOAD; Dynamo's default weighs them equally).
 LOAD = float(os.environ.get("KV_ROUTER_LOAD", "1"))
+# KV_ROUTER_POLICY=balanced: sglang-router's cache_aware rule on the
+# replicas' reported blocks instead of text: while the replicas' requests
+# in flight differ by at most KV_ROUTER_BALANCE, the replica holding the
+# longest run of the prompt's leading blocks (ties: more requests in
+# flight, so that the load gathers within the allowed imbalance), else the
+# one with fewer requests in flight. Measured against cache_aware in
+# docs/performance-notes.md (the KV-event gateway with sglang-router's own
+# rule on exact blocks); not the default.
+POLICY = os.environ.get("KV_ROUTER_POLICY", "cost")
+BALANCE = int(os.environ.get("KV_ROUTER_BALANCE", "2"))
 
 
 def chain(parent, tokens):
@@ -57,6 +67,7 @@ class Replica:
         self.names = {}          # engine hash -> chained hash
         self.block_size = 16
         self.active = 0          # blocks held by the requests in flight
+        self.requests = 0        # requests in flight
         self.capacity = pool_blocks(url)
         self.next_seq = 0
         self.gaps = 0
@@ -176,17 +187,26 @@ class Gateway(BaseHTTPRequestHandler):
                         for i, r in enumerate(self.replicas)]
                 best = min(range(len(self.replicas)),
                            key=lambda i: (cost[i], self.replicas[i].active))
+                if POLICY == "balanced":
+                    reqs = [r.requests for r in self.replicas]
+                    if max(reqs) - min(reqs) > BALANCE:
+                        best = min(range(len(self.replicas)), key=lambda i: (reqs[i], blocks[i]))
+                    else:
+                        best = min(range(len(self.replicas)),
+                                   key=lambda i: (blocks[i], -reqs[i]))
                 target = self.replicas[best]
                 # Each decision, for the log.
                 print(f"route {len(tokens)} tokens: blocks to compute {blocks}, blocks in "
                       f"flight {[r.active for r in self.replicas]} -> {best}", flush=True)
                 need = -(-(len(tokens) + reply) // target.block_size)
                 target.active += need
+                target.requests += 1
             try:
                 self.relay(target, body)
             finally:
                 with self.lock:
                     target.active -= need
+                    target.requests -= 1
         else:
             self.relay(target, body)
 
