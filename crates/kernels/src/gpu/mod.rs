@@ -100,11 +100,6 @@ pub const KERNELS: &[KernelSig] = sigs![
     "tessera_hadamard_rows": &["x", "chunks"],
 ];
 
-/// The name suffix of a cache type's kernels.
-pub fn elem_suffix(t: KvType) -> &'static str {
-    t.name()
-}
-
 /// The launch that stores `rows` rows of `row` values into a cache of
 /// type `t`: a block per row, its threads over the row's values (a
 /// quantized row's groups of 64).
