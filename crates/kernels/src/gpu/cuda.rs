@@ -249,6 +249,49 @@ pub(crate) fn move_rows(
     scatter(s, l, &out.slice(..), dst, row)
 }
 
+/// `f` with the device and the address of a quantized cache's bytes (its
+/// layout's start), the cache held for the kernels `f` launches.
+fn with_quantized<R>(
+    s: &mut CudaStorage,
+    l: &Layout,
+    what: &str,
+    f: impl FnOnce(&CudaDevice, u64) -> Result<R>,
+) -> Result<R> {
+    let dev = s.device.clone();
+    let r = range(l, "KV cache")?;
+    let S::U8(c) = &mut s.slice else {
+        bail!("{what}: not a quantized cache")
+    };
+    let mut cache = c.slice_mut(r);
+    let stream = dev.cuda_stream();
+    let (base, _b) = cache.device_ptr_mut(&stream);
+    f(&dev, base)
+}
+
+/// `tessera_gather_rows` (row `idx[i]` of `from` to row `i` of `to`) or
+/// `tessera_scatter_rows` (row `i` of `from` to row `idx[i]` of `to`) over
+/// rows of `units` 16-bit units.
+fn move_units(
+    dev: &CudaDevice,
+    name: &str,
+    (from, to): (u64, u64),
+    idx: &CudaSlice<u32>,
+    rows: usize,
+    units: usize,
+) -> Result<()> {
+    let f = dev.get_or_load_custom_func(name, "tessera_kv_ops", KV_OPS_PTX)?;
+    let u = units as u32;
+    let mut b = f.builder();
+    b.arg(&from);
+    b.arg(&to);
+    b.arg(idx);
+    b.arg(&u);
+    // SAFETY: the callers' ops checked every index against the cache, and
+    // the other side holds a row per index; rows are whole 16-bit units.
+    unsafe { b.launch(config(Launch::per_item(rows, units))) }.w()?;
+    Ok(())
+}
+
 /// `write_kv_raw`: rows of a quantized cache's own bytes (`row` bytes each,
 /// an even number) stored at `slots` as they are.
 pub(crate) fn write_raw(
@@ -261,32 +304,23 @@ pub(crate) fn write_raw(
     if slots.is_empty() {
         return Ok(());
     }
-    let dev = s.device.clone();
-    let r = range(l, "KV cache")?;
-    let S::U8(c) = &mut s.slice else {
-        bail!("write_kv_raw: not a quantized cache")
-    };
-    let mut cache = c.slice_mut(r);
-    let stream = dev.cuda_stream();
-    let (base, _b) = cache.device_ptr_mut(&stream);
-    let units: Vec<u16> = rows
-        .chunks_exact(2)
-        .map(|b| u16::from_le_bytes([b[0], b[1]]))
-        .collect();
-    let src = dev.clone_htod(&units)?;
-    let src_p = addr(&dev, &src);
-    let idx = dev.clone_htod(slots)?;
-    let u = (row / 2) as u32;
-    let f = dev.get_or_load_custom_func("tessera_scatter_rows", "tessera_kv_ops", KV_OPS_PTX)?;
-    let mut b = f.builder();
-    b.arg(&src_p);
-    b.arg(&base);
-    b.arg(&idx);
-    b.arg(&u);
-    // SAFETY: the op checked the slots against the cache and `rows` holds
-    // a row per slot.
-    unsafe { b.launch(config(Launch::per_item(slots.len(), row / 2))) }.w()?;
-    Ok(())
+    with_quantized(s, l, "write_kv_raw", |dev, base| {
+        let units: Vec<u16> = rows
+            .chunks_exact(2)
+            .map(|b| u16::from_le_bytes([b[0], b[1]]))
+            .collect();
+        let src = dev.clone_htod(&units)?;
+        let idx = dev.clone_htod(slots)?;
+        let from = addr(dev, &src);
+        move_units(
+            dev,
+            "tessera_scatter_rows",
+            (from, base),
+            &idx,
+            slots.len(),
+            row / 2,
+        )
+    })
 }
 
 /// Rows of `units` 16-bit units moved from `slots` to `dst` as they are:
@@ -298,34 +332,14 @@ fn move_raw(
     dst: &[u32],
     units: usize,
 ) -> Result<()> {
-    let dev = s.device.clone();
-    let r = range(l, "KV cache")?;
-    let S::U8(c) = &mut s.slice else {
-        bail!("move_raw: not a quantized cache")
-    };
-    let mut cache = c.slice_mut(r);
-    let stream = dev.cuda_stream();
-    let (base, _b) = cache.device_ptr_mut(&stream);
-    let tmp = dev.alloc_zeros::<u16>(slots.len() * units)?;
-    let tmp_p = addr(&dev, &tmp);
-    let (src_d, dst_d) = (dev.clone_htod(slots)?, dev.clone_htod(dst)?);
-    let u = units as u32;
-    let launch = config(Launch::per_item(slots.len(), units));
-    for (name, from, to, idx) in [
-        ("tessera_gather_rows", base, tmp_p, &src_d),
-        ("tessera_scatter_rows", tmp_p, base, &dst_d),
-    ] {
-        let f = dev.get_or_load_custom_func(name, "tessera_kv_ops", KV_OPS_PTX)?;
-        let mut b = f.builder();
-        b.arg(&from);
-        b.arg(&to);
-        b.arg(idx);
-        b.arg(&u);
-        // SAFETY: the op checked both index lists against the cache; the
-        // scratch holds a row per index; rows are whole 16-bit units.
-        unsafe { b.launch(launch) }.w()?;
-    }
-    Ok(())
+    with_quantized(s, l, "move_raw", |dev, base| {
+        let tmp = dev.alloc_zeros::<u16>(slots.len() * units)?;
+        let tmp_p = addr(dev, &tmp);
+        let (src_d, dst_d) = (dev.clone_htod(slots)?, dev.clone_htod(dst)?);
+        let n = slots.len();
+        move_units(dev, "tessera_gather_rows", (base, tmp_p), &src_d, n, units)?;
+        move_units(dev, "tessera_scatter_rows", (tmp_p, base), &dst_d, n, units)
+    })
 }
 
 const ATT_THREADS: u32 = super::ATT_THREADS as u32;
