@@ -47,6 +47,14 @@ TS_INLINE void ts_copy_blocks(TS_DEV uint16_t* cache, TS_DEV const uint32_t* pai
     for (uint32_t i = ix.tid; i < units; i += ix.nthreads) to[i] = from[i];
 }
 
+// RoPE's rotation of one pair (x0, x1) by (c, s) into to[a], to[b], in
+// the CPU's order of operations.
+TS_INLINE void ts_rope_store(TS_DEV float* to, uint32_t a, uint32_t b, float x0, float x1, float c,
+                             float s) {
+    to[a] = TS_SUB(TS_MUL(x0, c), TS_MUL(x1, s));
+    to[b] = TS_ADD(TS_MUL(x0, s), TS_MUL(x1, c));
+}
+
 // One block per row: the cache row at slots[block] read as f32 into
 // out[block], each head rotated by the cos/sin table tables[block]
 // (TS_NO_SLOT: copied unrotated). Tables are `head_dim / 2` values each,
@@ -74,10 +82,8 @@ TS_INLINE void ts_rope_gather(TS_DEV const typename E::Raw* cache, TS_DEV float*
             to[a] = x0;
             to[b] = x1;
         } else {
-            float c = cos_t[(ts_u64)table * half_d + i];
-            float s = sin_t[(ts_u64)table * half_d + i];
-            to[a] = TS_SUB(TS_MUL(x0, c), TS_MUL(x1, s));
-            to[b] = TS_ADD(TS_MUL(x0, s), TS_MUL(x1, c));
+            ts_rope_store(to, a, b, x0, x1, cos_t[(ts_u64)table * half_d + i],
+                          sin_t[(ts_u64)table * half_d + i]);
         }
     }
 }
@@ -110,12 +116,8 @@ TS_INLINE void ts_rope_gather_q(TS_DEV const uint8_t* cache, TS_DEV float* out,
         for (uint32_t i = 0; i < half_d; i++) {
             uint32_t a = neox ? i : 2 * i;
             uint32_t b = neox ? a + half_d : a + 1;
-            float x0 = to[a];
-            float x1 = to[b];
-            float c = cos_t[(ts_u64)table * half_d + i];
-            float s = sin_t[(ts_u64)table * half_d + i];
-            to[a] = TS_SUB(TS_MUL(x0, c), TS_MUL(x1, s));
-            to[b] = TS_ADD(TS_MUL(x0, s), TS_MUL(x1, c));
+            ts_rope_store(to, a, b, to[a], to[b], cos_t[(ts_u64)table * half_d + i],
+                          sin_t[(ts_u64)table * half_d + i]);
         }
     }
 }
