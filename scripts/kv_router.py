@@ -183,17 +183,16 @@ class Gateway(BaseHTTPRequestHandler):
             mean = sum(r.capacity for r in self.replicas) / len(self.replicas)
             blocks = [len(tokens) // r.block_size - r.held(tokens) for r in self.replicas]
             with self.lock:
-                cost = [blocks[i] + LOAD * r.active * mean / r.capacity
-                        for i, r in enumerate(self.replicas)]
-                best = min(range(len(self.replicas)),
-                           key=lambda i: (cost[i], self.replicas[i].active))
-                if POLICY == "balanced":
-                    reqs = [r.requests for r in self.replicas]
-                    if max(reqs) - min(reqs) > BALANCE:
-                        best = min(range(len(self.replicas)), key=lambda i: (reqs[i], blocks[i]))
-                    else:
-                        best = min(range(len(self.replicas)),
-                                   key=lambda i: (blocks[i], -reqs[i]))
+                ids = range(len(self.replicas))
+                reqs = [r.requests for r in self.replicas]
+                if POLICY == "balanced" and max(reqs) - min(reqs) > BALANCE:
+                    best = min(ids, key=lambda i: (reqs[i], blocks[i]))
+                elif POLICY == "balanced":
+                    best = min(ids, key=lambda i: (blocks[i], -reqs[i]))
+                else:
+                    cost = [blocks[i] + LOAD * r.active * mean / r.capacity
+                            for i, r in enumerate(self.replicas)]
+                    best = min(ids, key=lambda i: (cost[i], self.replicas[i].active))
                 target = self.replicas[best]
                 # Each decision, for the log.
                 print(f"route {len(tokens)} tokens: blocks to compute {blocks}, blocks in "
