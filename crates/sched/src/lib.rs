@@ -48,6 +48,12 @@
 //!   pool was shrunk under it) is ended with [`EndReason::OutOfKvMemory`],
 //!   never left waiting. A request that fits alone but not beside the cache
 //!   evicts just the cached blocks it needs, least recently used first.
+//! - **Held for room.** The engine may hold waiting requests for a step
+//!   ([`Scheduler::hold_for_room`]: a lower cache tier has blocks of their
+//!   prompts that the pool has no room to take back yet). While anything
+//!   runs, admission stops at a held request as it does at one whose first
+//!   chunk does not fit, so its prompt is copied back once running requests
+//!   free the room rather than computed again beside them.
 //! - **Drafts** (speculative decoding). A request may follow its sampled
 //!   token with guessed ones ([`Scheduler::push_draft`]). The sampled
 //!   token is scheduled as any decode; the guesses are appended in a
@@ -66,7 +72,7 @@
 //!   one per step from what the cache holds, so that a request that breaks
 //!   every step it is in fails alone and the others go on.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::fmt;
 
 use tessera_kv::{
@@ -292,6 +298,8 @@ pub struct Scheduler {
     step: u64,
     admissions: u64,
     stats: SchedStats,
+    /// Held for room this step ([`Scheduler::hold_for_room`]).
+    held: HashSet<ReqId>,
 }
 
 impl Scheduler {
@@ -306,6 +314,7 @@ impl Scheduler {
             step: 0,
             admissions: 0,
             stats: SchedStats::default(),
+            held: HashSet::new(),
         }
     }
 
@@ -351,6 +360,17 @@ impl Scheduler {
     pub fn reusable(&self, req: ReqId) -> Option<(Namespace, &[TokenId])> {
         let r = self.reqs.get(&req)?;
         Some((r.ns, reusable_of(&self.cfg, r)?))
+    }
+
+    /// Holds waiting requests `ids` for the next [`Scheduler::schedule`]:
+    /// while any request runs, admission stops at one of them (as at a
+    /// request whose first chunk does not fit). For requests whose prompts
+    /// a lower cache tier holds past the pool's match, with no room in the
+    /// pool to take those blocks back yet: admitted now, they would compute
+    /// the prompt again and take the room that running requests need. With
+    /// nothing running the hold is ignored (no room would come).
+    pub fn hold_for_room(&mut self, ids: impl IntoIterator<Item = ReqId>) {
+        self.held = ids.into_iter().collect();
     }
 
     pub fn num_running(&self) -> usize {
@@ -429,6 +449,7 @@ impl Scheduler {
         let mut plan = StepPlan::default();
         let mut budget = self.cfg.max_batch_tokens.max(1);
         if let Some(id) = self.solo_candidate() {
+            self.held.clear();
             self.schedule_solo(id, &mut budget, &mut plan)?;
             self.place_drafts(&mut budget, &mut plan)?;
             return Ok(plan);
@@ -459,6 +480,7 @@ impl Scheduler {
             let order = self.admission_order();
             self.admit(order, &mut budget, &mut plan)?;
         }
+        self.held.clear();
         self.place_drafts(&mut budget, &mut plan)?;
         Ok(plan)
     }
@@ -780,6 +802,10 @@ impl Scheduler {
         for id in order {
             let solo = self.reqs[&id].solo_until.is_some();
             if *budget == 0 || (self.running.len() >= self.cfg.max_running && !solo) {
+                break;
+            }
+            if !solo && !self.running.is_empty() && self.held.contains(&id) {
+                // Waits for room, as `Admission::Later` below.
                 break;
             }
             let ctx = self.cfg.context_length;

@@ -369,6 +369,50 @@ fn a_request_passed_over_too_long_goes_first() {
 }
 
 #[test]
+fn a_request_held_for_room_waits_while_others_run_and_only_then() {
+    let mut sim = Sim::new(64, 4, cfg(16, 4));
+    let a = sim.add(&prompt(1, 8), 6);
+    sim.step();
+    let held = sim.add(&prompt(2, 8), 2);
+    let behind = sim.add(&prompt(3, 8), 2);
+    // Held while `a` runs: neither it nor the request behind it is
+    // admitted, though both fit.
+    for _ in 0..3 {
+        sim.sched.hold_for_room([held]);
+        sim.step();
+        let reqs: Vec<ReqId> = sim
+            .log
+            .last()
+            .unwrap()
+            .items
+            .iter()
+            .map(|i| i.req)
+            .collect();
+        assert_eq!(reqs, [a]);
+    }
+    // One step's hold only: the next step admits both.
+    sim.step();
+    let reqs: Vec<ReqId> = sim
+        .log
+        .last()
+        .unwrap()
+        .items
+        .iter()
+        .map(|i| i.req)
+        .collect();
+    assert_eq!(reqs, [a, held, behind]);
+    sim.run();
+    // With nothing running a hold would wait for nothing: ignored.
+    let alone = sim.add(&prompt(4, 8), 1);
+    sim.sched.hold_for_room([alone]);
+    sim.step();
+    assert_eq!(sim.log.last().unwrap().items[0].req, alone);
+    sim.run();
+    assert_eq!(sim.outputs().len(), 4);
+    assert_no_leak(&sim);
+}
+
+#[test]
 fn out_of_blocks_preempts_the_newest_and_it_resumes_from_cache() {
     // 10 blocks of 4: two requests of 8 prompt + 24 new tokens (8 blocks
     // each at the end) cannot both finish.

@@ -1430,6 +1430,72 @@ fn evicted_prefixes_come_back_from_the_disk_tier() {
     }
 }
 
+/// A prompt that the disk tier holds, arriving while a running request
+/// leaves the pool room for its first chunk but not for its blocks, waits
+/// for that room and is read back from disk, rather than being admitted
+/// to compute its prompt again beside the running one (and preempt it as
+/// both grow).
+#[test]
+fn a_prompt_on_disk_waits_for_room_rather_than_computing_again() {
+    let cache = std::env::temp_dir().join(format!("tessera-tier-wait-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&cache);
+    let (probe, d0) = tiny_engine(small_cfg());
+    let s = probe.stats();
+    let per_block = s.kv_bytes / s.kv.num_blocks;
+    drop(probe);
+    // 16 blocks of 4 tokens; prompt chunks of 16 tokens (4 blocks).
+    let cfg = |dir: Option<&std::path::Path>| EngineConfig {
+        kv_memory: 16 * per_block,
+        cache_dir: dir.map(Into::into),
+        ..small_cfg()
+    };
+    let texts: Vec<Vec<u32>> = (0..3u32)
+        .map(|i| (0..40u32).map(|t| 3 + (i * 17 + t * 7) % 60).collect())
+        .collect();
+    let long = &texts[2][..24];
+    let tokens = |stream: crate::RequestStream| -> (Vec<u32>, crate::Usage) {
+        stream
+            .filter_map(|ev| match ev {
+                Event::Done(c) => Some((c.tokens, c.usage)),
+                Event::Error(e) => panic!("{e}"),
+                Event::Token { .. } => None,
+            })
+            .next()
+            .expect("a completion")
+    };
+    let (plain, d1) = tiny_engine(cfg(None));
+    let want_long = tokens(plain.generate(greedy(long, 36)).unwrap()).0;
+    let want = tokens(plain.generate(greedy(&texts[0], 6)).unwrap()).0;
+    drop(plain);
+
+    let (engine, d2) = tiny_engine(cfg(Some(&cache)));
+    for t in &texts {
+        engine.complete(&greedy(t, 6), &mut |_| {}).unwrap();
+    }
+    // texts[0] is now on disk only. The long request runs: after its first
+    // token it holds 7 blocks and grows to 15, so texts[0]'s 11 never fit
+    // beside it, though its first chunk's 4 do.
+    let mut running = engine.generate(greedy(long, 36)).unwrap();
+    assert!(matches!(running.next(), Some(Event::Token { .. })));
+    let waiting = engine.generate(greedy(&texts[0], 6)).unwrap();
+    let (got_long, _) = tokens(running);
+    let (got, usage) = tokens(waiting);
+    assert_eq!(got_long, want_long);
+    assert_eq!(got, want);
+    assert_eq!(
+        (usage.cached_tokens, usage.disk_cached_tokens),
+        (36, 36),
+        "{usage:?}"
+    );
+    assert_eq!(engine.stats().preemptions, 0);
+    assert_no_leak(&engine);
+    engine.check_kv().unwrap();
+    drop(engine);
+    for d in [d0, d1, d2, cache] {
+        std::fs::remove_dir_all(d).unwrap();
+    }
+}
+
 /// KV events follow the prefix cache exactly: replayed in order by a
 /// router's index (stored blocks new and after their parent, removed
 /// blocks known), they leave the full blocks of the cached paths, named by

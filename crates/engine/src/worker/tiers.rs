@@ -21,8 +21,11 @@ use crate::Result;
 
 pub(super) struct Tier {
     disk: DiskTier,
-    /// Waiting requests already looked up (until they leave the queue).
-    checked: HashMap<ReqId, usize>,
+    /// Waiting requests already looked up (until they leave the queue):
+    /// their tokens then, and the pool's match of them after the lookup.
+    /// Looked up again when either changed (the pool may evict what was
+    /// placed back while the request still waits).
+    checked: HashMap<ReqId, (usize, usize)>,
     /// A write failed (a full disk): reported once.
     warned: bool,
 }
@@ -237,7 +240,10 @@ impl Worker {
     /// Places back into the prefix tree the blocks the disk tier holds of
     /// the prompts of the requests at the head of the queue (as many as
     /// may be admitted now), past what the pool holds of them. A request
-    /// is looked up again only when the pool had no room for its blocks.
+    /// is looked up again only when the pool had no room for its blocks;
+    /// until it has, the scheduler holds it (admitted beside the running
+    /// requests it would compute its prompt again, and preempt them when
+    /// its prompt outgrew the room).
     pub(super) fn promote(&mut self) {
         let Some(tier) = self.tier.as_mut() else {
             return;
@@ -251,12 +257,14 @@ impl Worker {
             .saturating_sub(self.sched.num_running())
             .max(1);
         let mut free = None;
+        let mut held = Vec::new();
         for id in waiting.into_iter().take(room) {
             let tier = self.tier.as_mut().expect("checked above");
             let Some((ns, toks)) = self.sched.reusable(id) else {
                 continue;
             };
-            if tier.checked.get(&id) == Some(&toks.len()) {
+            let pooled = self.sched.kv().cached_prefix_len(ns, toks);
+            if tier.checked.get(&id) == Some(&(toks.len(), pooled)) {
                 continue;
             }
             let (n, toks) = (toks.len(), toks.to_vec());
@@ -266,7 +274,10 @@ impl Worker {
                 k.num_blocks - k.used_blocks
             });
             match self.promote_one(ns, &toks, free) {
-                Ok(Promoted::NoRoom) => continue,
+                Ok(Promoted::NoRoom) => {
+                    held.push(id);
+                    continue;
+                }
                 Ok(Promoted::Nothing) => {}
                 Ok(Promoted::Tokens(n)) => {
                     if let Some(a) = self.active.get_mut(&id) {
@@ -276,10 +287,12 @@ impl Worker {
                 }
                 Err(e) => warn!("reading blocks back from the disk tier: {e}"),
             }
+            let pooled = self.sched.kv().cached_prefix_len(ns, &toks);
             if let Some(t) = self.tier.as_mut() {
-                t.checked.insert(id, n);
+                t.checked.insert(id, (n, pooled));
             }
         }
+        self.sched.hold_for_room(held);
     }
 
     /// Places the tier's blocks of `toks` past the pool's match, if the
