@@ -6,16 +6,21 @@ length is checked against its type's fields, since msgspec ignores extra
 trailing ones).
 
 Checked: sequence numbers start at 0 and never skip; every BlockStored
-names a parent the index knows (or none), with block_size tokens per hash;
-every BlockRemoved names stored blocks; the pool (sized small) evicts, so
-both kinds come; the replay socket returns every batch from 0, the ones
-received among them byte for byte, then the end marker.
+names a parent the index knows in some medium (or none), with block_size
+tokens per hash; every BlockRemoved names blocks stored in its medium; the
+pool (sized small) evicts, so both kinds come, and its evicted blocks go
+to the disk tier (`--cache-dir`), whose blocks come as medium "DISK": the
+index's DISK blocks are as many as the tier holds (`/metrics`); the replay
+socket returns every batch from 0, the ones received among them byte for
+byte, then the end marker.
 
     python3 scripts/kv_events_client.py BINARY MODEL
 """
 
 import json
+import re
 import sys
+import tempfile
 import urllib.request
 
 import msgspec
@@ -80,7 +85,9 @@ def main():
             # overflow it, so blocks are evicted.
             "--kv-memory", "16MiB"]
     received, replayed = [], []
-    with tessera_serve(binary, model, *args) as base:
+    tier = tempfile.TemporaryDirectory(prefix="tessera-kv-events-")
+    args += ["--cache-dir", tier.name]
+    with tier, tessera_serve(binary, model, *args) as base:
         sub.connect(f"tcp://127.0.0.1:{pub}")
         # The subscription reaches the publisher asynchronously: a first
         # request until a batch arrives.
@@ -111,6 +118,11 @@ def main():
             if int.from_bytes(seq, "big", signed=True) == -1:
                 break
             replayed.append((seq, payload))
+        with urllib.request.urlopen(f"{base}/metrics", timeout=30) as r:
+            metrics = r.read().decode()
+        m = re.search(r"^\S*disk_tier_blocks(?:\{[^}]*\})? (\d+)", metrics, re.M)
+        assert m, "disk_tier_blocks in /metrics"
+        tier_blocks = int(m.group(1))
 
     assert received, "no KV events came"
     seqs = [int.from_bytes(m[1], "big") for m in received]
@@ -124,7 +136,7 @@ def main():
     assert [(m[1], m[2]) for m in received] == [tuple(r) for r in replayed[seqs[0]:seqs[0] + len(received)]], \
         "replay gives the batches received, byte for byte"
 
-    index, stored, removed = {}, 0, 0
+    index, stored, removed = {"CPU": {}, "GPU": {}, "DISK": {}}, 0, 0
     fields = {"BlockStored": 7, "BlockRemoved": 3, "AllBlocksCleared": 1}
     for _, payload in replayed:
         raw = msgspec.msgpack.decode(payload)
@@ -137,27 +149,31 @@ def main():
         for e in batch.events:
             if isinstance(e, BlockStored):
                 stored += 1
-                assert e.medium in ("CPU", "GPU") and e.lora_id is None
+                assert e.medium in index and e.lora_id is None, e.medium
                 assert len(e.token_ids) == e.block_size * len(e.block_hashes), e
                 if e.parent_block_hash is not None:
-                    assert e.parent_block_hash in index, "parent unknown"
+                    assert any(e.parent_block_hash in m for m in index.values()), "parent unknown"
                 for h, i in zip(e.block_hashes, range(len(e.block_hashes))):
                     assert 0 <= h < 2**63
-                    assert h not in index, "stored twice"
-                    index[h] = e.token_ids[i * e.block_size:(i + 1) * e.block_size]
+                    assert h not in index[e.medium], "stored twice"
+                    index[e.medium][h] = e.token_ids[i * e.block_size:(i + 1) * e.block_size]
             elif isinstance(e, BlockRemoved):
                 removed += 1
                 for h in e.block_hashes:
-                    assert h in index, "removed unknown"
-                    del index[h]
+                    assert h in index[e.medium], "removed unknown"
+                    del index[e.medium][h]
             else:
-                index.clear()
+                for m in index.values():
+                    m.clear()
     assert stored > 0 and removed > 0, (stored, removed)
-    # The pool ends holding blocks.
-    assert len(index) >= 4, len(index)
+    pool = index["CPU"] or index["GPU"]
+    # The pool ends holding blocks, and the tier the blocks it evicted.
+    assert len(pool) >= 4, len(pool)
+    assert len(index["DISK"]) == tier_blocks > 0, (len(index["DISK"]), tier_blocks)
     print(f"KV events: {len(replayed)} batches ({len(received)} received live, seq {seqs[0]}..{seqs[-1]}), "
           f"{stored} BlockStored, {removed} BlockRemoved, all decoded as vLLM's types; "
-          f"replay returned them byte for byte; {len(index)} blocks in the index at the end")
+          f"replay returned them byte for byte; {len(pool)} pool and {len(index['DISK'])} "
+          "disk-tier blocks in the index at the end")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,10 @@ For each replica a subscriber thread keeps an index of the full blocks
 its cache holds, replayed from its events in order (a gap in the sequence
 numbers is filled from the replica's replay socket). A block is indexed
 by a hash the gateway chains from its token ids (the engine's own hashes
-name blocks only for parent links and removals, as in Dynamo). A request's
+name blocks only for parent links and removals, as in Dynamo), with the
+media that hold it: the pool (`CPU`/`GPU`) and the disk tier (`DISK`,
+`--cache-dir`), whose blocks a replica reads back instead of computing
+them, so a block counts as held while either holds it. A request's
 prompt is tokenized as the replica tokenizes it (`POST /tokenize` with the
 messages), cut into blocks of the size the events carry, and chained the
 same way. Each replica's cost is the blocks it would compute (the prompt's
@@ -63,7 +66,7 @@ class Replica:
     def __init__(self, url, events, replay):
         self.url, self.events, self.replay = url, events, replay
         self.lock = threading.Lock()
-        self.blocks = set()      # chained hashes of the blocks held
+        self.blocks = {}         # chained hash of a block held -> its media
         self.names = {}          # engine hash -> chained hash
         self.block_size = 16
         self.active = 0          # blocks held by the requests in flight
@@ -79,7 +82,7 @@ class Replica:
             for e in events:
                 kind = e[0]
                 if kind == "BlockStored":
-                    hashes, parent, tokens, bs = e[1], e[2], e[3], e[4]
+                    hashes, parent, tokens, bs, medium = e[1], e[2], e[3], e[4], e[6]
                     self.block_size = bs
                     if parent is None:
                         up = 0
@@ -90,12 +93,18 @@ class Replica:
                     for i, h in enumerate(hashes):
                         up = chain(up, tokens[i * bs:(i + 1) * bs])
                         self.names[h] = up
-                        self.blocks.add(up)
+                        self.blocks.setdefault(up, set()).add(medium)
                 elif kind == "BlockRemoved":
+                    medium = e[2]
                     for h in e[1]:
-                        c = self.names.pop(h, None)
-                        if c is not None:
-                            self.blocks.discard(c)
+                        c = self.names.get(h)
+                        media = self.blocks.get(c)
+                        if media is None:
+                            continue
+                        media.discard(medium)
+                        if not media:
+                            del self.blocks[c]
+                            del self.names[h]
                 elif kind == "AllBlocksCleared":
                     self.names.clear()
                     self.blocks.clear()

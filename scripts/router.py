@@ -20,7 +20,9 @@ where its history is cached.
       `bench-router` section. Then the same with pools a third of the
       working set (eviction): one replica with and without its disk tier,
       and two replicas behind `cache_aware`, `round_robin` and the
-      KV-event gateway (scripts/kv_router.py); and two replicas whose pools
+      KV-event gateway (scripts/kv_router.py), and with a disk tier each
+      behind `cache_aware` and the KV-event gateway (which reads the tiers'
+      blocks from their events, medium "DISK"); and two replicas whose pools
       differ (a third of the working set and all of it) behind
       `cache_aware` and the KV-event gateway. A fifth argument keeps only
       the setups whose names contain one of its `;`-separated parts
@@ -192,6 +194,8 @@ def bench(binary, model):
               ("2 replicas, small pools, cache_aware", 2, "cache_aware", half, small),
               ("2 replicas, small pools, round_robin", 2, "round_robin", half, small),
               ("2 replicas, small pools, kv_events", 2, "kv_events", half, small),
+              ("2 replicas, small pools + disk tiers, cache_aware", 2, "cache_aware", half, tier),
+              ("2 replicas, small pools + disk tiers, kv_events", 2, "kv_events", half, tier),
               ("2 replicas, unequal pools, cache_aware", 2, "cache_aware", half, unequal),
               ("2 replicas, unequal pools, kv_events", 2, "kv_events", half, unequal)]
     if len(sys.argv) > 4:

@@ -6,6 +6,11 @@
 //! (`crate::tier`'s, the disk tier's names), so a block stored in one event
 //! is removed under the same name, and a child names its parent.
 //!
+//! The disk tier's blocks come as events of their own medium (`"DISK"`),
+//! as vLLM's offloading connector announces its CPU blocks: written as
+//! the pool evicts them, dropped by the tier's size limit, and all of them
+//! at start (the tier outlives the process) and after `AllBlocksCleared`.
+//!
 //! The engine hands each step's events, as one batch, to the
 //! [`KvEventSink`] of [`crate::EngineConfig::kv_events`]; the server
 //! publishes them over ZeroMQ in vLLM's wire format.
@@ -23,7 +28,11 @@ pub enum KvEvent {
         parent_block_hash: Option<u64>,
         token_ids: Vec<u32>,
         block_size: usize,
-        /// Where the blocks live: `"GPU"` or `"CPU"`, the pool's device.
+        /// Where the blocks live: `"GPU"` or `"CPU"`, the pool's device,
+        /// or `"DISK"`, the disk tier (`--cache-dir`) below it. A block
+        /// evicted from the pool to the tier is removed from the first
+        /// and stored in the second; a consumer counts a block held while
+        /// some medium holds it.
         medium: &'static str,
     },
     /// Full blocks left the cache (evicted, or cleared).

@@ -138,6 +138,19 @@ struct Segment {
     hashes: Vec<u64>,
 }
 
+/// A change of what the tier holds, for KV events (`medium` `"DISK"`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TierChange {
+    /// Block `hash` (following `parent`, 0 for none) holding `tokens`.
+    Stored {
+        hash: u64,
+        parent: u64,
+        tokens: Box<[u32]>,
+    },
+    /// Block `hash` left the tier (its size limit, or a bad record).
+    Removed(u64),
+}
+
 /// One block read back: every layer's K and V rows (empty in the
 /// sliding-window layers of a record without them).
 pub struct TierBlock {
@@ -156,6 +169,12 @@ pub struct DiskTier {
     /// Bytes of one layer's K (or V) rows of a block.
     rows_bytes: usize,
     index: HashMap<u64, Loc>,
+    /// Each indexed block's parent (0: none) and tokens, for its events.
+    names: HashMap<u64, (u64, Box<[u32]>)>,
+    /// What the index gained and lost since [`DiskTier::take_changes`]
+    /// (kept only while [`DiskTier::set_announce`] is on).
+    changes: Vec<TierChange>,
+    announce: bool,
     segments: VecDeque<Segment>,
     /// The segment appended to, and its file.
     current: Option<(u64, File)>,
@@ -207,6 +226,9 @@ impl DiskTier {
                 .collect(),
             rows_bytes: block_size * row_bytes,
             index: HashMap::new(),
+            names: HashMap::new(),
+            changes: Vec::new(),
+            announce: false,
             segments: VecDeque::new(),
             current: None,
             next_id: 0,
@@ -288,6 +310,12 @@ impl DiskTier {
             }
             let hash = u64::from_le_bytes(r[4..12].try_into().expect("8 bytes"));
             if Self::replaces(self.index.get(&hash), whole) {
+                let parent = u64::from_le_bytes(r[12..20].try_into().expect("8 bytes"));
+                let tokens = r[52..52 + 4 * self.block_size]
+                    .chunks_exact(4)
+                    .map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")))
+                    .collect();
+                self.names.insert(hash, (parent, tokens));
                 self.index.insert(
                     hash,
                     Loc {
@@ -414,6 +442,16 @@ impl DiskTier {
             self.current = None;
             return Err(io(&path, "cannot write", e));
         }
+        if let std::collections::hash_map::Entry::Vacant(v) = self.names.entry(hash) {
+            v.insert((parent, tokens.into()));
+            if self.announce {
+                self.changes.push(TierChange::Stored {
+                    hash,
+                    parent,
+                    tokens: tokens.into(),
+                });
+            }
+        }
         self.index.insert(
             hash,
             Loc {
@@ -430,6 +468,59 @@ impl DiskTier {
         Ok(())
     }
 
+    /// Drops block `hash` from the index (announced when on).
+    fn forget(&mut self, hash: u64) {
+        self.index.remove(&hash);
+        if self.names.remove(&hash).is_some() && self.announce {
+            self.changes.push(TierChange::Removed(hash));
+        }
+    }
+
+    /// Whether the index's changes are kept for [`DiskTier::take_changes`]
+    /// (an engine publishing KV events turns it on).
+    pub fn set_announce(&mut self, on: bool) {
+        self.announce = on;
+        if !on {
+            self.changes.clear();
+        }
+    }
+
+    /// What the index gained and lost since the last call, in order.
+    pub fn take_changes(&mut self) -> Vec<TierChange> {
+        std::mem::take(&mut self.changes)
+    }
+
+    /// Every block held, as `Stored` changes, each after its parent when
+    /// the tier holds that too (those whose parent it lacks first: theirs
+    /// may be in the pool): what a consumer starting from nothing, or
+    /// after `AllBlocksCleared`, needs to know of the tier.
+    pub fn held(&self) -> Vec<TierChange> {
+        let mut children: HashMap<u64, Vec<u64>> = HashMap::new();
+        let mut next: Vec<u64> = Vec::new();
+        for (&h, (parent, _)) in &self.names {
+            if *parent != 0 && self.names.contains_key(parent) {
+                children.entry(*parent).or_default().push(h);
+            } else {
+                next.push(h);
+            }
+        }
+        next.sort_unstable();
+        let mut out = Vec::with_capacity(self.names.len());
+        while let Some(h) = next.pop() {
+            let (parent, tokens) = &self.names[&h];
+            out.push(TierChange::Stored {
+                hash: h,
+                parent: *parent,
+                tokens: tokens.clone(),
+            });
+            if let Some(mut c) = children.remove(&h) {
+                c.sort_unstable();
+                next.extend(c);
+            }
+        }
+        out
+    }
+
     /// Deletes the oldest segments while the tier is over its limit.
     fn enforce_limit(&mut self) {
         while self.stats.bytes > self.limit && !self.segments.is_empty() {
@@ -438,9 +529,9 @@ impl DiskTier {
             if current == Some(seg.id) {
                 self.current = None;
             }
-            for h in &seg.hashes {
-                if self.index.get(h).is_some_and(|l| l.seg == seg.id) {
-                    self.index.remove(h);
+            for &h in &seg.hashes {
+                if self.index.get(&h).is_some_and(|l| l.seg == seg.id) {
+                    self.forget(h);
                     self.stats.dropped += 1;
                 }
             }
@@ -470,7 +561,7 @@ impl DiskTier {
                 path.display(),
                 loc.offset
             );
-            self.index.remove(&hash);
+            self.forget(hash);
             return None;
         }
         let at_tokens = 4 + 8 + 8 + 32;
@@ -645,6 +736,86 @@ mod tests {
         for d in [dir, dir2] {
             std::fs::remove_dir_all(d).unwrap();
         }
+    }
+
+    /// With announcing on, every block the index gains and loses is a
+    /// change, in order (a block made whole again is not news), and after
+    /// a restart `held` lists every block, each after its parent.
+    #[test]
+    fn changes_are_announced_in_order_and_held_lists_parents_first() {
+        let dir = scratch("announce");
+        let key = tier_key(42, "f16", None, None);
+        let mut t = DiskTier::open(dir.as_path(), &geometry(), 4, 8, 1 << 20).unwrap();
+        let rec = t.record_bytes(true) as u64;
+        t.limit = 3 * rec + t.header.len() as u64;
+        t.set_announce(true);
+        let chain_of = |n: u32| {
+            let mut parent = 0;
+            (0..n)
+                .map(|j| {
+                    let toks = [j; 4];
+                    let h = block_hash(&key, parent, &toks);
+                    let out = (h, parent, toks);
+                    parent = h;
+                    out
+                })
+                .collect::<Vec<_>>()
+        };
+        let blocks = chain_of(5);
+        // Written leaves first, as eviction frees them.
+        for &(h, parent, toks) in blocks.iter().rev() {
+            t.put(h, parent, &key, &toks, &layers(1)).unwrap();
+            t.put(h, parent, &key, &toks, &layers(1)).unwrap();
+        }
+        let changes = t.take_changes();
+        let stored: Vec<u64> = changes
+            .iter()
+            .filter_map(|c| match c {
+                TierChange::Stored { hash, .. } => Some(*hash),
+                TierChange::Removed(_) => None,
+            })
+            .collect();
+        let removed: Vec<u64> = changes
+            .iter()
+            .filter_map(|c| match c {
+                TierChange::Removed(h) => Some(*h),
+                TierChange::Stored { .. } => None,
+            })
+            .collect();
+        let rev: Vec<u64> = blocks.iter().rev().map(|b| b.0).collect();
+        assert_eq!(stored, rev, "each new block once, as written");
+        // The limit dropped the first segments' blocks, announced.
+        assert!(!removed.is_empty());
+        assert!(removed.iter().all(|h| !t.contains(*h)));
+        assert_eq!(stored.len() - removed.len(), t.stats().blocks);
+        assert!(t.take_changes().is_empty());
+        drop(t);
+        let t = DiskTier::open(dir.as_path(), &geometry(), 4, 8, 1 << 20).unwrap();
+        let held = t.held();
+        assert_eq!(held.len(), t.stats().blocks);
+        let mut seen = std::collections::HashSet::new();
+        for c in &held {
+            let TierChange::Stored {
+                hash,
+                parent,
+                tokens,
+            } = c
+            else {
+                panic!("held lists stored blocks: {c:?}");
+            };
+            let b = blocks
+                .iter()
+                .find(|b| b.0 == *hash)
+                .expect("a written block");
+            assert_eq!((*parent, &tokens[..]), (b.1, &b.2[..]));
+            assert!(
+                !t.contains(*parent) || seen.contains(parent),
+                "parent first"
+            );
+            seen.insert(*hash);
+        }
+        drop(t);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

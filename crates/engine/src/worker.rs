@@ -390,9 +390,12 @@ impl Worker {
             to_draft: Vec::new(),
             cost: crate::spec::Cost::default(),
             guess_cost: 0.0,
+            kv_events: tier
+                .as_ref()
+                .filter(|_| cfg.kv_events.is_some())
+                .map_or_else(Vec::new, |t| tiers::held_events(t, cfg.block_size)),
             tier,
             block_keys: HashMap::new(),
-            kv_events: Vec::new(),
         })
     }
 
@@ -476,6 +479,11 @@ impl Worker {
             self.kv_events.clear();
             if self.cfg.kv_events.is_some() {
                 self.kv_events.push(crate::KvEvent::AllBlocksCleared);
+                // The disk tier keeps its blocks: told again.
+                if let Some(t) = &self.tier {
+                    let held = tiers::held_events(t, self.cfg.block_size);
+                    self.kv_events.extend(held);
+                }
             }
             self.sched = Scheduler::new(kv, self.sched.config().clone());
             // The draft model's sequences were the cleared samples'.

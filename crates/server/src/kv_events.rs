@@ -19,7 +19,7 @@
 //! encoding, as its `ZmqEventPublisher` sends it.) Block hashes are the
 //! engine's chain hashes, 63 bits so that consumers reading signed 64-bit
 //! integers read them too; the medium is `"CPU"` or `"GPU"`, where the pool
-//! lives.
+//! lives, or `"DISK"` for the disk tier's blocks (`--cache-dir`).
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};

@@ -1443,16 +1443,27 @@ fn a_prompt_on_disk_waits_for_room_rather_than_computing_again() {
     let s = probe.stats();
     let per_block = s.kv_bytes / s.kv.num_blocks;
     drop(probe);
-    // 16 blocks of 4 tokens; prompt chunks of 16 tokens (4 blocks).
-    let cfg = |dir: Option<&std::path::Path>| EngineConfig {
-        kv_memory: 16 * per_block,
-        cache_dir: dir.map(Into::into),
-        ..small_cfg()
-    };
     let texts: Vec<Vec<u32>> = (0..3u32)
         .map(|i| (0..40u32).map(|t| 3 + (i * 17 + t * 7) % 60).collect())
         .collect();
-    let long = &texts[2][..24];
+    let long: Vec<u32> = texts[2][..24].to_vec();
+    // The long request's decoding steps take 10 ms each, so that the
+    // other request, sent after its first token, arrives while it still
+    // runs (35 steps to go) on any machine.
+    let key = long.clone();
+    let hook = FaultHook::new(move |sites| {
+        if sites.iter().any(|s| s.prompt == key && s.start >= 24) {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        None
+    });
+    // 16 blocks of 4 tokens; prompt chunks of 16 tokens (4 blocks).
+    let cfg = |dir: Option<&std::path::Path>, hook: Option<FaultHook>| EngineConfig {
+        kv_memory: 16 * per_block,
+        cache_dir: dir.map(Into::into),
+        faults: hook,
+        ..small_cfg()
+    };
     let tokens = |stream: crate::RequestStream| -> (Vec<u32>, crate::Usage) {
         stream
             .filter_map(|ev| match ev {
@@ -1463,33 +1474,153 @@ fn a_prompt_on_disk_waits_for_room_rather_than_computing_again() {
             .next()
             .expect("a completion")
     };
-    let (plain, d1) = tiny_engine(cfg(None));
-    let want_long = tokens(plain.generate(greedy(long, 36)).unwrap()).0;
+    let (plain, d1) = tiny_engine(cfg(None, None));
+    let want_long = tokens(plain.generate(greedy(&long, 36)).unwrap()).0;
     let want = tokens(plain.generate(greedy(&texts[0], 6)).unwrap()).0;
     drop(plain);
 
-    let (engine, d2) = tiny_engine(cfg(Some(&cache)));
+    let (engine, d2) = tiny_engine(cfg(Some(&cache), Some(hook)));
     for t in &texts {
         engine.complete(&greedy(t, 6), &mut |_| {}).unwrap();
     }
-    // texts[0] is now on disk only. The long request runs: after its first
-    // token it holds 7 blocks and grows to 15, so texts[0]'s 11 never fit
-    // beside it, though its first chunk's 4 do.
-    let mut running = engine.generate(greedy(long, 36)).unwrap();
+    // texts[0] is now on disk, but for at most its first block. The long
+    // request runs: it holds 7 blocks after its first token and grows to 15, so
+    // texts[0]'s 10 or 11 never fit beside it, though its first chunk's 4
+    // do.
+    let mut running = engine.generate(greedy(&long, 36)).unwrap();
     assert!(matches!(running.next(), Some(Event::Token { .. })));
     let waiting = engine.generate(greedy(&texts[0], 6)).unwrap();
     let (got_long, _) = tokens(running);
     let (got, usage) = tokens(waiting);
     assert_eq!(got_long, want_long);
     assert_eq!(got, want);
-    assert_eq!(
-        (usage.cached_tokens, usage.disk_cached_tokens),
-        (36, 36),
-        "{usage:?}"
-    );
+    // Its whole match (36 of the 39 tokens a match may cover), all but
+    // what the pool still held read back from disk.
+    assert_eq!(usage.cached_tokens, 36, "{usage:?}");
+    assert!(usage.disk_cached_tokens >= 32, "{usage:?}");
     assert_eq!(engine.stats().preemptions, 0);
     assert_no_leak(&engine);
     engine.check_kv().unwrap();
+    drop(engine);
+    for d in [d0, d1, d2, cache] {
+        std::fs::remove_dir_all(d).unwrap();
+    }
+}
+
+/// With a disk tier, KV events name where blocks live: the pool's as
+/// `"CPU"`, the tier's as `"DISK"` (as vLLM names its offloaded blocks'
+/// medium). Replayed per medium, each parent known in one medium or the
+/// other when its child comes, they end holding exactly the tier's blocks;
+/// an engine started on the tier announces all of them first.
+#[test]
+fn the_disk_tiers_blocks_come_as_kv_events_of_their_own_medium() {
+    use crate::{KvEvent, KvEventBatch, KvEventSink};
+    use std::collections::{HashMap, HashSet};
+    let cache = std::env::temp_dir().join(format!("tessera-tier-ev-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&cache);
+    let (probe, d0) = tiny_engine(small_cfg());
+    let s = probe.stats();
+    let per_block = s.kv_bytes / s.kv.num_blocks;
+    drop(probe);
+    let sink = |got: Arc<std::sync::Mutex<Vec<KvEventBatch>>>| {
+        KvEventSink::new(move |b| got.lock().unwrap().push(b))
+    };
+    let cfg = |sink: KvEventSink| EngineConfig {
+        kv_memory: 16 * per_block,
+        cache_dir: Some(cache.clone()),
+        kv_events: Some(sink),
+        ..small_cfg()
+    };
+    type Index = HashMap<&'static str, HashSet<u64>>;
+    let replay = |batches: &std::sync::Mutex<Vec<KvEventBatch>>, index: &mut Index| {
+        for b in batches.lock().unwrap().drain(..) {
+            for e in b.events {
+                match e {
+                    KvEvent::BlockStored {
+                        block_hashes,
+                        parent_block_hash,
+                        medium,
+                        ..
+                    } => {
+                        assert!(["CPU", "DISK"].contains(&medium), "{medium}");
+                        if let Some(p) = parent_block_hash {
+                            assert!(
+                                index.values().any(|m| m.contains(&p)),
+                                "a parent known in some medium"
+                            );
+                        }
+                        for h in block_hashes {
+                            assert!(index.entry(medium).or_default().insert(h), "stored twice");
+                        }
+                    }
+                    KvEvent::BlockRemoved {
+                        block_hashes,
+                        medium,
+                    } => {
+                        for h in block_hashes {
+                            let m = index.entry(medium).or_default();
+                            assert!(m.remove(&h), "removed unknown from {medium}");
+                        }
+                    }
+                    KvEvent::AllBlocksCleared => index.clear(),
+                }
+            }
+        }
+    };
+    let texts: Vec<Vec<u32>> = (0..3u32)
+        .map(|i| (0..40u32).map(|t| 3 + (i * 17 + t * 7) % 60).collect())
+        .collect();
+    let batches: Arc<std::sync::Mutex<Vec<KvEventBatch>>> = Default::default();
+    let (engine, d1) = tiny_engine(cfg(sink(batches.clone())));
+    let mut index = Index::new();
+    for &i in &[0, 1, 2, 0, 1] {
+        engine.complete(&greedy(&texts[i], 6), &mut |_| {}).unwrap();
+    }
+    engine.check_kv().unwrap();
+    replay(&batches, &mut index);
+    let on_disk = engine.stats().disk_tier.unwrap().blocks;
+    assert!(on_disk >= 18, "{on_disk}");
+    assert_eq!(index["DISK"].len(), on_disk);
+    assert!(!index["CPU"].is_empty());
+    drop(engine);
+    // The tier on its own, read back: the same blocks.
+    let (e, d) = tiny_engine(small_cfg());
+    let geometry = crate::snapshot::Geometry::of(e.model(), CacheDType::F32);
+    let c = e.model().config();
+    let row_bytes = c.n_kv_heads * c.head_dim * 4;
+    drop(e);
+    std::fs::remove_dir_all(d).unwrap();
+    let tier = crate::tier::DiskTier::open(
+        &cache.join(crate::tier::TIER_DIR),
+        &geometry,
+        4,
+        row_bytes,
+        crate::DEFAULT_CACHE_DIR_BYTES,
+    )
+    .unwrap();
+    let held: HashSet<u64> = tier
+        .held()
+        .into_iter()
+        .map(|c| match c {
+            crate::tier::TierChange::Stored { hash, .. } => hash,
+            crate::tier::TierChange::Removed(_) => unreachable!(),
+        })
+        .collect();
+    drop(tier);
+    assert_eq!(index["DISK"], held);
+
+    // Started again on the tier (the shutdown's pool file removed): the
+    // first batch announces every block it holds, parents first.
+    std::fs::remove_file(cache.join(crate::snapshot::CACHE_FILE)).unwrap();
+    let again: Arc<std::sync::Mutex<Vec<KvEventBatch>>> = Default::default();
+    let (engine, d2) = tiny_engine(cfg(sink(again.clone())));
+    engine
+        .complete(&greedy(&[9, 9, 9], 1), &mut |_| {})
+        .unwrap();
+    engine.check_kv().unwrap();
+    let mut index = Index::new();
+    replay(&again, &mut index);
+    assert_eq!(index["DISK"], held);
     drop(engine);
     for d in [d0, d1, d2, cache] {
         std::fs::remove_dir_all(d).unwrap();

@@ -16,7 +16,7 @@ use super::Worker;
 use crate::events::{KvEvent, KvEventBatch};
 use crate::runner::Rows;
 use crate::snapshot::{Geometry, LayerBytes};
-use crate::tier::{chain, tier_key, DiskTier, TierKey, TIER_DIR};
+use crate::tier::{chain, tier_key, DiskTier, TierChange, TierKey, TIER_DIR};
 use crate::Result;
 
 pub(super) struct Tier {
@@ -43,13 +43,14 @@ impl Tier {
         if cfg.cache_dir_bytes == 0 || !cfg.prefix_cache {
             return Ok(None);
         }
-        let disk = DiskTier::open(
+        let mut disk = DiskTier::open(
             &dir.join(TIER_DIR),
             geometry,
             cfg.block_size,
             row_bytes,
             cfg.cache_dir_bytes,
         )?;
+        disk.set_announce(cfg.kv_events.is_some());
         Ok(Some(Tier {
             disk,
             checked: HashMap::new(),
@@ -60,6 +61,43 @@ impl Tier {
     pub(super) fn stats(&self) -> crate::types::TierStats {
         self.disk.stats()
     }
+}
+
+/// The medium of the disk tier's KV events (vLLM names the tier an event's
+/// blocks live in, `"GPU"` or, offloaded, `"CPU"`).
+pub(super) const DISK_MEDIUM: &str = "DISK";
+
+/// A tier change as a KV event.
+fn tier_event(c: TierChange, block_size: usize) -> KvEvent {
+    match c {
+        TierChange::Stored {
+            hash,
+            parent,
+            tokens,
+        } => KvEvent::BlockStored {
+            block_hashes: vec![hash],
+            parent_block_hash: (parent != 0).then_some(parent),
+            token_ids: tokens.into_vec(),
+            block_size,
+            medium: DISK_MEDIUM,
+        },
+        TierChange::Removed(hash) => KvEvent::BlockRemoved {
+            block_hashes: vec![hash],
+            medium: DISK_MEDIUM,
+        },
+    }
+}
+
+/// Every block the tier holds, as `BlockStored` events, parents first: for
+/// consumers at start (the tier outlives the process) and after
+/// `AllBlocksCleared` (the pool's bookkeeping started over, the tier's
+/// did not).
+pub(super) fn held_events(tier: &Tier, block_size: usize) -> Vec<KvEvent> {
+    tier.disk
+        .held()
+        .into_iter()
+        .map(|c| tier_event(c, block_size))
+        .collect()
 }
 
 impl Worker {
@@ -148,11 +186,28 @@ impl Worker {
                 }
                 TreeEvent::SlidingRemoved(d) => self.demote(&d, &key, &raw, &hashes),
             }
+            // What the tier took (and dropped for its limit), after the
+            // pool's removal and before anything later evicted: a parent
+            // is always known in one medium or the other.
+            self.push_tier_events();
         }
+    }
+
+    /// The tier's changes since the last call, as KV events.
+    fn push_tier_events(&mut self) {
+        let Some(t) = self.tier.as_mut() else {
+            return;
+        };
+        let bs = self.cfg.block_size;
+        let changes = t.disk.take_changes();
+        self.kv_events
+            .extend(changes.into_iter().map(|c| tier_event(c, bs)));
     }
 
     /// Sends the events gathered since the last call as one batch.
     pub(super) fn flush_kv_events(&mut self) {
+        // A bad record dropped when read back, since the last drain.
+        self.push_tier_events();
         if self.kv_events.is_empty() {
             return;
         }
@@ -268,10 +323,14 @@ impl Worker {
                 continue;
             }
             let (n, toks) = (toks.len(), toks.to_vec());
-            // Blocks no sequence holds: free, or cached and evictable.
+            // Blocks no sequence holds (free, or cached and evictable),
+            // less one for each running sequence, which may take one in
+            // this step before the request is admitted (placed without
+            // that, its blocks went to the running ones' growth and the
+            // request found no room for its first chunk).
             let free = free.get_or_insert_with(|| {
                 let k = self.sched.kv().stats();
-                k.num_blocks - k.used_blocks
+                (k.num_blocks - k.used_blocks).saturating_sub(self.sched.num_running())
             });
             match self.promote_one(ns, &toks, free) {
                 Ok(Promoted::NoRoom) => {
