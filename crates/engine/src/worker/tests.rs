@@ -1446,13 +1446,13 @@ fn a_prompt_on_disk_waits_for_room_rather_than_computing_again() {
     let texts: Vec<Vec<u32>> = (0..3u32)
         .map(|i| (0..40u32).map(|t| 3 + (i * 17 + t * 7) % 60).collect())
         .collect();
-    let long: Vec<u32> = texts[2][..24].to_vec();
+    let long: Vec<u32> = texts[2][..28].to_vec();
     // The long request's decoding steps take 10 ms each, so that the
     // other request, sent after its first token, arrives while it still
-    // runs (35 steps to go) on any machine.
+    // runs (27 steps to go) on any machine.
     let key = long.clone();
     let hook = FaultHook::new(move |sites| {
-        if sites.iter().any(|s| s.prompt == key && s.start >= 24) {
+        if sites.iter().any(|s| s.prompt == key && s.start >= 28) {
             std::thread::sleep(std::time::Duration::from_millis(10));
         }
         None
@@ -1475,7 +1475,7 @@ fn a_prompt_on_disk_waits_for_room_rather_than_computing_again() {
             .expect("a completion")
     };
     let (plain, d1) = tiny_engine(cfg(None, None));
-    let want_long = tokens(plain.generate(greedy(&long, 36)).unwrap()).0;
+    let want_long = tokens(plain.generate(greedy(&long, 28)).unwrap()).0;
     let want = tokens(plain.generate(greedy(&texts[0], 6)).unwrap()).0;
     drop(plain);
 
@@ -1484,10 +1484,10 @@ fn a_prompt_on_disk_waits_for_room_rather_than_computing_again() {
         engine.complete(&greedy(t, 6), &mut |_| {}).unwrap();
     }
     // texts[0] is now on disk, but for at most its first block. The long
-    // request runs: it holds 7 blocks after its first token and grows to 15, so
-    // texts[0]'s 10 or 11 never fit beside it, though its first chunk's 4
-    // do.
-    let mut running = engine.generate(greedy(&long, 36)).unwrap();
+    // request runs: it holds 8 blocks after its first token and grows to
+    // 14, so texts[0]'s 10 or 11 never fit beside it, though its first
+    // chunk's 4 do.
+    let mut running = engine.generate(greedy(&long, 28)).unwrap();
     assert!(matches!(running.next(), Some(Event::Token { .. })));
     let waiting = engine.generate(greedy(&texts[0], 6)).unwrap();
     let (got_long, _) = tokens(running);
