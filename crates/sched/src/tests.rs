@@ -368,6 +368,12 @@ fn a_request_passed_over_too_long_goes_first() {
     assert!((3..=5).contains(&at), "admitted at step {at}: {admitted:?}");
 }
 
+/// The requests of the last step's items, in order.
+fn last_step_reqs(sim: &Sim) -> Vec<ReqId> {
+    let plan = sim.log.last().expect("a step ran");
+    plan.items.iter().map(|i| i.req).collect()
+}
+
 #[test]
 fn a_request_held_for_room_waits_while_others_run_and_only_then() {
     let mut sim = Sim::new(64, 4, cfg(16, 4));
@@ -380,27 +386,11 @@ fn a_request_held_for_room_waits_while_others_run_and_only_then() {
     for _ in 0..3 {
         sim.sched.hold_for_room([held]);
         sim.step();
-        let reqs: Vec<ReqId> = sim
-            .log
-            .last()
-            .unwrap()
-            .items
-            .iter()
-            .map(|i| i.req)
-            .collect();
-        assert_eq!(reqs, [a]);
+        assert_eq!(last_step_reqs(&sim), [a]);
     }
     // One step's hold only: the next step admits both.
     sim.step();
-    let reqs: Vec<ReqId> = sim
-        .log
-        .last()
-        .unwrap()
-        .items
-        .iter()
-        .map(|i| i.req)
-        .collect();
-    assert_eq!(reqs, [a, held, behind]);
+    assert_eq!(last_step_reqs(&sim), [a, held, behind]);
     sim.run();
     // With nothing running a hold would wait for nothing: ignored.
     let alone = sim.add(&prompt(4, 8), 1);

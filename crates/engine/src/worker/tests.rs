@@ -1354,6 +1354,23 @@ fn run_together(engine: &Engine, ps: &[Vec<u32>], temperature: f32) -> Vec<Vec<u
         .collect()
 }
 
+/// A disk tier's test setup: a fresh cache directory named for `name`,
+/// the tiny model's bytes per block (from a probe engine, whose model
+/// folder is returned to be removed) and three 40-token prompts that
+/// share nothing.
+fn tier_setup(name: &str) -> (std::path::PathBuf, std::path::PathBuf, usize, Vec<Vec<u32>>) {
+    let cache = std::env::temp_dir().join(format!("tessera-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&cache);
+    let (probe, dir) = tiny_engine(small_cfg());
+    let s = probe.stats();
+    let per_block = s.kv_bytes / s.kv.num_blocks;
+    drop(probe);
+    let texts = (0..3u32)
+        .map(|i| (0..40u32).map(|t| 3 + (i * 17 + t * 7) % 60).collect())
+        .collect();
+    (cache, dir, per_block, texts)
+}
+
 /// With a cache directory, full blocks that eviction frees go to the disk
 /// tier and come back for a prompt that continues past the pool's match:
 /// the same tokens as an engine without the tier, counted as cached and
@@ -1361,21 +1378,13 @@ fn run_together(engine: &Engine, ps: &[Vec<u32>], temperature: f32) -> Vec<Vec<u
 /// (the shutdown's cache file removed, so only the tier holds them).
 #[test]
 fn evicted_prefixes_come_back_from_the_disk_tier() {
-    let cache = std::env::temp_dir().join(format!("tessera-tier-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&cache);
     // A pool of 16 blocks of 4 tokens: one 40-token prompt and its answer.
-    let (probe, d0) = tiny_engine(small_cfg());
-    let s = probe.stats();
-    let per_block = s.kv_bytes / s.kv.num_blocks;
-    drop(probe);
+    let (cache, d0, per_block, texts) = tier_setup("tier");
     let cfg = |dir: Option<&std::path::Path>| EngineConfig {
         kv_memory: 16 * per_block,
         cache_dir: dir.map(Into::into),
         ..small_cfg()
     };
-    let texts: Vec<Vec<u32>> = (0..3u32)
-        .map(|i| (0..40u32).map(|t| 3 + (i * 17 + t * 7) % 60).collect())
-        .collect();
     let order = [0, 1, 2, 0, 1];
     let run = |engine: &Engine, p: &[u32], tenant: Option<&str>| {
         let mut req = greedy(p, 6);
@@ -1437,15 +1446,7 @@ fn evicted_prefixes_come_back_from_the_disk_tier() {
 /// both grow).
 #[test]
 fn a_prompt_on_disk_waits_for_room_rather_than_computing_again() {
-    let cache = std::env::temp_dir().join(format!("tessera-tier-wait-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&cache);
-    let (probe, d0) = tiny_engine(small_cfg());
-    let s = probe.stats();
-    let per_block = s.kv_bytes / s.kv.num_blocks;
-    drop(probe);
-    let texts: Vec<Vec<u32>> = (0..3u32)
-        .map(|i| (0..40u32).map(|t| 3 + (i * 17 + t * 7) % 60).collect())
-        .collect();
+    let (cache, d0, per_block, texts) = tier_setup("tier-wait");
     let long: Vec<u32> = texts[2][..28].to_vec();
     // The long request's decoding steps take 10 ms each, so that the
     // other request, sent after its first token, arrives while it still
@@ -1516,12 +1517,7 @@ fn a_prompt_on_disk_waits_for_room_rather_than_computing_again() {
 fn the_disk_tiers_blocks_come_as_kv_events_of_their_own_medium() {
     use crate::{KvEvent, KvEventBatch, KvEventSink};
     use std::collections::{HashMap, HashSet};
-    let cache = std::env::temp_dir().join(format!("tessera-tier-ev-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&cache);
-    let (probe, d0) = tiny_engine(small_cfg());
-    let s = probe.stats();
-    let per_block = s.kv_bytes / s.kv.num_blocks;
-    drop(probe);
+    let (cache, d0, per_block, texts) = tier_setup("tier-ev");
     let sink = |got: Arc<std::sync::Mutex<Vec<KvEventBatch>>>| {
         KvEventSink::new(move |b| got.lock().unwrap().push(b))
     };
@@ -1567,9 +1563,6 @@ fn the_disk_tiers_blocks_come_as_kv_events_of_their_own_medium() {
             }
         }
     };
-    let texts: Vec<Vec<u32>> = (0..3u32)
-        .map(|i| (0..40u32).map(|t| 3 + (i * 17 + t * 7) % 60).collect())
-        .collect();
     let batches: Arc<std::sync::Mutex<Vec<KvEventBatch>>> = Default::default();
     let (engine, d1) = tiny_engine(cfg(sink(batches.clone())));
     let mut index = Index::new();
