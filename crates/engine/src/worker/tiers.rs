@@ -65,7 +65,7 @@ impl Tier {
 
 /// The medium of the disk tier's KV events (vLLM names the tier an event's
 /// blocks live in, `"GPU"` or, offloaded, `"CPU"`).
-pub(super) const DISK_MEDIUM: &str = "DISK";
+const DISK_MEDIUM: &str = "DISK";
 
 /// A tier change as a KV event.
 fn tier_event(c: TierChange, block_size: usize) -> KvEvent {
@@ -295,10 +295,10 @@ impl Worker {
     /// Places back into the prefix tree the blocks the disk tier holds of
     /// the prompts of the requests at the head of the queue (as many as
     /// may be admitted now), past what the pool holds of them. A request
-    /// is looked up again only when the pool had no room for its blocks;
-    /// until it has, the scheduler holds it (admitted beside the running
-    /// requests it would compute its prompt again, and preempt them when
-    /// its prompt outgrew the room).
+    /// is looked up again when the pool had no room for its blocks, or
+    /// its match in the pool changed; while there is no room the scheduler
+    /// holds it (admitted beside the running requests, it would compute
+    /// its prompt again and preempt them once the prompt outgrew the room).
     pub(super) fn promote(&mut self) {
         let Some(tier) = self.tier.as_mut() else {
             return;
