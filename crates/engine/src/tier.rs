@@ -131,6 +131,18 @@ struct Loc {
     whole: bool,
 }
 
+/// A block the tier holds: where its record is, and its parent (0: none)
+/// and tokens, for its KV events.
+#[derive(Debug)]
+struct Held {
+    loc: Loc,
+    parent: u64,
+    tokens: Box<[u32]>,
+}
+
+/// Where a record's tokens start (after its magic, hash, parent and key).
+const AT_TOKENS: usize = 4 + 8 + 8 + 32;
+
 #[derive(Debug)]
 struct Segment {
     id: u64,
@@ -168,9 +180,7 @@ pub struct DiskTier {
     sliding: Vec<bool>,
     /// Bytes of one layer's K (or V) rows of a block.
     rows_bytes: usize,
-    index: HashMap<u64, Loc>,
-    /// Each indexed block's parent (0: none) and tokens, for its events.
-    names: HashMap<u64, (u64, Box<[u32]>)>,
+    index: HashMap<u64, Held>,
     /// What the index gained and lost since [`DiskTier::take_changes`]
     /// (kept only while [`DiskTier::set_announce`] is on).
     changes: Vec<TierChange>,
@@ -226,7 +236,6 @@ impl DiskTier {
                 .collect(),
             rows_bytes: block_size * row_bytes,
             index: HashMap::new(),
-            names: HashMap::new(),
             changes: Vec::new(),
             announce: false,
             segments: VecDeque::new(),
@@ -267,8 +276,16 @@ impl DiskTier {
     /// Whether a record of `whole`ness may take the place of `held`: a
     /// whole record replaces one of the global layers only, never the
     /// other way.
-    fn replaces(held: Option<&Loc>, whole: bool) -> bool {
-        held.is_none_or(|l| whole && !l.whole)
+    fn replaces(held: Option<&Held>, whole: bool) -> bool {
+        held.is_none_or(|h| whole && !h.loc.whole)
+    }
+
+    /// The tokens of record `r`.
+    fn record_tokens(&self, r: &[u8]) -> Vec<u32> {
+        r[AT_TOKENS..AT_TOKENS + 4 * self.block_size]
+            .chunks_exact(4)
+            .map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")))
+            .collect()
     }
 
     /// Reads segment `id` back into the index; a segment of another
@@ -310,20 +327,16 @@ impl DiskTier {
             }
             let hash = u64::from_le_bytes(r[4..12].try_into().expect("8 bytes"));
             if Self::replaces(self.index.get(&hash), whole) {
-                let parent = u64::from_le_bytes(r[12..20].try_into().expect("8 bytes"));
-                let tokens = r[52..52 + 4 * self.block_size]
-                    .chunks_exact(4)
-                    .map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")))
-                    .collect();
-                self.names.insert(hash, (parent, tokens));
-                self.index.insert(
-                    hash,
-                    Loc {
+                let held = Held {
+                    loc: Loc {
                         seg: id,
                         offset: at as u64,
                         whole,
                     },
-                );
+                    parent: u64::from_le_bytes(r[12..20].try_into().expect("8 bytes")),
+                    tokens: self.record_tokens(r).into(),
+                };
+                self.index.insert(hash, held);
             }
             seg.hashes.push(hash);
             at += rec;
@@ -364,7 +377,7 @@ impl DiskTier {
     /// Whether the tier holds block `hash` with every layer's rows (in a
     /// model without sliding-window layers, whether it holds it at all).
     pub fn whole(&self, hash: u64) -> bool {
-        self.index.get(&hash).is_some_and(|l| l.whole)
+        self.index.get(&hash).is_some_and(|h| h.loc.whole)
     }
 
     /// Appends one block (`layers`: each layer's K and V rows of the
@@ -442,24 +455,23 @@ impl DiskTier {
             self.current = None;
             return Err(io(&path, "cannot write", e));
         }
-        if let std::collections::hash_map::Entry::Vacant(v) = self.names.entry(hash) {
-            v.insert((parent, tokens.into()));
-            if self.announce {
-                self.changes.push(TierChange::Stored {
-                    hash,
-                    parent,
-                    tokens: tokens.into(),
-                });
-            }
-        }
-        self.index.insert(
-            hash,
-            Loc {
+        let held = Held {
+            loc: Loc {
                 seg: *id,
                 offset: seg.bytes,
                 whole,
             },
-        );
+            parent,
+            tokens: tokens.into(),
+        };
+        // A block made whole again is not news.
+        if self.index.insert(hash, held).is_none() && self.announce {
+            self.changes.push(TierChange::Stored {
+                hash,
+                parent,
+                tokens: tokens.into(),
+            });
+        }
         seg.hashes.push(hash);
         seg.bytes += rec.len() as u64;
         self.stats.bytes += rec.len() as u64;
@@ -470,8 +482,7 @@ impl DiskTier {
 
     /// Drops block `hash` from the index (announced when on).
     fn forget(&mut self, hash: u64) {
-        self.index.remove(&hash);
-        if self.names.remove(&hash).is_some() && self.announce {
+        if self.index.remove(&hash).is_some() && self.announce {
             self.changes.push(TierChange::Removed(hash));
         }
     }
@@ -497,21 +508,22 @@ impl DiskTier {
     pub fn held(&self) -> Vec<TierChange> {
         let mut children: HashMap<u64, Vec<u64>> = HashMap::new();
         let mut next: Vec<u64> = Vec::new();
-        for (&h, (parent, _)) in &self.names {
-            if *parent != 0 && self.names.contains_key(parent) {
-                children.entry(*parent).or_default().push(h);
+        for (&h, held) in &self.index {
+            let parent = held.parent;
+            if parent != 0 && self.index.contains_key(&parent) {
+                children.entry(parent).or_default().push(h);
             } else {
                 next.push(h);
             }
         }
         next.sort_unstable();
-        let mut out = Vec::with_capacity(self.names.len());
+        let mut out = Vec::with_capacity(self.index.len());
         while let Some(h) = next.pop() {
-            let (parent, tokens) = &self.names[&h];
+            let held = &self.index[&h];
             out.push(TierChange::Stored {
                 hash: h,
-                parent: *parent,
-                tokens: tokens.clone(),
+                parent: held.parent,
+                tokens: held.tokens.clone(),
             });
             if let Some(mut c) = children.remove(&h) {
                 c.sort_unstable();
@@ -530,7 +542,11 @@ impl DiskTier {
                 self.current = None;
             }
             for &h in &seg.hashes {
-                if self.index.get(&h).is_some_and(|l| l.seg == seg.id) {
+                if self
+                    .index
+                    .get(&h)
+                    .is_some_and(|held| held.loc.seg == seg.id)
+                {
                     self.forget(h);
                     self.stats.dropped += 1;
                 }
@@ -546,7 +562,7 @@ impl DiskTier {
     /// The block named `hash`, if the tier holds it for `key` with exactly
     /// `tokens` (anything else, a bad record included, is a miss).
     pub fn get(&mut self, hash: u64, key: &TierKey, tokens: &[u32]) -> Option<TierBlock> {
-        let loc = *self.index.get(&hash)?;
+        let loc = self.index.get(&hash)?.loc;
         let path = self.path(loc.seg);
         let rec = self.record_bytes(loc.whole);
         let mut r = vec![0u8; rec];
@@ -564,15 +580,10 @@ impl DiskTier {
             self.forget(hash);
             return None;
         }
-        let at_tokens = 4 + 8 + 8 + 32;
-        let got: Vec<u32> = r[at_tokens..at_tokens + 4 * self.block_size]
-            .chunks_exact(4)
-            .map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")))
-            .collect();
-        if &r[20..52] != key || got != tokens {
+        if &r[20..52] != key || self.record_tokens(&r) != tokens {
             return None;
         }
-        let mut at = at_tokens + 4 * self.block_size;
+        let mut at = AT_TOKENS + 4 * self.block_size;
         let n = self.rows_bytes;
         let layers = self
             .sliding

@@ -333,7 +333,7 @@ impl Worker {
                 let k = self.sched.kv().stats();
                 k.num_blocks - k.used_blocks
             });
-            match self.promote_one(ns, &toks, free) {
+            match self.promote_one(ns, &toks, pooled, free) {
                 Ok(Promoted::NoRoom) => {
                     held.push(id);
                     continue;
@@ -355,7 +355,8 @@ impl Worker {
         self.sched.hold_for_room(held);
     }
 
-    /// Places the tier's blocks of `toks` past the pool's match, if the
+    /// Places the tier's blocks of `toks` past the pool's match (`cached`,
+    /// as the caller has just read it), if the
     /// `free` blocks no sequence holds leave room for them and for the rest
     /// of the prompt (placing them must not starve the request itself, nor
     /// evict everything cached only to fail); takes what it used from
@@ -371,11 +372,11 @@ impl Worker {
         &mut self,
         ns: Namespace,
         toks: &[TokenId],
+        cached: usize,
         free: &mut usize,
     ) -> Result<Promoted> {
         let kv = self.sched.kv();
         let bs = kv.block_size();
-        let cached = kv.cached_prefix_len(ns, toks);
         let (j0, full) = (cached / bs, toks.len() / bs);
         if j0 >= full {
             return Ok(Promoted::Nothing);
