@@ -749,16 +749,23 @@ mod tests {
         }
     }
 
+    /// A tier in a fresh folder named `name`, with a limit of about three
+    /// records (every put past it starts a segment over), and its key.
+    fn three_record_tier(name: &str) -> (PathBuf, TierKey, DiskTier) {
+        let dir = scratch(name);
+        let key = tier_key(42, "f16", None, None);
+        let mut t = DiskTier::open(dir.as_path(), &geometry(), 4, 8, 1 << 20).unwrap();
+        let rec = t.record_bytes(true) as u64;
+        t.limit = 3 * rec + t.header.len() as u64;
+        (dir, key, t)
+    }
+
     /// With announcing on, every block the index gains and loses is a
     /// change, in order (a block made whole again is not news), and after
     /// a restart `held` lists every block, each after its parent.
     #[test]
     fn changes_are_announced_in_order_and_held_lists_parents_first() {
-        let dir = scratch("announce");
-        let key = tier_key(42, "f16", None, None);
-        let mut t = DiskTier::open(dir.as_path(), &geometry(), 4, 8, 1 << 20).unwrap();
-        let rec = t.record_bytes(true) as u64;
-        t.limit = 3 * rec + t.header.len() as u64;
+        let (dir, key, mut t) = three_record_tier("announce");
         t.set_announce(true);
         let chain_of = |n: u32| {
             let mut parent = 0;
@@ -831,12 +838,7 @@ mod tests {
 
     #[test]
     fn the_size_limit_drops_the_oldest_segments() {
-        let dir = scratch("limit");
-        let key = tier_key(42, "f16", None, None);
-        let mut t = DiskTier::open(dir.as_path(), &geometry(), 4, 8, 1 << 20).unwrap();
-        let rec = t.record_bytes(true) as u64;
-        // A limit of about three records: every put past it starts over.
-        t.limit = 3 * rec + t.header.len() as u64;
+        let (dir, key, mut t) = three_record_tier("limit");
         let mut parent = 0;
         let mut hashes = Vec::new();
         for j in 0..10u32 {
