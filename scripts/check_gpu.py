@@ -277,6 +277,38 @@ def cuda_env(nvcc, **extra):
     return env
 
 
+def features(cargo_tree_args):
+    """Each package's feature sets in a `cargo tree` resolution."""
+    out = run(["cargo", "tree", *cargo_tree_args, "-e", "normal,build,dev", "--prefix", "none",
+               "-f", "{p} [{f}]"], cwd=ROOT, capture_output=True).stdout
+    sets = {}
+    for line in out.splitlines():
+        if "[" not in line:
+            continue
+        pkg = line.split(" [")[0].split(" (")[0]
+        sets.setdefault(pkg, set()).add(line[line.index("[") + 1:line.rindex("]")])
+    return sets
+
+
+def check_feature_pins():
+    """The kernel-emu build resolves features over tessera-kernels alone;
+    where a dependency's features differ from the workspace's, that
+    dependency and everything above it (candle included) is compiled again
+    (8 minutes on two cores instead of 3). crates/kernels/Cargo.toml pins
+    the workspace's features; this fails, naming the difference, when a
+    dependency change has made them drift."""
+    ws = features(["--workspace"])
+    emu = features(["-p", "tessera-kernels", "--features", "kernel-emu"])
+    drift = [f"  {p}: the workspace has [{' | '.join(sorted(ws[p]))}], "
+             f"tessera-kernels alone [{' | '.join(sorted(f))}]"
+             for p, f in sorted(emu.items())
+             if p in ws and f != ws[p] and not p.startswith("tessera-kernels ")]
+    if drift:
+        sys.exit("check-gpu: the kernel-emu build would compile these dependencies again; pin the "
+                 "workspace's features in crates/kernels/Cargo.toml's dev- (or, for proc-macro "
+                 "dependencies, build-) dependencies:\n" + "\n".join(drift))
+
+
 def check_launchers():
     """The CUDA launchers and GPU tests type-checked against
     candle's `cuda` feature, in target/cuda-check; no GPU needed, and no
@@ -339,6 +371,7 @@ def main():
                                     else os.path.join(ROOT, "target", "lent")))
     n_cu = check_cuda()
     n_metal = check_metal()
+    check_feature_pins()
     run(["cargo", "test", "-p", "tessera-kernels", "--features", "kernel-emu", "--", "gpu::"], cwd=ROOT)
     check_launchers()
     check_metal_launchers()
