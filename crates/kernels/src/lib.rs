@@ -74,6 +74,7 @@ pub use linear::qdot::{
     qmatvec, qmatvec_keyed, qmatvec_slow, quantize_row, ActBlock, Activations, ActsKey, Packed,
     QIsa, GROUP,
 };
+pub use linear::Emit;
 pub use mem::{advise_huge_pages, read_buffer, timed_read, zeroed_huge};
 pub use norm::{act_mul, act_mul_slow, rms_norm, rms_norm_in_place, rms_norm_slow, Activation};
 pub use simd::exp_nonpositive;

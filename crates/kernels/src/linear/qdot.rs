@@ -49,6 +49,7 @@ use std::sync::OnceLock;
 use candle_core::quantized::GgmlDType;
 
 use crate::linear::matvec::{f16_to_f32, WeightFormat, Weights};
+use crate::linear::Emit;
 use crate::simd::capped;
 use crate::tuning::IsaCap;
 
@@ -819,7 +820,7 @@ const PANEL: usize = 64;
 /// `emit(input, row, values)` with the values of rows `row..row +
 /// values.len()` (up to one tile's sixteen), each pair once.
 #[allow(clippy::too_many_arguments)]
-pub fn qmatvec<E: FnMut(usize, usize, &[f32])>(
+pub fn qmatvec(
     isa: QIsa,
     w: &Packed,
     acts: &[ActBlock],
@@ -827,7 +828,7 @@ pub fn qmatvec<E: FnMut(usize, usize, &[f32])>(
     levels: usize,
     r0: usize,
     r1: usize,
-    emit: &mut E,
+    emit: &mut Emit,
 ) {
     qmatvec_keyed(isa, w, acts, None, t, levels, r0, r1, emit)
 }
@@ -855,7 +856,7 @@ impl ActsKey {
 /// calls before it with that key on the same thread; the results are then
 /// the same bits as without one.
 #[allow(clippy::too_many_arguments)]
-pub fn qmatvec_keyed<E: FnMut(usize, usize, &[f32])>(
+pub fn qmatvec_keyed(
     isa: QIsa,
     w: &Packed,
     acts: &[ActBlock],
@@ -864,7 +865,7 @@ pub fn qmatvec_keyed<E: FnMut(usize, usize, &[f32])>(
     levels: usize,
     r0: usize,
     r1: usize,
-    emit: &mut E,
+    emit: &mut Emit,
 ) {
     assert!(
         acts.len() >= t * w.nb && r0 <= r1 && r1 <= w.n && (1..=2).contains(&levels),
@@ -990,16 +991,18 @@ fn vnni_evex_runs() -> bool {
 /// encoding of the same 256-bit `vpdpbusd`, on a CPU with AVX-512 F, VL
 /// and VNNI: for the every-path test and `examples/prefill_tiles` where
 /// AVX-VNNI itself is missing (AMD Zen 4). `None` where it cannot run.
+// Inline: compiled only where a test or an example calls it.
+#[inline]
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
-pub fn qmatvec_vnni_evex_panels<E: FnMut(usize, usize, &[f32])>(
+pub fn qmatvec_vnni_evex_panels(
     w: &Packed,
     acts: &[ActBlock],
     t: usize,
     levels: usize,
     r0: usize,
     r1: usize,
-    emit: &mut E,
+    emit: &mut Emit,
 ) -> Option<()> {
     if !vnni_evex_runs() || t < panel::MIN_INPUTS || w.kind == Kind::Q8_0 {
         return None;
@@ -1017,13 +1020,15 @@ pub fn qmatvec_vnni_evex_panels<E: FnMut(usize, usize, &[f32])>(
 /// VNNI's encoding, four inputs at a time, all rows: what
 /// [`qmatvec_vnni_evex_panels`] is timed against in
 /// `examples/prefill_tiles`. `None` where it cannot run.
+// Inline: compiled only where a test or an example calls it.
+#[inline]
 #[cfg(target_arch = "x86_64")]
-pub fn qmatvec_vnni_evex_tiles<E: FnMut(usize, usize, &[f32])>(
+pub fn qmatvec_vnni_evex_tiles(
     w: &Packed,
     acts: &[ActBlock],
     t: usize,
     levels: usize,
-    emit: &mut E,
+    emit: &mut Emit,
 ) -> Option<()> {
     if !vnni_evex_runs() || w.kind.super_block() || w.kind == Kind::Q8_0 {
         return None;

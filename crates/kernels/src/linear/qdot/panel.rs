@@ -45,7 +45,7 @@ use std::arch::x86_64::*;
 
 use super::kquant::x86::sub_values256;
 use super::x86::{block_values256, i16_group, Dot8, Maddubs, Vnni256, VnniEvex256};
-use super::{kind_of, ActBlock, Kind, Packed, GROUP};
+use super::{kind_of, ActBlock, Emit, Kind, Packed, GROUP};
 
 /// Blocks of 32 values per chunk: one K-quant super-block.
 const CH: usize = 8;
@@ -103,16 +103,16 @@ const fn centre(kind: Kind) -> i32 {
 /// The CPU has AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-pub(super) unsafe fn products<E: FnMut(usize, usize, &[f32])>(
+pub(super) unsafe fn products(
     w: &Packed,
     acts: &[ActBlock],
     t: usize,
     two: bool,
     r0: usize,
     r1: usize,
-    emit: &mut E,
+    emit: &mut Emit,
 ) {
-    by_kind::<Maddubs, E>(w, acts, t, two, r0, r1, emit)
+    by_kind::<Maddubs>(w, acts, t, two, r0, r1, emit)
 }
 
 /// [`products`] with AVX-VNNI's `vpdpbusd`, which takes the flipped
@@ -124,16 +124,16 @@ pub(super) unsafe fn products<E: FnMut(usize, usize, &[f32])>(
 /// The CPU has AVX-VNNI, AVX2, FMA and F16C.
 #[target_feature(enable = "avxvnni,avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-pub(super) unsafe fn products_avxvnni<E: FnMut(usize, usize, &[f32])>(
+pub(super) unsafe fn products_avxvnni(
     w: &Packed,
     acts: &[ActBlock],
     t: usize,
     two: bool,
     r0: usize,
     r1: usize,
-    emit: &mut E,
+    emit: &mut Emit,
 ) {
-    by_kind::<Vnni256, E>(w, acts, t, two, r0, r1, emit)
+    by_kind::<Vnni256>(w, acts, t, two, r0, r1, emit)
 }
 
 /// [`products_avxvnni`] in AVX-512 VNNI's encoding of the same 256-bit
@@ -143,36 +143,37 @@ pub(super) unsafe fn products_avxvnni<E: FnMut(usize, usize, &[f32])>(
 ///
 /// # Safety
 /// The CPU has AVX-512 F, VL and VNNI, AVX2, FMA and F16C.
+#[inline]
 #[target_feature(enable = "avx512f,avx512vl,avx512vnni,avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-pub(super) unsafe fn products_vnni_evex<E: FnMut(usize, usize, &[f32])>(
+pub(super) unsafe fn products_vnni_evex(
     w: &Packed,
     acts: &[ActBlock],
     t: usize,
     two: bool,
     r0: usize,
     r1: usize,
-    emit: &mut E,
+    emit: &mut Emit,
 ) {
-    by_kind::<VnniEvex256, E>(w, acts, t, two, r0, r1, emit)
+    by_kind::<VnniEvex256>(w, acts, t, two, r0, r1, emit)
 }
 
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn by_kind<D: Dot8, E: FnMut(usize, usize, &[f32])>(
+unsafe fn by_kind<D: Dot8>(
     w: &Packed,
     acts: &[ActBlock],
     t: usize,
     two: bool,
     r0: usize,
     r1: usize,
-    emit: &mut E,
+    emit: &mut Emit,
 ) {
     macro_rules! kinds {
         ($($k:ident $n:literal),*) => {
             match (w.kind, two) {
-                $((Kind::$k, false) => panels::<D, $n, false, E>(w, acts, t, r0, r1, emit),
-                  (Kind::$k, true) => panels::<D, $n, true, E>(w, acts, t, r0, r1, emit),)*
+                $((Kind::$k, false) => panels::<D, $n, false>(w, acts, t, r0, r1, emit),
+                  (Kind::$k, true) => panels::<D, $n, true>(w, acts, t, r0, r1, emit),)*
                 (Kind::Q8_0, _) => unreachable!("Q8_0 keeps the tiles"),
             }
         };
@@ -181,13 +182,13 @@ unsafe fn by_kind<D: Dot8, E: FnMut(usize, usize, &[f32])>(
 }
 
 #[inline(always)]
-unsafe fn panels<D: Dot8, const K: u8, const TWO: bool, E: FnMut(usize, usize, &[f32])>(
+unsafe fn panels<D: Dot8, const K: u8, const TWO: bool>(
     w: &Packed,
     acts: &[ActBlock],
     t: usize,
     r0: usize,
     r1: usize,
-    emit: &mut E,
+    emit: &mut Emit,
 ) {
     let nb = w.nb;
     let (g0, g1) = (r0 / GROUP, r1.div_ceil(GROUP));
