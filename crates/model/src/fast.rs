@@ -154,9 +154,9 @@ impl Lin {
 
     /// Rows `[r0, r1)` of this layer for the `t` inputs: on the tiles with
     /// the quantized inputs `q` when packed, else on `w` with the f32
-    /// inputs `x`.
+    /// inputs `x`; into `out`.
     #[allow(clippy::too_many_arguments)]
-    fn apply<E: FnMut(usize, usize, &[f32])>(
+    fn apply(
         &self,
         isa: (Isa, QIsa, usize),
         w: &Weights,
@@ -165,13 +165,76 @@ impl Lin {
         t: usize,
         (r0, r1): (usize, usize),
         deq: &mut Vec<f32>,
-        emit: &mut E,
+        out: &mut Out,
     ) {
         match &self.packed {
-            Some(p) => qmatvec_keyed(isa.1, p, q.0, q.1, t, isa.2, r0, r1, emit),
-            None => matvec(isa.0, w, x, t, r0, r1, deq, &mut |i, r, v| {
-                emit(i, r, std::slice::from_ref(&v))
+            Some(p) => qmatvec_keyed(isa.1, p, q.0, q.1, t, isa.2, r0, r1, &mut |i, r, v| {
+                out.put(i, r, v)
             }),
+            None => matvec(isa.0, w, x, t, r0, r1, deq, &mut |i, r, v| {
+                out.put(i, r, std::slice::from_ref(&v))
+            }),
+        }
+    }
+}
+
+/// Where [`Lin::apply`] puts a layer's results: input `i`'s value of row
+/// `r` at `i * ld + r - off` of the buffer, stored, added times a scale,
+/// or stored times a scale. One type for every call site, so that the f32
+/// products (`matvec`, generic over what takes each value) are compiled
+/// once here rather than once per call site's closure.
+struct Out<'a> {
+    dst: Dst<'a>,
+    ld: usize,
+    off: usize,
+    how: How,
+}
+
+enum Dst<'a> {
+    Own(&'a mut [f32]),
+    /// A buffer the step's workers share; each puts only the rows of its
+    /// own row range.
+    Shared(&'a Shared<f32>),
+}
+
+#[derive(Clone, Copy)]
+enum How {
+    Store,
+    Add(f32),
+    Scaled(f32),
+}
+
+impl<'a> Out<'a> {
+    fn own(buf: &'a mut [f32], ld: usize, off: usize) -> Out<'a> {
+        Out {
+            dst: Dst::Own(buf),
+            ld,
+            off,
+            how: How::Store,
+        }
+    }
+
+    fn shared(buf: &'a Shared<f32>, ld: usize, how: How) -> Out<'a> {
+        Out {
+            dst: Dst::Shared(buf),
+            ld,
+            off: 0,
+            how,
+        }
+    }
+
+    #[inline(always)]
+    fn put(&mut self, i: usize, r: usize, v: &[f32]) {
+        let at = i * self.ld + r - self.off;
+        let dst = match &mut self.dst {
+            Dst::Own(buf) => &mut buf[at..at + v.len()],
+            // SAFETY: the callers' row ranges are disjoint between workers.
+            Dst::Shared(buf) => unsafe { buf.part(at, at + v.len()) },
+        };
+        match self.how {
+            How::Store => dst.copy_from_slice(v),
+            How::Add(s) => add_scaled(dst, v, s),
+            How::Scaled(s) => dst.iter_mut().zip(v).for_each(|(d, &v)| *d = v * s),
         }
     }
 }
@@ -969,14 +1032,12 @@ impl Llama {
                 let to_ob = post.is_some();
                 let rb = w[which].row_bytes();
                 for_rows(team, runs, phase, hidden, t, rb, |r0, r1| {
-                    lin.apply(isa, &w[which], y, qy, t, (r0, r1), deq, &mut |i, r, v| {
-                        let at = i * hidden + r;
-                        if to_ob {
-                            unsafe { ob.part(at, at + v.len()) }.copy_from_slice(v)
-                        } else {
-                            add_scaled(unsafe { x.part(at, at + v.len()) }, v, rs);
-                        }
-                    })
+                    let mut out = if to_ob {
+                        Out::shared(&ob, hidden, How::Store)
+                    } else {
+                        Out::shared(&x, hidden, How::Add(rs))
+                    };
+                    lin.apply(isa, &w[which], y, qy, t, (r0, r1), deq, &mut out)
                 });
                 let Some(pn) = post else {
                     return;
@@ -1063,7 +1124,7 @@ impl Llama {
                             t,
                             (r0, r0 + hd),
                             deq,
-                            &mut |i, r, v| tmp[i * hd + r - r0..][..v.len()].copy_from_slice(v),
+                            &mut Out::own(&mut tmp[..], hd, r0),
                         );
                         let bias_at = [0, nh * hd, (nh + kvh) * hd][which] + r0;
                         for i in 0..t {
@@ -1208,12 +1269,10 @@ impl Llama {
                         while r < f1 {
                             let e = (r + FFN_ROWS).min(f1);
                             let n = e - r;
-                            lc.lins[4].apply(isa, &w[4], h, qh, t, (r, e), deq, &mut |i, rr, v| {
-                                tmp[i * n + rr - r..][..v.len()].copy_from_slice(v)
-                            });
-                            lc.lins[5].apply(isa, &w[5], h, qh, t, (r, e), deq, &mut |i, rr, v| {
-                                tmp2[i * n + rr - r..][..v.len()].copy_from_slice(v)
-                            });
+                            let mut out = Out::own(&mut tmp[..], n, r);
+                            lc.lins[4].apply(isa, &w[4], h, qh, t, (r, e), deq, &mut out);
+                            let mut out = Out::own(&mut tmp2[..], n, r);
+                            lc.lins[5].apply(isa, &w[5], h, qh, t, (r, e), deq, &mut out);
                             for i in 0..t {
                                 let out = unsafe { m.part(i * ffn + r, i * ffn + e) };
                                 let row = i * n..(i + 1) * n;
@@ -1244,14 +1303,13 @@ impl Llama {
                     picks,
                     head.row_bytes(),
                     |r0, r1| {
-                        head_lin.apply(isa, &head, h, qh, picks, (r0, r1), deq, &mut |i, r, v| {
-                            let at = i * vocab + r;
-                            let out = unsafe { logits.part(at, at + v.len()) };
-                            out.copy_from_slice(v);
-                            if inv_logit != 1.0 {
-                                out.iter_mut().for_each(|l| *l *= inv_logit);
-                            }
-                        })
+                        let how = if inv_logit != 1.0 {
+                            How::Scaled(inv_logit)
+                        } else {
+                            How::Store
+                        };
+                        let mut out = Out::shared(&logits, vocab, how);
+                        head_lin.apply(isa, &head, h, qh, picks, (r0, r1), deq, &mut out)
                     },
                 );
                 laps.lap(Part::Head, head.data.len());
