@@ -10,7 +10,7 @@ pub(crate) mod qdot;
 /// values.len()` (up to a tile's sixteen), each pair once. A trait object,
 /// so that the products are compiled once, here, instead of once for each
 /// caller's closure in each crate that calls them: in the model crate five
-/// closures had made them 30% of its code and half of its compile time. It
+/// closures had made them 30% of its code and a third of its build. It
 /// is called once per sixteen rows of a whole dot product. `matvec` (f32
 /// activations) still takes a closure per value: its results gathered into
 /// runs for a trait object ran 10–18% slower (docs/performance-notes.md).
