@@ -5,7 +5,10 @@
 //!   PTX for newer GPUs), embedded by `src/gpu/cuda.rs`.
 //! - `kernel-emu`: the shared kernel source (`gpu/kv_ops.h` under the host
 //!   prelude) compiled for the CPU, so its tests run the exact source the
-//!   GPUs run.
+//!   GPUs run; and the CUDA-only kernels (`gpu/paged_attention.cu`,
+//!   `gpu/forward.cu`) compiled unchanged against a host stand-in for
+//!   CUDA's header (`gpu/emu_cuda/`), run a fiber per GPU thread
+//!   (`gpu/emu_cuda.cpp`).
 
 fn main() {
     println!("cargo:rerun-if-changed=gpu");
@@ -19,6 +22,21 @@ fn main() {
         .flag_if_supported("-ffp-contract=off")
         .warnings_into_errors(true)
         .compile("tessera_kernel_emu");
+    // The CUDA-only kernel files, unchanged, against a host stand-in for
+    // CUDA's header (gpu/emu_cuda/); optimised whatever the profile, as the
+    // emulated grids are large.
+    #[cfg(feature = "kernel-emu")]
+    cc::Build::new()
+        .cpp(true)
+        .file("gpu/emu_cuda.cpp")
+        .include("gpu/emu_cuda")
+        .flag_if_supported("-std=c++17")
+        .flag_if_supported("-ffp-contract=off")
+        .flag_if_supported("-Wno-unknown-pragmas")
+        .flag_if_supported("-Wno-sign-compare")
+        .opt_level(2)
+        .warnings_into_errors(true)
+        .compile("tessera_kernel_emu_cuda");
 }
 
 #[cfg(feature = "cuda")]

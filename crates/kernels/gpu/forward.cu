@@ -81,7 +81,7 @@ __device__ __forceinline__ void ts_row_total(float* sum) {
 // in its order. Every thread of the block calls it (two barriers).
 __device__ __forceinline__ const float* ts_stage_norm(const float* __restrict__ x, uint32_t k,
                                                       const float* __restrict__ nw, float eps) {
-    extern __shared__ float4 ts_xn4[];
+    TS_DYN_SHARED(float4, ts_xn4);
     __shared__ float red[TS_FWD_WARPS];
     uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, k4 = k / 4;
     const float4* x4 = (const float4*)x;

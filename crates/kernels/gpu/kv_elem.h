@@ -1,6 +1,9 @@
 // The cache element types of every kernel, loaded and stored through f32
 // (after a prelude: see kv_ops.h).
 
+// A guard, not #pragma once: Metal sources inline this file's text.
+#ifndef TS_KV_ELEM_H
+#define TS_KV_ELEM_H
 #define TS_NO_SLOT 0xffffffffu
 
 // Every element type gives, besides its raw unit:
@@ -172,3 +175,5 @@ struct TsKvQ4_0 {
         return TS_MUL((float)((int)q - 8), ts_q_scale(b));
     }
 };
+
+#endif // TS_KV_ELEM_H

@@ -37,6 +37,13 @@ TS_INLINE float ts_bits_float(uint32_t u) { return __uint_as_float(u); }
 TS_INLINE float ts_f16_to_f32(uint16_t h) { return __half2float(__ushort_as_half(h)); }
 TS_INLINE uint16_t ts_f32_to_f16(float f) { return __half_as_ushort(__float2half_rn(f)); }
 
+// The block's dynamic shared memory (the launch sizes it) as an array of
+// T named n. The kernel-emu build's stand-in for CUDA's header defines it
+// its own way (gpu/emu_cuda/cuda_fp16.h).
+#ifndef TS_DYN_SHARED
+#define TS_DYN_SHARED(T, n) extern __shared__ T n[]
+#endif
+
 // Loads at 2-, 4- and 16-byte aligned addresses, the byte permutation
 // (PRMT), and loops unrolled (gemv_formats.h).
 TS_INLINE uint32_t ts_load_u16(const uint8_t* p) { return *(const uint16_t*)p; }

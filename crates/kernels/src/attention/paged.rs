@@ -219,7 +219,7 @@ impl CustomOp3 for PagedAttention<'_> {
     }
 }
 
-fn check(
+pub(crate) fn check(
     q: &Tensor,
     k_cache: &Tensor,
     v_cache: &Tensor,

@@ -17,7 +17,9 @@ use candle_core::cuda_backend::cudarc::driver::{
 use candle_core::cuda_backend::{CudaStorageSlice as S, DeviceId, WrapErr};
 use candle_core::{bail, CudaDevice, CudaStorage, Layout, Result, Shape};
 
-use super::{gather_launch, hadamard_launch, write_launch, Launch, RopeTables};
+use super::launch::{attention_calls, Arg, AttnPlan, Call, Module};
+pub(crate) use super::launch::{AttnBuffers, AttnLaunch};
+use super::{gather_launch, write_launch, Launch, RopeTables};
 use crate::{KvType, PagedMeta, RopeStyle};
 
 const KV_OPS_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/kv_ops.ptx"));
@@ -342,22 +344,6 @@ fn move_raw(
     })
 }
 
-const ATT_THREADS: u32 = super::ATT_THREADS as u32;
-
-/// Device addresses of one paged attention launch: queries (f32,
-/// `[tokens, n_heads, head_dim]`), the K and V caches (of the element type
-/// `cache` names: "f32", "f16", "bf16", "q8_0" or "q4_0") and the output
-/// (f32, as the queries). Over a quantized cache the launch rotates the
-/// queries in place into the cache's basis (they are scratch to it) and
-/// the output back.
-pub(crate) struct AttnBuffers {
-    pub q: u64,
-    pub k: u64,
-    pub v: u64,
-    pub out: u64,
-    pub cache: &'static str,
-}
-
 /// A device slice's address, for kernels that take raw pointers (the
 /// slice outlives the launch; everything runs on the device's one stream).
 pub(crate) fn addr<T>(dev: &CudaDevice, s: &CudaSlice<T>) -> u64 {
@@ -451,27 +437,19 @@ pub(crate) fn attention_into(
     meta: &PagedMeta,
     heads: (usize, usize, usize),
 ) -> Result<()> {
-    let (n_heads, n_kv_heads, head_dim) = heads;
-    if head_dim > 256 {
-        bail!("paged_attention on CUDA supports head_dim up to 256, not {head_dim}")
-    }
+    let plan = AttnPlan::new(meta, heads)?;
     let tokens = meta.token_pos.len();
-    let tiled = super::attention_tiles(meta, n_heads, n_kv_heads, head_dim);
-    let (part_len, parts) = match &tiled {
-        Some(t) => (t.part_len, t.parts),
-        None => super::attention_split(meta, n_heads),
-    };
-    let states = tokens * n_heads * parts;
+    let states = plan.states(tokens, heads.0);
     // SAFETY (the three allocations): the attention kernels write every
     // partial state, an empty partition's too, before the merge reads them.
-    let part_out = unsafe { dev.alloc::<f32>(states * head_dim)? };
+    let part_out = unsafe { dev.alloc::<f32>(states * heads.2)? };
     let part_max = unsafe { dev.alloc::<f32>(states)? };
     let part_sum = unsafe { dev.alloc::<f32>(states)? };
     let tables = upload(dev, meta.block_tables)?;
     let seqs = upload(dev, meta.token_seq)?;
     let pos = upload(dev, meta.token_pos)?;
-    let tile_table = match &tiled {
-        Some(t) => Some(upload(dev, t.tiles.as_flattened())?),
+    let tile_table = match &plan.tiles {
+        Some(t) => Some((upload(dev, t.tiles.as_flattened())?, t.tiles.len())),
         None => None,
     };
     let launch = AttnLaunch {
@@ -479,9 +457,7 @@ pub(crate) fn attention_into(
         tables: addr(dev, &*tables),
         seqs: addr(dev, &*seqs),
         pos: addr(dev, &*pos),
-        tiles: tile_table
-            .as_ref()
-            .map(|t| (addr(dev, &**t), tiled.as_ref().map_or(0, |t| t.tiles.len()))),
+        tiles: tile_table.as_ref().map(|(t, n)| (addr(dev, &**t), *n)),
         partials: (
             addr(dev, &part_out),
             addr(dev, &part_max),
@@ -493,166 +469,49 @@ pub(crate) fn attention_into(
         max_blocks: meta.max_blocks,
         scale: meta.scale,
         window: meta.window,
-        parts,
-        part_len,
+        parts: plan.parts,
+        part_len: plan.part_len,
         counters: None,
     };
     launch_attention(dev, &launch)
 }
 
-/// One paged attention launch, every buffer on the device already: the
-/// per-query kernel (or, with `tiles`, the tiled one over that many tiles)
-/// writing `parts` partial states per (token, head) of `part_len`
-/// positions each, then the merge into `bufs.out`. Allocates nothing and
-/// copies nothing, so it can be captured into a CUDA graph.
-pub(crate) struct AttnLaunch<'a> {
-    pub bufs: &'a AttnBuffers,
-    /// Block tables (`[sequences, max_blocks]`), sequence and position of
-    /// each token.
-    pub tables: u64,
-    pub seqs: u64,
-    pub pos: u64,
-    /// The tiled kernel's tile table and tile count.
-    pub tiles: Option<(u64, usize)>,
-    /// Partial outputs, maxima and sums: room for `tokens · n_heads ·
-    /// parts` states.
-    pub partials: (u64, u64, u64),
-    pub heads: (usize, usize, usize),
-    pub tokens: usize,
-    pub block_size: usize,
-    pub max_blocks: usize,
-    pub scale: f32,
-    pub window: usize,
-    pub parts: usize,
-    pub part_len: usize,
-    /// A u32 per (token, head), zero, that the per-query kernel counts its
-    /// finished partitions in (and leaves zero): the last merges them in
-    /// the same launch (`tessera_paged_attention_merged_*`). `None`: the
-    /// merge is a launch of its own.
-    pub counters: Option<u64>,
-}
-
+/// Runs [`attention_calls`]' launches on the device's stream.
 pub(crate) fn launch_attention(dev: &CudaDevice, a: &AttnLaunch) -> Result<()> {
-    let (n_heads, n_kv_heads, head_dim) = a.heads;
-    let u = |x: usize| x as u32;
-    let scalars = [
-        u(n_heads),
-        u(n_kv_heads),
-        u(head_dim),
-        u(a.block_size),
-        u(a.max_blocks),
-    ];
-    let (window, parts_u, part_len) = (u(a.window), u(a.parts), u(a.part_len));
-    // The kernel's name around its cache type, and its grid.
-    let (kind, dims, grid_dim) = match a.tiles {
-        Some((_, n)) => ("tiled", format!("_{head_dim}"), (u(n), parts_u, 1)),
-        None => ("paged", String::new(), (u(n_heads), u(a.tokens), parts_u)),
-    };
-    let cfg = LaunchConfig {
-        grid_dim,
-        block_dim: (ATT_THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    // One partition of the per-query kernel: it normalises its own sums
-    // into the output, and there is nothing to merge; with counters, the
-    // per-query kernel over several merges them itself.
-    let direct = a.tiles.is_none() && a.parts == 1;
-    let merged = match a.counters {
-        Some(c) if a.tiles.is_none() && a.parts > 1 => Some(c),
-        _ => None,
-    };
-    let quantized = KvType::parse(a.bufs.cache).is_some_and(|t| t.is_quantized());
-    let values = a.tokens * n_heads * head_dim;
-    if quantized {
-        hadamard(dev, a.bufs.q, values)?;
-    }
-    let f = dev.get_or_load_custom_func(
-        &format!(
-            "tessera_{kind}_attention_{}{}{dims}",
-            if merged.is_some() { "merged_" } else { "" },
-            a.bufs.cache
-        ),
-        "tessera_paged_attention",
-        ATTENTION_PTX,
-    )?;
-    let (mut po, pm, ps) = a.partials;
-    if direct {
-        po = a.bufs.out;
-    }
-    let mut l = f.builder();
-    l.arg(&a.bufs.q);
-    l.arg(&a.bufs.k);
-    l.arg(&a.bufs.v);
-    l.arg(&a.tables);
-    l.arg(&a.seqs);
-    l.arg(&a.pos);
-    if let Some((t, _)) = &a.tiles {
-        l.arg(t);
-    }
-    l.arg(&po);
-    l.arg(&pm);
-    l.arg(&ps);
-    l.arg(&scalars[0]);
-    l.arg(&scalars[1]);
-    if a.tiles.is_none() {
-        l.arg(&scalars[2]);
-    }
-    l.arg(&scalars[3]);
-    l.arg(&scalars[4]);
-    l.arg(&a.scale);
-    l.arg(&window);
-    l.arg(&parts_u);
-    l.arg(&part_len);
-    if let Some(c) = &merged {
-        l.arg(&a.bufs.out);
-        l.arg(c);
-    }
-    // SAFETY: the caller checked shapes, block tables and positions; the
-    // tiles cover whole rows of the queries; the counters (when merging
-    // here) are a zeroed u32 per (token, head).
-    unsafe { l.launch(cfg) }.w()?;
-    if direct || merged.is_some() {
-        if quantized {
-            hadamard(dev, a.bufs.out, values)?;
-        }
-        return Ok(());
-    }
-    let f = dev.get_or_load_custom_func(
-        "tessera_attention_merge",
-        "tessera_paged_attention",
-        ATTENTION_PTX,
-    )?;
-    let mut l = f.builder();
-    l.arg(&po);
-    l.arg(&pm);
-    l.arg(&ps);
-    l.arg(&a.bufs.out);
-    l.arg(&scalars[0]);
-    l.arg(&scalars[2]);
-    l.arg(&parts_u);
-    let merge = LaunchConfig {
-        grid_dim: (u(n_heads), u(a.tokens), 1),
-        block_dim: (Launch::per_item(1, head_dim).threads, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    // SAFETY: the partial states cover every (token, head, partition).
-    unsafe { l.launch(merge) }.w()?;
-    if quantized {
-        hadamard(dev, a.bufs.out, values)?;
+    for c in attention_calls(a) {
+        launch(dev, &c)?;
     }
     Ok(())
 }
 
-/// `values` f32 values at `x` (a multiple of 64) rotated in place, 64 at
-/// a time (`tessera_hadamard_rows`; it is its own inverse). Allocates
-/// nothing, so a graph capture may hold it.
-fn hadamard(dev: &CudaDevice, x: u64, values: usize) -> Result<()> {
-    let f = dev.get_or_load_custom_func("tessera_hadamard_rows", "tessera_kv_ops", KV_OPS_PTX)?;
-    let chunks = (values / 64) as u32;
+/// One [`Call`] on the device's stream.
+fn launch(dev: &CudaDevice, c: &Call) -> Result<()> {
+    let (module, ptx) = match c.module {
+        Module::KvOps => ("tessera_kv_ops", KV_OPS_PTX),
+        Module::Attention => ("tessera_paged_attention", ATTENTION_PTX),
+        Module::Forward => bail!(
+            "{}: forward.cu's kernels launch through gpu::forward",
+            c.name
+        ),
+    };
+    let f = dev.get_or_load_custom_func(&c.name, module, ptx)?;
     let mut b = f.builder();
-    b.arg(&x);
-    b.arg(&chunks);
-    // SAFETY: the caller's buffer holds `values` f32 values.
-    unsafe { b.launch(config(hadamard_launch(values))) }.w()?;
+    for a in &c.args {
+        match a {
+            Arg::Ptr(p) => b.arg(p),
+            Arg::U32(v) => b.arg(v),
+            Arg::F32(v) => b.arg(v),
+        };
+    }
+    let cfg = LaunchConfig {
+        grid_dim: c.grid,
+        block_dim: (c.threads, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the calls come from the launchers in `launch.rs`, whose
+    // callers checked shapes, block tables and positions against the
+    // buffers; each argument list is its kernel's parameters (the
+    // kernel-emu build checks them against the source's signatures).
+    unsafe { b.launch(cfg) }.w()?;
     Ok(())
 }

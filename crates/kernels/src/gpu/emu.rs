@@ -3,10 +3,11 @@
 //! entry point called once per thread of the grid the GPU launchers use.
 //! The ops take CPU tensors and check their arguments as the CPU ops do.
 
-use candle_core::{DType, Result, Tensor};
+use candle_core::{bail, DType, Result, Tensor};
 
+use super::launch::{attention_calls, Arg, AttnBuffers, AttnLaunch, AttnPlan, Call, Module};
 use super::{gather_launch, hadamard_launch, moved_rows, write_launch, Launch, RopeTables};
-use crate::{cache_raw, CacheRaw, KvType, Rotation};
+use crate::{cache_raw, CacheRaw, KvType, PagedMeta, Rotation};
 
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -266,6 +267,182 @@ pub fn hadamard_rows(x: &mut [f32]) {
     });
 }
 
+/// The order in which an emulated CUDA launch runs each block's threads:
+/// a result that depends on it reads what a missing barrier leaves racing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Order {
+    Forward,
+    Reverse,
+}
+
+/// One kernel argument as `gpu/emu_cuda.cpp` takes it.
+#[repr(C)]
+struct EmuArg {
+    kind: u32,
+    u32: u32,
+    f32: f32,
+    ptr: u64,
+}
+
+extern "C" {
+    fn tessera_emu_cuda_launch(
+        name: *const std::ffi::c_char,
+        gx: u32,
+        gy: u32,
+        gz: u32,
+        threads: u32,
+        shared: u32,
+        args: *const EmuArg,
+        nargs: u32,
+        order: u32,
+        err: *mut std::ffi::c_char,
+        err_len: usize,
+    ) -> i32;
+}
+
+/// Runs one launch of the CUDA launchers (`launch.rs`) on the CPU: a
+/// `paged_attention.cu` or `forward.cu` kernel through the fiber
+/// emulator, or a `kv_ops.h` one through the host prelude.
+///
+/// # Safety
+/// The call's addresses are live host memory of the sizes its kernel
+/// reads and writes.
+unsafe fn launch(c: &Call, order: Order) -> Result<()> {
+    if c.module == Module::KvOps {
+        return match (c.name.as_str(), &c.args[..]) {
+            ("tessera_hadamard_rows", &[Arg::Ptr(x), Arg::U32(chunks)]) => {
+                let l = Launch {
+                    blocks: c.grid.0,
+                    threads: c.threads,
+                };
+                run(l, |ix| tessera_hadamard_rows(ix, x as *mut f32, chunks));
+                Ok(())
+            }
+            _ => bail!("emu: no kv_ops launch {} with {:?}", c.name, c.args),
+        };
+    }
+    let args: Vec<EmuArg> = c
+        .args
+        .iter()
+        .map(|a| match *a {
+            Arg::Ptr(p) => EmuArg {
+                kind: 0,
+                u32: 0,
+                f32: 0.0,
+                ptr: p,
+            },
+            Arg::U32(v) => EmuArg {
+                kind: 1,
+                u32: v,
+                f32: 0.0,
+                ptr: 0,
+            },
+            Arg::F32(v) => EmuArg {
+                kind: 2,
+                u32: 0,
+                f32: v,
+                ptr: 0,
+            },
+        })
+        .collect();
+    let name = std::ffi::CString::new(c.name.as_str()).expect("kernel names have no NUL");
+    let mut err = [0 as std::ffi::c_char; 512];
+    let rc = tessera_emu_cuda_launch(
+        name.as_ptr(),
+        c.grid.0,
+        c.grid.1,
+        c.grid.2,
+        c.threads,
+        c.shared,
+        args.as_ptr(),
+        args.len() as u32,
+        (order == Order::Reverse) as u32,
+        err.as_mut_ptr(),
+        err.len(),
+    );
+    if rc != 0 {
+        let msg = std::ffi::CStr::from_ptr(err.as_ptr()).to_string_lossy();
+        bail!("emu: {msg}")
+    }
+    Ok(())
+}
+
+/// [`crate::paged_attention`] through the CUDA launchers and kernels
+/// (`paged_attention.cu`), run on the CPU: the tiled kernel for prefill
+/// chunks, the per-query one otherwise, its partitions merged by the merge
+/// kernel or, with `merged`, by the last of a query's blocks (as the CUDA
+/// forward's decode graphs launch it); over a quantized cache with the
+/// queries and output rotated.
+pub fn paged_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    meta: &PagedMeta,
+    order: Order,
+    merged: bool,
+) -> Result<Tensor> {
+    let (n_heads, n_kv_heads, head_dim) = crate::attention::paged::check(q, k, v, meta)?;
+    let heads = (n_heads, n_kv_heads, head_dim);
+    let tokens = meta.token_pos.len();
+    let mut qs = q.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    let mut out = vec![0f32; tokens * n_heads * head_dim];
+    if tokens == 0 {
+        return Tensor::from_vec(out, (0, n_heads, head_dim), &candle_core::Device::Cpu);
+    }
+    let (kc, vc) = (cache_of(k)?, cache_of(v)?);
+    if kc.t != vc.t {
+        bail!("emu paged_attention: K and V caches of different types")
+    }
+    let plan = AttnPlan::new(meta, heads)?;
+    let states = plan.states(tokens, n_heads);
+    // Poisoned, so that a state the kernels leave unwritten shows.
+    let mut part_out = vec![f32::NAN; states * head_dim];
+    let mut part_max = vec![f32::NAN; states];
+    let mut part_sum = vec![f32::NAN; states];
+    let mut counters = vec![0u32; tokens * n_heads];
+    let tiles: Option<Vec<u32>> = plan.tiles.as_ref().map(|t| t.tiles.as_flattened().to_vec());
+    let at = |p: *const f32| p as u64;
+    let bufs = AttnBuffers {
+        q: qs.as_mut_ptr() as u64,
+        k: kc.base as u64,
+        v: vc.base as u64,
+        out: out.as_mut_ptr() as u64,
+        cache: kc.t.name(),
+    };
+    let a = AttnLaunch {
+        bufs: &bufs,
+        tables: meta.block_tables.as_ptr() as u64,
+        seqs: meta.token_seq.as_ptr() as u64,
+        pos: meta.token_pos.as_ptr() as u64,
+        tiles: tiles.as_ref().map(|t| (t.as_ptr() as u64, t.len() / 6)),
+        partials: (
+            at(part_out.as_mut_ptr()),
+            at(part_max.as_mut_ptr()),
+            at(part_sum.as_mut_ptr()),
+        ),
+        heads,
+        tokens,
+        block_size: meta.block_size,
+        max_blocks: meta.max_blocks,
+        scale: meta.scale,
+        window: meta.window,
+        parts: plan.parts,
+        part_len: plan.part_len,
+        counters: merged.then_some(counters.as_mut_ptr() as u64),
+    };
+    for c in attention_calls(&a) {
+        // SAFETY: the buffers above are sized for the plan (queries and
+        // output per token and head, `states` partial states, a counter per
+        // token and head) and `check` held the tables and positions to the
+        // caches.
+        unsafe { launch(&c, order)? };
+    }
+    if counters.iter().any(|&c| c != 0) {
+        bail!("emu paged_attention: the merged kernel left its counters nonzero")
+    }
+    Tensor::from_vec(out, (tokens, n_heads, head_dim), &candle_core::Device::Cpu)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -308,6 +485,615 @@ mod tests {
             rotate_k(&k, slots, deltas, r)?;
             Ok(k)
         }
+    }
+
+    /// Paged attention through the CUDA launchers and kernels on the CPU.
+    struct EmuAttend {
+        order: Order,
+        merged: bool,
+    }
+
+    impl parity::Attend for EmuAttend {
+        fn types(&self) -> &'static [KvType] {
+            &KvType::ALL
+        }
+        fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, meta: &PagedMeta) -> Result<Tensor> {
+            paged_attention(q, k, v, meta, self.order, self.merged)
+        }
+    }
+
+    /// The CUDA attention kernels (`paged_attention.cu`: per-query, tiled,
+    /// merge, and the merge by the last block) and their launcher, every
+    /// cache type, against the slow reference, with each block's threads
+    /// run first to last and last to first.
+    #[test]
+    fn cuda_paged_attention_matches_the_reference() -> Result<()> {
+        parity::paged_attention(&EmuAttend {
+            order: Order::Forward,
+            merged: false,
+        })?;
+        parity::paged_attention(&EmuAttend {
+            order: Order::Reverse,
+            merged: true,
+        })
+    }
+
+    fn test_call(name: &str, blocks: u32, threads: u32, args: Vec<Arg>) -> Call {
+        Call {
+            module: Module::Attention,
+            name: name.into(),
+            grid: (blocks, 1, 1),
+            threads,
+            shared: 0,
+            args,
+        }
+    }
+
+    /// The emulator itself: barriers order shared memory (a missing one
+    /// shows in one of the two orders), shuffles exchange within a warp, a
+    /// shuffle with a lane gone and barriers that cannot open fail the
+    /// launch, and arguments must be the kernel's parameters.
+    #[test]
+    fn the_emulator_keeps_cudas_rules() -> Result<()> {
+        let (blocks, threads) = (3u32, 96u32);
+        let input: Vec<u32> = (0..blocks * threads).map(|i| i * 7 + 1).collect();
+        let want: Vec<u32> = input
+            .chunks(threads as usize)
+            .map(|c| c.iter().sum())
+            .collect();
+        for (barrier, order, right) in [
+            (1, Order::Forward, true),
+            (1, Order::Reverse, true),
+            (0, Order::Forward, false),
+        ] {
+            let mut out = vec![0u32; blocks as usize];
+            let c = test_call(
+                "tessera_emu_test_block_sum",
+                blocks,
+                threads,
+                vec![
+                    Arg::Ptr(input.as_ptr() as u64),
+                    Arg::Ptr(out.as_mut_ptr() as u64),
+                    Arg::U32(barrier),
+                ],
+            );
+            // SAFETY: `input` and `out` are the sizes the kernel reads and writes.
+            unsafe { launch(&c, order)? };
+            assert_eq!(out == want, right, "barrier {barrier}, {order:?}: {out:?}");
+        }
+        let x: Vec<f32> = (0..64).map(|i| i as f32).collect();
+        let mut out = vec![0f32; 64];
+        let warp_sum = |skip: u32, out: &mut Vec<f32>| {
+            let c = test_call(
+                "tessera_emu_test_warp_sum",
+                1,
+                64,
+                vec![
+                    Arg::Ptr(x.as_ptr() as u64),
+                    Arg::Ptr(out.as_mut_ptr() as u64),
+                    Arg::U32(skip),
+                ],
+            );
+            // SAFETY: 64 values in and out.
+            unsafe { launch(&c, Order::Forward) }
+        };
+        warp_sum(0, &mut out)?;
+        let sums = [(0..32).sum::<i32>() as f32, (32..64).sum::<i32>() as f32];
+        assert!(
+            out.iter().enumerate().all(|(i, &v)| v == sums[i / 32]),
+            "{out:?}"
+        );
+        let e = warp_sum(1, &mut out).unwrap_err().to_string();
+        assert!(e.contains("did not take part"), "{e}");
+        let mut flags = vec![0u32; 64];
+        let stuck = test_call(
+            "tessera_emu_test_stuck",
+            1,
+            64,
+            vec![Arg::Ptr(flags.as_mut_ptr() as u64)],
+        );
+        // SAFETY: 64 flags.
+        let e = unsafe { launch(&stuck, Order::Forward) }
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("never reaches"), "{e}");
+        let wrong = test_call("tessera_emu_test_stuck", 1, 64, vec![Arg::U32(0)]);
+        // SAFETY: refused before it runs.
+        let e = unsafe { launch(&wrong, Order::Forward) }
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("not its parameters"), "{e}");
+        Ok(())
+    }
+
+    /// f32 values in 16-byte aligned storage (the kernels load inputs as
+    /// float4s).
+    struct Floats(Vec<u128>, usize);
+
+    impl Floats {
+        fn new(v: &[f32]) -> Floats {
+            let mut f = Floats(vec![0; v.len().div_ceil(4)], v.len());
+            f.as_mut().copy_from_slice(v);
+            f
+        }
+        fn as_mut(&mut self) -> &mut [f32] {
+            // SAFETY: the u128s hold at least `len` f32s.
+            unsafe { std::slice::from_raw_parts_mut(self.0.as_mut_ptr().cast(), self.1) }
+        }
+        fn addr(&mut self) -> u64 {
+            self.0.as_mut_ptr() as u64
+        }
+    }
+
+    fn noise(i: usize, seed: u32) -> f32 {
+        let h = (i as u32).wrapping_mul(2654435761) ^ seed.wrapping_mul(40503);
+        ((h >> 7) % 2000) as f32 / 1000.0 - 1.0
+    }
+
+    fn act64(g: f64, act: u32) -> f64 {
+        if act == 0 {
+            g / (1.0 + (-g).exp())
+        } else {
+            let c = 0.7978845608028654;
+            0.5 * g * (1.0 + (c * (g + 0.044715 * g * g * g)).tanh())
+        }
+    }
+
+    /// A dot product in f64 and the sum of its terms' sizes.
+    fn dot64(w: &[f32], x: &[f64]) -> (f64, f64) {
+        w.iter().zip(x).fold((0.0, 0.0), |(a, b), (&w, &x)| {
+            let p = w as f64 * x;
+            (a + p, b + p.abs())
+        })
+    }
+
+    /// The CUDA forward's products (`forward.cu`: GEMV and the gated
+    /// activation, for one token and for several, of normalized inputs,
+    /// adding into y; 1, 2 and 4 warps a row) as the launcher builds them
+    /// (`launch.rs`), run whole on the CPU a fiber per thread, against the
+    /// dequantized weights in f64, in every format: rows in a partial last
+    /// block, tokens past a block row, strided inputs and outputs.
+    #[test]
+    fn cuda_products_match_the_dequantized_weights() -> Result<()> {
+        use super::super::launch::{product_call, DevWeight, GemvFormat, GemvIo};
+        use candle_core::quantized::{GgmlDType, QTensor};
+        use candle_core::Device;
+        let formats = [
+            GgmlDType::Q4_0,
+            GgmlDType::Q4_1,
+            GgmlDType::Q8_0,
+            GgmlDType::Q4K,
+            GgmlDType::Q5K,
+            GgmlDType::Q6K,
+            GgmlDType::F32,
+            GgmlDType::F16,
+        ];
+        // Five outputs: a stacked gate|up weight of ten rows.
+        let n = 5;
+        for k in [256usize, 2304, 8192] {
+            let src = Tensor::from_vec(
+                (0..2 * n * k).map(|i| noise(i, 7)).collect::<Vec<f32>>(),
+                (2 * n, k),
+                &Device::Cpu,
+            )?;
+            let x_stride = k + 4;
+            let xv: Vec<f32> = (0..9 * x_stride).map(|i| noise(i, 8) * 2.0).collect();
+            let nwv: Vec<f32> = (0..k).map(|i| 1.0 + noise(i, 9) / 4.0).collect();
+            let eps = 1e-5f32;
+            for dtype in formats {
+                let format = GemvFormat::from_ggml(dtype).expect("a kernel per format");
+                let q = QTensor::quantize(&src, dtype)?;
+                let deq = q.dequantize(&Device::Cpu)?.to_vec2::<f32>()?;
+                let (mut wbuf, _) = aligned_blocks(&q)?;
+                let y_stride = 2 * n + 3;
+                // (tokens, gated, flag, normalized, warps)
+                let mut cases = Vec::new();
+                for warps in [None, Some(1), Some(2), Some(4)] {
+                    for tokens in [1usize, 9] {
+                        cases.push((tokens, false, 0u32, false, warps));
+                        cases.push((tokens, true, 0, false, warps));
+                    }
+                    cases.push((1, false, 0, true, warps));
+                    cases.push((1, true, 1, true, warps));
+                }
+                cases.push((3, false, 1, false, None)); // y += W·x
+                cases.push((3, true, 1, false, None)); // GELU
+                for (tokens, gated, flag, normalized, warps) in cases {
+                    let mut x = Floats::new(&xv);
+                    let mut nw = Floats::new(&nwv);
+                    let y0: Vec<f32> = (0..tokens * y_stride).map(|i| noise(i, 10)).collect();
+                    let mut y = Floats::new(&y0);
+                    let w = DevWeight {
+                        ptr: wbuf.as_mut_ptr() as u64,
+                        format,
+                        rows: 2 * n,
+                        k,
+                    };
+                    let io = GemvIo {
+                        x: x.addr(),
+                        y: y.addr(),
+                        tokens,
+                        x_stride,
+                        y_stride,
+                        acc: !gated && flag == 1,
+                        norm: normalized.then(|| (nw.addr(), eps)),
+                    };
+                    let rows = if gated { n } else { 2 * n };
+                    let c = product_call(&w, &io, rows, gated, flag, warps);
+                    // SAFETY: w holds 2n rows of k values in its format, x
+                    // 9 rows at x_stride, y `tokens` rows at y_stride, nw k
+                    // floats.
+                    unsafe { launch(&c, Order::Forward)? };
+                    let what = format!(
+                        "{dtype:?} k {k} {} tokens {tokens} flag {flag} norm {normalized} warps {warps:?}",
+                        c.name
+                    );
+                    let got = y.as_mut().to_vec();
+                    for t in 0..tokens {
+                        let xt = &xv[t * x_stride..t * x_stride + k];
+                        let mut x64: Vec<f64> = xt.iter().map(|&v| v as f64).collect();
+                        if normalized {
+                            let ms = x64.iter().map(|v| v * v).sum::<f64>() / k as f64;
+                            let scale = 1.0 / (ms + eps as f64).sqrt();
+                            for (v, g) in x64.iter_mut().zip(&nwv) {
+                                *v *= scale * *g as f64;
+                            }
+                        }
+                        for r in 0..y_stride {
+                            let g = got[t * y_stride + r] as f64;
+                            let before = y0[t * y_stride + r] as f64;
+                            if r >= rows {
+                                assert_eq!(g, before, "{what}: y[{t}][{r}] past the rows written");
+                                continue;
+                            }
+                            let (want, tol) = if gated {
+                                let (a, sa) = dot64(&deq[r], &x64);
+                                let (b, sb) = dot64(&deq[n + r], &x64);
+                                (
+                                    act64(a, flag) * b,
+                                    2e-5 * (sa * b.abs() + sb * a.abs()) + 1e-6,
+                                )
+                            } else {
+                                let (a, sa) = dot64(&deq[r], &x64);
+                                let base = if io.acc { before } else { 0.0 };
+                                (base + a, 2e-5 * sa + 1e-6)
+                            };
+                            assert!(
+                                (g - want).abs() <= tol,
+                                "{what}: y[{t}][{r}] = {g} against {want}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// `forward.cu`'s dequantizing kernel (long batches' products) as its
+    /// launcher builds it gives candle's dequantization, bit for bit, in
+    /// every format, over rows that end inside a block of threads.
+    #[test]
+    fn cuda_dequant_launch_equals_candles() -> Result<()> {
+        use super::super::launch::{dequant_call, DevWeight, GemvFormat};
+        use candle_core::quantized::{GgmlDType, QTensor};
+        use candle_core::Device;
+        let (rows, k) = (3usize, 768usize);
+        let src = Tensor::from_vec(
+            (0..rows * k)
+                .map(|i| noise(i, 11) * 4.0)
+                .collect::<Vec<f32>>(),
+            (rows, k),
+            &Device::Cpu,
+        )?;
+        for dtype in [
+            GgmlDType::Q4_0,
+            GgmlDType::Q4_1,
+            GgmlDType::Q8_0,
+            GgmlDType::Q4K,
+            GgmlDType::Q5K,
+            GgmlDType::Q6K,
+            GgmlDType::F32,
+            GgmlDType::F16,
+        ] {
+            let q = QTensor::quantize(&src, dtype)?;
+            let want = q
+                .dequantize(&Device::Cpu)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            let (mut buf, _) = aligned_blocks(&q)?;
+            let mut out = Floats::new(&vec![f32::NAN; rows * k]);
+            let w = DevWeight {
+                ptr: buf.as_mut_ptr() as u64,
+                format: GemvFormat::from_ggml(dtype).expect("a kernel per format"),
+                rows,
+                k,
+            };
+            // SAFETY: `rows` rows of k values in the format; out rows · k.
+            unsafe { launch(&dequant_call(&w, out.addr()), Order::Forward)? };
+            for (i, (g, w)) in out.as_mut().iter().zip(&want).enumerate() {
+                assert_eq!(
+                    g.to_bits(),
+                    w.to_bits(),
+                    "{dtype:?} value {i}: {g} against {w}"
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// `forward.cu`'s row kernels (RMSNorm of gathered rows, the residual
+    /// add with and without a norm, the gated activation of stored
+    /// products) as their launchers build them, against f64.
+    #[test]
+    fn cuda_row_kernels_match_the_reference() -> Result<()> {
+        use super::super::launch::{act_mul_call, per_row_call};
+        let (rows, n, eps) = (3usize, 576usize, 1e-6f32);
+        let xv: Vec<f32> = (0..rows * n).map(|i| noise(i, 1) * 3.0).collect();
+        let wv: Vec<f32> = (0..n).map(|i| 1.0 + noise(i, 2) / 2.0).collect();
+        let norm64 = |row: &[f32], w: Option<&[f32]>| -> Vec<f64> {
+            let ms = row.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / n as f64;
+            let scale = 1.0 / (ms + eps as f64).sqrt();
+            row.iter()
+                .enumerate()
+                .map(|(i, &v)| v as f64 * w.map_or(1.0, |_| scale) * w.map_or(1.0, |w| w[i] as f64))
+                .collect()
+        };
+        let close = |got: &[f32], want: &[f64], what: &str| {
+            for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+                assert!(
+                    (g as f64 - w).abs() <= 1e-5 * (1.0 + w.abs()),
+                    "{what}: value {i}: {g} against {w}"
+                );
+            }
+        };
+        // RMSNorm of rows 2, 0 (gathered), and of the rows in order.
+        for gather in [Some(vec![2u32, 0]), None] {
+            let mut x = Floats::new(&xv);
+            let mut w = Floats::new(&wv);
+            let picked = gather.clone().unwrap_or_else(|| (0..rows as u32).collect());
+            let mut out = Floats::new(&vec![f32::NAN; picked.len() * n]);
+            let table = gather.as_ref().map_or(0, |g| g.as_ptr() as u64);
+            let c = per_row_call(
+                "rms_norm",
+                picked.len(),
+                &[x.addr(), table, w.addr(), out.addr()],
+                n,
+                &[eps],
+            );
+            // SAFETY: x holds `rows` rows, out one per row picked, w n.
+            unsafe { launch(&c, Order::Forward)? };
+            let want: Vec<f64> = picked
+                .iter()
+                .flat_map(|&r| norm64(&xv[r as usize * n..][..n], Some(&wv)))
+                .collect();
+            close(out.as_mut(), &want, &format!("rms_norm {gather:?}"));
+        }
+        // x += s · norm(y) and x += s · y.
+        let yv: Vec<f32> = (0..rows * n).map(|i| noise(i, 3)).collect();
+        for normed in [true, false] {
+            let mut x = Floats::new(&xv);
+            let mut y = Floats::new(&yv);
+            let mut w = Floats::new(&wv);
+            let wp = if normed { w.addr() } else { 0 };
+            let c = per_row_call("residual", rows, &[x.addr(), y.addr(), wp], n, &[eps, 0.5]);
+            // SAFETY: x and y hold `rows` rows of n, w n.
+            unsafe { launch(&c, Order::Reverse)? };
+            let want: Vec<f64> = (0..rows)
+                .flat_map(|r| {
+                    let yr = &yv[r * n..][..n];
+                    let add = norm64(yr, normed.then_some(&wv[..]));
+                    let xr = &xv[r * n..][..n];
+                    xr.iter()
+                        .zip(add)
+                        .map(|(&x, a)| x as f64 + 0.5 * a)
+                        .collect::<Vec<_>>()
+                })
+                .collect();
+            close(x.as_mut(), &want, &format!("residual norm {normed}"));
+        }
+        // act(gate) · up over rows of 2n.
+        for act in [0u32, 1] {
+            let mut gu = Floats::new(&xv[..2 * n]);
+            let mut out = Floats::new(&vec![f32::NAN; n]);
+            let c = act_mul_call(gu.addr(), out.addr(), (1, n / 2), act);
+            let half = n / 2;
+            let mut out2 = Floats::new(&vec![f32::NAN; 2 * half]);
+            let c2 = act_mul_call(gu.addr(), out2.addr(), (2, half / 2), act);
+            // SAFETY: gu holds 2n floats: one row of 2·(n/2), or two of
+            // 2·(n/4); out room for their outputs.
+            unsafe {
+                launch(&c, Order::Forward)?;
+                launch(&c2, Order::Forward)?;
+            }
+            let row = |g: &[f32], m: usize, t: usize| -> Vec<f64> {
+                (0..m)
+                    .map(|j| act64(g[t * 2 * m + j] as f64, act) * g[t * 2 * m + m + j] as f64)
+                    .collect()
+            };
+            let g = &xv[..2 * n];
+            close(&out.as_mut()[..half], &row(g, half, 0), "act_mul");
+            let mut want = row(g, half / 2, 0);
+            want.extend(row(g, half / 2, 1));
+            close(
+                &out2.as_mut()[..2 * (half / 2)],
+                &want,
+                "act_mul, two tokens",
+            );
+        }
+        Ok(())
+    }
+
+    /// `forward.cu`'s q/k/v step (biases, per-head q/k norms, RoPE in both
+    /// pair layouts, q out, k and v into the paged cache at each token's
+    /// slot, a padded slot skipped) against f64, every cache type (a
+    /// quantized cache within its rounding step).
+    #[test]
+    fn cuda_qkv_step_matches_the_reference() -> Result<()> {
+        use super::super::launch::{qkv_call, QkvStep};
+        let (nh, kvh, hd, tokens) = (4usize, 2usize, 64usize, 3usize);
+        let (blocks, bs) = (4usize, 4usize);
+        let stride = (nh + 2 * kvh) * hd + 4;
+        let eps = 1e-6f32;
+        let qkvv: Vec<f32> = (0..tokens * stride).map(|i| noise(i, 4)).collect();
+        let half = hd / 2;
+        let angles: Vec<f64> = (0..tokens * half)
+            .map(|i| (i / half + 5) as f64 * 10000f64.powf(-2.0 * (i % half) as f64 / hd as f64))
+            .collect();
+        let cosv: Vec<f32> = angles.iter().map(|a| a.cos() as f32).collect();
+        let sinv: Vec<f32> = angles.iter().map(|a| a.sin() as f32).collect();
+        let bias: Vec<Vec<f32>> = [nh, kvh, kvh]
+            .iter()
+            .enumerate()
+            .map(|(p, &h)| (0..h * hd).map(|i| noise(i, 20 + p as u32) / 8.0).collect())
+            .collect();
+        let norms: Vec<Vec<f32>> = (0..2)
+            .map(|p| (0..hd).map(|i| 1.0 + noise(i, 30 + p) / 4.0).collect())
+            .collect();
+        let slots = [5u32, u32::MAX, 14];
+        for t in KvType::ALL {
+            for (neox, extras) in [(false, true), (true, false), (true, true)] {
+                let k = crate::testing::seeded_cache(&[blocks, bs, kvh, hd], 1, t)?;
+                let v = crate::testing::seeded_cache(&[blocks, bs, kvh, hd], 2, t)?;
+                let before_k = crate::dequantize_cache(&k)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()?;
+                let before_v = crate::dequantize_cache(&v)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()?;
+                let (kc, vc) = (cache_of(&k)?, cache_of(&v)?);
+                let mut qkv = Floats::new(&qkvv);
+                let mut q_out = Floats::new(&vec![f32::NAN; tokens * nh * hd]);
+                let mut b: Vec<Floats> = bias.iter().map(|b| Floats::new(b)).collect();
+                let mut nm: Vec<Floats> = norms.iter().map(|n| Floats::new(n)).collect();
+                let (mut cs, mut sn) = (Floats::new(&cosv), Floats::new(&sinv));
+                let pick = |f: &mut Floats| if extras { f.addr() } else { 0 };
+                let step = QkvStep {
+                    qkv: qkv.addr(),
+                    stride,
+                    biases: [pick(&mut b[0]), pick(&mut b[1]), pick(&mut b[2])],
+                    norms: [pick(&mut nm[0]), pick(&mut nm[1])],
+                    eps,
+                    cos: cs.addr(),
+                    sin: sn.addr(),
+                    q_out: q_out.addr(),
+                    slots: slots.as_ptr() as u64,
+                    tokens,
+                    heads: (nh, kvh, hd),
+                    neox,
+                };
+                let c = qkv_call(&step, (kc.base as u64, vc.base as u64, t.name()));
+                // SAFETY: the buffers hold `tokens` rows; the slots lie in
+                // both caches (or are padding).
+                unsafe { launch(&c, Order::Reverse)? };
+                let after_k = crate::dequantize_cache(&k)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()?;
+                let after_v = crate::dequantize_cache(&v)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()?;
+                let what = format!("{t} neox {neox} extras {extras}");
+                let mut want_k = before_k.clone();
+                let mut want_v = before_v.clone();
+                for tok in 0..tokens {
+                    for head in 0..nh + 2 * kvh {
+                        let (part, h) = match head {
+                            x if x < nh => (0, x),
+                            x if x < nh + kvh => (1, x - nh),
+                            x => (2, x - nh - kvh),
+                        };
+                        let src = &qkvv[tok * stride + head * hd..][..hd];
+                        let mut row: Vec<f64> = src
+                            .iter()
+                            .enumerate()
+                            .map(|(d, &x)| {
+                                x as f64
+                                    + if extras {
+                                        bias[part][h * hd + d] as f64
+                                    } else {
+                                        0.0
+                                    }
+                            })
+                            .collect();
+                        if extras && part < 2 {
+                            let ms = row.iter().map(|x| x * x).sum::<f64>() / hd as f64;
+                            let scale = 1.0 / (ms + eps as f64).sqrt();
+                            for (x, g) in row.iter_mut().zip(&norms[part]) {
+                                *x *= scale * *g as f64;
+                            }
+                        }
+                        if part < 2 {
+                            let mut r = row.clone();
+                            for i in 0..half {
+                                let (a, bb) = if neox {
+                                    (i, i + half)
+                                } else {
+                                    (2 * i, 2 * i + 1)
+                                };
+                                let (c, s) =
+                                    (cosv[tok * half + i] as f64, sinv[tok * half + i] as f64);
+                                r[a] = row[a] * c - row[bb] * s;
+                                r[bb] = row[a] * s + row[bb] * c;
+                            }
+                            row = r;
+                        }
+                        if part == 0 {
+                            let got = &q_out.as_mut()[(tok * nh + h) * hd..][..hd];
+                            for (d, (&g, &w)) in got.iter().zip(&row).enumerate() {
+                                assert!(
+                                    (g as f64 - w).abs() <= 1e-5,
+                                    "{what}: q[{tok}][{h}][{d}] {g} against {w}"
+                                );
+                            }
+                            continue;
+                        }
+                        if slots[tok] == u32::MAX {
+                            continue;
+                        }
+                        let at = (slots[tok] as usize * kvh + h) * hd;
+                        let dst = if part == 1 { &mut want_k } else { &mut want_v };
+                        for (d, &w) in row.iter().enumerate() {
+                            dst[at + d] = w as f32;
+                        }
+                    }
+                }
+                for (name, got, want) in [("k", &after_k, &want_k), ("v", &after_v, &want_v)] {
+                    for (row, (g, w)) in got.chunks(hd).zip(want.chunks(hd)).enumerate() {
+                        let l2 = |v: &mut dyn Iterator<Item = f32>| {
+                            v.map(|x| x as f64 * x as f64).sum::<f64>().sqrt()
+                        };
+                        let size = w.iter().fold(0f32, |m, x| m.max(x.abs()));
+                        if t.is_quantized() {
+                            // Quantized in the Hadamard-turned basis: each
+                            // turned value within half a step (q8_0: its
+                            // block's largest / 127, q4_0: / 8, the largest
+                            // at most the 64 values' norm), so the 64
+                            // values' error norm within 8 half steps.
+                            let err = l2(&mut g.iter().zip(w).map(|(a, b)| a - b));
+                            let levels = if t == KvType::Q8_0 { 127.0 } else { 8.0 };
+                            let bound = 8.0 * l2(&mut w.iter().copied()) / (2.0 * levels) * 1.01;
+                            assert!(
+                                err <= bound + 1e-6,
+                                "{what}: {name} row {row}: error norm {err} over {bound}"
+                            );
+                            continue;
+                        }
+                        let tol = match t {
+                            KvType::F16 => 1e-3 * size,
+                            KvType::Bf16 => 8e-3 * size,
+                            _ => 1e-5,
+                        } + 1e-6;
+                        for (d, (&g, &w)) in g.iter().zip(w).enumerate() {
+                            assert!(
+                                (g - w).abs() <= tol,
+                                "{what}: {name} row {row} value {d}: {g} against {w}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 
     #[test]

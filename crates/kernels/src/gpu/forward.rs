@@ -6,6 +6,7 @@
 //! CUDA forward drives them, with [`Forward::attention`] (the paged
 //! attention kernels of `paged_attention.cu`) in between.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use candle_core::cuda_backend::cudarc::cublas::{self, CudaBlas};
@@ -14,10 +15,14 @@ use candle_core::cuda_backend::cudarc::driver::{
 };
 use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
 use candle_core::cuda_backend::{CudaStorageSlice as S, WrapErr};
-use candle_core::quantized::GgmlDType;
 use candle_core::{bail, CudaDevice, Result, Storage, Tensor};
 
 use super::cuda::{addr, attention_into, launch_attention, AttnBuffers, AttnLaunch};
+use super::launch::{
+    act_mul_call, dequant_call, forward_kernels, per_row_call, product_call, qkv_call, Arg, Call,
+    NORM_STAGE_BYTES,
+};
+pub use super::launch::{DevWeight, GemvFormat, GemvIo, QkvStep};
 use crate::PagedMeta;
 
 const FORWARD_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/forward.ptx"));
@@ -73,189 +78,21 @@ impl SendGraph {
 // SAFETY: see `SendGraph`: moved between threads, never shared.
 unsafe impl Send for SendGraph {}
 
-/// Inputs one GEMV block multiplies at once (`TS_FWD_MAXT`).
-const MAXT: u32 = 8;
-/// Warps per GEMV block (`TS_FWD_WARPS`), shared by its rows.
-const BLOCK_WARPS: u32 = 4;
-/// The warps per row the products are compiled for (`_w1`, `_w2`, `_w4`).
-const ROW_WARPS: [u32; 3] = [1, 2, 4];
-const NORM_THREADS: u32 = 256;
-/// The most shared memory a product that normalizes its input may stage
-/// it in (the token's row, f32): under the 48 KiB a block gets without
-/// opting in, with room for the kernels' own reduction arrays.
-const NORM_STAGE_BYTES: usize = 46 * 1024;
-
-/// A weight's storage as the GEMV kernels read it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum GemvFormat {
-    Q4_0,
-    Q4_1,
-    Q8_0,
-    Q4K,
-    Q5K,
-    Q6K,
-    F32,
-    F16,
-}
-
-impl GemvFormat {
-    const ALL: [GemvFormat; 8] = [
-        GemvFormat::Q4_0,
-        GemvFormat::Q4_1,
-        GemvFormat::Q8_0,
-        GemvFormat::Q4K,
-        GemvFormat::Q5K,
-        GemvFormat::Q6K,
-        GemvFormat::F32,
-        GemvFormat::F16,
-    ];
-
-    /// The format of a GGML tensor type; `None` for those without a kernel.
-    pub fn from_ggml(t: GgmlDType) -> Option<GemvFormat> {
-        Some(match t {
-            GgmlDType::Q4_0 => GemvFormat::Q4_0,
-            GgmlDType::Q4_1 => GemvFormat::Q4_1,
-            GgmlDType::Q8_0 => GemvFormat::Q8_0,
-            GgmlDType::Q4K => GemvFormat::Q4K,
-            GgmlDType::Q5K => GemvFormat::Q5K,
-            GgmlDType::Q6K => GemvFormat::Q6K,
-            GgmlDType::F32 => GemvFormat::F32,
-            GgmlDType::F16 => GemvFormat::F16,
-            _ => return None,
-        })
-    }
-
-    /// Values per block: a row's width must be a multiple.
-    pub fn block_values(self) -> usize {
-        match self {
-            GemvFormat::Q4_0 | GemvFormat::Q4_1 | GemvFormat::Q8_0 => 32,
-            GemvFormat::Q4K | GemvFormat::Q5K | GemvFormat::Q6K => 256,
-            GemvFormat::F32 | GemvFormat::F16 => 8,
-        }
-    }
-
-    /// What one lane takes at a time from a row of `k` values (`ITEMS` in
-    /// the kernels): 8 weights, Q6_K's 16.
-    fn items(self, k: usize) -> usize {
-        match self {
-            GemvFormat::Q6K => k / 16,
-            _ => k / 8,
-        }
-    }
-
-    /// Items a lane loads in one pass (the kernels' `U1` and `UM`): for
-    /// one token, 8 of the formats whose items are two or three words,
-    /// 4 of the others; for several, 2.
-    pub fn per_pass(self, single: bool) -> usize {
-        match (single, self) {
-            (true, GemvFormat::Q4_0 | GemvFormat::Q4_1 | GemvFormat::Q8_0) => 8,
-            (true, _) => 4,
-            (false, _) => 2,
-        }
-    }
-
-    /// Warps per output row: the fewest that take a row of `k` values in
-    /// one pass of `per_pass` items a lane, at most four (a long row in
-    /// one warp is passes of loads one after another, with few rows to
-    /// hide them behind).
-    pub fn row_warps(self, k: usize, per_pass: usize) -> u32 {
-        ROW_WARPS
-            .into_iter()
-            .find(|&w| self.items(k) <= 32 * w as usize * per_pass)
-            .unwrap_or(4)
-    }
-
-    fn name(self) -> &'static str {
-        match self {
-            GemvFormat::Q4_0 => "q4_0",
-            GemvFormat::Q4_1 => "q4_1",
-            GemvFormat::Q8_0 => "q8_0",
-            GemvFormat::Q4K => "q4_k",
-            GemvFormat::Q5K => "q5_k",
-            GemvFormat::Q6K => "q6_k",
-            GemvFormat::F32 => "f32",
-            GemvFormat::F16 => "f16",
-        }
-    }
-}
-
-/// One weight for [`Forward::gemv`]: its blocks' device address, format
-/// and shape `[rows, k]`.
-#[derive(Debug, Clone, Copy)]
-pub struct DevWeight {
-    pub ptr: u64,
-    pub format: GemvFormat,
-    pub rows: usize,
-    pub k: usize,
-}
-
-/// Where [`Forward::gemv`] reads and writes: `tokens` input rows `x_stride`
-/// floats apart (a multiple of 4, the buffer 16-byte aligned), outputs
-/// `y_stride` floats apart; `acc` adds to `y` instead of storing. With
-/// `norm` (the norm's weights and epsilon), the product is of each input
-/// row's RMSNorm, computed by the product's blocks (see
-/// [`Forward::fuses_norm`]).
-#[derive(Debug, Clone, Copy)]
-pub struct GemvIo {
-    pub x: u64,
-    pub y: u64,
-    pub tokens: usize,
-    pub x_stride: usize,
-    pub y_stride: usize,
-    pub acc: bool,
-    pub norm: Option<(u64, f32)>,
-}
-
-/// The q/k/v step of one layer ([`Forward::qkv`]): `qkv` holds each token's
-/// q, k and v outputs side by side, `stride` floats apart; biases and
-/// per-head norm weights are device addresses or 0 for none; `cos`/`sin`
-/// hold `head_dim / 2` angles per token; K and V go to the layer's caches
-/// at `slots` (device, one per token; [`Forward::qkv`] checks the host copy).
-#[derive(Debug, Clone, Copy)]
-pub struct QkvStep {
-    pub qkv: u64,
-    pub stride: usize,
-    pub biases: [u64; 3],
-    pub norms: [u64; 2],
-    pub eps: f32,
-    pub cos: u64,
-    pub sin: u64,
-    pub q_out: u64,
-    pub slots: u64,
-    pub tokens: usize,
-    /// Query heads, K/V heads, head dimension.
-    pub heads: (usize, usize, usize),
-    pub neox: bool,
-}
-
 /// The loaded kernels of `forward.cu` for one device.
 pub struct Forward {
     dev: CudaDevice,
     stream: Arc<CudaStream>,
     _module: Arc<CudaModule>,
-    /// Per format and warps per row ([`ROW_WARPS`]): the product for up to
-    /// [`MAXT`] tokens per block row and the one for a single token, then
-    /// the same two of the gated activation over a stacked gate|up weight;
-    /// then the two single-token ones of a normalized input.
-    gemv: Vec<(GemvFormat, [[CudaFunction; 6]; 3])>,
-    /// Per format: its rows expanded to f32 (long batches' products).
-    dequant: Vec<(GemvFormat, CudaFunction)>,
+    /// Every kernel the launchers use ([`forward_kernels`]), by name.
+    funcs: HashMap<String, CudaFunction>,
     /// candle's cuBLAS handle (on the same stream).
     blas: Arc<CudaBlas>,
-    norm: CudaFunction,
-    residual: CudaFunction,
-    act_mul: CudaFunction,
-    qkv: Vec<(&'static str, CudaFunction)>,
     /// Warps per row for every product (`None`: by the row's length).
     row_warps: Option<u32>,
     /// Products normalize their inputs themselves where they fit.
     fuse_norm: bool,
     /// Decode attention merges its partitions in its own launch.
     fuse_merge: bool,
-}
-
-fn u(x: usize) -> u32 {
-    x as u32
 }
 
 impl Forward {
@@ -265,49 +102,48 @@ impl Forward {
             .context()
             .load_module(Ptx::from_src(FORWARD_PTX))
             .w()?;
-        let f = |name: &str| module.load_function(name).w();
-        let gemv = GemvFormat::ALL
-            .iter()
-            .map(|&g| {
-                let n = g.name();
-                let set = |w: u32| -> Result<[CudaFunction; 6]> {
-                    let k = |kind: &str| f(&format!("tessera_fwd_{kind}_{n}_w{w}"));
-                    Ok([
-                        k("gemv")?,
-                        k("gemv1")?,
-                        k("glu")?,
-                        k("glu1")?,
-                        k("ngemv1")?,
-                        k("nglu1")?,
-                    ])
-                };
-                Ok((g, [set(1)?, set(2)?, set(4)?]))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let dequant = GemvFormat::ALL
-            .iter()
-            .map(|&g| Ok((g, f(&format!("tessera_fwd_dequant_{}", g.name()))?)))
-            .collect::<Result<Vec<_>>>()?;
-        let qkv = crate::KvType::ALL
-            .map(|t| t.name())
+        let funcs = forward_kernels()
             .into_iter()
-            .map(|c| Ok((c, f(&format!("tessera_fwd_qkv_{c}"))?)))
-            .collect::<Result<Vec<_>>>()?;
+            .map(|name| {
+                let f = module.load_function(&name).w()?;
+                Ok((name, f))
+            })
+            .collect::<Result<HashMap<_, _>>>()?;
         Ok(Forward {
             dev: dev.clone(),
-            dequant,
+            funcs,
             blas: dev.cublas_handle(),
-            norm: f("tessera_fwd_rms_norm")?,
-            residual: f("tessera_fwd_residual")?,
-            act_mul: f("tessera_fwd_act_mul")?,
             row_warps: crate::tuning::get().gpu_row_warps,
             fuse_norm: crate::tuning::get().gpu_fuse_norm,
             fuse_merge: crate::tuning::get().gpu_fuse_merge,
-            gemv,
-            qkv,
             stream,
             _module: module,
         })
+    }
+
+    /// One [`Call`] of `forward.cu` on this forward's stream.
+    ///
+    /// # Safety
+    /// The call's buffers hold what its kernel reads and writes.
+    unsafe fn launch(&self, c: &Call) -> Result<()> {
+        let Some(f) = self.funcs.get(&c.name) else {
+            bail!("the CUDA forward has no kernel {}", c.name)
+        };
+        let mut b = self.stream.launch_builder(f);
+        for a in &c.args {
+            match a {
+                Arg::Ptr(p) => b.arg(p),
+                Arg::U32(v) => b.arg(v),
+                Arg::F32(v) => b.arg(v),
+            };
+        }
+        let cfg = LaunchConfig {
+            grid_dim: c.grid,
+            block_dim: (c.threads, 1, 1),
+            shared_mem_bytes: c.shared,
+        };
+        b.launch(cfg).w()?;
+        Ok(())
     }
 
     pub fn device(&self) -> &CudaDevice {
@@ -332,7 +168,7 @@ impl Forward {
 
     /// `y = W·x` (or `y += W·x`) for every input row.
     pub fn gemv(&self, w: &DevWeight, io: &GemvIo) -> Result<()> {
-        self.product(w, io, w.rows, 0, io.acc as u32)
+        self.product(w, io, w.rows, false, io.acc as u32)
     }
 
     /// The gated activation of a stacked gate|up weight (`2n` rows, gate
@@ -343,19 +179,12 @@ impl Forward {
         if !w.rows.is_multiple_of(2) || io.acc {
             bail!("glu: a stacked gate|up weight of {} rows, stored", w.rows)
         }
-        self.product(w, io, w.rows / 2, 2, act)
+        self.product(w, io, w.rows / 2, true, act)
     }
 
-    /// A product kernel (`kind` 0: GEMV, 2: gated activation) over
-    /// `rows` output rows, `flag` its last argument.
-    fn product(
-        &self,
-        w: &DevWeight,
-        io: &GemvIo,
-        rows: usize,
-        kind: usize,
-        flag: u32,
-    ) -> Result<()> {
+    /// A product kernel (GEMV, or `glu`: the gated activation) over
+    /// `rows` output rows, `flag` its last integer argument.
+    fn product(&self, w: &DevWeight, io: &GemvIo, rows: usize, glu: bool, flag: u32) -> Result<()> {
         if !w.k.is_multiple_of(w.format.block_values()) || !io.x_stride.is_multiple_of(4) {
             bail!(
                 "gemv: rows of {} values ({:?}) with inputs {} floats apart",
@@ -376,57 +205,11 @@ impl Forward {
         if io.tokens == 0 || rows == 0 {
             return Ok(());
         }
-        let (_, fs) = self
-            .gemv
-            .iter()
-            .find(|(g, _)| *g == w.format)
-            .expect("a kernel per format");
-        let single = io.tokens == 1;
-        let warps = self
-            .row_warps
-            .unwrap_or_else(|| w.format.row_warps(w.k, w.format.per_pass(single)));
-        let wi = ROW_WARPS.iter().position(|&x| x == warps).unwrap_or(0);
-        // gemv, gemv1, glu, glu1, then gemv1 and glu1 of normalized inputs
-        // (one token: checked above).
-        let (f, per_block) = match (single, io.norm.is_some()) {
-            (true, true) => (&fs[wi][4 + kind / 2], 1),
-            (true, false) => (&fs[wi][kind + 1], 1),
-            (false, _) => (&fs[wi][kind], MAXT),
-        };
-        let (rows, k, tokens) = (u(rows), u(w.k), u(io.tokens));
-        let (xs, ys) = (u(io.x_stride), u(io.y_stride));
-        // The normalized inputs' rows in shared memory (checked above).
-        let (nw, eps) = io.norm.unwrap_or((0, 0.0));
-        let staged = match io.norm {
-            Some(_) => k * 4,
-            None => 0,
-        };
-        let cfg = LaunchConfig {
-            grid_dim: (
-                rows.div_ceil(BLOCK_WARPS / ROW_WARPS[wi]),
-                tokens.div_ceil(per_block),
-                1,
-            ),
-            block_dim: (BLOCK_WARPS * 32, 1, 1),
-            shared_mem_bytes: staged,
-        };
-        let mut b = self.stream.launch_builder(f);
-        b.arg(&w.ptr);
-        b.arg(&io.x);
-        b.arg(&io.y);
-        b.arg(&rows);
-        b.arg(&k);
-        b.arg(&tokens);
-        b.arg(&xs);
-        b.arg(&ys);
-        b.arg(&flag);
-        b.arg(&nw);
-        b.arg(&eps);
+        let c = product_call(w, io, rows, glu, flag, self.row_warps);
         // SAFETY: the caller's buffers hold `tokens` rows of x and y at
         // their strides, w its rows of `k` values in its format, and nw
         // (when normalizing) k floats.
-        unsafe { b.launch(cfg) }.w()?;
-        Ok(())
+        unsafe { self.launch(&c) }
     }
 
     /// `y = W·x` (or `y += W·x`) for every input row as one f32 GEMM
@@ -444,26 +227,9 @@ impl Forward {
         if io.tokens == 0 || w.rows == 0 {
             return Ok(());
         }
-        let (_, f) = self
-            .dequant
-            .iter()
-            .find(|(g, _)| *g == w.format)
-            .expect("a kernel per format");
-        let items = w.rows * w.format.items(w.k);
-        let (rows, k) = (u(w.rows), u(w.k));
-        let mut b = self.stream.launch_builder(f);
-        b.arg(&w.ptr);
-        b.arg(&scratch);
-        b.arg(&rows);
-        b.arg(&k);
-        let cfg = LaunchConfig {
-            grid_dim: (u(items.div_ceil(256)), 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
         // SAFETY: w holds `rows` rows of `k` values in its format and
         // scratch room for rows · k floats.
-        unsafe { b.launch(cfg) }.w()?;
+        unsafe { self.launch(&dequant_call(w, scratch))? };
         // Column-major: Y^T (rows × tokens, ld y_stride) = W'^T (W' is
         // k × rows, ld k) · X^T (k × tokens, ld x_stride).
         let (alpha, beta) = (1f32, if io.acc { 1f32 } else { 0f32 });
@@ -505,7 +271,7 @@ impl Forward {
     ) -> Result<()> {
         // SAFETY (the launch): `n_rows` rows of `n` floats at out, and at x
         // the rows named.
-        self.per_row(&self.norm, n_rows, &[x, rows, w, out], n, &[eps])
+        self.per_row("rms_norm", n_rows, &[x, rows, w, out], n, &[eps])
     }
 
     /// `x[r] += s * (w ? rms_norm(y[r], w) : y[r])` for `n_rows` rows of `n`.
@@ -517,14 +283,14 @@ impl Forward {
         s: f32,
     ) -> Result<()> {
         // SAFETY (the launch): `n_rows` rows of `n` floats at x and y.
-        self.per_row(&self.residual, n_rows, &[x, y, w], n, &[eps, s])
+        self.per_row("residual", n_rows, &[x, y, w], n, &[eps, s])
     }
 
     /// A kernel of a block per row over `n_rows` rows of `n` values, its
     /// arguments the addresses, `n`, then the floats.
     fn per_row(
         &self,
-        f: &CudaFunction,
+        kernel: &str,
         n_rows: usize,
         ptrs: &[u64],
         n: usize,
@@ -533,23 +299,8 @@ impl Forward {
         if n_rows == 0 {
             return Ok(());
         }
-        let n = u(n);
-        let mut b = self.stream.launch_builder(f);
-        for p in ptrs {
-            b.arg(p);
-        }
-        b.arg(&n);
-        for x in floats {
-            b.arg(x);
-        }
-        let cfg = LaunchConfig {
-            grid_dim: (u(n_rows), 1, 1),
-            block_dim: (NORM_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
         // SAFETY: the callers' buffers hold the rows their kernels touch.
-        unsafe { b.launch(cfg) }.w()?;
-        Ok(())
+        unsafe { self.launch(&per_row_call(kernel, n_rows, ptrs, n, floats)) }
     }
 
     /// `out[t][j] = act(gu[t][j]) · gu[t][n + j]` (act 0: SiLU, 1: GELU
@@ -559,27 +310,14 @@ impl Forward {
         if total == 0 {
             return Ok(());
         }
-        let (n, tokens) = (u(n), u(tokens));
-        let mut b = self.stream.launch_builder(&self.act_mul);
-        b.arg(&gu);
-        b.arg(&out);
-        b.arg(&n);
-        b.arg(&tokens);
-        b.arg(&act);
-        let cfg = LaunchConfig {
-            grid_dim: (u(total.div_ceil(256)), 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
         // SAFETY: `tokens` rows of 2n floats at gu and of n at out.
-        unsafe { b.launch(cfg) }.w()?;
-        Ok(())
+        unsafe { self.launch(&act_mul_call(gu, out, (tokens, n), act)) }
     }
 
     /// One layer's q/k/v step (see [`QkvStep`]): K and V into the layer's
     /// caches at the slots, whose host copy `slots` is checked here.
     pub fn qkv(&self, s: &QkvStep, c: &CacheRef, slots: &[u32]) -> Result<()> {
-        let (nh, kvh, hd) = s.heads;
+        let (_, kvh, hd) = s.heads;
         if hd > 256 || !hd.is_multiple_of(2) {
             bail!("the CUDA forward supports even head dims up to 256, not {hd}")
         }
@@ -600,40 +338,9 @@ impl Forward {
         if s.tokens == 0 {
             return Ok(());
         }
-        let (kc, vc, cache) = (c.k, c.v, c.cache);
-        let Some((_, f)) = self.qkv.iter().find(|(c, _)| *c == cache) else {
-            bail!("the CUDA forward has no K/V store for a {cache} cache")
-        };
-        let (stride, nh_u, kvh_u, hd_u, neox) = (u(s.stride), u(nh), u(kvh), u(hd), s.neox as u32);
-        let mut b = self.stream.launch_builder(f);
-        b.arg(&s.qkv);
-        b.arg(&stride);
-        for p in &s.biases {
-            b.arg(p);
-        }
-        for p in &s.norms {
-            b.arg(p);
-        }
-        b.arg(&s.eps);
-        b.arg(&s.cos);
-        b.arg(&s.sin);
-        b.arg(&s.q_out);
-        b.arg(&kc);
-        b.arg(&vc);
-        b.arg(&s.slots);
-        b.arg(&nh_u);
-        b.arg(&kvh_u);
-        b.arg(&hd_u);
-        b.arg(&neox);
-        let cfg = LaunchConfig {
-            grid_dim: (u(s.tokens), u(nh + 2 * kvh), 1),
-            block_dim: (32, 1, 1),
-            shared_mem_bytes: 0,
-        };
         // SAFETY: the caller's buffers hold `tokens` rows at their strides;
         // the slots were checked against both caches above.
-        unsafe { b.launch(cfg) }.w()?;
-        Ok(())
+        unsafe { self.launch(&qkv_call(s, (c.k, c.v, c.cache))) }
     }
 
     /// Paged attention (`paged_attention.cu`) from device addresses: `q`

@@ -378,6 +378,10 @@ mod cuda_tests;
 pub mod emu;
 #[cfg(feature = "cuda")]
 pub mod forward;
+// Without `cuda`, the forward's launchers serve the kernel-emu tests alone.
+#[cfg(any(feature = "cuda", feature = "kernel-emu"))]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) mod launch;
 #[cfg(all(feature = "metal", target_vendor = "apple"))]
 pub(crate) mod metal;
 #[cfg(all(test, feature = "metal", target_vendor = "apple"))]

@@ -8,9 +8,7 @@ use candle_core::Device;
 use candle_core::{DType, Result, Tensor};
 
 use crate::testing::{max_abs_diff, seeded, seeded_cache};
-#[cfg(any(feature = "cuda", all(feature = "metal", target_vendor = "apple")))]
-use crate::PagedMeta;
-use crate::{KvType, RopeStyle, Rotation};
+use crate::{KvType, PagedMeta, RopeStyle, Rotation};
 
 /// A backend under test: each op applied to a copy of CPU inputs, the
 /// result brought back to the CPU.
@@ -193,32 +191,51 @@ fn device_types(dev: &Device) -> &'static [KvType] {
     }
 }
 
-/// The largest difference between paged attention on `dev` and the slow
-/// reference on the CPU, for the same (CPU) inputs.
-#[cfg(any(feature = "cuda", all(feature = "metal", target_vendor = "apple")))]
-fn attention_diff(
-    dev: &Device,
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    meta: &PagedMeta,
-) -> Result<f32> {
-    let want = crate::paged_attention_slow(q, k, v, meta)?;
-    let got = crate::paged_attention(
-        &q.to_device(dev)?,
-        &k.to_device(dev)?,
-        &v.to_device(dev)?,
-        meta,
-    )?;
-    max_abs_diff(&down(&got)?, &want)
+/// Paged attention run somewhere other than by the CPU kernels: on a
+/// device, or through the GPU kernel source on the CPU (kernel-emu).
+pub(crate) trait Attend {
+    /// The cache types it takes.
+    fn types(&self) -> &'static [KvType];
+    /// Attention over CPU inputs, the result on the CPU.
+    fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, meta: &PagedMeta) -> Result<Tensor>;
 }
 
-/// Paged attention on `dev` against the slow reference: decode and
-/// prefill chunks, several partitions (on CUDA, of 64 and of 256
-/// positions), GQA, a sliding window, head dims 64–256, every cache type
-/// the device takes (quantized ones on CUDA).
+/// Paged attention on a device.
+#[cfg(any(feature = "cuda", all(feature = "metal", target_vendor = "apple")))]
+struct OnDeviceAttend<'a>(&'a Device);
+
+#[cfg(any(feature = "cuda", all(feature = "metal", target_vendor = "apple")))]
+impl Attend for OnDeviceAttend<'_> {
+    fn types(&self) -> &'static [KvType] {
+        device_types(self.0)
+    }
+
+    fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, meta: &PagedMeta) -> Result<Tensor> {
+        let dev = self.0;
+        let got = crate::paged_attention(
+            &q.to_device(dev)?,
+            &k.to_device(dev)?,
+            &v.to_device(dev)?,
+            meta,
+        )?;
+        down(&got)
+    }
+}
+
+/// Paged attention on `dev` against the slow reference ([`paged_attention`]).
 #[cfg(any(feature = "cuda", all(feature = "metal", target_vendor = "apple")))]
 pub(crate) fn paged_attention_on(dev: &Device) -> Result<()> {
+    paged_attention(&OnDeviceAttend(dev))
+}
+
+/// `b`'s paged attention against the slow reference: decode and prefill
+/// chunks, several partitions (on CUDA, of 64 and of 256 positions), GQA,
+/// a sliding window, head dims 64–256, every cache type it takes.
+pub(crate) fn paged_attention(b: &dyn Attend) -> Result<()> {
+    let diff = |q: &Tensor, k: &Tensor, v: &Tensor, meta: &PagedMeta| -> Result<f32> {
+        let want = crate::paged_attention_slow(q, k, v, meta)?;
+        max_abs_diff(&b.attend(q, k, v, meta)?, &want)
+    };
     // (n_heads, n_kv_heads, head_dim, block_size, context, new tokens, window)
     // (CUDA: the chunks of 8 tokens or more go through the tiled kernel.)
     let cases: [(usize, usize, usize, usize, usize, usize, usize); 10] = [
@@ -233,7 +250,7 @@ pub(crate) fn paged_attention_on(dev: &Device) -> Result<()> {
         (40, 1, 64, 8, 60, 16, 0),  // a group wider than a tile
         (4, 4, 256, 8, 100, 20, 0), // a chunk with head dim 256 (per query)
     ];
-    for &t in device_types(dev) {
+    for &t in b.types() {
         for (i, &(nh, kvh, hd, bs, ctx, new, window)) in cases.iter().enumerate() {
             let blocks = ctx.div_ceil(bs) + 2;
             let k = seeded_cache(&[blocks, bs, kvh, hd], 10 + i as u64, t)?;
@@ -251,8 +268,8 @@ pub(crate) fn paged_attention_on(dev: &Device) -> Result<()> {
                 window,
             };
             let q = seeded(&[new, nh, hd], 30 + i as u64, DType::F32)?;
-            let diff = attention_diff(dev, &q, &k, &v, &meta)?;
-            assert!(diff < 1e-4, "{t} case {i}: {diff}");
+            let d = diff(&q, &k, &v, &meta)?;
+            assert!(d < 1e-4, "{t} case {i}: {d}");
         }
         // Two sequences' chunks in one launch, each through its own table:
         // 20 tokens at 100.. of sequence 0, then 30 at 40.. of sequence 1.
@@ -272,8 +289,8 @@ pub(crate) fn paged_attention_on(dev: &Device) -> Result<()> {
             window: 0,
         };
         let q = seeded(&[50, nh, hd], 43, DType::F32)?;
-        let diff = attention_diff(dev, &q, &k, &v, &meta)?;
-        assert!(diff < 1e-4, "{t} two sequences: {diff}");
+        let d = diff(&q, &k, &v, &meta)?;
+        assert!(d < 1e-4, "{t} two sequences: {d}");
     }
     Ok(())
 }
