@@ -8,7 +8,8 @@
 //!   GPUs run; and the CUDA-only kernels (`gpu/paged_attention.cu`,
 //!   `gpu/forward.cu`) compiled unchanged against a host stand-in for
 //!   CUDA's header (`gpu/emu_cuda/`), run a fiber per GPU thread
-//!   (`gpu/emu_cuda.cpp`).
+//!   (`gpu/emu_cuda.cpp`); the Metal-only `gpu/paged_attention.metal` the
+//!   same way against a stand-in for `<metal_stdlib>` (`gpu/emu_metal/`).
 
 fn main() {
     println!("cargo:rerun-if-changed=gpu");
@@ -37,6 +38,22 @@ fn main() {
         .opt_level(2)
         .warnings_into_errors(true)
         .compile("tessera_kernel_emu_cuda");
+    // The Metal-only kernel source, unchanged, against a host stand-in for
+    // <metal_stdlib> (gpu/emu_metal/), run by the same fibers.
+    #[cfg(feature = "kernel-emu")]
+    cc::Build::new()
+        .cpp(true)
+        .file("gpu/emu_metal.cpp")
+        .include("gpu/emu_metal")
+        .flag_if_supported("-std=c++17")
+        .flag_if_supported("-ffp-contract=off")
+        .flag_if_supported("-Wno-unknown-pragmas")
+        .flag_if_supported("-Wno-attributes")
+        .flag_if_supported("-Wno-unknown-attributes")
+        .flag_if_supported("-Wno-sign-compare")
+        .opt_level(2)
+        .warnings_into_errors(true)
+        .compile("tessera_kernel_emu_metal");
 }
 
 #[cfg(feature = "cuda")]

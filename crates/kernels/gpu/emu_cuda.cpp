@@ -6,6 +6,10 @@
 // a thread block at a time, each GPU thread a fiber (see that header).
 // `tessera_emu_cuda_launch` launches a kernel by name with its arguments
 // as the Rust launchers pass them to CUDA (crates/kernels/src/gpu/emu.rs).
+// macOS keeps its ucontext routines behind _XOPEN_SOURCE.
+#if defined(__APPLE__) && !defined(_XOPEN_SOURCE)
+#define _XOPEN_SOURCE 700
+#endif
 #include <cuda_fp16.h>
 
 #include <functional>
@@ -241,6 +245,37 @@ uint32_t ts_emu_exchange(uint32_t mine, uint32_t from) {
     return got;
 }
 
+// The hooks the Metal sources' stand-in calls (gpu/emu_metal/metal_stdlib),
+// with C linkage so that the other translation unit needs none of this
+// one's types.
+extern "C" void ts_emu_block_pos(uint32_t* xyz) {
+    xyz[0] = cur_launch->blk.x;
+    xyz[1] = cur_launch->blk.y;
+    xyz[2] = cur_launch->blk.z;
+}
+extern "C" uint32_t ts_emu_thread_pos() { return cur_launch->cur; }
+extern "C" void ts_emu_sync(int warp) { ts_emu_barrier(warp); }
+// Every lane of this thread's warp posts a value; each gets all 32 (a
+// simdgroup reduction's operands, in lane order).
+extern "C" void ts_emu_gather(uint32_t mine, uint32_t* lanes) {
+    Launch& l = *cur_launch;
+    uint32_t me = l.cur, w = me / 32;
+    uint32_t round = l.warps[w].round;
+    l.slot[me] = mine;
+    l.slot_round[me] = round;
+    ts_emu_barrier((int)w);
+    for (uint32_t i = 0; i < 32; i++) {
+        uint32_t src = w * 32 + i;
+        if (src >= l.threads || l.slot_round[src] != round) {
+            fail(l, "a simdgroup reduction reads a lane that did not take part in it");
+            lanes[i] = 0;
+        } else {
+            lanes[i] = l.slot[src];
+        }
+    }
+    ts_emu_barrier((int)w);
+}
+
 // ---- the emulator's own tests (src/gpu/emu.rs) -------------------------------
 
 // out[block] = the sum of in[block * n + t] over the block's n threads,
@@ -356,27 +391,13 @@ static const Entry ENTRIES[] = {
     TS_EMU_K(tessera_emu_test_stuck),
 };
 
-// Runs kernel `name` over a grid of (gx, gy, gz) blocks of `threads`
-// threads and `shared` bytes of dynamic shared memory with `nargs`
-// arguments; `order` 1 runs each block's threads
-// last to first. 0, or nonzero with a message in err.
-extern "C" int tessera_emu_cuda_launch(const char* name, uint32_t gx, uint32_t gy, uint32_t gz,
-                                       uint32_t threads, uint32_t shared, const TsEmuArg* args,
-                                       uint32_t nargs, uint32_t order, char* err,
-                                       size_t err_len) {
-    const Entry* e = nullptr;
-    for (const Entry& x : ENTRIES)
-        if (strcmp(x.name, name) == 0) e = &x;
-    if (!e) {
-        snprintf(err, err_len, "no kernel named %s in the emu build", name);
-        return 1;
-    }
-    std::function<void()> body;
-    if (!e->bind(args, nargs, &body)) {
-        snprintf(err, err_len, "%s: arguments that are not its parameters (%u given)", name,
-                 nargs);
-        return 1;
-    }
+// Runs `body` as every thread of a grid of (gx, gy, gz) blocks of
+// `threads` threads with `shared` bytes of dynamic shared memory; `order`
+// 1 runs each block's threads last to first. 0, or nonzero with a message
+// in err.
+static int ts_emu_run(const char* name, uint32_t gx, uint32_t gy, uint32_t gz, uint32_t threads,
+                      uint32_t shared, uint32_t order, const std::function<void()>& body,
+                      char* err, size_t err_len) {
     if (threads == 0 || threads > 1024 || gx == 0 || gy == 0 || gz == 0) {
         snprintf(err, err_len, "%s: a launch of %u threads a block over (%u, %u, %u)", name,
                  threads, gx, gy, gz);
@@ -408,4 +429,36 @@ extern "C" int tessera_emu_cuda_launch(const char* name, uint32_t gx, uint32_t g
         return 1;
     }
     return 0;
+}
+
+// The same for a body that C code gives: `body(ctx)` per thread.
+extern "C" int ts_emu_run_c(const char* name, uint32_t gx, uint32_t gy, uint32_t gz,
+                            uint32_t threads, uint32_t order, void (*body)(void*), void* ctx,
+                            char* err, size_t err_len) {
+    std::function<void()> f = [body, ctx]() { body(ctx); };
+    return ts_emu_run(name, gx, gy, gz, threads, 0, order, f, err, err_len);
+}
+
+// Runs kernel `name` over a grid of (gx, gy, gz) blocks of `threads`
+// threads and `shared` bytes of dynamic shared memory with `nargs`
+// arguments; `order` 1 runs each block's threads
+// last to first. 0, or nonzero with a message in err.
+extern "C" int tessera_emu_cuda_launch(const char* name, uint32_t gx, uint32_t gy, uint32_t gz,
+                                       uint32_t threads, uint32_t shared, const TsEmuArg* args,
+                                       uint32_t nargs, uint32_t order, char* err,
+                                       size_t err_len) {
+    const Entry* e = nullptr;
+    for (const Entry& x : ENTRIES)
+        if (strcmp(x.name, name) == 0) e = &x;
+    if (!e) {
+        snprintf(err, err_len, "no kernel named %s in the emu build", name);
+        return 1;
+    }
+    std::function<void()> body;
+    if (!e->bind(args, nargs, &body)) {
+        snprintf(err, err_len, "%s: arguments that are not its parameters (%u given)", name,
+                 nargs);
+        return 1;
+    }
+    return ts_emu_run(name, gx, gy, gz, threads, shared, order, body, err, err_len);
 }

@@ -100,9 +100,9 @@ static inline void ts_paged_attention(
         constant TsAttnArgs& a [[buffer(9)]], uint3 group [[threadgroup_position_in_grid]],     \
         uint tid [[thread_index_in_threadgroup]], uint lane [[thread_index_in_simdgroup]],     \
         uint simd [[simdgroup_index_in_threadgroup]]) {                                        \
-        threadgroup float qs[TS_ATT_MAX_HEAD_DIM];                                             \
-        threadgroup float scores[TS_ATT_PART];                                                 \
-        threadgroup float red[TS_ATT_SIMDS];                                                   \
+        TS_GROUP_ARRAY(float, qs, TS_ATT_MAX_HEAD_DIM);                                        \
+        TS_GROUP_ARRAY(float, scores, TS_ATT_PART);                                            \
+        TS_GROUP_ARRAY(float, red, TS_ATT_SIMDS);                                              \
         ts_paged_attention<E>(q, k_cache, v_cache, block_tables, token_seq, token_pos,         \
                               part_out, part_max, part_sum, a, group, tid, lane, simd, qs,     \
                               scores, red);                                                    \

@@ -18,6 +18,11 @@ typedef ulong ts_u64;
 #define TS_BUF(T, n, i) device T* n [[buffer(i)]]
 #define TS_ARG(T, n, i) constant T& n [[buffer(i)]]
 #define TS_DEV device
+// A threadgroup array declared in a kernel (the kernel-emu build's
+// stand-in for <metal_stdlib> defines it its own way).
+#ifndef TS_GROUP_ARRAY
+#define TS_GROUP_ARRAY(T, n, size) threadgroup T n[size]
+#endif
 #define TS_INLINE static inline
 #define TS_STATIC static inline
 

@@ -15,7 +15,7 @@ use candle_core::{bail, DType, Layout, MetalDevice, MetalStorage, Result, Shape}
 use candle_metal_kernels::metal::{Buffer, ComputeCommandEncoder, ComputePipeline, Library};
 use objc2_metal::{MTLCompileOptions, MTLMathFloatingPointFunctions, MTLMathMode, MTLSize};
 
-use super::{metal_source, Launch, RopeTables, ATT_THREADS};
+use super::{metal_source, Launch, RopeTables};
 use crate::{PagedMeta, RopeStyle};
 
 const KV_OPS: &str = "kv_ops.metal";
@@ -279,20 +279,6 @@ pub(crate) fn move_rows(
     scatter(s, l, (&out, 0), dst, row)
 }
 
-/// `TsAttnArgs` of `gpu/paged_attention.metal`.
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct AttnArgs {
-    n_heads: u32,
-    n_kv_heads: u32,
-    head_dim: u32,
-    block_size: u32,
-    max_blocks: u32,
-    scale: f32,
-    window: u32,
-    parts: u32,
-}
-
 /// `paged_attention` on Metal: partial softmax states per 512-position
 /// partition, merged by log-sum-exp. Returns `[tokens, n_heads, head_dim]`.
 pub(crate) fn paged_attention(
@@ -317,25 +303,15 @@ pub(crate) fn paged_attention(
     }
     let dev = q.0.device().clone();
     let tokens = meta.token_pos.len();
-    let parts = super::attention_parts(meta);
-    let states = tokens * n_heads * parts;
+    let plan = super::metal_plan::attention(meta, (n_heads, n_kv_heads, head_dim));
+    let states = tokens * n_heads * plan.parts;
     let part_out = dev.new_buffer(states * head_dim, DType::F32, "tessera_part_out")?;
     let part_max = dev.new_buffer(states, DType::F32, "tessera_part_max")?;
     let part_sum = dev.new_buffer(states, DType::F32, "tessera_part_sum")?;
     let tables = upload(&dev, meta.block_tables)?;
     let seqs = upload(&dev, meta.token_seq)?;
     let pos = upload(&dev, meta.token_pos)?;
-    let u = |x: usize| x as u32;
-    let args = AttnArgs {
-        n_heads: u(n_heads),
-        n_kv_heads: u(n_kv_heads),
-        head_dim: u(head_dim),
-        block_size: u(meta.block_size),
-        max_blocks: u(meta.max_blocks),
-        scale: meta.scale,
-        window: u(meta.window),
-        parts: u(parts),
-    };
+    let args = plan.args;
     dispatch(
         &dev,
         (
@@ -354,8 +330,8 @@ pub(crate) fn paged_attention(
             Arg::Out(&part_sum, 0),
             Arg::Bytes(bytes(&args)),
         ],
-        (n_heads, tokens, parts),
-        ATT_THREADS,
+        plan.grid,
+        plan.threads,
     )?;
     let count = tokens * n_heads * head_dim;
     let out = dev.new_buffer(count, DType::F32, "tessera_attention")?;
@@ -369,8 +345,8 @@ pub(crate) fn paged_attention(
             Arg::Out(&out, 0),
             Arg::Bytes(bytes(&args)),
         ],
-        (n_heads, tokens, 1),
-        Launch::per_item(1, head_dim).threads as usize,
+        plan.merge_grid,
+        plan.merge_threads,
     )?;
     Ok((
         MetalStorage::new(out, dev, count, DType::F32),

@@ -222,6 +222,70 @@ impl RopeTables {
 pub const ATT_PART: usize = 512;
 pub const ATT_THREADS: usize = 128;
 
+/// Metal's paged attention launches (`gpu/paged_attention.metal`), shared by
+/// its launcher (`metal.rs`) and the kernel-emu build, which runs the same
+/// source on the CPU.
+#[cfg(any(
+    feature = "kernel-emu",
+    all(feature = "metal", target_vendor = "apple")
+))]
+pub(crate) mod metal_plan {
+    use super::{attention_parts, Launch, ATT_THREADS};
+    use crate::PagedMeta;
+
+    /// `TsAttnArgs` of `gpu/paged_attention.metal`.
+    #[repr(C)]
+    #[derive(Debug, Clone, Copy)]
+    pub(crate) struct AttnArgs {
+        pub n_heads: u32,
+        pub n_kv_heads: u32,
+        pub head_dim: u32,
+        pub block_size: u32,
+        pub max_blocks: u32,
+        pub scale: f32,
+        pub window: u32,
+        pub parts: u32,
+    }
+
+    /// One paged attention on Metal: `parts` partitions of 512 positions
+    /// per (token, head), a threadgroup of `threads` each over `grid`; then
+    /// the merge, a threadgroup of `merge_threads` per (head, token).
+    pub(crate) struct Plan {
+        pub args: AttnArgs,
+        pub parts: usize,
+        pub grid: (usize, usize, usize),
+        pub threads: usize,
+        pub merge_grid: (usize, usize, usize),
+        pub merge_threads: usize,
+    }
+
+    pub(crate) fn attention(
+        meta: &PagedMeta,
+        (n_heads, n_kv_heads, head_dim): (usize, usize, usize),
+    ) -> Plan {
+        let tokens = meta.token_pos.len();
+        let parts = attention_parts(meta);
+        let u = |x: usize| x as u32;
+        Plan {
+            args: AttnArgs {
+                n_heads: u(n_heads),
+                n_kv_heads: u(n_kv_heads),
+                head_dim: u(head_dim),
+                block_size: u(meta.block_size),
+                max_blocks: u(meta.max_blocks),
+                scale: meta.scale,
+                window: u(meta.window),
+                parts: u(parts),
+            },
+            parts,
+            grid: (n_heads, tokens, parts),
+            threads: ATT_THREADS,
+            merge_grid: (n_heads, tokens, 1),
+            merge_threads: Launch::per_item(1, head_dim).threads as usize,
+        }
+    }
+}
+
 /// The longest context one query of a paged attention launch sees.
 fn longest_context(meta: &crate::PagedMeta) -> usize {
     meta.token_pos
