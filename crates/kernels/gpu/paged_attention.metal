@@ -1,7 +1,15 @@
-// Paged attention on Metal: the same contract and the same work split as
-// paged_attention.cu (read that file's header), with simdgroup reductions
-// in place of warp shuffles. The Rust side compiles prelude_metal.h,
-// kv_elem.h and this file as one source (gpu::metal_source inlines them).
+// Paged attention on Metal: the contract of paged_attention.cu's per-query
+// kernel and the same work split (read that file's header): one
+// threadgroup per (query head, token, partition of `part_len` positions,
+// at most TS_ATT_PART; the launcher picks it as the CUDA launcher does,
+// short where there are few queries), both passes over the positions a
+// simdgroup per position with its lanes over the head dimension, the
+// simdgroups' output sums added in simdgroup order; one partition
+// normalises its own output (the launcher passes the output as part_out
+// and merges nothing), several are merged by tessera_attention_merge.
+// Simdgroup reductions in place of warp shuffles. The Rust side compiles
+// prelude_metal.h, kv_elem.h and this file as one source
+// (gpu::metal_source inlines them).
 #include "prelude_metal.h"
 #include "kv_elem.h"
 
@@ -24,7 +32,7 @@ static inline float ts_group_reduce(float x, threadgroup float* red, uint lane, 
 struct TsAttnArgs {
     uint32_t n_heads, n_kv_heads, head_dim, block_size, max_blocks;
     float scale;
-    uint32_t window, parts;
+    uint32_t window, parts, part_len;
 };
 
 template <typename E>
@@ -34,16 +42,18 @@ static inline void ts_paged_attention(
     device const uint32_t* token_seq, device const uint32_t* token_pos, device float* part_out,
     device float* part_max, device float* part_sum, constant TsAttnArgs& a, uint3 group,
     uint tid, uint lane, uint simd, threadgroup float* qs, threadgroup float* scores,
-    threadgroup float* red) {
+    threadgroup float* red, threadgroup float* simd_out) {
     uint32_t h = group.x, t = group.y, part = group.z;
     uint32_t g = h / (a.n_heads / a.n_kv_heads);
     uint32_t pos = token_pos[t];
     uint32_t lo = a.window == 0 ? 0 : (pos + 1 > a.window ? pos + 1 - a.window : 0);
-    uint32_t from = lo + part * TS_ATT_PART;
-    uint32_t to = min(pos + 1, from + TS_ATT_PART);
+    uint32_t from = lo + part * a.part_len;
+    uint32_t to = min(pos + 1, from + a.part_len);
     ts_u64 slot_out = ((ts_u64)t * a.n_heads + h) * a.parts + part;
     device float* out = part_out + slot_out * a.head_dim;
     if (from >= pos + 1) {
+        // An empty partition (its token has a shorter context than the
+        // longest of the launch): nothing to merge.
         if (tid == 0) {
             part_max[slot_out] = -INFINITY;
             part_sum[slot_out] = 0.0f;
@@ -56,12 +66,13 @@ static inline void ts_paged_attention(
     threadgroup_barrier(mem_flags::mem_threadgroup);
     device const uint32_t* table = block_tables + (ts_u64)token_seq[t] * a.max_blocks;
     uint32_t row = a.n_kv_heads * a.head_dim;
+    // Scores: a simdgroup per position, its lanes over the head dimension.
     float best = -INFINITY;
     for (uint32_t j = from + simd; j < to; j += TS_ATT_SIMDS) {
         ts_u64 slot = (ts_u64)table[j / a.block_size] * a.block_size + j % a.block_size;
-        device const typename E::Raw* kr = k_cache + slot * row + (ts_u64)g * a.head_dim;
+        device const typename E::Raw* kr = k_cache + E::units(slot * row + (ts_u64)g * a.head_dim);
         float s = 0.0f;
-        for (uint32_t d = lane; d < a.head_dim; d += 32) s += qs[d] * E::load(kr[d]);
+        for (uint32_t d = lane; d < a.head_dim; d += 32) s += qs[d] * E::at(kr, d);
         s = simd_sum(s) * a.scale;
         if (lane == 0) scores[j - from] = s;
         best = fmax(best, s);
@@ -75,13 +86,29 @@ static inline void ts_paged_attention(
     }
     l = ts_group_reduce(l, red, lane, simd, 1);
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    for (uint32_t d = tid; d < a.head_dim; d += TS_ATT_THREADS) {
-        float acc = 0.0f;
-        for (uint32_t j = from; j < to; j++) {
-            ts_u64 slot = (ts_u64)table[j / a.block_size] * a.block_size + j % a.block_size;
-            acc += scores[j - from] * E::load(v_cache[slot * row + (ts_u64)g * a.head_dim + d]);
+    // Output: a simdgroup per position, as for the scores, each lane
+    // holding its dimensions' sums over the simdgroup's positions; then
+    // the simdgroups' sums added in simdgroup order.
+    float acc[TS_ATT_MAX_HEAD_DIM / 32];
+    for (int i = 0; i < TS_ATT_MAX_HEAD_DIM / 32; i++) acc[i] = 0.0f;
+    for (uint32_t j = from + simd; j < to; j += TS_ATT_SIMDS) {
+        ts_u64 slot = (ts_u64)table[j / a.block_size] * a.block_size + j % a.block_size;
+        device const typename E::Raw* vr = v_cache + E::units(slot * row + (ts_u64)g * a.head_dim);
+        float p = scores[j - from];
+        for (int i = 0; i < TS_ATT_MAX_HEAD_DIM / 32; i++) {
+            uint32_t d = lane + 32 * i;
+            if (d < a.head_dim) acc[i] += p * E::at(vr, d);
         }
-        out[d] = acc;
+    }
+    for (int i = 0; i < TS_ATT_MAX_HEAD_DIM / 32; i++) {
+        uint32_t d = lane + 32 * i;
+        if (d < a.head_dim) simd_out[simd * TS_ATT_MAX_HEAD_DIM + d] = acc[i];
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (uint32_t d = tid; d < a.head_dim; d += TS_ATT_THREADS) {
+        float sum = 0.0f;
+        for (uint w = 0; w < TS_ATT_SIMDS; w++) sum += simd_out[w * TS_ATT_MAX_HEAD_DIM + d];
+        out[d] = a.parts == 1 ? sum / l : sum;
     }
     if (tid == 0) {
         part_max[slot_out] = mx;
@@ -103,9 +130,10 @@ static inline void ts_paged_attention(
         TS_GROUP_ARRAY(float, qs, TS_ATT_MAX_HEAD_DIM);                                        \
         TS_GROUP_ARRAY(float, scores, TS_ATT_PART);                                            \
         TS_GROUP_ARRAY(float, red, TS_ATT_SIMDS);                                              \
+        TS_GROUP_ARRAY(float, simd_out, TS_ATT_SIMDS * TS_ATT_MAX_HEAD_DIM);                   \
         ts_paged_attention<E>(q, k_cache, v_cache, block_tables, token_seq, token_pos,         \
                               part_out, part_max, part_sum, a, group, tid, lane, simd, qs,     \
-                              scores, red);                                                    \
+                              scores, red, simd_out);                                          \
     }
 
 TS_ATTENTION(f32, TsF32)

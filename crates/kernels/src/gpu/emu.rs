@@ -512,7 +512,9 @@ unsafe fn metal_dispatch(
 
 /// [`crate::paged_attention`] through Metal's kernels
 /// (`paged_attention.metal`) and launch plan (`metal_plan`, as `metal.rs`
-/// dispatches it), run on the CPU: float caches, as Metal takes.
+/// dispatches it: partitions as CUDA's per-query kernel takes them, one
+/// partition normalised by the kernel, several merged), run on the CPU:
+/// float caches, as Metal takes.
 pub fn metal_paged_attention(
     q: &Tensor,
     k: &Tensor,
@@ -561,6 +563,11 @@ pub fn metal_paged_attention(
         p(out.as_mut_ptr()),
         metal_bytes(&plan.args),
     ];
+    let mut attn = attn;
+    if plan.direct {
+        // One partition: the kernel normalises its sums into the output.
+        attn[6] = p(out.as_mut_ptr());
+    }
     // SAFETY: the buffers are sized for the plan's states, queries and
     // output; `check` held the tables and positions to the caches.
     unsafe {
@@ -571,13 +578,15 @@ pub fn metal_paged_attention(
             &attn,
             order,
         )?;
-        metal_dispatch(
-            "tessera_attention_merge",
-            plan.merge_grid,
-            plan.merge_threads,
-            &merge,
-            order,
-        )?;
+        if !plan.direct {
+            metal_dispatch(
+                "tessera_attention_merge",
+                plan.merge_grid,
+                plan.merge_threads,
+                &merge,
+                order,
+            )?;
+        }
     }
     Tensor::from_vec(out, (tokens, n_heads, head_dim), &candle_core::Device::Cpu)
 }
@@ -669,8 +678,8 @@ mod tests {
         }
     }
 
-    /// Metal's attention kernels (`paged_attention.metal`: partitions of
-    /// 512 positions, simdgroup reductions, the merge) and launch plan,
+    /// Metal's attention kernels (`paged_attention.metal`: CUDA's
+    /// partitions, simdgroup reductions, the merge) and launch plan,
     /// float caches, against the slow reference: the kernel Metal compiles
     /// on a Mac, run here, where no Mac is. Each threadgroup's threads run
     /// last to first (one order: both took 65 s).

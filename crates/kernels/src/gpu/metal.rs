@@ -279,8 +279,9 @@ pub(crate) fn move_rows(
     scatter(s, l, (&out, 0), dst, row)
 }
 
-/// `paged_attention` on Metal: partial softmax states per 512-position
-/// partition, merged by log-sum-exp. Returns `[tokens, n_heads, head_dim]`.
+/// `paged_attention` on Metal: partial softmax states per partition of
+/// the context (as the CUDA per-query kernel splits it), merged by
+/// log-sum-exp. Returns `[tokens, n_heads, head_dim]`.
 pub(crate) fn paged_attention(
     q: (&MetalStorage, &Layout),
     k: (&MetalStorage, &Layout),
@@ -312,6 +313,10 @@ pub(crate) fn paged_attention(
     let seqs = upload(&dev, meta.token_seq)?;
     let pos = upload(&dev, meta.token_pos)?;
     let args = plan.args;
+    let count = tokens * n_heads * head_dim;
+    let out = dev.new_buffer(count, DType::F32, "tessera_attention")?;
+    // One partition: the kernel normalises its sums into the output.
+    let first = if plan.direct { &out } else { &part_out };
     dispatch(
         &dev,
         (
@@ -325,7 +330,7 @@ pub(crate) fn paged_attention(
             Arg::In(&tables, 0),
             Arg::In(&seqs, 0),
             Arg::In(&pos, 0),
-            Arg::Out(&part_out, 0),
+            Arg::Out(first, 0),
             Arg::Out(&part_max, 0),
             Arg::Out(&part_sum, 0),
             Arg::Bytes(bytes(&args)),
@@ -333,21 +338,21 @@ pub(crate) fn paged_attention(
         plan.grid,
         plan.threads,
     )?;
-    let count = tokens * n_heads * head_dim;
-    let out = dev.new_buffer(count, DType::F32, "tessera_attention")?;
-    dispatch(
-        &dev,
-        (ATTENTION, "tessera_attention_merge"),
-        &[
-            Arg::In(&part_out, 0),
-            Arg::In(&part_max, 0),
-            Arg::In(&part_sum, 0),
-            Arg::Out(&out, 0),
-            Arg::Bytes(bytes(&args)),
-        ],
-        plan.merge_grid,
-        plan.merge_threads,
-    )?;
+    if !plan.direct {
+        dispatch(
+            &dev,
+            (ATTENTION, "tessera_attention_merge"),
+            &[
+                Arg::In(&part_out, 0),
+                Arg::In(&part_max, 0),
+                Arg::In(&part_sum, 0),
+                Arg::Out(&out, 0),
+                Arg::Bytes(bytes(&args)),
+            ],
+            plan.merge_grid,
+            plan.merge_threads,
+        )?;
+    }
     Ok((
         MetalStorage::new(out, dev, count, DType::F32),
         Shape::from((tokens, n_heads, head_dim)),

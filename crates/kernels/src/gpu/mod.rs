@@ -230,7 +230,7 @@ pub const ATT_THREADS: usize = 128;
     all(feature = "metal", target_vendor = "apple")
 ))]
 pub(crate) mod metal_plan {
-    use super::{attention_parts, Launch, ATT_THREADS};
+    use super::{attention_split, Launch, ATT_THREADS};
     use crate::PagedMeta;
 
     /// `TsAttnArgs` of `gpu/paged_attention.metal`.
@@ -245,16 +245,21 @@ pub(crate) mod metal_plan {
         pub scale: f32,
         pub window: u32,
         pub parts: u32,
+        pub part_len: u32,
     }
 
-    /// One paged attention on Metal: `parts` partitions of 512 positions
-    /// per (token, head), a threadgroup of `threads` each over `grid`; then
-    /// the merge, a threadgroup of `merge_threads` per (head, token).
+    /// One paged attention on Metal: `parts` partitions of `part_len`
+    /// positions per (token, head), as the CUDA per-query kernel splits
+    /// them ([`attention_split`]), a threadgroup of `threads` each over
+    /// `grid`; then, with more than one partition, the merge, a
+    /// threadgroup of `merge_threads` per (head, token). One partition
+    /// (`direct`) normalises its own output into the output buffer.
     pub(crate) struct Plan {
         pub args: AttnArgs,
         pub parts: usize,
         pub grid: (usize, usize, usize),
         pub threads: usize,
+        pub direct: bool,
         pub merge_grid: (usize, usize, usize),
         pub merge_threads: usize,
     }
@@ -264,7 +269,7 @@ pub(crate) mod metal_plan {
         (n_heads, n_kv_heads, head_dim): (usize, usize, usize),
     ) -> Plan {
         let tokens = meta.token_pos.len();
-        let parts = attention_parts(meta);
+        let (part_len, parts) = attention_split(meta, n_heads);
         let u = |x: usize| x as u32;
         Plan {
             args: AttnArgs {
@@ -276,10 +281,12 @@ pub(crate) mod metal_plan {
                 scale: meta.scale,
                 window: u(meta.window),
                 parts: u(parts),
+                part_len: u(part_len),
             },
             parts,
             grid: (n_heads, tokens, parts),
             threads: ATT_THREADS,
+            direct: parts == 1,
             merge_grid: (n_heads, tokens, 1),
             merge_threads: Launch::per_item(1, head_dim).threads as usize,
         }
