@@ -228,13 +228,21 @@ void ts_emu_barrier(int warp) {
 
 void* ts_emu_dyn_shared() { return cur_launch->dyn.get(); }
 
-uint32_t ts_emu_exchange(uint32_t mine, uint32_t from) {
-    Launch& l = *cur_launch;
+// Posts this thread's value in its warp's slots and waits for the warp:
+// the round the values were posted in.
+static uint32_t post(Launch& l, uint32_t mine) {
     uint32_t me = l.cur, w = me / 32;
     uint32_t round = l.warps[w].round;
     l.slot[me] = mine;
     l.slot_round[me] = round;
     ts_emu_barrier((int)w);
+    return round;
+}
+
+uint32_t ts_emu_exchange(uint32_t mine, uint32_t from) {
+    Launch& l = *cur_launch;
+    uint32_t me = l.cur, w = me / 32;
+    uint32_t round = post(l, mine);
     uint32_t src = w * 32 + from;
     uint32_t got = 0;
     if (src >= l.threads || l.slot_round[src] != round)
@@ -259,11 +267,8 @@ extern "C" void ts_emu_sync(int warp) { ts_emu_barrier(warp); }
 // simdgroup reduction's operands, in lane order).
 extern "C" void ts_emu_gather(uint32_t mine, uint32_t* lanes) {
     Launch& l = *cur_launch;
-    uint32_t me = l.cur, w = me / 32;
-    uint32_t round = l.warps[w].round;
-    l.slot[me] = mine;
-    l.slot_round[me] = round;
-    ts_emu_barrier((int)w);
+    uint32_t w = l.cur / 32;
+    uint32_t round = post(l, mine);
     for (uint32_t i = 0; i < 32; i++) {
         uint32_t src = w * 32 + i;
         if (src >= l.threads || l.slot_round[src] != round) {

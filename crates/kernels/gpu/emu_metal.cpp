@@ -76,15 +76,17 @@ bool same(const char* a, const char* b) {
 
 } // namespace
 
-// Dispatches `name` over (gx, gy, gz) threadgroups of `threads` threads;
-// `order` 1 runs each threadgroup's threads last to first. 0, or nonzero
+// Dispatches `name` over (gx, gy, gz) threadgroups of `threads` threads
+// (`shared` must be 0: the Metal kernels declare their threadgroup
+// arrays); `order` 1 runs each threadgroup's threads last to first. 0, or nonzero
 // with a message in err.
 extern "C" int tessera_emu_metal_launch(const char* name, uint32_t gx, uint32_t gy, uint32_t gz,
-                                        uint32_t threads, const TsEmuArg* args, uint32_t nargs,
-                                        uint32_t order, char* err, size_t err_len) {
+                                        uint32_t threads, uint32_t shared, const TsEmuArg* args,
+                                        uint32_t nargs, uint32_t order, char* err,
+                                        size_t err_len) {
     // The bindings each kernel takes: buffers, then its TsAttnArgs.
     uint32_t buffers = same(name, "tessera_attention_merge") ? 4 : 9;
-    bool ok = nargs == buffers + 1 && args[buffers].kind == 3 &&
+    bool ok = shared == 0 && nargs == buffers + 1 && args[buffers].kind == 3 &&
               args[buffers].len == sizeof(TsAttnArgs);
     for (uint32_t i = 0; ok && i < buffers; i++) ok = args[i].kind == 0;
     void (*body)(void*) = nullptr;

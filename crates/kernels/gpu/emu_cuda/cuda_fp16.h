@@ -22,6 +22,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "../host_f16.h"
+
 struct uint3 {
     uint32_t x, y, z;
 };
@@ -108,16 +110,8 @@ inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fsub_rn(float a, float b) { return a - b; }
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fdiv_rn(float a, float b) { return a / b; }
-inline uint32_t __float_as_uint(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return u;
-}
-inline float __uint_as_float(uint32_t u) {
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
+inline uint32_t __float_as_uint(float f) { return ts_host_float_bits(f); }
+inline float __uint_as_float(uint32_t u) { return ts_host_bits_float(u); }
 inline uint32_t __byte_perm(uint32_t x, uint32_t y, uint32_t s) {
     uint64_t v = ((uint64_t)y << 32) | x;
     uint32_t r = 0;
@@ -136,36 +130,5 @@ struct __half {
 typedef __half half;
 inline __half __ushort_as_half(uint16_t b) { return __half{b}; }
 inline uint16_t __half_as_ushort(__half h) { return h.bits; }
-inline float __half2float(__half h) {
-    uint32_t sign = (uint32_t)(h.bits & 0x8000u) << 16;
-    uint32_t exp = (h.bits >> 10) & 0x1fu;
-    uint32_t man = h.bits & 0x3ffu;
-    if (exp == 0x1fu) return __uint_as_float(sign | 0x7f800000u | (man << 13));
-    if (exp == 0) {
-        if (man == 0) return __uint_as_float(sign);
-        float v = (float)man * (1.0f / 16777216.0f);
-        return sign ? -v : v;
-    }
-    return __uint_as_float(sign | ((exp + 112u) << 23) | (man << 13));
-}
-inline __half __float2half_rn(float f) {
-    uint32_t u = __float_as_uint(f);
-    uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
-    uint32_t a = u & 0x7fffffffu;
-    if (a > 0x7f800000u) return __half{(uint16_t)(sign | 0x7e00u | ((a >> 13) & 0x3ffu))};
-    if (a >= 0x477ff000u) return __half{(uint16_t)(sign | 0x7c00u)};
-    if (a < 0x38800000u) {
-        if (a < 0x33000000u) return __half{sign};
-        uint32_t e = a >> 23;
-        uint32_t m = (a & 0x7fffffu) | 0x800000u;
-        uint32_t shift = 126u - e;
-        uint32_t q = m >> shift;
-        uint32_t rem = m & ((1u << shift) - 1u);
-        uint32_t halfway = 1u << (shift - 1u);
-        if (rem > halfway || (rem == halfway && (q & 1u))) q++;
-        return __half{(uint16_t)(sign | q)};
-    }
-    uint32_t r = a - 0x38000000u;
-    r += 0xfffu + ((r >> 13) & 1u);
-    return __half{(uint16_t)(sign | (r >> 13))};
-}
+inline float __half2float(__half h) { return ts_host_f16_to_f32(h.bits); }
+inline __half __float2half_rn(float f) { return __half{ts_host_f32_to_f16(f)}; }

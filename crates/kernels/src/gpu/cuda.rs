@@ -12,7 +12,8 @@ use std::rc::Rc;
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, CudaView, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaSlice, CudaView, DevicePtr, DevicePtrMut, DeviceRepr, LaunchArgs, LaunchConfig,
+    PushKernelArg,
 };
 use candle_core::cuda_backend::{CudaStorageSlice as S, DeviceId, WrapErr};
 use candle_core::{bail, CudaDevice, CudaStorage, Layout, Result, Shape};
@@ -495,7 +496,20 @@ fn launch(dev: &CudaDevice, c: &Call) -> Result<()> {
         ),
     };
     let f = dev.get_or_load_custom_func(&c.name, module, ptx)?;
-    let mut b = f.builder();
+    // SAFETY: the calls come from the launchers in `launch.rs`, whose
+    // callers checked shapes, block tables and positions against the
+    // buffers; each argument list is its kernel's parameters (the
+    // kernel-emu build checks them against the source's signatures).
+    unsafe { launch_with(f.builder(), c) }
+}
+
+/// Pushes `c`'s arguments onto `b` (a kernel's launch builder) and launches
+/// its grid.
+///
+/// # Safety
+/// The call's buffers hold what its kernel reads and writes, and `b` is
+/// the builder of the kernel `c` names.
+pub(crate) unsafe fn launch_with<'a>(mut b: LaunchArgs<'a>, c: &'a Call) -> Result<()> {
     for a in &c.args {
         match a {
             Arg::Ptr(p) => b.arg(p),
@@ -506,12 +520,8 @@ fn launch(dev: &CudaDevice, c: &Call) -> Result<()> {
     let cfg = LaunchConfig {
         grid_dim: c.grid,
         block_dim: (c.threads, 1, 1),
-        shared_mem_bytes: 0,
+        shared_mem_bytes: c.shared,
     };
-    // SAFETY: the calls come from the launchers in `launch.rs`, whose
-    // callers checked shapes, block tables and positions against the
-    // buffers; each argument list is its kernel's parameters (the
-    // kernel-emu build checks them against the source's signatures).
-    unsafe { b.launch(cfg) }.w()?;
+    b.launch(cfg).w()?;
     Ok(())
 }

@@ -284,6 +284,23 @@ struct EmuArg {
     ptr: u64,
 }
 
+/// `tessera_emu_cuda_launch` and `tessera_emu_metal_launch`: (name, grid
+/// x, y, z, threads, shared bytes, arguments, their count, order, error
+/// text, its room) → 0 or an error.
+type EmuLaunch = unsafe extern "C" fn(
+    *const std::ffi::c_char,
+    u32,
+    u32,
+    u32,
+    u32,
+    u32,
+    *const EmuArg,
+    u32,
+    u32,
+    *mut std::ffi::c_char,
+    usize,
+) -> i32;
+
 extern "C" {
     fn tessera_emu_cuda_launch(
         name: *const std::ffi::c_char,
@@ -298,6 +315,53 @@ extern "C" {
         err: *mut std::ffi::c_char,
         err_len: usize,
     ) -> i32;
+    fn tessera_emu_metal_launch(
+        name: *const std::ffi::c_char,
+        gx: u32,
+        gy: u32,
+        gz: u32,
+        threads: u32,
+        shared: u32,
+        args: *const EmuArg,
+        nargs: u32,
+        order: u32,
+        err: *mut std::ffi::c_char,
+        err_len: usize,
+    ) -> i32;
+}
+
+/// Runs kernel `name` through one of the emulator's launchers.
+///
+/// # Safety
+/// The arguments' addresses are live host memory of the sizes the kernel
+/// touches.
+unsafe fn emu_launch(
+    f: EmuLaunch,
+    name: &str,
+    (grid, threads, shared): ((u32, u32, u32), u32, u32),
+    args: &[EmuArg],
+    order: Order,
+) -> Result<()> {
+    let c = std::ffi::CString::new(name).expect("kernel names have no NUL");
+    let mut err = [0 as std::ffi::c_char; 512];
+    let rc = f(
+        c.as_ptr(),
+        grid.0,
+        grid.1,
+        grid.2,
+        threads,
+        shared,
+        args.as_ptr(),
+        args.len() as u32,
+        (order == Order::Reverse) as u32,
+        err.as_mut_ptr(),
+        err.len(),
+    );
+    if rc != 0 {
+        let msg = std::ffi::CStr::from_ptr(err.as_ptr()).to_string_lossy();
+        bail!("emu: {msg}")
+    }
+    Ok(())
 }
 
 /// Runs one launch of the CUDA launchers (`launch.rs`) on the CPU: a
@@ -345,26 +409,13 @@ unsafe fn launch(c: &Call, order: Order) -> Result<()> {
             },
         })
         .collect();
-    let name = std::ffi::CString::new(c.name.as_str()).expect("kernel names have no NUL");
-    let mut err = [0 as std::ffi::c_char; 512];
-    let rc = tessera_emu_cuda_launch(
-        name.as_ptr(),
-        c.grid.0,
-        c.grid.1,
-        c.grid.2,
-        c.threads,
-        c.shared,
-        args.as_ptr(),
-        args.len() as u32,
-        (order == Order::Reverse) as u32,
-        err.as_mut_ptr(),
-        err.len(),
-    );
-    if rc != 0 {
-        let msg = std::ffi::CStr::from_ptr(err.as_ptr()).to_string_lossy();
-        bail!("emu: {msg}")
-    }
-    Ok(())
+    emu_launch(
+        tessera_emu_cuda_launch,
+        &c.name,
+        (c.grid, c.threads, c.shared),
+        &args,
+        order,
+    )
 }
 
 /// [`crate::paged_attention`] through the CUDA launchers and kernels
@@ -443,21 +494,6 @@ pub fn paged_attention(
     Tensor::from_vec(out, (tokens, n_heads, head_dim), &candle_core::Device::Cpu)
 }
 
-extern "C" {
-    fn tessera_emu_metal_launch(
-        name: *const std::ffi::c_char,
-        gx: u32,
-        gy: u32,
-        gz: u32,
-        threads: u32,
-        args: *const EmuArg,
-        nargs: u32,
-        order: u32,
-        err: *mut std::ffi::c_char,
-        err_len: usize,
-    ) -> i32;
-}
-
 /// A Metal binding as `gpu/emu_metal.cpp` takes it: a buffer's address,
 /// or a `constant` value's bytes.
 fn metal_buffer(p: u64) -> EmuArg {
@@ -489,25 +525,14 @@ unsafe fn metal_dispatch(
     args: &[EmuArg],
     order: Order,
 ) -> Result<()> {
-    let c = std::ffi::CString::new(name).expect("kernel names have no NUL");
-    let mut err = [0 as std::ffi::c_char; 512];
-    let rc = tessera_emu_metal_launch(
-        c.as_ptr(),
-        grid.0 as u32,
-        grid.1 as u32,
-        grid.2 as u32,
-        threads as u32,
-        args.as_ptr(),
-        args.len() as u32,
-        (order == Order::Reverse) as u32,
-        err.as_mut_ptr(),
-        err.len(),
-    );
-    if rc != 0 {
-        let msg = std::ffi::CStr::from_ptr(err.as_ptr()).to_string_lossy();
-        bail!("emu metal {name}: {msg}")
-    }
-    Ok(())
+    let u = |x: usize| x as u32;
+    emu_launch(
+        tessera_emu_metal_launch,
+        name,
+        ((u(grid.0), u(grid.1), u(grid.2)), u(threads), 0),
+        args,
+        order,
+    )
 }
 
 /// [`crate::paged_attention`] through Metal's kernels
@@ -776,6 +801,21 @@ mod tests {
         Ok(())
     }
 
+    /// The weight formats of the CUDA products, in `GemvFormat`'s order.
+    const FORMATS: [candle_core::quantized::GgmlDType; 8] = {
+        use candle_core::quantized::GgmlDType;
+        [
+            GgmlDType::Q4_0,
+            GgmlDType::Q4_1,
+            GgmlDType::Q8_0,
+            GgmlDType::Q4K,
+            GgmlDType::Q5K,
+            GgmlDType::Q6K,
+            GgmlDType::F32,
+            GgmlDType::F16,
+        ]
+    };
+
     /// f32 values in 16-byte aligned storage (the kernels load inputs as
     /// float4s).
     struct Floats(Vec<u128>, usize);
@@ -826,18 +866,9 @@ mod tests {
     #[test]
     fn cuda_products_match_the_dequantized_weights() -> Result<()> {
         use super::super::launch::{product_call, DevWeight, GemvFormat, GemvIo};
-        use candle_core::quantized::{GgmlDType, QTensor};
+        use candle_core::quantized::QTensor;
         use candle_core::Device;
-        let formats = [
-            GgmlDType::Q4_0,
-            GgmlDType::Q4_1,
-            GgmlDType::Q8_0,
-            GgmlDType::Q4K,
-            GgmlDType::Q5K,
-            GgmlDType::Q6K,
-            GgmlDType::F32,
-            GgmlDType::F16,
-        ];
+        let formats = FORMATS;
         // Five outputs: a stacked gate|up weight of ten rows.
         let n = 5;
         for k in [256usize, 2304, 8192] {
@@ -946,7 +977,7 @@ mod tests {
     #[test]
     fn cuda_dequant_launch_equals_candles() -> Result<()> {
         use super::super::launch::{dequant_call, DevWeight, GemvFormat};
-        use candle_core::quantized::{GgmlDType, QTensor};
+        use candle_core::quantized::QTensor;
         use candle_core::Device;
         let (rows, k) = (3usize, 768usize);
         let src = Tensor::from_vec(
@@ -956,16 +987,7 @@ mod tests {
             (rows, k),
             &Device::Cpu,
         )?;
-        for dtype in [
-            GgmlDType::Q4_0,
-            GgmlDType::Q4_1,
-            GgmlDType::Q8_0,
-            GgmlDType::Q4K,
-            GgmlDType::Q5K,
-            GgmlDType::Q6K,
-            GgmlDType::F32,
-            GgmlDType::F16,
-        ] {
+        for dtype in FORMATS {
             let q = QTensor::quantize(&src, dtype)?;
             let want = q
                 .dequantize(&Device::Cpu)?
@@ -1412,18 +1434,9 @@ mod tests {
     /// token, rows of one pass and of many, in every format.
     #[test]
     fn gemv_lanes_add_up_to_the_dot_products_in_every_shape() -> Result<()> {
-        use candle_core::quantized::{GgmlDType, QTensor};
+        use candle_core::quantized::QTensor;
         use candle_core::Device;
-        let formats = [
-            GgmlDType::Q4_0,
-            GgmlDType::Q4_1,
-            GgmlDType::Q8_0,
-            GgmlDType::Q4K,
-            GgmlDType::Q5K,
-            GgmlDType::Q6K,
-            GgmlDType::F32,
-            GgmlDType::F16,
-        ];
+        let formats = FORMATS;
         let noise = |i: u32, seed: u32| {
             let h = i.wrapping_mul(2654435761) ^ seed.wrapping_mul(40503);
             ((h >> 7) % 2000) as f32 / 1000.0 - 1.0

@@ -11,15 +11,15 @@ use std::sync::Arc;
 
 use candle_core::cuda_backend::cudarc::cublas::{self, CudaBlas};
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream,
 };
 use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
 use candle_core::cuda_backend::{CudaStorageSlice as S, WrapErr};
 use candle_core::{bail, CudaDevice, Result, Storage, Tensor};
 
-use super::cuda::{addr, attention_into, launch_attention, AttnBuffers, AttnLaunch};
+use super::cuda::{addr, attention_into, launch_attention, launch_with, AttnBuffers, AttnLaunch};
 use super::launch::{
-    act_mul_call, dequant_call, forward_kernels, per_row_call, product_call, qkv_call, Arg, Call,
+    act_mul_call, dequant_call, forward_kernels, per_row_call, product_call, qkv_call, Call,
     NORM_STAGE_BYTES,
 };
 pub use super::launch::{DevWeight, GemvFormat, GemvIo, QkvStep};
@@ -129,21 +129,7 @@ impl Forward {
         let Some(f) = self.funcs.get(&c.name) else {
             bail!("the CUDA forward has no kernel {}", c.name)
         };
-        let mut b = self.stream.launch_builder(f);
-        for a in &c.args {
-            match a {
-                Arg::Ptr(p) => b.arg(p),
-                Arg::U32(v) => b.arg(v),
-                Arg::F32(v) => b.arg(v),
-            };
-        }
-        let cfg = LaunchConfig {
-            grid_dim: c.grid,
-            block_dim: (c.threads, 1, 1),
-            shared_mem_bytes: c.shared,
-        };
-        b.launch(cfg).w()?;
-        Ok(())
+        launch_with(self.stream.launch_builder(f), c)
     }
 
     pub fn device(&self) -> &CudaDevice {
