@@ -46,7 +46,8 @@ check-portable:
 # What a machine without a GPU can check of the GPU kernels: every .cu through nvcc and ptxas for
 # sm_80 and sm_90 (installs the pinned CUDA 13.0 nvcc wheels when missing), every .metal through
 # clang -fsyntax-only against our metal_stdlib shim, and the kernel-emu tests (the shared kernel
-# source compiled for the CPU against the slow references), then the CUDA launchers type-checked
+# source, and the CUDA-only and Metal-only kernels under a fiber emulator, compiled for the CPU
+# against the slow references), then the CUDA launchers type-checked
 # (target/cuda-check, with scripts/nvcc_check.sh standing in for nvcc: nothing there runs a kernel) and
 # the Metal ones through clippy for aarch64-apple-darwin (target/metal).
 check-gpu:

@@ -13,8 +13,11 @@ llama.cpp's CUDA llama-bench: see scripts/cuda_lent_call.sh.)
 2. Every crates/kernels/gpu/*.metal checked by `clang++ -fsyntax-only`
    against gpu/shim/metal_stdlib, a stand-in of our own for Metal's header.
 3. The kernel-emu tests: the shared kernel source compiled for the CPU and
-   run against the CPU slow references, and the entry points and buffer
-   indices the Rust side binds checked against the source.
+   run against the CPU slow references; paged_attention.cu, forward.cu and
+   paged_attention.metal compiled unchanged for the CPU and run whole, a
+   fiber per GPU thread (gpu/emu_cuda.cpp, gpu/emu_metal.cpp), with the
+   launchers' own launches; and the entry points and buffer indices the
+   Rust side binds checked against the source.
 4. The CUDA launchers, the GPU tests and the `tessera` binary with its
    `cuda` feature type-checked against candle's CUDA backend (in
    target/cuda-check), with scripts/nvcc_check.sh as nvcc: a type-check
