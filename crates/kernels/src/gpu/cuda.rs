@@ -4,7 +4,8 @@
 //! (`get_or_load_custom_func`) and launched on its stream from the
 //! `cuda_fwd` of the ops in `kv/write.rs`, `kv/copy.rs`, `kv/shift.rs` and
 //! `attention/paged.rs`. The launch shapes and host tables are those of
-//! [`super`], which the `kernel-emu` tests run on the CPU.
+//! [`super`], and the attention's launches are built by `launch.rs`, which
+//! the `kernel-emu` tests run on the CPU.
 
 use std::cell::RefCell;
 use std::collections::VecDeque;

@@ -1,6 +1,15 @@
-//! The GPU kernel source run on the CPU (`kernel-emu` feature): `gpu/emu.cpp`
-//! (the host prelude and the shared bodies) compiled by `build.rs`, each
-//! entry point called once per thread of the grid the GPU launchers use.
+//! The GPU kernel source run on the CPU (`kernel-emu` feature), compiled by
+//! `build.rs`:
+//! - `gpu/emu.cpp` (the host prelude and the shared bodies of `kv_ops.h`):
+//!   each entry point called once per thread of the grid the GPU launchers
+//!   use, one thread after another;
+//! - `gpu/emu_cuda.cpp` and `gpu/emu_metal.cpp` (the CUDA-only and
+//!   Metal-only kernel files, unchanged, against host stand-ins for CUDA's
+//!   and Metal's headers): whole launches, a fiber per GPU thread, with
+//!   CUDA's barriers and warp shuffles (Metal's threadgroup barriers and
+//!   simdgroup reductions), from the launches the launchers build
+//!   (`launch.rs`, `metal_plan`).
+//!
 //! The ops take CPU tensors and check their arguments as the CPU ops do.
 
 use candle_core::{bail, DType, Result, Tensor};

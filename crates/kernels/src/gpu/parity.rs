@@ -1,7 +1,9 @@
 //! The parity checks every GPU backend passes, against the CPU slow
 //! references: the kernel-emu build (`emu.rs`), CUDA (`cuda_tests.rs`) and
-//! Metal (`metal_tests.rs`) run the same ones through a [`Backend`]; the two
-//! devices also run [`paged_attention_on`], all through [`device_tests`].
+//! Metal (`metal_tests.rs`) run the same ones through a [`Backend`]; paged
+//! attention runs through an [`Attend`] ([`paged_attention`]): on the two
+//! devices ([`paged_attention_on`], through [`device_tests`]) and, in the
+//! kernel-emu build, through CUDA's and Metal's kernel sources on the CPU.
 
 #[cfg(any(feature = "cuda", all(feature = "metal", target_vendor = "apple")))]
 use candle_core::Device;
