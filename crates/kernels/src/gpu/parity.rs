@@ -234,6 +234,13 @@ pub(crate) fn paged_attention_on(dev: &Device) -> Result<()> {
 /// chunks, several partitions (on CUDA, of 64 and of 256 positions), GQA,
 /// a sliding window, head dims 64–256, every cache type it takes.
 pub(crate) fn paged_attention(b: &dyn Attend) -> Result<()> {
+    paged_attention_upto(b, usize::MAX)
+}
+
+/// [`paged_attention`] without the cases of more than `most` queries (an
+/// emulated per-query kernel takes most of a minute over the 512-token
+/// chunk).
+pub(crate) fn paged_attention_upto(b: &dyn Attend, most: usize) -> Result<()> {
     let diff = |q: &Tensor, k: &Tensor, v: &Tensor, meta: &PagedMeta| -> Result<f32> {
         let want = crate::paged_attention_slow(q, k, v, meta)?;
         max_abs_diff(&b.attend(q, k, v, meta)?, &want)
@@ -254,6 +261,9 @@ pub(crate) fn paged_attention(b: &dyn Attend) -> Result<()> {
     ];
     for &t in b.types() {
         for (i, &(nh, kvh, hd, bs, ctx, new, window)) in cases.iter().enumerate() {
+            if new > most {
+                continue;
+            }
             let blocks = ctx.div_ceil(bs) + 2;
             let k = seeded_cache(&[blocks, bs, kvh, hd], 10 + i as u64, t)?;
             let v = seeded_cache(&[blocks, bs, kvh, hd], 20 + i as u64, t)?;
@@ -293,6 +303,84 @@ pub(crate) fn paged_attention(b: &dyn Attend) -> Result<()> {
         let q = seeded(&[50, nh, hd], 43, DType::F32)?;
         let d = diff(&q, &k, &v, &meta)?;
         assert!(d < 1e-4, "{t} two sequences: {d}");
+    }
+    Ok(())
+}
+
+/// `b`'s paged attention against the slow reference on `cases` random
+/// launches (seeded): several sequences of their own lengths in one
+/// launch, each through a shuffled block table, decode steps beside
+/// prefill chunks, head dims with and without a tiled kernel (64, 80, 96,
+/// 128), odd block sizes, GQA groups of 1 to 8, sliding windows.
+pub(crate) fn paged_attention_random(b: &dyn Attend, cases: u64) -> Result<()> {
+    let rng = |n: u64, state: &mut u64| -> usize {
+        *state = state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((*state >> 33) % n) as usize
+    };
+    for case in 0..cases {
+        let mut st = 0x9e3779b97f4a7c15u64 ^ case;
+        let hd: usize = [64, 80, 96, 128][rng(4, &mut st)];
+        let kvh = 1 + rng(3, &mut st);
+        let group = [1, 2, 3, 4, 8][rng(5, &mut st)];
+        let nh = kvh * group;
+        let bs = [1, 3, 8, 16][rng(4, &mut st)];
+        let window = [0, 0, 17, 100][rng(4, &mut st)];
+        let seqs = 1 + rng(3, &mut st);
+        // Each sequence: a context length and how many of its last
+        // positions are queries (1: a decode step).
+        let mut spans = Vec::new();
+        for _ in 0..seqs {
+            let ctx = 1 + rng(300, &mut st);
+            let new = if rng(2, &mut st) == 0 {
+                1
+            } else {
+                1 + rng(ctx.min(40) as u64, &mut st)
+            };
+            spans.push((ctx, new));
+        }
+        let max_blocks = spans
+            .iter()
+            .map(|&(c, _)| c.div_ceil(bs))
+            .max()
+            .unwrap_or(1);
+        let blocks = seqs * max_blocks + 1;
+        let mut order: Vec<u32> = (0..blocks as u32).collect();
+        for i in (1..order.len()).rev() {
+            order.swap(i, rng(i as u64 + 1, &mut st));
+        }
+        let tables: Vec<u32> = order[..seqs * max_blocks].to_vec();
+        let (mut token_seq, mut token_pos) = (Vec::new(), Vec::new());
+        for (s, &(ctx, new)) in spans.iter().enumerate() {
+            for p in ctx - new..ctx {
+                token_seq.push(s as u32);
+                token_pos.push(p as u32);
+            }
+        }
+        let meta = PagedMeta {
+            block_size: bs,
+            block_tables: &tables,
+            max_blocks,
+            token_seq: &token_seq,
+            token_pos: &token_pos,
+            scale: 1.0 / (hd as f32).sqrt(),
+            window,
+        };
+        for &t in b.types() {
+            if t.is_quantized() && !hd.is_multiple_of(64) {
+                continue; // quantized rows are turned 64 values at a time
+            }
+            let k = seeded_cache(&[blocks, bs, kvh, hd], 100 + case, t)?;
+            let v = seeded_cache(&[blocks, bs, kvh, hd], 200 + case, t)?;
+            let q = seeded(&[token_pos.len(), nh, hd], 300 + case, DType::F32)?;
+            let want = crate::paged_attention_slow(&q, &k, &v, &meta)?;
+            let d = max_abs_diff(&b.attend(&q, &k, &v, &meta)?, &want)?;
+            assert!(
+                d < 1e-4,
+                "{t} random case {case} (heads {nh}/{kvh} of {hd}, block {bs}, window {window}, spans {spans:?}): {d}"
+            );
+        }
     }
     Ok(())
 }
