@@ -2,8 +2,8 @@
 // and `forward.cu` compiled unchanged for the CPU against
 // `emu_cuda/cuda_fp16.h` (in a namespace of their own, so that the shared
 // headers' types do not meet the host prelude's build of them in
-// `emu.cpp`), and run
-// a thread block at a time, each GPU thread a fiber (see that header).
+// `emu.cpp`), and run a thread block at a time, each GPU thread a fiber
+// (see that header).
 // `tessera_emu_cuda_launch` launches a kernel by name with its arguments
 // as the Rust launchers pass them to CUDA (crates/kernels/src/gpu/emu.rs).
 // macOS keeps its ucontext routines behind _XOPEN_SOURCE.
@@ -30,7 +30,7 @@ using namespace ts_cuda_emu;
 #if defined(__x86_64__) && defined(__linux__) && !defined(TS_EMU_UCONTEXT)
 // Saves the callee-saved registers on this stack and its pointer in *from,
 // then resumes the stack at `to` (one saved by this function, or a new one
-// laid out by ts_emu_fiber_stack).
+// laid out by fiber_stack).
 extern "C" void ts_emu_switch(void** from, void* to);
 asm(R"(
     .text
@@ -239,17 +239,22 @@ static uint32_t post(Launch& l, uint32_t mine) {
     return round;
 }
 
+// What lane `lane` of this thread's warp posted in `round` (0, and the
+// launch failed with `what`, where it posted nothing).
+static uint32_t posted(Launch& l, uint32_t lane, uint32_t round, const char* what) {
+    uint32_t src = l.cur / 32 * 32 + lane;
+    if (src >= l.threads || l.slot_round[src] != round) {
+        fail(l, what);
+        return 0;
+    }
+    return l.slot[src];
+}
+
 uint32_t ts_emu_exchange(uint32_t mine, uint32_t from) {
     Launch& l = *cur_launch;
-    uint32_t me = l.cur, w = me / 32;
-    uint32_t round = post(l, mine);
-    uint32_t src = w * 32 + from;
-    uint32_t got = 0;
-    if (src >= l.threads || l.slot_round[src] != round)
-        fail(l, "a warp shuffle reads a lane that did not take part in it");
-    else
-        got = l.slot[src];
-    ts_emu_barrier((int)w);
+    uint32_t got = posted(l, from, post(l, mine),
+                          "a warp shuffle reads a lane that did not take part in it");
+    ts_emu_barrier((int)(l.cur / 32));
     return got;
 }
 
@@ -267,18 +272,11 @@ extern "C" void ts_emu_sync(int warp) { ts_emu_barrier(warp); }
 // simdgroup reduction's operands, in lane order).
 extern "C" void ts_emu_gather(uint32_t mine, uint32_t* lanes) {
     Launch& l = *cur_launch;
-    uint32_t w = l.cur / 32;
     uint32_t round = post(l, mine);
-    for (uint32_t i = 0; i < 32; i++) {
-        uint32_t src = w * 32 + i;
-        if (src >= l.threads || l.slot_round[src] != round) {
-            fail(l, "a simdgroup reduction reads a lane that did not take part in it");
-            lanes[i] = 0;
-        } else {
-            lanes[i] = l.slot[src];
-        }
-    }
-    ts_emu_barrier((int)w);
+    for (uint32_t i = 0; i < 32; i++)
+        lanes[i] = posted(l, i, round,
+                          "a simdgroup reduction reads a lane that did not take part in it");
+    ts_emu_barrier((int)(l.cur / 32));
 }
 
 // ---- the emulator's own tests (src/gpu/emu.rs) -------------------------------

@@ -4,6 +4,7 @@
 // `tessera_emu_metal_launch` dispatches a kernel by name with its buffers
 // and `constant` bytes in binding order, as gpu/metal.rs binds them.
 #include <metal_stdlib>
+#include <stdio.h>
 
 namespace ts_metal_emu {
 #include "paged_attention.metal"
@@ -69,17 +70,14 @@ void merge(void* ctx) {
                             m.threads);
 }
 
-bool same(const char* a, const char* b) {
-    while (*a && *a == *b) a++, b++;
-    return *a == *b;
-}
+bool same(const char* a, const char* b) { return strcmp(a, b) == 0; }
 
 } // namespace
 
 // Dispatches `name` over (gx, gy, gz) threadgroups of `threads` threads
 // (`shared` must be 0: the Metal kernels declare their threadgroup
-// arrays); `order` 1 runs each threadgroup's threads last to first. 0, or nonzero
-// with a message in err.
+// arrays); `order` 1 runs each threadgroup's threads last to first. 0,
+// or nonzero with a message in err.
 extern "C" int tessera_emu_metal_launch(const char* name, uint32_t gx, uint32_t gy, uint32_t gz,
                                         uint32_t threads, uint32_t shared, const TsEmuArg* args,
                                         uint32_t nargs, uint32_t order, char* err,
@@ -100,10 +98,8 @@ extern "C" int tessera_emu_metal_launch(const char* name, uint32_t gx, uint32_t 
         ctx = &m;
     }
     if (!body || !ok) {
-        const char* why = body ? "bindings that are not its parameters" : "no such kernel";
-        int n = 0;
-        while (n + 1 < (int)err_len && why[n]) err[n] = why[n], n++;
-        if (err_len) err[n] = 0;
+        snprintf(err, err_len, "%s: %s", name,
+                 body ? "bindings that are not its parameters" : "no such kernel");
         return 1;
     }
     return ts_emu_run_c(name, gx, gy, gz, threads, order, body, ctx, err, err_len);

@@ -144,7 +144,6 @@ pub(crate) fn hadamard_call(x: u64, values: usize) -> Call {
 /// rotation back.
 pub(crate) fn attention_calls(a: &AttnLaunch) -> Vec<Call> {
     let (n_heads, n_kv_heads, head_dim) = a.heads;
-    let u = |x: usize| x as u32;
     let (kind, dims, grid) = match a.tiles {
         Some((_, n)) => ("tiled", format!("_{head_dim}"), (u(n), u(a.parts), 1)),
         None => (
