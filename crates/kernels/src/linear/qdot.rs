@@ -1819,26 +1819,96 @@ mod x86 {
     }
 
     /// Blocks of a tile's stream ahead of the one being read that
-    /// [`prefetch_ahead`] hints (about 18 KiB of Q4_1). Decoding one
+    /// [`Hints::record`] hints (about 18 KiB of Q4_1). Decoding one
     /// sequence waits on memory: four blocks ahead (2.3 KiB) gave 330
     /// tok/s on SmolLM2 Q4_1 (Xeon, 2 cores), sixteen 420, thirty-two
     /// 435, sixty-four 430.
-    const AHEAD_BLOCKS: usize = 32;
+    pub(super) const AHEAD_BLOCKS: usize = 32;
 
-    /// Hints the block `AHEAD_BLOCKS` past the one at `t` (`rec` bytes
-    /// each; tiles follow each other in memory, so it runs on into the
-    /// next tiles) into L2, for the reason `Lanes::prefetch` gives.
-    #[inline(always)]
-    pub(super) unsafe fn prefetch_ahead(t: *const u8, rec: usize) {
-        prefetch_at(t, rec, AHEAD_BLOCKS * rec)
+    /// The lines of tile bytes to come that a block's products hint into
+    /// L2, one line per product (`prefetcht1`), so that the hints are
+    /// spread among the products rather than issued in a burst at the
+    /// block's start: up to two runs of 64-byte lines, `na` from `a` and
+    /// `nb` from `b`. Each hint is an `asm!` block, which the compiler
+    /// keeps in its place among the loads around it (it gathers the
+    /// `_mm_prefetch` intrinsics of a block into one burst).
+    ///
+    /// Why spread: with a block's lines hinted in a burst, a decode's
+    /// tiles streamed 0.64–0.72 of the host's read rate on a 2-core Xeon
+    /// (AVX-512 VNNI and AMX) while the same tiles ran 2× the read rate
+    /// from L2; spread one a product, 0.80–0.88 (`tile_stream`, 2026-12-07,
+    /// docs/performance-notes.md). A burst fills the core's miss buffers
+    /// with lines that take a trip to memory, and the block's own loads,
+    /// hits in L2 that need a buffer too, wait behind them.
+    #[derive(Clone, Copy)]
+    pub(super) struct Hints {
+        a: *const u8,
+        na: usize,
+        b: *const u8,
+        nb: usize,
     }
 
-    /// Hints the `rec` bytes `dist` bytes past `t` into L2.
-    #[inline(always)]
-    pub(super) unsafe fn prefetch_at(t: *const u8, rec: usize, dist: usize) {
-        let ahead = t.wrapping_add(dist);
-        for l in (0..rec).step_by(64) {
-            _mm_prefetch(ahead.wrapping_add(l) as *const i8, _MM_HINT_T1);
+    impl Hints {
+        /// No lines (the products of every input after the first).
+        pub(super) const NONE: Hints = Hints {
+            a: std::ptr::null(),
+            na: 0,
+            b: std::ptr::null(),
+            nb: 0,
+        };
+
+        /// The `rec` bytes `AHEAD_BLOCKS` records past the record at `t`
+        /// (tiles follow each other in memory, so it runs on into the
+        /// next tiles).
+        pub(super) fn record(t: *const u8, rec: usize) -> Hints {
+            Hints::span(t.wrapping_add(AHEAD_BLOCKS * rec), rec)
+        }
+
+        /// The lines of the `bytes` bytes at `at`.
+        pub(super) fn span(at: *const u8, bytes: usize) -> Hints {
+            Hints {
+                a: at,
+                na: bytes.div_ceil(64),
+                ..Hints::NONE
+            }
+        }
+
+        /// These lines, then the one line at `at` (`Some`).
+        pub(super) fn and_line(self, at: Option<*const u8>) -> Hints {
+            match at {
+                Some(b) => Hints { b, nb: 1, ..self },
+                None => self,
+            }
+        }
+
+        /// Hints line `j` (none past the last).
+        #[inline(always)]
+        #[allow(clippy::pointers_in_nomem_asm_block)]
+        pub(super) unsafe fn line(&self, j: usize) {
+            let at = if j < self.na {
+                self.a.wrapping_add(64 * j)
+            } else if j - self.na < self.nb {
+                self.b.wrapping_add(64 * (j - self.na))
+            } else {
+                return;
+            };
+            // SAFETY: a prefetch never faults, whatever the address. It
+            // reads nothing the program sees (`nomem`, so that the compiler
+            // still moves loads around it freely; `readonly` streamed no
+            // faster).
+            std::arch::asm!(
+                "prefetcht1 [{}]",
+                in(reg) at,
+                options(nostack, preserves_flags, nomem)
+            );
+        }
+
+        /// Hints lines `from..` (those no product took).
+        #[inline(always)]
+        pub(super) unsafe fn rest(&self, from: usize) {
+            for j in from..self.na + self.nb {
+                self.line(j);
+            }
         }
     }
 
@@ -1874,7 +1944,7 @@ mod x86 {
         let mut y = [_mm512_setzero_ps(); NI];
         for b in 0..w.nb {
             let t = p.add(b * rec);
-            prefetch_ahead(t, rec);
+            let hints = Hints::record(t, rec);
             let d = _mm512_cvtph_ps(_mm256_loadu_si256(t as *const __m256i));
             let m = if kind.has_min() {
                 _mm512_cvtph_ps(_mm256_loadu_si256(t.add(32) as *const __m256i))
@@ -1887,18 +1957,17 @@ mod x86 {
                     *v = _mm512_xor_si512(*v, flip);
                 }
             }
-            let level = |a: &ActBlock, l: usize| {
-                let init = _mm512_set1_epi32(offset(kind) * a.s[l]);
-                chains512(init, |j| (wv[j], _mm512_set1_epi32(quad(&a.q[l], j))))
-            };
             // Written out input by input, so that every sum stays in a
-            // register (a loop of eight keeps them on the stack).
+            // register (a loop of eight keeps them on the stack). The
+            // first input's products hint the lines to come, a line each
+            // (`Hints`).
             unrolled!(NI, |i| {
                 let a: &ActBlock = &ins[i][b];
-                let a1 = level(a, 0);
+                let h = if i == 0 { hints } else { Hints::NONE };
+                let a1 = block_level512(kind, a, 0, &wv, &h);
                 let mut s = _mm512_mul_ps(_mm512_cvtepi32_ps(a1), _mm512_set1_ps(a.d[0]));
                 if TWO {
-                    let a2 = level(a, 1);
+                    let a2 = block_level512(kind, a, 1, &wv, &h);
                     s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a2), _mm512_set1_ps(a.d[1]), s);
                 }
                 y[i] = _mm512_fmadd_ps(d, s, y[i]);
@@ -1906,10 +1975,30 @@ mod x86 {
                     y[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.xsum), y[i]);
                 }
             });
+            hints.rest(if TWO { 16 } else { 8 });
         }
         for i in 0..NI {
             _mm512_storeu_ps(out[i].as_mut_ptr(), y[i]);
         }
+    }
+
+    /// One level's integer sums for [`tile_avx512`]'s 16 rows, the
+    /// products hinting lines `8l..8l + 8` of `hints`. (A closure in its
+    /// place, once it hinted, was no longer inlined: a call a block, its
+    /// weights through the stack.)
+    #[inline(always)]
+    unsafe fn block_level512(
+        kind: Kind,
+        a: &ActBlock,
+        l: usize,
+        wv: &[__m512i; 8],
+        hints: &Hints,
+    ) -> __m512i {
+        let init = _mm512_set1_epi32(offset(kind) * a.s[l]);
+        chains512(init, |j| {
+            hints.line(8 * l + j);
+            (wv[j], _mm512_set1_epi32(quad(&a.q[l], j)))
+        })
     }
 
     /// The 32 values of each of the 16 rows of the tile block at `t`, as
@@ -2133,8 +2222,10 @@ mod x86 {
         (signed, bits): (bool, u32),
         wv: &[__m256i; 8],
         abs: &[__m256i; 8],
+        (hints, first): (&Hints, usize),
     ) -> __m256i {
         D::chains(_mm256_set1_epi32(off * a.s[l]), bits, |j| {
+            hints.line(first + j);
             let q = _mm256_set1_epi32(quad(&a.q[l], j));
             if signed {
                 (abs[j], _mm256_sign_epi8(q, wv[j]))
@@ -2202,7 +2293,7 @@ mod x86 {
         let bits = kind.bits();
         for b in 0..nb {
             let t = p.add(b * rec);
-            prefetch_ahead(t, rec);
+            let hints = Hints::record(t, rec);
             let a = &a[b];
             let mut sums = [[_mm256_setzero_si256(); 2]; 2];
             for (l, sums) in sums.iter_mut().enumerate().take(if TWO { 2 } else { 1 }) {
@@ -2210,6 +2301,8 @@ mod x86 {
                 for (half, sum) in sums.iter_mut().enumerate() {
                     let vals = t.add(kind.values_at() + 32 * half);
                     *sum = D::chains(_mm256_set1_epi32(off * a.s[l]), bits, |j| {
+                        // A line to come a product (`Hints`).
+                        hints.line(16 * l + 8 * half + j);
                         let raw = _mm256_loadu_si256(vals.add(64 * (j % 4)) as *const __m256i);
                         let raw = if j < 4 {
                             raw
@@ -2238,6 +2331,7 @@ mod x86 {
                     y[half][0] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.xsum), y[half][0]);
                 }
             }
+            hints.rest(if TWO { 32 } else { 16 });
         }
     }
 
@@ -2270,8 +2364,9 @@ mod x86 {
         }
         for b in 0..w.nb {
             let t = p.add(b * rec);
-            // As in `tile_avx512`.
-            prefetch_ahead(t, rec);
+            // As in `tile_avx512`: the first input's first level hints
+            // the lines to come, a line a product.
+            let hints = Hints::record(t, rec);
             for half in 0..2 {
                 let d = _mm256_cvtph_ps(_mm_loadu_si128(t.add(16 * half) as *const __m128i));
                 let m = if kind.has_min() {
@@ -2305,10 +2400,23 @@ mod x86 {
                 // Written out, so that the sums stay in registers.
                 unrolled!(NI, |i| {
                     let a: &ActBlock = &ins[i][b];
-                    let a1 = level::<D>(a, 0, off, (signed, kind.bits()), &wv, &abs);
+                    let h = if i == 0 {
+                        (&hints, 8 * half)
+                    } else {
+                        (&Hints::NONE, 0)
+                    };
+                    let a1 = level::<D>(a, 0, off, (signed, kind.bits()), &wv, &abs, h);
                     let mut s = _mm256_mul_ps(_mm256_cvtepi32_ps(a1), _mm256_set1_ps(a.d[0]));
                     if TWO {
-                        let a2 = level::<D>(a, 1, off, (signed, kind.bits()), &wv, &abs);
+                        let a2 = level::<D>(
+                            a,
+                            1,
+                            off,
+                            (signed, kind.bits()),
+                            &wv,
+                            &abs,
+                            (&Hints::NONE, 0),
+                        );
                         s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a2), _mm256_set1_ps(a.d[1]), s);
                     }
                     y[i] = _mm256_fmadd_ps(d, s, y[i]);
@@ -2317,6 +2425,7 @@ mod x86 {
                     }
                 });
             }
+            hints.rest(16);
         }
         for half in 0..2 {
             for i in 0..NI {

@@ -529,7 +529,7 @@ mod arm {
 pub(super) mod x86 {
     use std::arch::x86_64::*;
 
-    use super::super::x86::{chains512, fifth_bits_256, prefetch_at, quad, Dot8, Maddubs, Vnni256};
+    use super::super::x86::{chains512, fifth_bits_256, quad, Dot8, Hints, Maddubs, Vnni256};
     use super::super::{kind_of, ActBlock, Kind, Packed, GROUP, MAX_NI};
     use super::QK;
 
@@ -609,15 +609,21 @@ pub(super) mod x86 {
         l: usize,
         wv: &[__m512i; 8],
         sc: (__m512, __m512),
+        hints: &Hints,
     ) -> __m512 {
         if !q6 {
             let q = |j| _mm512_set1_epi32(quad(&a.q[l], j));
-            return _mm512_cvtepi32_ps(chains512(_mm512_setzero_si512(), |j| (wv[j], q(j))));
+            return _mm512_cvtepi32_ps(chains512(_mm512_setzero_si512(), |j| {
+                hints.line(j);
+                (wv[j], q(j))
+            }));
         }
         let mut lo = _mm512_set1_epi32(-32 * a.h[l]);
         let mut hi = _mm512_set1_epi32(-32 * (a.s[l] - a.h[l]));
         for j in 0..4 {
+            hints.line(2 * j);
             lo = _mm512_dpbusd_epi32(lo, wv[j], _mm512_set1_epi32(quad(&a.q[l], j)));
+            hints.line(2 * j + 1);
             hi = _mm512_dpbusd_epi32(hi, wv[j + 4], _mm512_set1_epi32(quad(&a.q[l], j + 4)));
         }
         let lo = _mm512_mul_ps(_mm512_cvtepi32_ps(lo), sc.0);
@@ -715,20 +721,20 @@ pub(super) mod x86 {
             // L2, spread over the sub-blocks as the 256-bit
             // tiles do.
             let dist = ahead(rec);
-            prefetch_at(t, kind.header(), dist);
             let (d, dmin) = super_scales512(t);
             for j in 0..8 {
                 let sub = t.add(kind.sub_at(j));
-                prefetch_at(sub, kind.sub_bytes(), dist);
+                let hints = sub_hints(kind, t, j, dist);
                 let wv = sub_values512(kind, sub);
                 let (scale, min, sc) = sub_scales512(kind, t, j, (d, dmin));
                 // Input by input, the sums in registers (as `tile_avx512`).
                 unrolled!(NI, |i| {
                     let a: &ActBlock = &ins[i][8 * sb + j];
-                    let a1 = level512(q6, a, 0, &wv, sc);
+                    let h = if i == 0 { hints } else { Hints::NONE };
+                    let a1 = level512(q6, a, 0, &wv, sc, &h);
                     let mut s = _mm512_mul_ps(a1, _mm512_set1_ps(a.d[0]));
                     if TWO {
-                        let a2 = level512(q6, a, 1, &wv, sc);
+                        let a2 = level512(q6, a, 1, &wv, sc, &Hints::NONE);
                         s = _mm512_fmadd_ps(a2, _mm512_set1_ps(a.d[1]), s);
                     }
                     y[i] = _mm512_fmadd_ps(scale, s, y[i]);
@@ -736,11 +742,22 @@ pub(super) mod x86 {
                         y[i] = _mm512_fmadd_ps(min, _mm512_set1_ps(a.xsum), y[i]);
                     }
                 });
+                hints.rest(8);
             }
         }
         for i in 0..NI {
             _mm512_storeu_ps(out[i].as_mut_ptr(), y[i]);
         }
+    }
+
+    /// The lines `dist` bytes past sub-block `j` of the record at `t` and
+    /// one line of that record's header (the header's lines go one a
+    /// sub-block), for the first input's products to hint ([`Hints`]).
+    #[inline(always)]
+    fn sub_hints(kind: Kind, t: *const u8, j: usize, dist: usize) -> Hints {
+        let ahead = t.wrapping_add(dist);
+        Hints::span(ahead.wrapping_add(kind.sub_at(j)), kind.sub_bytes())
+            .and_line((64 * j < kind.header()).then(|| ahead.wrapping_add(64 * j)))
     }
 
     /// # Safety
@@ -775,16 +792,22 @@ pub(super) mod x86 {
         l: usize,
         wv: &[__m256i; 8],
         sc: (__m256, __m256),
+        (hints, first): (&Hints, usize),
     ) -> __m256 {
         let q = |j| _mm256_set1_epi32(quad(&a.q[l], j));
         if kind != Kind::Q6K {
-            let sum = D::chains(_mm256_setzero_si256(), kind.bits(), |j| (wv[j], q(j)));
+            let sum = D::chains(_mm256_setzero_si256(), kind.bits(), |j| {
+                hints.line(first + j);
+                (wv[j], q(j))
+            });
             return _mm256_cvtepi32_ps(sum);
         }
         let mut lo = _mm256_set1_epi32(-32 * a.h[l]);
         let mut hi = _mm256_set1_epi32(-32 * (a.s[l] - a.h[l]));
         for j in [0, 2] {
+            hints.line(first + j);
             lo = D::dot2(lo, (wv[j], q(j)), (wv[j + 1], q(j + 1)));
+            hints.line(first + j + 1);
             hi = D::dot2(hi, (wv[j + 4], q(j + 4)), (wv[j + 5], q(j + 5)));
         }
         let lo = _mm256_mul_ps(_mm256_cvtepi32_ps(lo), sc.0);
@@ -812,7 +835,6 @@ pub(super) mod x86 {
         for sb in 0..w.k / QK {
             let t = p.add(sb * rec);
             let dist = ahead(rec);
-            prefetch_at(t, kind.header(), dist);
             // Each half's f16 scale and negated minimum, once per record.
             let f16s = |at: usize, half: usize| {
                 _mm256_cvtph_ps(_mm_loadu_si128(t.add(at + 16 * half) as *const __m128i))
@@ -823,9 +845,12 @@ pub(super) mod x86 {
             let dmin = [neg(f16s(32, 0)), neg(f16s(32, 1))];
             for j in 0..8 {
                 let sub = t.add(kind.sub_at(j));
-                // Spread over the sub-blocks: a burst of a whole record's
-                // lines overflows the miss buffers.
-                prefetch_at(sub, kind.sub_bytes(), dist);
+                // Spread over the sub-blocks (a burst of a whole record's
+                // lines overflows the miss buffers) and over the first
+                // input's products, a line each (`Hints`): Q6_K's 4 + 4
+                // slots, the others' 8 + 8.
+                let hints = sub_hints(kind, t, j, dist);
+                let per_half = if q6 { 4 } else { 8 };
                 for half in 0..2 {
                     let eight = |at: usize| _mm_loadl_epi64(t.add(at + 8 * half) as *const __m128i);
                     let wv = sub_values256(kind, sub, half);
@@ -846,10 +871,15 @@ pub(super) mod x86 {
                     // Written out, so that the sums stay in registers.
                     unrolled!(NI, |i| {
                         let a: &ActBlock = &ins[i][8 * sb + j];
-                        let a1 = level256::<D>(kind, a, 0, &wv, sc);
+                        let h = if i == 0 {
+                            (&hints, per_half * half)
+                        } else {
+                            (&Hints::NONE, 0)
+                        };
+                        let a1 = level256::<D>(kind, a, 0, &wv, sc, h);
                         let mut s = _mm256_mul_ps(a1, _mm256_set1_ps(a.d[0]));
                         if TWO {
-                            let a2 = level256::<D>(kind, a, 1, &wv, sc);
+                            let a2 = level256::<D>(kind, a, 1, &wv, sc, (&Hints::NONE, 0));
                             s = _mm256_fmadd_ps(a2, _mm256_set1_ps(a.d[1]), s);
                         }
                         y[i] = _mm256_fmadd_ps(scale, s, y[i]);
@@ -858,6 +888,7 @@ pub(super) mod x86 {
                         }
                     });
                 }
+                hints.rest(2 * per_half);
             }
         }
         for half in 0..2 {
