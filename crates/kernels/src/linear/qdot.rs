@@ -1823,7 +1823,7 @@ mod x86 {
     /// sequence waits on memory: four blocks ahead (2.3 KiB) gave 330
     /// tok/s on SmolLM2 Q4_1 (Xeon, 2 cores), sixteen 420, thirty-two
     /// 435, sixty-four 430.
-    pub(super) const AHEAD_BLOCKS: usize = 32;
+    const AHEAD_BLOCKS: usize = 32;
 
     /// The lines of tile bytes to come that a block's products hint into
     /// L2, one line per product (`prefetcht1`), so that the hints are
