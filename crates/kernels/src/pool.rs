@@ -43,12 +43,20 @@ use std::time::{Duration, Instant};
 const SPIN: Duration = Duration::from_micros(200);
 /// Barrier spins between checks of the clock (and yields after `SPIN`).
 const SPIN_CHECK: u32 = 256;
-/// Region time over which the team's lost share is judged.
-pub const WINDOW: Duration = Duration::from_millis(20);
+/// Region time over which the team's lost share is judged. Long enough
+/// that the kernel's own workers do not count as load: on an idle 2-core
+/// VM, two threads of pure arithmetic lost up to 37% of a 20 ms window
+/// (writeback and per-CPU kernel workers taking a core for a few ms; 2.5%
+/// of the windows passed 15%, and a 20 ms window shrank a decode's team
+/// about once a second), and at most 10.5% of a 100 ms window.
+pub const WINDOW: Duration = Duration::from_millis(100);
 /// The share of a window's wall time that the worst worker may spend off
-/// the CPU before the team shrinks (an idle host loses well under 5%:
-/// waking parked threads, interrupts).
-pub const LOST: f64 = 0.15;
+/// the CPU before the team shrinks. A busy process beside a two-worker
+/// team takes 27–69% of each 20 ms window (mean 55%), and shrinking pays
+/// from about `1/n` of a team of `n` on (the region's time, `W/n` plus
+/// the time lost, against `W/(n − 1)`), less where the stalls at
+/// successive barriers add up.
+pub const LOST: f64 = 0.25;
 /// The first wait before a shrunk team tries one worker more.
 pub const PROBE: Duration = Duration::from_millis(100);
 /// The longest wait between probes.
