@@ -222,9 +222,11 @@ bench-cpu-formats formats="Q5_K_M,Q6_K,Q8_0" runs="3": (synth-model "1b" formats
 # then the harness's llama.cpp beside `llama-bench` built from the same library (harness_check.py);
 # then the server beside llama-server (`bench-server`), the router (`bench-router`) and
 # perplexity (`bench-perplexity`).
-# llama.cpp and Tessera are built with the native CPU flags, in target/native.
+# llama.cpp and Tessera are built with the native CPU flags, in target/native, llama.cpp at -O3 as
+# llama-bench is (scripts/build_harness.sh says why).
 bench-llamacpp: model bench-deps
-    CARGO_TARGET_DIR=target/native RUSTFLAGS="-C target-cpu=native" cargo run --release --features llama-cpp --example vs_llamacpp
+    sh scripts/build_harness.sh
+    target/native/release/examples/vs_llamacpp
     python3 scripts/readme_tables.py llamacpp
     sh scripts/build_llama_tools.sh harness
     python3 scripts/harness_check.py --runs 4

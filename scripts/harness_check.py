@@ -54,6 +54,20 @@ def llama_bench_binary():
 OTHER = ROOT / "target/llama-server/build/bin/llama-bench"
 
 
+def harness_library():
+    """How the harness's llama.cpp was built (CMake's build type), or exit
+    where it is not the -O3 `Release` that `llama-bench` gets."""
+    caches = sorted((ROOT / "target/native/release/build").glob("llama-cpp-sys-2-*/out/build/CMakeCache.txt"))
+    if not caches:
+        sys.exit("the harness's llama.cpp is not built: run `sh scripts/build_harness.sh`")
+    kind = next((line.split("=", 1)[1] for line in caches[-1].read_text().splitlines()
+                 if line.startswith("CMAKE_BUILD_TYPE:")), "")
+    if kind != "Release":
+        sys.exit(f"the harness's llama.cpp was built as {kind or 'an unknown type'}, not Release: "
+                 "run `sh scripts/build_harness.sh`")
+    return kind
+
+
 def in_process(model):
     """The harness's llama.cpp side: {"prefill": tok/s, "decode": tok/s}."""
     out = ROOT / "target/bench/harness-check"
@@ -80,6 +94,7 @@ def main():
         if p.exists()]
     if not HARNESS.exists():
         sys.exit(f"{HARNESS} missing: run `just bench-llamacpp` (or build the example natively)")
+    harness_library()
     binary = llama_bench_binary()
     tree = binary.parent.parent.name.removeprefix("build-harness-")
     results = []
@@ -116,7 +131,8 @@ def main():
     lines = [
         f"`python3 scripts/harness_check.py` at `{commit}` on {time.strftime('%Y-%m-%d', time.gmtime())}, "
         f"{cpu()} ({isa()} host), {THREADS} threads: llama.cpp inside the harness (examples/vs_llamacpp.rs through `llama-cpp-2`, "
-        f"its own medians of 5 prefill and 3 decode runs) and `llama-bench` built from the same library "
+        f"its own medians of 5 prefill and 3 decode runs; its llama.cpp built as CMake's Release, -O3, by "
+        f"`scripts/build_harness.sh`) and `llama-bench` built from the same library "
         f"(llama-cpp-sys-2 {tree}'s llama.cpp, {how}), alternating, medians of {args.runs} rounds. "
         "Prefill: 512 tokens; decode: 128 (the harness's after a 16-token prompt, llama-bench's "
         "from an empty context). The last column: `llama-bench` of the tree the other baselines use "
