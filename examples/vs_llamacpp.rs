@@ -366,9 +366,8 @@ fn bench_model(
             .with_n_threads(threads as i32)
             .with_n_threads_batch(threads as i32);
         if flash == Some(false) {
-            cparams = cparams.with_flash_attention_policy(
-                llama_cpp_sys_2::LLAMA_FLASH_ATTN_TYPE_DISABLED,
-            );
+            cparams = cparams
+                .with_flash_attention_policy(llama_cpp_sys_2::LLAMA_FLASH_ATTN_TYPE_DISABLED);
         }
         Ok(Llama {
             model: &lmodel,
