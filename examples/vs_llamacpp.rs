@@ -156,6 +156,17 @@ impl Llama<'_> {
         Ok(out)
     }
 
+    /// `prompt` into sequence 0 of the cleared context, then `n` greedy
+    /// decode steps; the tokens (the first one included) and the steps'
+    /// tok/s, the prompt not counted.
+    fn timed_decode(&mut self, prompt: &[u32], n: usize) -> Result<(Vec<u32>, f64)> {
+        self.clear();
+        let (first, _) = self.prompt(0, prompt)?;
+        let s = Instant::now();
+        let toks = self.reply(0, first, n + 1, false)?;
+        Ok((toks, n as f64 / s.elapsed().as_secs_f64()))
+    }
+
     /// `prompts` prefilled into sequences `0..n`, then `steps` greedy
     /// decode steps of one token per sequence in one batch each (the batch
     /// reused); returns the aggregate decode tok/s.
@@ -468,11 +479,8 @@ fn bench_model(
             toks_t = done.tokens;
             let mut best = 0f64;
             for (k, ctx) in [&mut llama, &mut off].into_iter().enumerate() {
-                ctx.clear();
-                let (first, _) = ctx.prompt(0, &short)?;
-                let s = Instant::now();
-                let toks = ctx.reply(0, first, DECODE_TOKENS + 1, false)?;
-                best = best.max(DECODE_TOKENS as f64 / s.elapsed().as_secs_f64());
+                let (toks, tok_s) = ctx.timed_decode(&short, DECODE_TOKENS)?;
+                best = best.max(tok_s);
                 if k == 0 {
                     toks_l = toks;
                 }
@@ -584,11 +592,7 @@ fn bench_model(
             )?);
             let mut best = 0f64;
             for (fa, ctx) in [("auto", &mut llama), ("off", &mut off)] {
-                ctx.clear();
-                let (first, _) = ctx.prompt(0, &long)?;
-                let s = Instant::now();
-                ctx.reply(0, first, DECODE_TOKENS + 1, false)?;
-                let tok_s = DECODE_TOKENS as f64 / s.elapsed().as_secs_f64();
+                let (_, tok_s) = ctx.timed_decode(&long, DECODE_TOKENS)?;
                 println!("  llama.cpp, flash attention {fa}: {tok_s:.1} tok/s");
                 best = best.max(tok_s);
             }
@@ -712,12 +716,11 @@ fn bench_model(
             sums_l.push(sl);
             sums_off.push(so);
         }
+        let (on_ms, off_ms) = (median(sums_l.clone()), median(sums_off.clone()));
         println!(
-            "  llama.cpp's sum of TTFT: {:.0} ms with flash attention auto, {:.0} off",
-            median(sums_l.clone()),
-            median(sums_off.clone())
+            "  llama.cpp's sum of TTFT: {on_ms:.0} ms with flash attention auto, {off_ms:.0} off"
         );
-        if median(sums_off.clone()) < median(sums_l.clone()) {
+        if off_ms < on_ms {
             sums_l = sums_off;
             per_turn[2] = per_turn_off;
         }
